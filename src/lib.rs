@@ -3,6 +3,8 @@
 
 pub mod comm;
 pub mod loader;
+pub mod ops;
 pub mod partition;
 
+pub use comm::{run_threads, ProcessGroup, ReduceOp};
 pub use partition::{Partition, PartitionError};

@@ -1,3 +1,23 @@
 //! Process groups, collectives and their backends.
+//!
+//! - [`ProcessGroup`]: a set of ranks; `all_reduce`, `all_gather`, `reduce_scatter`,
+//!   `broadcast`, `barrier` on slices here and on Candle tensors in [`crate::ops`].
+//! - Backends: `threads` ([`run_threads`]: ranks as threads of one process, for tests) and
+//!   `shm` (processes on one host, [`crate::init_from_env`]), both on the same shared-memory
+//!   engine; NCCL on GPUs behind the `nccl` feature.
+pub mod element;
+mod engine;
 pub mod error;
+mod group;
+mod region;
+pub mod stats;
+pub mod store;
+mod threads;
+mod wait;
+
+pub use element::{Element, ReduceOp};
 pub use error::{CommError, CommResult};
+pub use group::{GroupOptions, ProcessGroup};
+pub use stats::{CollectiveKind, CommStats, OpStats};
+pub use threads::{run_threads, run_threads_with};
+pub use wait::default_timeout;

@@ -42,7 +42,12 @@ pub trait TensorSource: Send + Sync {
 
 /// Narrows `full` to `ranges` along `dim` and concatenates them, with errors that name the
 /// tensor and the sizes.
-pub fn slice_ranges(full: &Tensor, name: &str, dim: usize, ranges: &[Range<usize>]) -> Result<Tensor> {
+pub fn slice_ranges(
+    full: &Tensor,
+    name: &str,
+    dim: usize,
+    ranges: &[Range<usize>],
+) -> Result<Tensor> {
     let dims = full.dims();
     if dim >= dims.len() {
         candle_core::bail!(
@@ -144,8 +149,6 @@ impl TensorSource for VarBuilderSource {
     }
 
     fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
-        self.vb
-            .get_unchecked_dtype(name, dtype)?
-            .to_device(device)
+        self.vb.get_unchecked_dtype(name, dtype)?.to_device(device)
     }
 }

@@ -1,0 +1,859 @@
+//! The shared-memory collective engine behind the `threads` and `shm` backends.
+//!
+//! # Layout of a group's region
+//! A header (magic, size, slot size, abort word), one 256-byte record per rank (its sequence
+//! word, a waiter count for the futex, its pid, the metadata of its last two phases, an abort
+//! reason), then two data slots per rank (`parity` 0 and 1), each `slot_bytes` long.
+//!
+//! # The phase protocol
+//! Every collective is a sequence of *phases*, numbered the same on every rank. In phase `t` a
+//! rank writes only into its own slot `t % 2`, publishes `seq = t`, waits until every peer has
+//! published `t`, then reads peers' slots `t % 2`. A slot is written again two phases later,
+//! and by then the rank has seen every peer publish `t + 1`, which they only do after their
+//! reads of phase `t`: double buffering makes one wait per phase enough.
+//!
+//! The first phase of each collective also carries its metadata (kind, dtype, element count,
+//! reduce op / root / per-rank sizes), and every rank checks that all ranks agree, so a
+//! mismatched call is a clear error on every rank instead of garbage.
+//!
+//! # Algorithms
+//! - all-reduce, small: one shot, each rank reduces the whole vector from every slot (one
+//!   phase). Large: reduce-scatter then all-gather through the slots, chunk by chunk (two
+//!   phases per chunk), so the work and the memory traffic are split between ranks.
+//! - all-gather (sizes may differ per rank), reduce-scatter (likewise), broadcast: one phase
+//!   per chunk.
+//!
+//! Every rank reduces in rank order, so all ranks end with bit-identical values.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::element::{reduce_into, Element, ReduceOp};
+use super::error::{CommError, CommResult};
+use super::region::Mapping;
+use super::stats::{CollectiveKind, CommStats};
+use super::wait::{futex_wait, futex_wake_all, reached, spin_then_yield, Deadline, WaitPolicy};
+
+const MAGIC: u64 = 0x7074_656c_646e_6163; // "candletp", little endian
+const HEADER_BYTES: usize = 256;
+const RECORD_BYTES: usize = 256;
+const REASON_BYTES: usize = 176;
+const PAGE: usize = 4096;
+/// Element alignment of the per-rank portions of a chunk (one cache line of f32).
+const PORTION_ALIGN: usize = 16;
+/// Largest group the engine serves (per-call scratch lives on the stack).
+pub(crate) const MAX_RANKS: usize = 64;
+
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    size: AtomicU64,
+    slot_bytes: AtomicU64,
+    abort: AtomicU32,
+}
+
+#[repr(C)]
+struct Meta {
+    kind: AtomicU32,
+    dtype: AtomicU32,
+    count: AtomicU64,
+    aux: AtomicU64,
+}
+
+#[repr(C)]
+struct Record {
+    seq: AtomicU32,
+    waiters: AtomicU32,
+    pid: AtomicU32,
+    _pad: AtomicU32,
+    meta: [Meta; 2],
+    reason: [AtomicU8; REASON_BYTES],
+}
+
+const _: () = assert!(std::mem::size_of::<Record>() <= RECORD_BYTES);
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
+
+/// What a rank declares about a collective, compared across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MetaValue {
+    kind: u32,
+    dtype: u32,
+    count: u64,
+    aux: u64,
+}
+
+/// Bytes needed for a region of `size` ranks with `slot_bytes` slots, and the data offset.
+pub(crate) fn region_layout(size: usize, slot_bytes: usize) -> (usize, usize) {
+    let data = (HEADER_BYTES + size * RECORD_BYTES).div_ceil(PAGE) * PAGE;
+    (data, data + size * 2 * slot_bytes)
+}
+
+/// One rank's view of a group's region.
+pub(crate) struct Engine {
+    map: Arc<Mapping>,
+    group: String,
+    rank: usize,
+    size: usize,
+    slot_bytes: usize,
+    data_off: usize,
+    phase: u32,
+    policy: WaitPolicy,
+    timeout: Duration,
+    pid: u32,
+    one_shot_max: usize,
+    stats: CommStats,
+}
+
+fn dtype_name(code: u32) -> &'static str {
+    match code {
+        1 => "f32",
+        2 => "f64",
+        3 => "f16",
+        4 => "bf16",
+        5 => "u8",
+        6 => "u32",
+        7 => "i16",
+        8 => "i32",
+        9 => "i64",
+        _ => "none",
+    }
+}
+
+fn kind_name(code: u32) -> &'static str {
+    CollectiveKind::ALL
+        .iter()
+        .find(|k| k.code() == code)
+        .map(|k| k.name())
+        .unwrap_or("nothing")
+}
+
+fn hash_sizes(sizes: &[usize], salt: u64) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ salt;
+    for &s in sizes {
+        for b in (s as u64).to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.trim().parse().ok()
+}
+
+/// Default size of one data slot (`CANDLE_TP_SLOT_BYTES`, default 4 MiB).
+pub(crate) fn default_slot_bytes() -> usize {
+    env_usize("CANDLE_TP_SLOT_BYTES").unwrap_or(4 << 20)
+}
+
+impl Engine {
+    /// Attaches to a mapped region. The creator (`init = true`) writes the header; the others
+    /// check it.
+    pub(crate) fn attach(
+        map: Arc<Mapping>,
+        group: String,
+        rank: usize,
+        size: usize,
+        slot_bytes: usize,
+        timeout: Duration,
+        init: bool,
+    ) -> CommResult<Self> {
+        if slot_bytes < 1024 || slot_bytes % 64 != 0 {
+            return Err(CommError::invalid(
+                format!("group '{group}'"),
+                format!(
+                    "slot size {slot_bytes} bytes: it must be a multiple of 64 and at least 1024"
+                ),
+            ));
+        }
+        let (data_off, len) = region_layout(size, slot_bytes);
+        if size == 0 || size > MAX_RANKS {
+            return Err(CommError::invalid(
+                format!("group '{group}'"),
+                format!("{size} ranks: the shared-memory backends serve 1 to {MAX_RANKS} ranks per host"),
+            ));
+        }
+        if map.len() < len {
+            return Err(CommError::invalid(
+                format!("group '{group}'"),
+                format!("shared region has {} bytes, needs {len}", map.len()),
+            ));
+        }
+        let pid = std::process::id();
+        let one_shot_max = env_usize("CANDLE_TP_ONESHOT_BYTES")
+            .unwrap_or(if size <= 2 { 64 << 10 } else { 128 << 10 })
+            .min(slot_bytes);
+        let engine = Self {
+            map,
+            group,
+            rank,
+            size,
+            slot_bytes,
+            data_off,
+            phase: 0,
+            policy: WaitPolicy::for_ranks(size),
+            timeout,
+            pid,
+            one_shot_max,
+            stats: CommStats::default(),
+        };
+        let h = engine.header();
+        if init {
+            h.size.store(size as u64, Ordering::Relaxed);
+            h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
+            h.magic.store(MAGIC, Ordering::Release);
+        } else {
+            let (m, s, b) = (
+                h.magic.load(Ordering::Acquire),
+                h.size.load(Ordering::Relaxed),
+                h.slot_bytes.load(Ordering::Relaxed),
+            );
+            if m != MAGIC || s != size as u64 || b != slot_bytes as u64 {
+                return Err(CommError::invalid(
+                    format!("group '{}'", engine.group),
+                    format!(
+                        "shared region does not match this group (magic {m:#x}, {s} ranks, {b}-byte slots; \
+                         expected {size} ranks, {slot_bytes}-byte slots): another job or version?"
+                    ),
+                ));
+            }
+        }
+        engine.record(rank).pid.store(pid, Ordering::Release);
+        Ok(engine)
+    }
+
+    pub(crate) fn stats(&self) -> CommStats {
+        self.stats
+    }
+
+    pub(crate) fn reset_stats(&mut self) {
+        self.stats = CommStats::default();
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping is at least HEADER_BYTES long and page aligned; Header holds
+        // only atomics, valid for any bit pattern.
+        unsafe { &*(self.map.ptr() as *const Header) }
+    }
+
+    fn record(&self, r: usize) -> &Record {
+        debug_assert!(r < self.size);
+        // SAFETY: records lie within the mapping (checked in attach) and hold only atomics.
+        unsafe { &*(self.map.ptr().add(HEADER_BYTES + r * RECORD_BYTES) as *const Record) }
+    }
+
+    fn slot<T>(&self, r: usize, parity: usize) -> *mut T {
+        // SAFETY: the offset is within the mapping (checked in attach).
+        unsafe {
+            self.map
+                .ptr()
+                .add(self.data_off + (2 * r + parity) * self.slot_bytes)
+                .cast()
+        }
+    }
+
+    fn next_phase(&mut self) -> (u32, usize) {
+        self.phase = self.phase.wrapping_add(1);
+        (self.phase, (self.phase & 1) as usize)
+    }
+
+    fn publish(&self, phase: u32) {
+        let rec = self.record(self.rank);
+        rec.seq.store(phase, Ordering::SeqCst);
+        if rec.waiters.load(Ordering::SeqCst) != 0 {
+            futex_wake_all(&rec.seq);
+        }
+    }
+
+    fn set_meta(&self, parity: usize, m: MetaValue) {
+        let meta = &self.record(self.rank).meta[parity];
+        meta.kind.store(m.kind, Ordering::Relaxed);
+        meta.dtype.store(m.dtype, Ordering::Relaxed);
+        meta.count.store(m.count, Ordering::Relaxed);
+        meta.aux.store(m.aux, Ordering::Relaxed);
+    }
+
+    fn meta_of(&self, r: usize, parity: usize) -> MetaValue {
+        let meta = &self.record(r).meta[parity];
+        MetaValue {
+            kind: meta.kind.load(Ordering::Relaxed),
+            dtype: meta.dtype.load(Ordering::Relaxed),
+            count: meta.count.load(Ordering::Relaxed),
+            aux: meta.aux.load(Ordering::Relaxed),
+        }
+    }
+
+    /// After the first phase of a collective: do all ranks agree on what they are doing?
+    fn check_meta(
+        &self,
+        parity: usize,
+        op: &str,
+        describe_aux: &dyn Fn(u64) -> String,
+    ) -> CommResult<()> {
+        let mine = self.meta_of(self.rank, parity);
+        if (0..self.size).all(|r| self.meta_of(r, parity) == mine) {
+            return Ok(());
+        }
+        let all: Vec<MetaValue> = (0..self.size).map(|r| self.meta_of(r, parity)).collect();
+        let detail: Vec<String> = all
+            .iter()
+            .enumerate()
+            .map(|(r, m)| {
+                format!(
+                    "rank {r} called {} with {} {} elements{}",
+                    kind_name(m.kind),
+                    m.count,
+                    dtype_name(m.dtype),
+                    if m.kind == mine.kind {
+                        describe_aux(m.aux)
+                    } else {
+                        String::new()
+                    }
+                )
+            })
+            .collect();
+        Err(CommError::Mismatch {
+            group: self.group.clone(),
+            op: op.to_string(),
+            detail: detail.join("; "),
+        })
+    }
+
+    fn abort_reason(&self, r: usize) -> String {
+        let bytes: Vec<u8> = self
+            .record(r)
+            .reason
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .take_while(|&b| b != 0)
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Marks the group as failed, with a reason every peer will see, and wakes all waiters.
+    pub(crate) fn abort(&self, reason: &str) {
+        let rec = self.record(self.rank);
+        let bytes = reason.as_bytes();
+        for (i, cell) in rec.reason.iter().enumerate() {
+            let b = if i + 1 < REASON_BYTES {
+                bytes.get(i).copied().unwrap_or(0)
+            } else {
+                0
+            };
+            cell.store(b, Ordering::Relaxed);
+        }
+        let _ = self.header().abort.compare_exchange(
+            0,
+            self.rank as u32 + 1,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        for r in 0..self.size {
+            futex_wake_all(&self.record(r).seq);
+        }
+    }
+
+    fn check_abort(&self, op: &str) -> CommResult<()> {
+        let a = self.header().abort.load(Ordering::Acquire);
+        if a == 0 {
+            return Ok(());
+        }
+        let by = a as usize - 1;
+        Err(CommError::Aborted {
+            group: self.group.clone(),
+            op: op.to_string(),
+            rank: by,
+            reason: self.abort_reason(by),
+        })
+    }
+
+    /// Errors if peer `r` is a process that no longer runs.
+    fn check_alive(&self, r: usize, op: &str) -> CommResult<()> {
+        let pid = self.record(r).pid.load(Ordering::Acquire);
+        if pid == 0 || pid == self.pid || process_alive(pid) {
+            return Ok(());
+        }
+        Err(CommError::PeerDied {
+            group: self.group.clone(),
+            op: op.to_string(),
+            rank: r,
+            pid,
+        })
+    }
+
+    /// Waits until every peer has published `phase`.
+    fn wait_all(&self, phase: u32, op: &str) -> CommResult<()> {
+        let mut deadline: Option<Deadline> = None;
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            let rec = self.record(r);
+            if spin_then_yield(&rec.seq, phase, &self.policy) {
+                continue;
+            }
+            let dl = *deadline.get_or_insert_with(|| Deadline::after(self.timeout));
+            loop {
+                self.check_abort(op)?;
+                rec.waiters.fetch_add(1, Ordering::SeqCst);
+                let seen = rec.seq.load(Ordering::SeqCst);
+                if reached(seen, phase) {
+                    rec.waiters.fetch_sub(1, Ordering::SeqCst);
+                    break;
+                }
+                futex_wait(&rec.seq, seen, dl.remaining().min(self.policy.sleep_slice));
+                rec.waiters.fetch_sub(1, Ordering::SeqCst);
+                if reached(rec.seq.load(Ordering::Acquire), phase) {
+                    break;
+                }
+                self.check_abort(op)?;
+                if let Err(e) = self.check_alive(r, op) {
+                    self.abort(&e.to_string());
+                    return Err(e);
+                }
+                if dl.expired() {
+                    let missing = (0..self.size)
+                        .filter(|&q| {
+                            q != self.rank
+                                && !reached(self.record(q).seq.load(Ordering::Acquire), phase)
+                        })
+                        .collect();
+                    let e = CommError::Timeout {
+                        group: self.group.clone(),
+                        op: op.to_string(),
+                        missing,
+                        waited: dl.waited(),
+                    };
+                    self.abort(&e.to_string());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One synchronisation with no data (also used to finish a rendezvous).
+    pub(crate) fn barrier(&mut self, op: &str) -> CommResult<()> {
+        let t0 = Instant::now();
+        self.check_abort(op)?;
+        let (phase, parity) = self.next_phase();
+        let meta = MetaValue {
+            kind: CollectiveKind::Barrier.code(),
+            dtype: 0,
+            count: 0,
+            aux: 0,
+        };
+        self.set_meta(parity, meta);
+        self.publish(phase);
+        self.wait_all(phase, op)?;
+        self.check_meta(parity, op, &|_| String::new())?;
+        self.stats
+            .record(CollectiveKind::Barrier, 0, 0, 0, t0.elapsed());
+        Ok(())
+    }
+
+    /// Element-wise reduction of `n` elements from `src` into `dst` across ranks.
+    ///
+    /// # Safety
+    /// `src` and `dst` must be valid for `n` elements; they may be equal (in place) but must
+    /// not otherwise overlap.
+    pub(crate) unsafe fn all_reduce<T: Element>(
+        &mut self,
+        src: *const T,
+        dst: *mut T,
+        n: usize,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let name = "all_reduce";
+        let t0 = Instant::now();
+        self.check_abort(name)?;
+        let esz = std::mem::size_of::<T>();
+        let meta = MetaValue {
+            kind: CollectiveKind::AllReduce.code(),
+            dtype: T::CODE,
+            count: n as u64,
+            aux: op.code() as u64,
+        };
+        let aux = |a: u64| format!(" ({})", if a == 1 { "sum" } else { "max" });
+        let (mut sent, mut recv) = (0usize, 0usize);
+        let mut srcs = [std::ptr::null::<T>(); MAX_RANKS];
+        let srcs = &mut srcs[..self.size];
+        if n * esz <= self.one_shot_max {
+            let (phase, parity) = self.next_phase();
+            std::ptr::copy_nonoverlapping(src, self.slot::<T>(self.rank, parity), n);
+            sent += n * esz;
+            self.set_meta(parity, meta);
+            self.publish(phase);
+            self.wait_all(phase, name)?;
+            self.check_meta(parity, name, &aux)?;
+            for (r, s) in srcs.iter_mut().enumerate() {
+                *s = if r == self.rank {
+                    src
+                } else {
+                    self.slot::<T>(r, parity)
+                };
+            }
+            reduce_into(op, srcs, dst, n);
+            recv += (self.size - 1) * n * esz;
+        } else {
+            let chunk = self.slot_bytes / esz;
+            let mut start = 0;
+            let mut first = true;
+            while start < n {
+                let len = chunk.min(n - start);
+                let base = len.div_ceil(self.size).div_ceil(PORTION_ALIGN) * PORTION_ALIGN;
+                let portion = |r: usize| ((r * base).min(len), ((r + 1) * base).min(len));
+                // Phase A: publish the parts of this chunk that peers reduce.
+                let (pa, para) = self.next_phase();
+                let slot_a = self.slot::<T>(self.rank, para);
+                for r in (0..self.size).filter(|&r| r != self.rank) {
+                    let (lo, hi) = portion(r);
+                    std::ptr::copy_nonoverlapping(src.add(start + lo), slot_a.add(lo), hi - lo);
+                    sent += (hi - lo) * esz;
+                }
+                if first {
+                    self.set_meta(para, meta);
+                }
+                self.publish(pa);
+                self.wait_all(pa, name)?;
+                if first {
+                    self.check_meta(para, name, &aux)?;
+                    first = false;
+                }
+                let (lo, hi) = portion(self.rank);
+                for (r, s) in srcs.iter_mut().enumerate() {
+                    *s = if r == self.rank {
+                        src.add(start + lo)
+                    } else {
+                        self.slot::<T>(r, para).add(lo) as *const T
+                    };
+                }
+                reduce_into(op, srcs, dst.add(start + lo), hi - lo);
+                recv += (self.size - 1) * (hi - lo) * esz;
+                // Phase B: publish the reduced portion, gather the others'.
+                let (pb, parb) = self.next_phase();
+                std::ptr::copy_nonoverlapping(
+                    dst.add(start + lo),
+                    self.slot::<T>(self.rank, parb).add(lo),
+                    hi - lo,
+                );
+                sent += (hi - lo) * esz;
+                self.publish(pb);
+                self.wait_all(pb, name)?;
+                for r in (0..self.size).filter(|&r| r != self.rank) {
+                    let (lo, hi) = portion(r);
+                    std::ptr::copy_nonoverlapping(
+                        self.slot::<T>(r, parb).add(lo),
+                        dst.add(start + lo),
+                        hi - lo,
+                    );
+                    recv += (hi - lo) * esz;
+                }
+                start += len;
+            }
+        }
+        self.stats
+            .record(CollectiveKind::AllReduce, n * esz, sent, recv, t0.elapsed());
+        Ok(())
+    }
+
+    /// Concatenates every rank's `src` (of `counts[r]` elements) into `dst`, in rank order.
+    pub(crate) fn all_gather<T: Element>(
+        &mut self,
+        src: &[T],
+        dst: &mut [T],
+        counts: &[usize],
+    ) -> CommResult<()> {
+        let name = "all_gather";
+        let t0 = Instant::now();
+        self.check_abort(name)?;
+        self.check_counts(name, counts, src.len(), dst.len(), true)?;
+        let esz = std::mem::size_of::<T>();
+        let offsets = prefix_sums(counts);
+        let total: usize = counts.iter().sum();
+        dst[offsets[self.rank]..offsets[self.rank] + src.len()].copy_from_slice(src);
+        let cap = self.slot_bytes / esz;
+        let chunks = counts
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or(0)
+            .div_ceil(cap)
+            .max(1);
+        let meta = MetaValue {
+            kind: CollectiveKind::AllGather.code(),
+            dtype: T::CODE,
+            count: total as u64,
+            aux: hash_sizes(counts, 0),
+        };
+        let (mut sent, mut recv) = (0usize, 0usize);
+        for k in 0..chunks {
+            let lo = k * cap;
+            let (phase, parity) = self.next_phase();
+            let mine = piece(lo, cap, src.len());
+            // SAFETY: the slot holds cap elements; mine <= cap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr().add(lo.min(src.len())),
+                    self.slot::<T>(self.rank, parity),
+                    mine,
+                )
+            };
+            sent += mine * esz;
+            if k == 0 {
+                self.set_meta(parity, meta);
+            }
+            self.publish(phase);
+            self.wait_all(phase, name)?;
+            if k == 0 {
+                self.check_meta(parity, name, &|_| {
+                    " (per-rank sizes differ between ranks)".into()
+                })?;
+            }
+            for r in (0..self.size).filter(|&r| r != self.rank) {
+                let len = piece(lo, cap, counts[r]);
+                if len > 0 {
+                    let out = &mut dst[offsets[r] + lo..offsets[r] + lo + len];
+                    // SAFETY: the peer wrote len <= cap elements into its slot this phase.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.slot::<T>(r, parity),
+                            out.as_mut_ptr(),
+                            len,
+                        )
+                    };
+                    recv += len * esz;
+                }
+            }
+        }
+        self.stats.record(
+            CollectiveKind::AllGather,
+            total * esz,
+            sent,
+            recv,
+            t0.elapsed(),
+        );
+        Ok(())
+    }
+
+    /// Reduces every rank's `src` (the concatenation of `counts[r]`-element blocks) and leaves
+    /// block `rank` of the result in `dst`.
+    pub(crate) fn reduce_scatter<T: Element>(
+        &mut self,
+        src: &[T],
+        dst: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let name = "reduce_scatter";
+        let t0 = Instant::now();
+        self.check_abort(name)?;
+        self.check_counts(name, counts, dst.len(), src.len(), false)?;
+        let esz = std::mem::size_of::<T>();
+        let offsets = prefix_sums(counts);
+        let total: usize = counts.iter().sum();
+        let cap = (self.slot_bytes / esz / self.size).max(1);
+        let chunks = counts
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or(0)
+            .div_ceil(cap)
+            .max(1);
+        let meta = MetaValue {
+            kind: CollectiveKind::ReduceScatter.code(),
+            dtype: T::CODE,
+            count: total as u64,
+            aux: hash_sizes(counts, op.code() as u64),
+        };
+        let mut srcs = [std::ptr::null::<T>(); MAX_RANKS];
+        let srcs = &mut srcs[..self.size];
+        let (mut sent, mut recv) = (0usize, 0usize);
+        for k in 0..chunks {
+            let lo = k * cap;
+            let (phase, parity) = self.next_phase();
+            let slot = self.slot::<T>(self.rank, parity);
+            for r in (0..self.size).filter(|&r| r != self.rank) {
+                let len = piece(lo, cap, counts[r]);
+                // SAFETY: block r of the slot holds cap elements; len <= cap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr().add(offsets[r] + lo.min(counts[r])),
+                        slot.add(r * cap),
+                        len,
+                    )
+                };
+                sent += len * esz;
+            }
+            if k == 0 {
+                self.set_meta(parity, meta);
+            }
+            self.publish(phase);
+            self.wait_all(phase, name)?;
+            if k == 0 {
+                self.check_meta(parity, name, &|_| {
+                    " (per-rank sizes or reduce op differ between ranks)".into()
+                })?;
+            }
+            let len = piece(lo, cap, counts[self.rank]);
+            if len > 0 {
+                for (r, s) in srcs.iter_mut().enumerate() {
+                    *s = if r == self.rank {
+                        // SAFETY: within src (offset + lo + len <= offset + count).
+                        unsafe { src.as_ptr().add(offsets[r] + lo) }
+                    } else {
+                        // SAFETY: block `rank` of the peer's slot.
+                        unsafe { self.slot::<T>(r, parity).add(self.rank * cap) as *const T }
+                    };
+                }
+                // SAFETY: all sources hold len elements; dst[lo..lo+len] is in bounds.
+                unsafe { reduce_into(op, srcs, dst.as_mut_ptr().add(lo), len) };
+                recv += (self.size - 1) * len * esz;
+            }
+        }
+        self.stats.record(
+            CollectiveKind::ReduceScatter,
+            total * esz,
+            sent,
+            recv,
+            t0.elapsed(),
+        );
+        Ok(())
+    }
+
+    /// Copies `root`'s `buf` into every other rank's `buf`.
+    pub(crate) fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> CommResult<()> {
+        let name = "broadcast";
+        let t0 = Instant::now();
+        self.check_abort(name)?;
+        if root >= self.size {
+            return Err(CommError::invalid(
+                format!("broadcast on group '{}'", self.group),
+                format!(
+                    "root {root} is not a rank of this group of {} ranks",
+                    self.size
+                ),
+            ));
+        }
+        let esz = std::mem::size_of::<T>();
+        let n = buf.len();
+        let cap = self.slot_bytes / esz;
+        let chunks = n.div_ceil(cap).max(1);
+        let meta = MetaValue {
+            kind: CollectiveKind::Broadcast.code(),
+            dtype: T::CODE,
+            count: n as u64,
+            aux: root as u64,
+        };
+        let (mut sent, mut recv) = (0usize, 0usize);
+        for k in 0..chunks {
+            let lo = k * cap;
+            let len = piece(lo, cap, n);
+            let (phase, parity) = self.next_phase();
+            if self.rank == root {
+                // SAFETY: len <= cap elements fit the slot.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        buf.as_ptr().add(lo.min(n)),
+                        self.slot::<T>(root, parity),
+                        len,
+                    )
+                };
+                sent += len * esz;
+            }
+            if k == 0 {
+                self.set_meta(parity, meta);
+            }
+            self.publish(phase);
+            self.wait_all(phase, name)?;
+            if k == 0 {
+                self.check_meta(parity, name, &|a| format!(" from root {a}"))?;
+            }
+            if self.rank != root && len > 0 {
+                // SAFETY: the root wrote len elements this phase.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.slot::<T>(root, parity),
+                        buf.as_mut_ptr().add(lo),
+                        len,
+                    )
+                };
+                recv += len * esz;
+            }
+        }
+        self.stats
+            .record(CollectiveKind::Broadcast, n * esz, sent, recv, t0.elapsed());
+        Ok(())
+    }
+
+    fn check_counts(
+        &self,
+        op: &str,
+        counts: &[usize],
+        mine: usize,
+        whole: usize,
+        gather: bool,
+    ) -> CommResult<()> {
+        let ctx = || format!("{op} on group '{}' (rank {})", self.group, self.rank);
+        if counts.len() != self.size {
+            return Err(CommError::invalid(
+                ctx(),
+                format!(
+                    "{} per-rank sizes given for {} ranks",
+                    counts.len(),
+                    self.size
+                ),
+            ));
+        }
+        let total: usize = counts.iter().sum();
+        if mine != counts[self.rank] {
+            let what = if gather { "input" } else { "output" };
+            return Err(CommError::invalid(
+                ctx(),
+                format!(
+                    "{what} has {mine} elements but this rank's size is {}",
+                    counts[self.rank]
+                ),
+            ));
+        }
+        if whole != total {
+            let what = if gather { "output" } else { "input" };
+            return Err(CommError::invalid(
+                ctx(),
+                format!("{what} has {whole} elements but the sizes {counts:?} add up to {total}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Elements of a buffer of `count` that fall in chunk `[lo, lo + cap)`.
+fn piece(lo: usize, cap: usize, count: usize) -> usize {
+    count.saturating_sub(lo).min(cap)
+}
+
+/// Start of each rank's block (no allocation: collectives run on the data path).
+fn prefix_sums(counts: &[usize]) -> [usize; MAX_RANKS] {
+    let mut out = [0; MAX_RANKS];
+    let mut acc = 0;
+    for (o, &c) in out.iter_mut().zip(counts) {
+        *o = acc;
+        acc += c;
+    }
+    out
+}
+
+/// Whether process `pid` exists and is not a zombie.
+fn process_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if r != 0 {
+        return std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !matches!(
+            s.rsplit(')').next().map(|t| t.trim_start().chars().next()),
+            Some(Some('Z' | 'X'))
+        ),
+        Err(_) => true,
+    }
+}

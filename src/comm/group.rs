@@ -1,0 +1,494 @@
+//! [`ProcessGroup`]: a set of ranks that run collectives together.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use super::element::{Element, ReduceOp};
+use super::engine::{default_slot_bytes, region_layout, Engine};
+use super::error::{CommError, CommResult};
+use super::region::{self, RegionKind};
+use super::stats::CommStats;
+use super::store::Store;
+use super::wait::default_timeout;
+
+/// A set of ranks that run collectives together: the whole job (`world`), or a sub-group
+/// (a tensor-parallel group, a row of a 2D mesh, …).
+///
+/// Cloning is cheap (an `Arc`). Collectives on one group must be called by all its ranks in
+/// the same order; calls from two threads of one rank on the same group are serialised, not
+/// interleaved. Every wait has a deadline (`CANDLE_TP_TIMEOUT` seconds, default 300) and a
+/// dead or stuck peer gives an error that names it.
+///
+/// ```
+/// use candle_tp::comm::{run_threads, ReduceOp};
+/// let sums = run_threads(3, |pg| {
+///     let mut v = vec![pg.rank() as f32; 4];
+///     pg.all_reduce_slice(&mut v, ReduceOp::Sum)?;
+///     Ok(v[0])
+/// })
+/// .unwrap();
+/// assert_eq!(sums, vec![3.0, 3.0, 3.0]);
+/// ```
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    name: String,
+    rank: usize,
+    size: usize,
+    /// World rank of each member, in group order.
+    members: Vec<usize>,
+    engine: Option<Mutex<Engine>>,
+    ctx: Option<Arc<Context>>,
+    children: Mutex<Vec<Weak<Inner>>>,
+}
+
+/// What every group of one rank shares: the rendezvous store and naming state.
+pub(crate) struct Context {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) region: RegionKind,
+    pub(crate) job: String,
+    pub(crate) timeout: Duration,
+    pub(crate) slot_bytes: usize,
+    /// How many groups of each name this rank created (sub-group keys stay unique).
+    created: Mutex<HashMap<String, usize>>,
+    /// Things that must live as long as the groups (the store server on rank 0).
+    _keep: Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
+}
+
+impl Context {
+    pub(crate) fn new(
+        store: Arc<dyn Store>,
+        region: RegionKind,
+        job: String,
+        options: &GroupOptions,
+        keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            region,
+            job,
+            timeout: options.timeout,
+            slot_bytes: options.slot_bytes,
+            created: Mutex::new(HashMap::new()),
+            _keep: Mutex::new(keep),
+        })
+    }
+}
+
+/// Settings of a job's groups. `Default` reads `CANDLE_TP_TIMEOUT` (seconds, default 300)
+/// and `CANDLE_TP_SLOT_BYTES` (default 4 MiB).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupOptions {
+    /// Deadline of every wait (collectives and rendezvous).
+    pub timeout: Duration,
+    /// Bytes of one shared data slot per rank (two per rank per group); larger messages are
+    /// cut into chunks of this size.
+    pub slot_bytes: usize,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        Self {
+            timeout: default_timeout(),
+            slot_bytes: default_slot_bytes(),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Removes a segment name when dropped (success or error), so nothing is left in /dev/shm.
+struct Unlink(RegionKind, String);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        region::unlink(self.0, &self.1);
+    }
+}
+
+/// Meets the other members of group `name` through the store and maps the group's region.
+/// Member 0 creates the region; it is unlinked once every member has attached.
+pub(crate) fn rendezvous(
+    ctx: &Arc<Context>,
+    name: String,
+    rank: usize,
+    members: Vec<usize>,
+) -> CommResult<ProcessGroup> {
+    let size = members.len();
+    if size == 1 {
+        return Ok(ProcessGroup::from_parts(
+            name,
+            0,
+            members,
+            None,
+            Some(ctx.clone()),
+        ));
+    }
+    let key = format!("{name}/region");
+    let (_, len) = region_layout(size, ctx.slot_bytes);
+    let mut engine = if rank == 0 {
+        let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
+        let map = region::create(ctx.region, &seg, len)?;
+        let _unlink = Unlink(ctx.region, seg.clone());
+        let mut engine = Engine::attach(
+            map,
+            name.clone(),
+            0,
+            size,
+            ctx.slot_bytes,
+            ctx.timeout,
+            true,
+        )?;
+        ctx.store.set(&key, seg.as_bytes())?;
+        engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
+        engine
+    } else {
+        let seg = ctx
+            .store
+            .get(&key, ctx.timeout)
+            .map_err(|e| CommError::Timeout {
+                group: name.clone(),
+                op: format!(
+                    "rendezvous (waiting for rank 0 to create the group's shared memory: {e})"
+                ),
+                missing: vec![0],
+                waited: ctx.timeout,
+            })?;
+        let seg = String::from_utf8_lossy(&seg).into_owned();
+        let map = region::open(ctx.region, &seg, len)?;
+        let mut engine = Engine::attach(
+            map,
+            name.clone(),
+            rank,
+            size,
+            ctx.slot_bytes,
+            ctx.timeout,
+            false,
+        )?;
+        engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
+        engine
+    };
+    engine.reset_stats();
+    Ok(ProcessGroup::from_parts(
+        name,
+        rank,
+        members,
+        Some(engine),
+        Some(ctx.clone()),
+    ))
+}
+
+impl ProcessGroup {
+    fn from_parts(
+        name: String,
+        rank: usize,
+        members: Vec<usize>,
+        engine: Option<Engine>,
+        ctx: Option<Arc<Context>>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                name,
+                rank,
+                size: members.len(),
+                members,
+                engine: engine.map(Mutex::new),
+                ctx,
+                children: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// A group of one rank: every collective is a copy. What a program gets when it runs
+    /// without a launcher; layers built on it behave exactly like candle-nn's.
+    pub fn single() -> Self {
+        Self::from_parts("single".into(), 0, vec![0], None, None)
+    }
+
+    /// This rank's index in the group, `0..size()`.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// The group's name, as errors print it (`world`, `world/tp[0,1]`, …).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// World rank of each member, in group order.
+    pub fn members(&self) -> &[usize] {
+        &self.inner.members
+    }
+
+    /// What this rank's collectives on this group moved so far.
+    pub fn stats(&self) -> CommStats {
+        match &self.inner.engine {
+            Some(e) => lock(e).stats(),
+            None => CommStats::default(),
+        }
+    }
+
+    /// Zeroes this rank's counters of this group.
+    pub fn reset_stats(&self) {
+        if let Some(e) = &self.inner.engine {
+            lock(e).reset_stats();
+        }
+    }
+
+    /// Marks this group and every sub-group created from it as failed, so that peers waiting
+    /// in a collective stop at once with an error carrying `reason` (instead of waiting for
+    /// the timeout).
+    pub fn abort(&self, reason: &str) {
+        if let Some(e) = &self.inner.engine {
+            // try_lock: the group may be locked by a collective stuck on this very thread's
+            // peer; the abort word lives in shared memory, so any handle can set it.
+            match e.try_lock() {
+                Ok(engine) => engine.abort(reason),
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().abort(reason),
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+        }
+        for child in lock(&self.inner.children).iter().filter_map(Weak::upgrade) {
+            ProcessGroup { inner: child }.abort(reason);
+        }
+    }
+
+    fn engine(&self) -> Option<MutexGuard<'_, Engine>> {
+        self.inner.engine.as_ref().map(lock)
+    }
+
+    fn ctx_name(&self, op: &str) -> String {
+        format!(
+            "{op} on group '{}' (rank {} of {})",
+            self.name(),
+            self.rank(),
+            self.size()
+        )
+    }
+
+    /// Creates the sub-group of the given ranks (numbered in this group). Only members need
+    /// to call it (others may, and get `None` without communicating); members must call it
+    /// in the same order as each other. Ranks are taken in the order given: the first is rank
+    /// 0 of the new group.
+    pub fn new_group(&self, ranks: &[usize]) -> CommResult<Option<ProcessGroup>> {
+        self.new_group_named(ranks, "")
+    }
+
+    /// Like [`new_group`](Self::new_group), with a label that shows in the group's name and
+    /// in error messages (`tp`, `dp`, `row`, …).
+    pub fn new_group_named(
+        &self,
+        ranks: &[usize],
+        label: &str,
+    ) -> CommResult<Option<ProcessGroup>> {
+        let ctx = || self.ctx_name("new_group");
+        if ranks.is_empty() {
+            return Err(CommError::invalid(ctx(), "the rank list is empty"));
+        }
+        for (i, &r) in ranks.iter().enumerate() {
+            if r >= self.size() {
+                return Err(CommError::invalid(
+                    ctx(),
+                    format!("rank {r} is not in this group of {} ranks", self.size()),
+                ));
+            }
+            if ranks[..i].contains(&r) {
+                return Err(CommError::invalid(
+                    ctx(),
+                    format!("rank {r} is listed twice in {ranks:?}"),
+                ));
+            }
+        }
+        let Some(my) = ranks.iter().position(|&r| r == self.rank()) else {
+            return Ok(None);
+        };
+        let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+        let base = format!("{}/{label}[{}]", self.name(), list.join(","));
+        let members: Vec<usize> = ranks.iter().map(|&r| self.inner.members[r]).collect();
+        let group = match &self.inner.ctx {
+            None => ProcessGroup::from_parts(base, 0, members, None, None),
+            Some(c) => {
+                let n = {
+                    let mut created = lock(&c.created);
+                    let n = created.entry(base.clone()).or_insert(0);
+                    *n += 1;
+                    *n
+                };
+                let name = if n == 1 { base } else { format!("{base}#{n}") };
+                rendezvous(c, name, my, members)?
+            }
+        };
+        lock(&self.inner.children).push(Arc::downgrade(&group.inner));
+        Ok(Some(group))
+    }
+
+    /// Splits the group like `MPI_Comm_split`: every rank calls it; ranks that pass the same
+    /// `color` form a group, ordered by their rank here. `None` joins no group.
+    pub fn split(&self, color: Option<u32>) -> CommResult<Option<ProcessGroup>> {
+        let mine = color.map(|c| c as i64).unwrap_or(-1);
+        let mut colors = vec![0i64; self.size()];
+        self.all_gather_slice(&[mine], &mut colors)?;
+        if mine < 0 {
+            return Ok(None);
+        }
+        let ranks: Vec<usize> = (0..self.size()).filter(|&r| colors[r] == mine).collect();
+        self.new_group_named(&ranks, &format!("color{mine}"))
+    }
+
+    /// Element-wise reduction of `buf` across ranks, in place: afterwards every rank holds
+    /// the same values.
+    pub fn all_reduce_slice<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
+        match self.engine() {
+            None => Ok(()),
+            // SAFETY: src and dst are the same valid buffer of buf.len() elements.
+            Some(mut e) => unsafe { e.all_reduce(buf.as_ptr(), buf.as_mut_ptr(), buf.len(), op) },
+        }
+    }
+
+    /// Element-wise reduction of `src` across ranks into `dst` (same length).
+    pub fn all_reduce_slice_into<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        if src.len() != dst.len() {
+            return Err(CommError::invalid(
+                self.ctx_name("all_reduce"),
+                format!(
+                    "input has {} elements but output has {}",
+                    src.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        match self.engine() {
+            None => {
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+            // SAFETY: distinct valid buffers of equal length (Rust borrows forbid overlap).
+            Some(mut e) => unsafe { e.all_reduce(src.as_ptr(), dst.as_mut_ptr(), src.len(), op) },
+        }
+    }
+
+    /// Concatenates every rank's `src` (all the same length) into `dst`, in rank order.
+    pub fn all_gather_slice<T: Element>(&self, src: &[T], dst: &mut [T]) -> CommResult<()> {
+        let counts = vec![src.len(); self.size()];
+        self.all_gather_v_slice(src, dst, &counts)
+    }
+
+    /// Concatenates every rank's `src` into `dst`, where rank `r` contributes `counts[r]`
+    /// elements (sizes may differ; every rank passes the same `counts`).
+    pub fn all_gather_v_slice<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        counts: &[usize],
+    ) -> CommResult<()> {
+        match self.engine() {
+            Some(mut e) => e.all_gather(src, dst, counts),
+            None => {
+                if counts != [src.len()] || dst.len() != src.len() {
+                    return Err(CommError::invalid(
+                        self.ctx_name("all_gather"),
+                        format!(
+                            "sizes {counts:?}, input {} and output {} elements",
+                            src.len(),
+                            dst.len()
+                        ),
+                    ));
+                }
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+        }
+    }
+
+    /// Reduces `src` (the same length on every rank, a multiple of the group size) across
+    /// ranks and leaves this rank's equal block of the result in `dst`.
+    pub fn reduce_scatter_slice<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let counts = vec![dst.len(); self.size()];
+        self.reduce_scatter_v_slice(src, dst, &counts, op)
+    }
+
+    /// Reduces `src` (blocks of `counts[r]` elements, concatenated) across ranks and leaves
+    /// block `rank()` of the result in `dst`.
+    pub fn reduce_scatter_v_slice<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        match self.engine() {
+            Some(mut e) => e.reduce_scatter(src, dst, counts, op),
+            None => {
+                if counts != [dst.len()] || dst.len() != src.len() {
+                    return Err(CommError::invalid(
+                        self.ctx_name("reduce_scatter"),
+                        format!(
+                            "sizes {counts:?}, input {} and output {} elements",
+                            src.len(),
+                            dst.len()
+                        ),
+                    ));
+                }
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies `root`'s `buf` into every rank's `buf` (all of the same length).
+    pub fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
+        match self.engine() {
+            Some(mut e) => e.broadcast(buf, root),
+            None if root == 0 => Ok(()),
+            None => Err(CommError::invalid(
+                self.ctx_name("broadcast"),
+                format!("root {root} is not a rank of a 1-rank group"),
+            )),
+        }
+    }
+
+    /// Waits until every rank of the group has called `barrier`.
+    pub fn barrier(&self) -> CommResult<()> {
+        match self.engine() {
+            Some(mut e) => e.barrier("barrier"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("name", &self.inner.name)
+            .field("rank", &self.inner.rank)
+            .field("size", &self.inner.size)
+            .finish()
+    }
+}

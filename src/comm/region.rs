@@ -1,0 +1,233 @@
+//! Shared memory regions that hold a group's control block and data slots.
+//!
+//! Two kinds share one code path: POSIX shared memory between processes (`shm_open` with
+//! `O_EXCL`, mode 0600, a random job id in the name, unlinked as soon as every rank has mapped
+//! it, so a crash leaks nothing) and anonymous shared mappings between threads of one process,
+//! handed out through an in-process registry under the same kind of name.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::error::{CommError, CommResult};
+
+/// A mapped region; unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; all concurrent access to it goes through atomics
+// or through the phase protocol of the engine, which orders writes before peers' reads.
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    fn map(fd: libc::c_int, len: usize, what: &str) -> CommResult<Self> {
+        let flags = if fd < 0 {
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS
+        } else {
+            libc::MAP_SHARED
+        };
+        // SAFETY: plain mmap call; the result is checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(CommError::last_os_error(format!(
+                "mapping {len} bytes of shared memory for {what}"
+            )));
+        }
+        Ok(Self {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len come from a successful mmap.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// Where a group's region lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RegionKind {
+    /// POSIX shared memory (`/dev/shm`), for ranks that are processes.
+    Shm,
+    /// An anonymous mapping shared by the threads of this process.
+    InProcess,
+}
+
+fn registry() -> &'static Mutex<HashMap<String, Arc<Mapping>>> {
+    static REG: OnceLock<Mutex<HashMap<String, Arc<Mapping>>>> = OnceLock::new();
+    REG.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn c_name(name: &str) -> CommResult<CString> {
+    CString::new(format!("/{name}")).map_err(|_| {
+        CommError::invalid(
+            "shared memory",
+            format!("segment name {name:?} contains NUL"),
+        )
+    })
+}
+
+/// Creates a zero-filled region named `name` (exclusively: an existing one is an error).
+pub(crate) fn create(kind: RegionKind, name: &str, len: usize) -> CommResult<Arc<Mapping>> {
+    match kind {
+        RegionKind::InProcess => {
+            let map = Arc::new(Mapping::map(-1, len, name)?);
+            let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+            if reg.contains_key(name) {
+                return Err(CommError::invalid(
+                    "shared memory",
+                    format!("in-process segment {name} already exists"),
+                ));
+            }
+            reg.insert(name.to_string(), map.clone());
+            Ok(map)
+        }
+        RegionKind::Shm => {
+            let cname = c_name(name)?;
+            // SAFETY: FFI with a valid C string.
+            let fd = unsafe {
+                libc::shm_open(
+                    cname.as_ptr(),
+                    libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
+                    0o600,
+                )
+            };
+            if fd < 0 {
+                return Err(CommError::last_os_error(format!(
+                    "creating shared memory segment /dev/shm/{name}"
+                )));
+            }
+            let guard = FdGuard(fd);
+            // SAFETY: fd is valid.
+            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+                let e = CommError::last_os_error(format!(
+                    "sizing shared memory segment /dev/shm/{name} to {len} bytes (is /dev/shm full?)"
+                ));
+                unlink(kind, name);
+                return Err(e);
+            }
+            let map = Mapping::map(guard.0, len, name);
+            if map.is_err() {
+                unlink(kind, name);
+            }
+            Ok(Arc::new(map?))
+        }
+    }
+}
+
+/// Opens the region another rank created, checking it is at least `len` bytes.
+pub(crate) fn open(kind: RegionKind, name: &str, len: usize) -> CommResult<Arc<Mapping>> {
+    match kind {
+        RegionKind::InProcess => {
+            let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+            reg.get(name).cloned().ok_or_else(|| {
+                CommError::invalid(
+                    "shared memory",
+                    format!("in-process segment {name} does not exist"),
+                )
+            })
+        }
+        RegionKind::Shm => {
+            let cname = c_name(name)?;
+            // SAFETY: FFI with a valid C string.
+            let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+            if fd < 0 {
+                return Err(CommError::last_os_error(format!(
+                    "opening shared memory segment /dev/shm/{name}"
+                )));
+            }
+            let guard = FdGuard(fd);
+            // SAFETY: zeroed stat is a valid out-parameter.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: fd is valid, st is a valid pointer.
+            if unsafe { libc::fstat(fd, &mut st) } != 0 {
+                return Err(CommError::last_os_error(format!(
+                    "inspecting /dev/shm/{name}"
+                )));
+            }
+            if (st.st_size as u64) < len as u64 {
+                return Err(CommError::invalid(
+                    "shared memory",
+                    format!(
+                        "segment /dev/shm/{name} has {} bytes, expected {len}",
+                        st.st_size
+                    ),
+                ));
+            }
+            Ok(Arc::new(Mapping::map(guard.0, len, name)?))
+        }
+    }
+}
+
+/// Removes the name; mappings stay valid until dropped. Idempotent.
+pub(crate) fn unlink(kind: RegionKind, name: &str) {
+    match kind {
+        RegionKind::InProcess => {
+            registry()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(name);
+        }
+        RegionKind::Shm => {
+            if let Ok(cname) = c_name(name) {
+                // SAFETY: FFI with a valid C string; failure (already gone) is fine.
+                unsafe {
+                    libc::shm_unlink(cname.as_ptr());
+                }
+            }
+        }
+    }
+}
+
+struct FdGuard(libc::c_int);
+
+impl Drop for FdGuard {
+    fn drop(&mut self) {
+        // SAFETY: the fd is owned by this guard.
+        unsafe {
+            libc::close(self.0);
+        }
+    }
+}
+
+/// 16 random hex characters from the OS, for names that must not collide across jobs.
+pub(crate) fn random_hex() -> String {
+    let mut bytes = [0u8; 8];
+    // SAFETY: getrandom writes at most 8 bytes into the buffer.
+    let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if got != bytes.len() as isize {
+        // Fall back to time and pid: still unique enough, and O_EXCL catches a collision.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        bytes = (t ^ ((std::process::id() as u64) << 32)).to_le_bytes();
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

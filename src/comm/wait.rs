@@ -1,0 +1,134 @@
+//! Waiting for a peer's sequence word: spin briefly, then yield, then sleep on a futex.
+//!
+//! A pure spin answers in well under a microsecond when every rank has a core, and collapses
+//! when ranks outnumber cores (3 ranks on 2 cores): a spinning rank eats the time slice its
+//! peer needs. So the spin budget shrinks when the group is larger than the machine, and
+//! every wait ends on a futex with a short timeout so the caller can check deadlines, aborts
+//! and dead peers.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a waiter spins and yields before it sleeps.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WaitPolicy {
+    /// Spin iterations (each one `spin_loop` hint and a load).
+    pub spins: u32,
+    /// `sched_yield` calls after the spin.
+    pub yields: u32,
+    /// Longest single futex sleep, so deadlines and dead peers are noticed.
+    pub sleep_slice: Duration,
+}
+
+impl WaitPolicy {
+    /// Picks a policy for `ranks` ranks sharing this machine.
+    pub(crate) fn for_ranks(ranks: usize) -> Self {
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let oversubscribed = ranks > cores;
+        let spins = env_u32("CANDLE_TP_SPIN").unwrap_or(if oversubscribed { 64 } else { 20_000 });
+        Self {
+            spins,
+            yields: if oversubscribed { 4 } else { 16 },
+            sleep_slice: Duration::from_millis(50),
+        }
+    }
+}
+
+fn env_u32(name: &str) -> Option<u32> {
+    std::env::var(name).ok()?.trim().parse().ok()
+}
+
+/// Whether sequence value `seen` has reached `target` (wrapping comparison).
+#[inline]
+pub(crate) fn reached(seen: u32, target: u32) -> bool {
+    (seen.wrapping_sub(target) as i32) >= 0
+}
+
+/// Spins then yields until `word` reaches `target`. Returns whether it did; the caller then
+/// falls back to [`futex_wait`] in a loop of its own.
+#[inline]
+pub(crate) fn spin_then_yield(word: &AtomicU32, target: u32, policy: &WaitPolicy) -> bool {
+    for i in 0..policy.spins {
+        if reached(word.load(Ordering::Acquire), target) {
+            return true;
+        }
+        if i % 64 == 63 {
+            std::hint::spin_loop();
+        }
+        std::hint::spin_loop();
+    }
+    for _ in 0..policy.yields {
+        if reached(word.load(Ordering::Acquire), target) {
+            return true;
+        }
+        std::thread::yield_now();
+    }
+    reached(word.load(Ordering::Acquire), target)
+}
+
+/// Sleeps while `word` still holds `expected`, at most `timeout`. Spurious wake-ups are fine.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: the word is a valid, aligned u32 in (possibly shared) memory; FUTEX_WAIT without
+    // the private flag works across processes mapping the same pages.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+/// Wakes every waiter sleeping on `word`.
+pub(crate) fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: as in futex_wait.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+/// A deadline that remembers when it started, for error messages.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline {
+    start: Instant,
+    limit: Duration,
+}
+
+impl Deadline {
+    pub(crate) fn after(limit: Duration) -> Self {
+        Self {
+            start: Instant::now(),
+            limit,
+        }
+    }
+
+    pub(crate) fn expired(&self) -> bool {
+        self.start.elapsed() >= self.limit
+    }
+
+    pub(crate) fn waited(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    pub(crate) fn remaining(&self) -> Duration {
+        self.limit.saturating_sub(self.start.elapsed())
+    }
+}
+
+/// The collective deadline: `CANDLE_TP_TIMEOUT` seconds (fractions allowed), default 300.
+pub fn default_timeout() -> Duration {
+    std::env::var("CANDLE_TP_TIMEOUT")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .unwrap_or(Duration::from_secs(300))
+}

@@ -1,0 +1,258 @@
+//! Collectives on Candle tensors, as `CustomOp1`s whose backward is the conjugate collective.
+//!
+//! One op type serves everything: a forward [`Kind`] and the kind its gradient goes through.
+//! The backward of an op applies another op of this type with the two kinds swapped, so
+//! double backward works too.
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+use crate::comm::{Element, ProcessGroup, ReduceOp};
+
+/// What a collective op does to its input, on one rank.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Kind {
+    /// A copy (identity): the forward of `copy_to_tp`, the backward of `reduce_from_tp`.
+    Identity,
+    /// All-reduce across the group.
+    AllReduce(ReduceOp),
+    /// All-gather along `dim`; rank `r` holds `sizes[r]` along it.
+    AllGather { dim: usize, sizes: Vec<usize> },
+    /// Keep this rank's part along `dim` (local, no communication).
+    Split { dim: usize, sizes: Vec<usize> },
+    /// Reduce across the group, keep this rank's part along `dim`.
+    ReduceScatter {
+        dim: usize,
+        sizes: Vec<usize>,
+        op: ReduceOp,
+    },
+    /// Copy of the root's tensor.
+    Broadcast { root: usize },
+}
+
+impl Kind {
+    fn name(&self) -> &'static str {
+        match self {
+            Kind::Identity => "candle-tp-identity",
+            Kind::AllReduce(_) => "candle-tp-all-reduce",
+            Kind::AllGather { .. } => "candle-tp-all-gather",
+            Kind::Split { .. } => "candle-tp-split",
+            Kind::ReduceScatter { .. } => "candle-tp-reduce-scatter",
+            Kind::Broadcast { .. } => "candle-tp-broadcast",
+        }
+    }
+}
+
+/// A collective as a Candle op: `fwd` in the forward pass, `bwd` on the gradient.
+pub(crate) struct CollectiveOp {
+    pub(crate) pg: ProcessGroup,
+    pub(crate) fwd: Kind,
+    /// `None`: the op has no gradient (plain collectives such as `broadcast`).
+    pub(crate) bwd: Option<Kind>,
+}
+
+impl CollectiveOp {
+    /// Applies the op to `x` (made contiguous first).
+    pub(crate) fn apply(
+        pg: &ProcessGroup,
+        x: &Tensor,
+        fwd: Kind,
+        bwd: Option<Kind>,
+    ) -> Result<Tensor> {
+        let op = CollectiveOp {
+            pg: pg.clone(),
+            fwd,
+            bwd,
+        };
+        let x = x.contiguous()?;
+        if op.bwd.is_some() {
+            x.apply_op1(op)
+        } else {
+            x.apply_op1_no_bwd(&op)
+        }
+    }
+}
+
+fn prod(d: &[usize]) -> usize {
+    d.iter().product()
+}
+
+/// Runs `kind` on a contiguous buffer with dims `dims`; returns the output and its dims.
+pub(crate) fn run_kind<T: Element>(
+    pg: &ProcessGroup,
+    kind: &Kind,
+    data: &[T],
+    dims: &[usize],
+) -> Result<(Vec<T>, Vec<usize>)> {
+    let who = || {
+        format!(
+            "{} on group '{}' (rank {} of {})",
+            kind.name(),
+            pg.name(),
+            pg.rank(),
+            pg.size()
+        )
+    };
+    let check_dim = |dim: usize| -> Result<()> {
+        if dim >= dims.len() {
+            candle_core::bail!("{}: tensor of shape {dims:?} has no dimension {dim}", who());
+        }
+        Ok(())
+    };
+    let check_sizes = |sizes: &[usize]| -> Result<()> {
+        if sizes.len() != pg.size() {
+            candle_core::bail!(
+                "{}: {} per-rank sizes for {} ranks",
+                who(),
+                sizes.len(),
+                pg.size()
+            );
+        }
+        Ok(())
+    };
+    match kind {
+        Kind::Identity => Ok((data.to_vec(), dims.to_vec())),
+        Kind::AllReduce(op) => {
+            let mut out = data.to_vec();
+            pg.all_reduce_slice(&mut out, *op)?;
+            Ok((out, dims.to_vec()))
+        }
+        Kind::Broadcast { root } => {
+            let mut out = data.to_vec();
+            pg.broadcast_slice(&mut out, *root)?;
+            Ok((out, dims.to_vec()))
+        }
+        Kind::AllGather { dim, sizes } => {
+            check_dim(*dim)?;
+            check_sizes(sizes)?;
+            let (dim, me) = (*dim, pg.rank());
+            if dims[dim] != sizes[me] {
+                candle_core::bail!(
+                    "{}: this rank's tensor has {} along dim {dim} (shape {dims:?}) but its share is {} (shares {sizes:?})",
+                    who(), dims[dim], sizes[me]
+                );
+            }
+            let (outer, inner) = (prod(&dims[..dim]), prod(&dims[dim + 1..]));
+            let counts: Vec<usize> = sizes.iter().map(|s| s * outer * inner).collect();
+            let total: usize = sizes.iter().sum();
+            let mut gathered = vec![T::default(); counts.iter().sum()];
+            pg.all_gather_v_slice(data, &mut gathered, &counts)?;
+            let mut out_dims = dims.to_vec();
+            out_dims[dim] = total;
+            if outer == 1 {
+                return Ok((gathered, out_dims));
+            }
+            // Rank-major blocks [r][outer][s_r * inner] -> [outer][total * inner].
+            let mut out = vec![T::default(); gathered.len()];
+            let (mut src_off, mut col) = (0, 0);
+            for &s in sizes {
+                let run = s * inner;
+                for o in 0..outer {
+                    let dst = o * total * inner + col;
+                    out[dst..dst + run]
+                        .copy_from_slice(&gathered[src_off + o * run..src_off + (o + 1) * run]);
+                }
+                src_off += outer * run;
+                col += run;
+            }
+            Ok((out, out_dims))
+        }
+        Kind::Split { dim, sizes } => {
+            check_dim(*dim)?;
+            check_sizes(sizes)?;
+            let dim = *dim;
+            let total: usize = sizes.iter().sum();
+            if dims[dim] != total {
+                candle_core::bail!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim]);
+            }
+            let (outer, inner) = (prod(&dims[..dim]), prod(&dims[dim + 1..]));
+            let start: usize = sizes[..pg.rank()].iter().sum::<usize>() * inner;
+            let run = sizes[pg.rank()] * inner;
+            let mut out = Vec::with_capacity(outer * run);
+            for o in 0..outer {
+                let base = o * total * inner + start;
+                out.extend_from_slice(&data[base..base + run]);
+            }
+            let mut out_dims = dims.to_vec();
+            out_dims[dim] = sizes[pg.rank()];
+            Ok((out, out_dims))
+        }
+        Kind::ReduceScatter { dim, sizes, op } => {
+            check_dim(*dim)?;
+            check_sizes(sizes)?;
+            let dim = *dim;
+            let total: usize = sizes.iter().sum();
+            if dims[dim] != total {
+                candle_core::bail!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim]);
+            }
+            let (outer, inner) = (prod(&dims[..dim]), prod(&dims[dim + 1..]));
+            let counts: Vec<usize> = sizes.iter().map(|s| s * outer * inner).collect();
+            let mut out = vec![T::default(); counts[pg.rank()]];
+            if outer == 1 {
+                pg.reduce_scatter_v_slice(data, &mut out, &counts, *op)?;
+            } else {
+                // [outer][total * inner] -> rank-major blocks [r][outer][s_r * inner].
+                let mut blocks = Vec::with_capacity(data.len());
+                let mut col = 0;
+                for &s in sizes {
+                    let run = s * inner;
+                    for o in 0..outer {
+                        let src = o * total * inner + col;
+                        blocks.extend_from_slice(&data[src..src + run]);
+                    }
+                    col += run;
+                }
+                pg.reduce_scatter_v_slice(&blocks, &mut out, &counts, *op)?;
+            }
+            let mut out_dims = dims.to_vec();
+            out_dims[dim] = sizes[pg.rank()];
+            Ok((out, out_dims))
+        }
+    }
+}
+
+macro_rules! dispatch {
+    ($self:ident, $storage:ident, $layout:ident, [$($variant:ident),*]) => {{
+        let Some((start, end)) = $layout.contiguous_offsets() else {
+            candle_core::bail!("{}: the input must be contiguous", $self.fwd.name());
+        };
+        let dims = $layout.dims();
+        match $storage {
+            $(CpuStorage::$variant(v) => {
+                let (out, d) = run_kind(&$self.pg, &$self.fwd, &v[start..end], dims)?;
+                Ok((CpuStorage::$variant(out), Shape::from(d)))
+            })*
+            other => candle_core::bail!(
+                "{}: dtype {:?} is not supported by collectives (use f32, f64, f16, bf16, u8, u32, i16, i32, i64)",
+                $self.fwd.name(), candle_core::backend::BackendStorage::dtype(other)
+            ),
+        }
+    }};
+}
+
+impl CustomOp1 for CollectiveOp {
+    fn name(&self) -> &'static str {
+        self.fwd.name()
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        dispatch!(
+            self,
+            storage,
+            layout,
+            [F32, F64, F16, BF16, U8, U32, I16, I32, I64]
+        )
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        match &self.bwd {
+            None => candle_core::bail!("{} has no gradient", self.fwd.name()),
+            Some(Kind::Identity) => Ok(Some(grad_res.clone())),
+            Some(k) => Ok(Some(CollectiveOp::apply(
+                &self.pg,
+                grad_res,
+                k.clone(),
+                Some(self.fwd.clone()),
+            )?)),
+        }
+    }
+}

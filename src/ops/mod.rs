@@ -1,0 +1,8 @@
+//! Collectives as Candle ops with autograd (Megatron's mappings), and tensor collectives.
+mod collective;
+mod mappings;
+mod tensor;
+
+pub use mappings::{
+    copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp,
+};

@@ -1,0 +1,324 @@
+//! Collectives on the threads backend against values computed independently on one thread.
+//! Inputs are small integers, so float sums are exact and the comparison is exact.
+
+use std::time::{Duration, Instant};
+
+use candle_tp::comm::{run_threads_with, CollectiveKind, Element, GroupOptions, ReduceOp};
+use candle_tp::run_threads;
+use half::{bf16, f16};
+
+/// Small slots, so that a few thousand elements already take the chunked paths.
+fn small_slots() -> GroupOptions {
+    GroupOptions {
+        timeout: Duration::from_secs(60),
+        slot_bytes: 4096,
+    }
+}
+
+/// A value that depends on the rank and the index, exact in every dtype tested.
+fn val(rank: usize, i: usize) -> f64 {
+    ((rank * 7 + i * 3) % 23) as f64 - 11.0
+}
+
+trait FromF64: Element + PartialEq + std::fmt::Debug {
+    fn from(v: f64) -> Self;
+}
+impl FromF64 for f32 {
+    fn from(v: f64) -> Self {
+        v as f32
+    }
+}
+impl FromF64 for f64 {
+    fn from(v: f64) -> Self {
+        v
+    }
+}
+impl FromF64 for f16 {
+    fn from(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+}
+impl FromF64 for bf16 {
+    fn from(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+}
+impl FromF64 for i64 {
+    fn from(v: f64) -> Self {
+        v as i64
+    }
+}
+
+fn check_all_reduce<T: FromF64>(world: usize, n: usize, op: ReduceOp, opts: GroupOptions) {
+    let out = run_threads_with(world, opts, |pg| {
+        let mut buf: Vec<T> = (0..n).map(|i| T::from(val(pg.rank(), i))).collect();
+        pg.all_reduce_slice(&mut buf, op)?;
+        // Out of place as well.
+        let src: Vec<T> = (0..n).map(|i| T::from(val(pg.rank(), i))).collect();
+        let mut dst = vec![T::default(); n];
+        pg.all_reduce_slice_into(&src, &mut dst, op)?;
+        assert_eq!(buf, dst);
+        Ok(buf)
+    })
+    .unwrap();
+    let expect: Vec<T> = (0..n)
+        .map(|i| {
+            let vals = (0..world).map(|r| val(r, i));
+            T::from(match op {
+                ReduceOp::Sum => vals.sum(),
+                ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+            })
+        })
+        .collect();
+    for (r, got) in out.iter().enumerate() {
+        assert_eq!(got, &expect, "rank {r}, world {world}, n {n}, {op:?}");
+    }
+}
+
+#[test]
+fn all_reduce_every_dtype_world_and_path() {
+    for world in 1..=4 {
+        for &n in &[0usize, 1, 7, 300, 5000] {
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                check_all_reduce::<f32>(world, n, op, small_slots());
+                check_all_reduce::<bf16>(world, n, op, small_slots());
+            }
+        }
+        check_all_reduce::<f64>(world, 3001, ReduceOp::Sum, small_slots());
+        check_all_reduce::<f16>(world, 3001, ReduceOp::Sum, small_slots());
+        check_all_reduce::<i64>(world, 3001, ReduceOp::Max, small_slots());
+    }
+    // Default slots: one-shot and two-phase paths with large messages.
+    check_all_reduce::<f32>(3, 200_000, ReduceOp::Sum, GroupOptions::default());
+    check_all_reduce::<f32>(2, 1_500_000, ReduceOp::Sum, GroupOptions::default());
+}
+
+#[test]
+fn all_gather_and_reduce_scatter_with_unequal_sizes() {
+    for world in 1..=4 {
+        for base in [0usize, 1, 5, 1500] {
+            let counts: Vec<usize> = (0..world).map(|r| base + r * 3).collect();
+            let total: usize = counts.iter().sum();
+            let out = run_threads_with(world, small_slots(), |pg| {
+                let me = pg.rank();
+                let src: Vec<f32> = (0..counts[me]).map(|i| val(me, i) as f32).collect();
+                let mut gathered = vec![0f32; total];
+                pg.all_gather_v_slice(&src, &mut gathered, &counts)?;
+                let full: Vec<f32> = (0..total).map(|i| val(me, i) as f32).collect();
+                let mut mine = vec![0f32; counts[me]];
+                pg.reduce_scatter_v_slice(&full, &mut mine, &counts, ReduceOp::Sum)?;
+                Ok((gathered, mine))
+            })
+            .unwrap();
+            let expect_gather: Vec<f32> = (0..world)
+                .flat_map(|r| (0..counts[r]).map(move |i| val(r, i) as f32))
+                .collect();
+            let mut off = 0;
+            for (r, (g, m)) in out.iter().enumerate() {
+                assert_eq!(g, &expect_gather, "all_gather world {world} rank {r}");
+                let expect: Vec<f32> = (off..off + counts[r])
+                    .map(|i| (0..world).map(|q| val(q, i)).sum::<f64>() as f32)
+                    .collect();
+                assert_eq!(m, &expect, "reduce_scatter world {world} rank {r}");
+                off += counts[r];
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_from_every_root_and_integer_types() {
+    for world in 1..=4 {
+        for root in 0..world {
+            let out = run_threads_with(world, small_slots(), |pg| {
+                let mut a: Vec<u32> = (0..2000).map(|i| (pg.rank() * 10_000 + i) as u32).collect();
+                pg.broadcast_slice(&mut a, root)?;
+                let mut b = vec![pg.rank() as u8; 5];
+                pg.broadcast_slice(&mut b, root)?;
+                pg.barrier()?;
+                Ok((a, b))
+            })
+            .unwrap();
+            for (a, b) in out {
+                assert!(a
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &v)| v == (root * 10_000 + i) as u32));
+                assert_eq!(b, vec![root as u8; 5]);
+            }
+        }
+    }
+}
+
+#[test]
+fn sub_groups_run_side_by_side_and_split_by_color() {
+    let out = run_threads(4, |pg| {
+        // Two pairs {0,2} and {1,3}, each all-reducing at the same time.
+        let pair: Vec<usize> = if pg.rank() % 2 == 0 {
+            vec![0, 2]
+        } else {
+            vec![1, 3]
+        };
+        let sub = pg.new_group_named(&pair, "pair")?.expect("member");
+        assert_eq!(sub.size(), 2);
+        assert!(sub.name().contains("pair"), "{}", sub.name());
+        let mut v = [pg.rank() as f32];
+        sub.all_reduce_slice(&mut v, ReduceOp::Sum)?;
+        // Non-members get None without communicating.
+        let none = pg.new_group(&[0])?;
+        assert_eq!(none.is_some(), pg.rank() == 0);
+        // MPI-style split: {0,1} and {2,3}.
+        let half = pg.split(Some((pg.rank() / 2) as u32))?.expect("member");
+        let mut w = [pg.rank() as f32 + 1.0];
+        half.all_reduce_slice(&mut w, ReduceOp::Max)?;
+        Ok((v[0], w[0], half.rank(), half.members().to_vec()))
+    })
+    .unwrap();
+    assert_eq!(out[0].0, 2.0);
+    assert_eq!(out[1].0, 4.0);
+    assert_eq!(out[2].0, 2.0);
+    assert_eq!(out[3].0, 4.0);
+    assert_eq!(
+        (out[0].1, out[1].1, out[2].1, out[3].1),
+        (2.0, 2.0, 4.0, 4.0)
+    );
+    assert_eq!(out[3].2, 1);
+    assert_eq!(out[3].3, vec![2, 3]);
+}
+
+#[test]
+fn mismatched_calls_are_an_error_on_every_rank() {
+    let err = run_threads_with(2, small_slots(), |pg| {
+        let mut v = vec![1f32; 10 + pg.rank()];
+        let e = pg
+            .all_reduce_slice(&mut v, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 0 called all_reduce with 10 f32"), "{e}");
+        assert!(e.contains("rank 1 called all_reduce with 11 f32"), "{e}");
+        // The group stays usable after a mismatch every rank saw.
+        let mut w = [1f32];
+        pg.all_reduce_slice(&mut w, ReduceOp::Sum)?;
+        assert_eq!(w[0], 2.0);
+        let mut x = vec![1f64; 3];
+        if pg.rank() == 0 {
+            pg.all_reduce_slice(&mut x, ReduceOp::Sum)?;
+        } else {
+            pg.broadcast_slice(&mut x, 0)?;
+        }
+        Ok(())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("ranks disagree"), "{err}");
+}
+
+#[test]
+fn a_rank_that_never_arrives_gives_a_timeout_naming_it() {
+    let opts = GroupOptions {
+        timeout: Duration::from_millis(700),
+        slot_bytes: 4096,
+    };
+    let t0 = Instant::now();
+    let err = run_threads_with(3, opts, |pg| {
+        if pg.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(());
+        }
+        let mut v = [1f32; 4];
+        pg.all_reduce_slice(&mut v, ReduceOp::Sum)?;
+        Ok(())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("timeout in all_reduce on group 'world'"),
+        "{err}"
+    );
+    assert!(err.contains("rank(s) 2 that never arrived"), "{err}");
+    assert!(err.contains("CANDLE_TP_TIMEOUT"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_failing_rank_aborts_its_peers_at_once() {
+    let t0 = Instant::now();
+    let err = run_threads_with(
+        3,
+        GroupOptions {
+            timeout: Duration::from_secs(120),
+            slot_bytes: 4096,
+        },
+        |pg| {
+            if pg.rank() == 1 {
+                candle_core::bail!("shape error in layer 3");
+            }
+            let mut v = [1f32; 4];
+            let e = pg
+                .all_reduce_slice(&mut v, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("aborted by rank 1"), "{e}");
+            assert!(e.contains("shape error in layer 3"), "{e}");
+            Ok(())
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("rank 1 of 3"), "{err}");
+    assert!(err.contains("shape error in layer 3"), "{err}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn counters_record_what_each_collective_moved() {
+    let stats = run_threads(2, |pg| {
+        let mut v = vec![0f32; 1024];
+        pg.all_reduce_slice(&mut v, ReduceOp::Sum)?;
+        let mut g = vec![0f32; 2048];
+        pg.all_gather_slice(&v, &mut g)?;
+        Ok(pg.stats())
+    })
+    .unwrap();
+    for s in stats {
+        let ar = s.get(CollectiveKind::AllReduce);
+        assert_eq!((ar.calls, ar.payload_bytes), (1, 4096));
+        assert_eq!((ar.sent_bytes, ar.received_bytes), (4096, 4096));
+        let ag = s.get(CollectiveKind::AllGather);
+        assert_eq!(
+            (ag.calls, ag.payload_bytes, ag.sent_bytes, ag.received_bytes),
+            (1, 8192, 4096, 4096)
+        );
+        assert_eq!(s.total().calls, 2);
+    }
+}
+
+#[test]
+fn invalid_arguments_are_clear_errors() {
+    run_threads(2, |pg| {
+        let mut out = vec![0f32; 3];
+        let e = pg
+            .all_gather_slice(&[1f32, 2.0], &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("output has 3 elements but the sizes [2, 2] add up to 4"),
+            "{e}"
+        );
+        let e = pg.broadcast_slice(&mut out, 5).unwrap_err().to_string();
+        assert!(
+            e.contains("root 5 is not a rank of this group of 2 ranks"),
+            "{e}"
+        );
+        let e = pg.new_group(&[0, 0]).unwrap_err().to_string();
+        assert!(e.contains("listed twice"), "{e}");
+        let e = pg.new_group(&[3]).unwrap_err().to_string();
+        assert!(e.contains("rank 3 is not in this group of 2 ranks"), "{e}");
+        Ok(())
+    })
+    .unwrap();
+}
