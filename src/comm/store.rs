@@ -178,7 +178,8 @@ impl Kv {
         let new = current
             .checked_add(delta)
             .ok_or_else(|| format!("add on key '{key}': {current} + {delta} overflows i64"))?;
-        st.entries.insert(key.to_owned(), new.to_string().into_bytes());
+        st.entries
+            .insert(key.to_owned(), new.to_string().into_bytes());
         drop(st);
         self.changed.notify_all();
         Ok(new)
@@ -227,7 +228,9 @@ impl Store for MemStore {
     }
 
     fn add(&self, key: &str, delta: i64) -> CommResult<i64> {
-        self.kv.add(key, delta).map_err(|e| store_err(IN_PROCESS, e))
+        self.kv
+            .add(key, delta)
+            .map_err(|e| store_err(IN_PROCESS, e))
     }
 
     fn delete(&self, key: &str) -> CommResult<bool> {
@@ -575,7 +578,11 @@ impl Drop for TcpStoreServer {
             if now >= deadline {
                 break;
             }
-            conns = match self.shared.conns_changed.wait_timeout(conns, deadline - now) {
+            conns = match self
+                .shared
+                .conns_changed
+                .wait_timeout(conns, deadline - now)
+            {
                 Ok((g, _)) => g,
                 Err(p) => p.into_inner().0,
             };
@@ -711,15 +718,16 @@ impl TcpStore {
             ));
         }
         let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let stream = match &mut *conn {
-            Conn::Ready(s) => s,
-            Conn::Broken(why) => {
-                return Err(store_err(
+        let stream =
+            match &mut *conn {
+                Conn::Ready(s) => s,
+                Conn::Broken(why) => return Err(store_err(
                     &self.addr,
-                    format!("{op} of key '{key}': connection unusable after an earlier failure: {why}"),
-                ))
-            }
-        };
+                    format!(
+                        "{op} of key '{key}': connection unusable after an earlier failure: {why}"
+                    ),
+                )),
+            };
         let start = Instant::now();
         let result = stream
             .set_read_timeout(Some(wait))
@@ -841,7 +849,12 @@ mod tests {
     fn round_trip(s: &dyn Store) {
         let mut model: HashMap<&str, Vec<u8>> = HashMap::new();
         assert_eq!(s.try_get("a").unwrap(), None);
-        for (k, v) in [("a", &b"1"[..]), ("b", b""), ("a", b"second"), ("c/d", &[0, 255, 7])] {
+        for (k, v) in [
+            ("a", &b"1"[..]),
+            ("b", b""),
+            ("a", b"second"),
+            ("c/d", &[0, 255, 7]),
+        ] {
             s.set(k, v).unwrap();
             model.insert(k, v.to_vec());
         }
@@ -856,10 +869,17 @@ mod tests {
         assert_eq!(s.add("n", -7).unwrap(), -2);
         assert_eq!(s.get("n", T).unwrap(), b"-2");
         let err = s.add("c/d", 1).unwrap_err().to_string();
-        assert!(err.contains("c/d") && err.contains("not a decimal integer"), "{err}");
+        assert!(
+            err.contains("c/d") && err.contains("not a decimal integer"),
+            "{err}"
+        );
         s.set("big", &[1]).unwrap();
         assert_eq!(s.add("max", i64::MAX).unwrap(), i64::MAX);
-        assert!(s.add("max", 1).unwrap_err().to_string().contains("overflows"));
+        assert!(s
+            .add("max", 1)
+            .unwrap_err()
+            .to_string()
+            .contains("overflows"));
         let value: Vec<u8> = (0..100_000u32).map(|i| (i * 31) as u8).collect();
         s.set("large", &value).unwrap();
         assert_eq!(s.get("large", T).unwrap(), value);
@@ -907,9 +927,18 @@ mod tests {
     fn concurrent_add(stores: Vec<Arc<dyn Store>>) {
         let handles: Vec<_> = stores
             .into_iter()
-            .map(|s| thread::spawn(move || (0..100).map(|_| s.add("ctr", 1).unwrap()).collect::<Vec<_>>()))
+            .map(|s| {
+                thread::spawn(move || {
+                    (0..100)
+                        .map(|_| s.add("ctr", 1).unwrap())
+                        .collect::<Vec<_>>()
+                })
+            })
             .collect();
-        let mut seen: Vec<i64> = handles.into_iter().flat_map(|h| h.join().unwrap()).collect();
+        let mut seen: Vec<i64> = handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect();
         seen.sort_unstable();
         assert_eq!(seen, (1..=800).collect::<Vec<i64>>());
     }
@@ -917,10 +946,18 @@ mod tests {
     #[test]
     fn concurrent_add_is_atomic() {
         let mem = MemStore::new();
-        concurrent_add((0..8).map(|_| Arc::new(mem.clone()) as Arc<dyn Store>).collect());
+        concurrent_add(
+            (0..8)
+                .map(|_| Arc::new(mem.clone()) as Arc<dyn Store>)
+                .collect(),
+        );
         assert_eq!(mem.get("ctr", T).unwrap(), b"800");
         let srv = server();
-        concurrent_add((0..8).map(|_| Arc::new(client(&srv)) as Arc<dyn Store>).collect());
+        concurrent_add(
+            (0..8)
+                .map(|_| Arc::new(client(&srv)) as Arc<dyn Store>)
+                .collect(),
+        );
         // One client shared by threads (the mutex around the connection).
         let shared: Arc<dyn Store> = Arc::new(client(&srv));
         shared.delete("ctr").unwrap();
@@ -956,7 +993,10 @@ mod tests {
             .expect("wrong token must be refused");
         let text = err.to_string();
         assert!(text.contains("refused the job token"), "{text}");
-        assert!(text.contains(&format!("127.0.0.1:{}", srv.port())), "{text}");
+        assert!(
+            text.contains(&format!("127.0.0.1:{}", srv.port())),
+            "{text}"
+        );
         assert_eq!(good.get("x", T).unwrap(), b"1");
     }
 
@@ -979,17 +1019,28 @@ mod tests {
         let good = client(&srv);
         let addr = ("127.0.0.1", srv.port());
         let mut garbage = TcpStream::connect(addr).unwrap();
-        garbage.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        garbage
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
         let mut huge = TcpStream::connect(addr).unwrap();
         huge.write_all(&u32::MAX.to_le_bytes()).unwrap();
         let mut bad_magic = TcpStream::connect(addr).unwrap();
-        write_frame(&mut bad_magic, &Enc(Vec::new()).bytes(b"nope/9").bytes(TOKEN.as_bytes()).0).unwrap();
+        write_frame(
+            &mut bad_magic,
+            &Enc(Vec::new()).bytes(b"nope/9").bytes(TOKEN.as_bytes()).0,
+        )
+        .unwrap();
         let silent = TcpStream::connect(addr).unwrap();
         // An authenticated client sending an oversized request loses its connection only.
         let mut rude = TcpStream::connect(addr).unwrap();
-        write_frame(&mut rude, &Enc(Vec::new()).bytes(MAGIC).bytes(TOKEN.as_bytes()).0).unwrap();
+        write_frame(
+            &mut rude,
+            &Enc(Vec::new()).bytes(MAGIC).bytes(TOKEN.as_bytes()).0,
+        )
+        .unwrap();
         assert_eq!(read_frame(&mut rude, 16).unwrap(), [HELLO_ACCEPT]);
-        rude.write_all(&((MAX_FRAME_BYTES + 1) as u32).to_le_bytes()).unwrap();
+        rude.write_all(&((MAX_FRAME_BYTES + 1) as u32).to_le_bytes())
+            .unwrap();
 
         let start = Instant::now();
         good.set("k", b"v").unwrap();
@@ -998,10 +1049,21 @@ mod tests {
         let fresh = client(&srv);
         assert_eq!(fresh.try_get("k").unwrap().unwrap(), b"v");
         let took = start.elapsed();
-        assert!(took < Duration::from_secs(1), "good client slowed down: {took:?}");
+        assert!(
+            took < Duration::from_secs(1),
+            "good client slowed down: {took:?}"
+        );
 
-        for (name, s) in [("garbage", garbage), ("oversized", huge), ("bad magic", bad_magic), ("oversized request", rude)] {
-            assert!(closed_by_server(s, Duration::from_secs(2)), "{name} connection not closed");
+        for (name, s) in [
+            ("garbage", garbage),
+            ("oversized", huge),
+            ("bad magic", bad_magic),
+            ("oversized request", rude),
+        ] {
+            assert!(
+                closed_by_server(s, Duration::from_secs(2)),
+                "{name} connection not closed"
+            );
         }
         silent.shutdown(Shutdown::Both).unwrap();
     }
@@ -1011,17 +1073,27 @@ mod tests {
         let srv = server();
         let silent = TcpStream::connect(("127.0.0.1", srv.port())).unwrap();
         let start = Instant::now();
-        assert!(closed_by_server(silent, HANDSHAKE_TIMEOUT + Duration::from_secs(3)));
+        assert!(closed_by_server(
+            silent,
+            HANDSHAKE_TIMEOUT + Duration::from_secs(3)
+        ));
         assert!(start.elapsed() >= HANDSHAKE_TIMEOUT - Duration::from_millis(100));
     }
 
     #[test]
     fn port_in_use_gives_clear_error() {
         let srv = server();
-        let err = TcpStoreServer::bind("127.0.0.1", srv.port(), TOKEN).err().expect("port is taken");
+        let err = TcpStoreServer::bind("127.0.0.1", srv.port(), TOKEN)
+            .err()
+            .expect("port is taken");
         assert!(matches!(err, CommError::Io { .. }), "{err:?}");
         let text = err.to_string();
-        for part in [&format!("127.0.0.1:{}", srv.port())[..], "already in use", "--master-port", "--standalone"] {
+        for part in [
+            &format!("127.0.0.1:{}", srv.port())[..],
+            "already in use",
+            "--master-port",
+            "--standalone",
+        ] {
             assert!(text.contains(part), "{text:?} lacks {part:?}");
         }
     }
@@ -1047,28 +1119,50 @@ mod tests {
             let blocked = Arc::clone(&blocked);
             thread::spawn(move || {
                 let start = Instant::now();
-                (blocked.get("never", Duration::from_secs(30)), start.elapsed())
+                (
+                    blocked.get("never", Duration::from_secs(30)),
+                    start.elapsed(),
+                )
             })
         };
         thread::sleep(Duration::from_millis(100));
         let start = Instant::now();
         drop(srv);
-        assert!(start.elapsed() < Duration::from_secs(1), "drop took {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "drop took {:?}",
+            start.elapsed()
+        );
         let (res, waited) = waiter.join().unwrap();
         let err = res.unwrap_err();
-        assert!(waited < Duration::from_secs(2), "blocked get hung for {waited:?}");
+        assert!(
+            waited < Duration::from_secs(2),
+            "blocked get hung for {waited:?}"
+        );
         assert!(err.to_string().contains("closed the connection"), "{err}");
         let addr = format!("127.0.0.1:{port}");
-        for r in [c.set("k", b"w").err(), c.try_get("k").err(), c.add("n", 1).err(), c.delete("k").err()] {
+        for r in [
+            c.set("k", b"w").err(),
+            c.try_get("k").err(),
+            c.add("n", 1).err(),
+            c.delete("k").err(),
+        ] {
             let e = r.expect("call after server death must fail");
-            assert!(matches!(e, CommError::Store { .. }) && e.to_string().contains(&addr), "{e}");
+            assert!(
+                matches!(e, CommError::Store { .. }) && e.to_string().contains(&addr),
+                "{e}"
+            );
         }
         assert!(start.elapsed() < T);
     }
 
     #[test]
     fn connect_retries_until_server_listens_then_times_out() {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let h = thread::spawn(move || TcpStore::connect("127.0.0.1", port, TOKEN, T));
         thread::sleep(Duration::from_millis(200));
         let srv = TcpStoreServer::bind("127.0.0.1", port, TOKEN).unwrap();
@@ -1077,10 +1171,18 @@ mod tests {
         drop(c);
         drop(srv);
         let start = Instant::now();
-        let err = TcpStore::connect("127.0.0.1", port, TOKEN, Duration::from_millis(300)).err().unwrap();
+        let err = TcpStore::connect("127.0.0.1", port, TOKEN, Duration::from_millis(300))
+            .err()
+            .unwrap();
         let waited = start.elapsed();
-        assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(2), "{waited:?}");
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
         let text = err.to_string();
-        assert!(text.contains(&format!("127.0.0.1:{port}")) && text.contains("0.3 s"), "{text}");
+        assert!(
+            text.contains(&format!("127.0.0.1:{port}")) && text.contains("0.3 s"),
+            "{text}"
+        );
     }
 }
