@@ -718,16 +718,17 @@ impl TcpStore {
             ));
         }
         let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let stream =
-            match &mut *conn {
-                Conn::Ready(s) => s,
-                Conn::Broken(why) => return Err(store_err(
+        let stream = match &mut *conn {
+            Conn::Ready(s) => s,
+            Conn::Broken(why) => {
+                return Err(store_err(
                     &self.addr,
                     format!(
                         "{op} of key '{key}': connection unusable after an earlier failure: {why}"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         let start = Instant::now();
         let result = stream
             .set_read_timeout(Some(wait))
