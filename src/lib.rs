@@ -6,5 +6,5 @@ pub mod loader;
 pub mod ops;
 pub mod partition;
 
-pub use comm::{run_threads, ProcessGroup, ReduceOp};
+pub use comm::{init_from_env, run_threads, ProcessGroup, ReduceOp};
 pub use partition::{Partition, PartitionError};

@@ -7,15 +7,19 @@
 //!   engine; NCCL on GPUs behind the `nccl` feature.
 pub mod element;
 mod engine;
+mod env;
 pub mod error;
 mod group;
 mod region;
+mod shm;
 pub mod stats;
 pub mod store;
 mod threads;
 mod wait;
 
 pub use element::{Element, ReduceOp};
+pub use env::{init_from_env, rendezvous_from_env};
+pub use shm::{init_shm, Rendezvous};
 pub use error::{CommError, CommResult};
 pub use group::{GroupOptions, ProcessGroup};
 pub use stats::{CollectiveKind, CommStats, OpStats};

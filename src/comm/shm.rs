@@ -1,0 +1,49 @@
+//! The `shm` backend: ranks are processes on one host.
+//!
+//! Rank 0 hosts the rendezvous store at `MASTER_ADDR:MASTER_PORT`; every rank connects to it
+//! with the job token. Rank 0 draws a random job id that names the job's shared-memory
+//! segments (`/dev/shm/candle-tp-<job>-<group>`), created with `O_EXCL` and mode 0600 and
+//! unlinked as soon as every rank has mapped them. Tensors never go through the socket.
+
+use std::sync::Arc;
+
+use super::error::CommResult;
+use super::group::{rendezvous, Context, GroupOptions, ProcessGroup};
+use super::region::{random_hex, RegionKind};
+use super::store::{Store, TcpStore, TcpStoreServer};
+
+/// Where and how the ranks of a job meet.
+#[derive(Debug, Clone)]
+pub struct Rendezvous {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Address rank 0 listens on (`MASTER_ADDR`; loopback for one host).
+    pub master_addr: String,
+    /// Port of the store (`MASTER_PORT`).
+    pub master_port: u16,
+    /// The job's secret; peers without it are refused (`CANDLE_TP_TOKEN`, set by `tprun`).
+    pub token: String,
+}
+
+/// Joins the job described by `rv` as one process of the `shm` backend, and returns its world
+/// group.
+pub fn init_shm(rv: &Rendezvous, options: GroupOptions) -> CommResult<ProcessGroup> {
+    if rv.world_size == 1 {
+        return Ok(ProcessGroup::single());
+    }
+    let mut keep: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
+    let store = if rv.rank == 0 {
+        let server = TcpStoreServer::bind(&rv.master_addr, rv.master_port, &rv.token)?;
+        let client = TcpStore::connect(&rv.master_addr, server.port(), &rv.token, options.timeout)?;
+        keep.push(Box::new(server));
+        client.set("job", random_hex().as_bytes())?;
+        client
+    } else {
+        TcpStore::connect(&rv.master_addr, rv.master_port, &rv.token, options.timeout)?
+    };
+    let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
+    let ctx = Context::new(Arc::new(store), RegionKind::Shm, job, &options, keep);
+    rendezvous(&ctx, "world".into(), rv.rank, (0..rv.world_size).collect())
+}
