@@ -11,7 +11,7 @@
 //! truncated file gives an error naming the file and the tensor, never a panic, an
 //! out-of-bounds read or a huge allocation.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fs::File;
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -104,20 +104,16 @@ impl SafetensorsSource {
         if paths.is_empty() {
             bail!("SafetensorsSource::from_files: no files given");
         }
-        let mut files = Vec::with_capacity(paths.len());
+        let mut files: Vec<MappedFile> = Vec::with_capacity(paths.len());
         let mut tensors: HashMap<String, Entry> = HashMap::new();
         for (i, p) in paths.iter().enumerate() {
             let (file, entries) = open_file(p.as_ref())?;
             for (name, mut entry) in entries {
-                entry.file = i;
                 if let Some(prev) = tensors.get(&name) {
-                    let prev_path: &MappedFile = &files[prev.file];
-                    bail!(
-                        "tensor '{name}' is stored in both {} and {}",
-                        prev_path.path.display(),
-                        file.path.display()
-                    );
+                    let (a, b) = (files[prev.file].path.display(), file.path.display());
+                    bail!("tensor '{name}' is stored in both {a} and {b}");
                 }
+                entry.file = i;
                 tensors.insert(name, entry);
             }
             files.push(file);
@@ -136,8 +132,9 @@ impl SafetensorsSource {
 
     /// Opens a sharded checkpoint from its index: `{"weight_map": {tensor: shard_file}}`.
     fn from_index(dir: &Path, index: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(index)
-            .map_err(|e| candle_core::Error::Msg(format!("cannot read {}: {e}", index.display())))?;
+        let text = std::fs::read_to_string(index).map_err(|e| {
+            candle_core::Error::Msg(format!("cannot read {}: {e}", index.display()))
+        })?;
         let json: Value = serde_json::from_str(&text).map_err(|e| {
             candle_core::Error::Msg(format!("{} is not valid JSON: {e}", index.display()))
         })?;
@@ -316,16 +313,19 @@ impl SafetensorsSource {
 
 impl TensorSource for SafetensorsSource {
     fn shape(&self, name: &str) -> Result<Option<Shape>> {
-        Ok(self
-            .tensors
-            .get(name)
-            .map(|e| Shape::from_dims(&e.shape)))
+        Ok(self.tensors.get(name).map(|e| Shape::from_dims(&e.shape)))
     }
 
     fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         let entry = self.entry(name)?;
         let len = entry.bytes.len();
-        let t = self.gather(name, entry, std::iter::once(0..len), len, entry.shape.clone())?;
+        let t = self.gather(
+            name,
+            entry,
+            std::iter::once(0..len),
+            len,
+            entry.shape.clone(),
+        )?;
         convert_and_move(t, dtype, device)
     }
 
@@ -361,14 +361,14 @@ fn convert_and_move(t: Tensor, dtype: DType, device: &Device) -> Result<Tensor> 
 /// Implementors must be plain data with no padding and no invalid bit patterns.
 unsafe trait Plain: WithDType {
     /// Turns a little-endian stored value into the native one.
-    fn from_le(self) -> Self;
+    fn le_to_native(self) -> Self;
 }
 
 macro_rules! plain_int {
     ($($t:ty),*) => {$(
         // SAFETY: primitive integers have no padding and no invalid bit patterns.
         unsafe impl Plain for $t {
-            fn from_le(self) -> Self { <$t>::from_le(self) }
+            fn le_to_native(self) -> Self { <$t>::from_le(self) }
         }
     )*};
 }
@@ -378,7 +378,7 @@ macro_rules! plain_float {
     ($($t:ty),*) => {$(
         // SAFETY: these floats are plain bit containers of their integer width.
         unsafe impl Plain for $t {
-            fn from_le(self) -> Self { <$t>::from_bits(self.to_bits().to_le()) }
+            fn le_to_native(self) -> Self { <$t>::from_bits(self.to_bits().to_le()) }
         }
     )*};
 }
@@ -404,7 +404,12 @@ fn gather<T: Plain>(
     let dst: &mut [MaybeUninit<u8>] =
         unsafe { std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast(), total_bytes) };
     let mut written = 0;
-    for run in runs {
+    let mut runs = runs.peekable();
+    while let Some(mut run) = runs.next() {
+        // Runs adjacent in the file are adjacent in the output too: copy them as one.
+        while let Some(next) = runs.next_if(|next| next.start == run.end) {
+            run.end = next.end;
+        }
         let len = run.end - run.start;
         let (Some(src), Some(dst)) = (data.get(run.clone()), dst.get_mut(written..written + len))
         else {
@@ -427,7 +432,7 @@ fn gather<T: Plain>(
     unsafe { out.set_len(n) };
     if cfg!(target_endian = "big") {
         for v in out.iter_mut() {
-            *v = v.from_le();
+            *v = v.le_to_native();
         }
     }
     Tensor::from_vec(out, shape, &Device::Cpu)
@@ -483,13 +488,16 @@ struct RawEntry {
 /// Maps one file and validates its header. The entries' `file` field is left at 0.
 fn open_file(path: &Path) -> Result<(MappedFile, HashMap<String, Entry>)> {
     let p = path.display();
-    let file = File::open(path).map_err(|e| candle_core::Error::Msg(format!("cannot open {p}: {e}")))?;
+    let file =
+        File::open(path).map_err(|e| candle_core::Error::Msg(format!("cannot open {p}: {e}")))?;
     let file_len = file
         .metadata()
         .map_err(|e| candle_core::Error::Msg(format!("cannot stat {p}: {e}")))?
         .len();
     if file_len < 8 {
-        bail!("{p} is truncated: {file_len} bytes, shorter than the 8-byte safetensors header length");
+        bail!(
+            "{p} is truncated: {file_len} bytes, shorter than the 8-byte safetensors header length"
+        );
     }
     // SAFETY: the map is read-only; the files must not be modified while mapped (documented
     // on `SafetensorsSource`).
@@ -587,15 +595,17 @@ fn open_file(path: &Path) -> Result<(MappedFile, HashMap<String, Entry>)> {
 /// Up to `k` names closest to `name` by edit distance (only reasonably close ones).
 fn similar_names<'a>(name: &str, names: impl Iterator<Item = &'a String>, k: usize) -> Vec<String> {
     let limit = (name.len() / 3).max(3);
+    // The distance is at least the length difference: skip far names cheaply, and bound the
+    // work on a hostile checkpoint with very many names.
     let mut scored: Vec<(usize, &String)> = names
+        .filter(|n| n.len().abs_diff(name.len()) <= limit)
+        .take(20_000)
         .map(|n| (edit_distance(name, n), n))
         .filter(|(d, _)| *d <= limit)
         .collect();
     scored.sort();
-    let mut seen = HashSet::new();
     scored
         .into_iter()
-        .filter(|(_, n)| seen.insert(*n))
         .take(k)
         .map(|(_, n)| format!("'{n}'"))
         .collect()
