@@ -27,10 +27,16 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
     let (rank, world) = match (var("RANK"), var("WORLD_SIZE")) {
         (None, None) => (0usize, 1usize),
         (Some(_), None) => {
-            return Err(CommError::env("WORLD_SIZE", "is not set but RANK is (start the job with tprun or torchrun)"))
+            return Err(CommError::env(
+                "WORLD_SIZE",
+                "is not set but RANK is (start the job with tprun or torchrun)",
+            ))
         }
         (None, Some(_)) => {
-            return Err(CommError::env("RANK", "is not set but WORLD_SIZE is (start the job with tprun or torchrun)"))
+            return Err(CommError::env(
+                "RANK",
+                "is not set but WORLD_SIZE is (start the job with tprun or torchrun)",
+            ))
         }
         (Some(r), Some(w)) => (parse("RANK", &r)?, parse("WORLD_SIZE", &w)?),
     };
@@ -38,7 +44,10 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
         return Err(CommError::env("WORLD_SIZE", "must be at least 1"));
     }
     if rank >= world {
-        return Err(CommError::env("RANK", format!("RANK={rank} must be below WORLD_SIZE={world}")));
+        return Err(CommError::env(
+            "RANK",
+            format!("RANK={rank} must be below WORLD_SIZE={world}"),
+        ));
     }
     if let Some(l) = var("LOCAL_WORLD_SIZE") {
         let local: usize = parse("LOCAL_WORLD_SIZE", &l)?;
@@ -53,7 +62,12 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
     let master_port = match var("MASTER_PORT") {
         Some(p) => parse::<u16>("MASTER_PORT", &p)?,
         None if world == 1 => 0,
-        None => return Err(CommError::env("MASTER_PORT", format!("is not set (WORLD_SIZE={world}, RANK={rank})"))),
+        None => {
+            return Err(CommError::env(
+                "MASTER_PORT",
+                format!("is not set (WORLD_SIZE={world}, RANK={rank})"),
+            ))
+        }
     };
     Ok(Rendezvous {
         rank,

@@ -19,9 +19,9 @@ mod wait;
 
 pub use element::{Element, ReduceOp};
 pub use env::{init_from_env, rendezvous_from_env};
-pub use shm::{init_shm, Rendezvous};
 pub use error::{CommError, CommResult};
 pub use group::{GroupOptions, ProcessGroup};
+pub use shm::{init_shm, Rendezvous};
 pub use stats::{CollectiveKind, CommStats, OpStats};
 pub use threads::{run_threads, run_threads_with};
 pub use wait::default_timeout;

@@ -1,0 +1,205 @@
+//! [`ShardedVarBuilder`]: a `VarBuilder`-style handle that carries the process group and
+//! loads each rank's slice of a tensor, under the tensor names of the dense model.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Result, Shape, Tensor};
+
+use super::safetensors::SafetensorsSource;
+use super::source::{TensorMapSource, TensorSource, VarBuilderSource};
+use crate::comm::ProcessGroup;
+use crate::Partition;
+
+/// Loads weights for parallel layers: whole (replicated) or the rank's slice along one
+/// dimension, with the dense checkpoint's names.
+///
+/// ```
+/// # use std::collections::HashMap;
+/// # use candle_core::{DType, Device, Tensor};
+/// use candle_tp::{ProcessGroup, ShardedVarBuilder};
+/// let w = Tensor::zeros((8, 4), DType::F32, &Device::Cpu)?;
+/// let vb = ShardedVarBuilder::from_tensors(
+///     HashMap::from([("up.weight".to_string(), w)]), DType::F32, &Device::Cpu, ProcessGroup::single());
+/// let up = candle_tp::column_linear_no_bias(4, 8, vb.pp("up"))?;
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct ShardedVarBuilder {
+    source: Arc<dyn TensorSource>,
+    path: Vec<String>,
+    dtype: DType,
+    device: Device,
+    pg: ProcessGroup,
+}
+
+impl ShardedVarBuilder {
+    /// A builder over any [`TensorSource`].
+    pub fn new(
+        source: Arc<dyn TensorSource>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> Self {
+        Self {
+            source,
+            path: Vec::new(),
+            dtype,
+            device: device.clone(),
+            pg,
+        }
+    }
+
+    /// A builder over full tensors held in memory (every rank slices its part).
+    pub fn from_tensors(
+        tensors: std::collections::HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> Self {
+        Self::new(Arc::new(TensorMapSource::new(tensors)), dtype, device, pg)
+    }
+
+    /// A builder over a `candle_nn::VarBuilder` (its dtype and device are kept).
+    pub fn from_var_builder(vb: candle_nn::VarBuilder<'static>, pg: ProcessGroup) -> Self {
+        let (dtype, device) = (vb.dtype(), vb.device().clone());
+        Self::new(Arc::new(VarBuilderSource::new(vb)), dtype, &device, pg)
+    }
+
+    /// A builder over the safetensors weights of a Hugging Face model directory
+    /// (`model.safetensors` or `model.safetensors.index.json` and its shards), memory-mapped:
+    /// each rank copies only the bytes of its slices.
+    pub fn from_safetensors_dir(
+        dir: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
+        Ok(Self::new(
+            Arc::new(SafetensorsSource::from_dir(dir)?),
+            dtype,
+            device,
+            pg,
+        ))
+    }
+
+    /// The builder for the sub-module `name` (`vb.pp("mlp").pp("up_proj")`).
+    pub fn pp(&self, name: impl ToString) -> Self {
+        let mut out = self.clone();
+        out.path.push(name.to_string());
+        out
+    }
+
+    /// The process group that layers built from this builder use.
+    pub fn pg(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// The same weights for another process group (a sub-group of a mesh).
+    pub fn with_pg(&self, pg: ProcessGroup) -> Self {
+        let mut out = self.clone();
+        out.pg = pg;
+        out
+    }
+
+    /// The dtype tensors are converted to.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device tensors are placed on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The dotted prefix of this builder (`model.layers.0.mlp`).
+    pub fn prefix(&self) -> String {
+        self.path.join(".")
+    }
+
+    /// The full name of tensor `name` under this prefix.
+    pub fn full_name(&self, name: &str) -> String {
+        if self.path.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix())
+        }
+    }
+
+    /// Whether the source holds `name` under this prefix.
+    pub fn contains(&self, name: &str) -> bool {
+        matches!(self.source.shape(&self.full_name(name)), Ok(Some(_)))
+    }
+
+    fn checked_shape(&self, name: &str, expected: &Shape) -> Result<String> {
+        let full = self.full_name(name);
+        match self.source.shape(&full)? {
+            None => candle_core::bail!(
+                "tensor '{full}' is not in the checkpoint (rank {} of group '{}')",
+                self.pg.rank(),
+                self.pg.name()
+            ),
+            Some(s) if &s != expected => candle_core::bail!(
+                "tensor '{full}' has shape {:?} in the checkpoint but the layer expects {:?}",
+                s.dims(),
+                expected.dims()
+            ),
+            Some(_) => Ok(full),
+        }
+    }
+
+    /// Loads the whole tensor `name` (a replicated weight), checking its shape.
+    pub fn get<S: Into<Shape>>(&self, shape: S, name: &str) -> Result<Tensor> {
+        let shape = shape.into();
+        let full = self.checked_shape(name, &shape)?;
+        self.source.load(&full, self.dtype, &self.device)
+    }
+
+    /// Loads this rank's part of `name` along `dim`, split as `part`; the checkpoint holds the
+    /// full tensor of `full_shape`.
+    pub fn get_sharded<S: Into<Shape>>(
+        &self,
+        full_shape: S,
+        name: &str,
+        dim: usize,
+        part: &Partition,
+    ) -> Result<Tensor> {
+        let shape = full_shape.into();
+        let full = self.full_name(name);
+        if shape.dims().get(dim) != Some(&part.total()) {
+            candle_core::bail!(
+                "tensor '{full}': a partition of {} elements does not fit dim {dim} of shape {:?}",
+                part.total(),
+                shape.dims()
+            );
+        }
+        self.get_ranges(shape, name, dim, &[part.range(self.pg.rank())])
+    }
+
+    /// Loads the elements of `name` whose index along `dim` lies in `ranges`, concatenated
+    /// (the rank's pieces of a fused tensor such as `qkv_proj`).
+    pub fn get_ranges<S: Into<Shape>>(
+        &self,
+        full_shape: S,
+        name: &str,
+        dim: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<Tensor> {
+        let shape = full_shape.into();
+        let full = self.checked_shape(name, &shape)?;
+        self.source
+            .load_ranges(&full, dim, ranges, self.dtype, &self.device)
+    }
+}
+
+impl std::fmt::Debug for ShardedVarBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedVarBuilder")
+            .field("prefix", &self.prefix())
+            .field("dtype", &self.dtype)
+            .field("device", &self.device)
+            .field("pg", &self.pg)
+            .finish()
+    }
+}

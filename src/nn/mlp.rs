@@ -1,0 +1,141 @@
+//! Tensor-parallel MLPs: a column-parallel layer, the activation on the split hidden features,
+//! a row-parallel layer. One all-reduce forward and one backward per MLP (Megatron).
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::Activation;
+
+use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use crate::loader::ShardedVarBuilder;
+use crate::ops::copy_to_tp;
+
+/// The two-layer MLP `fc2(act(fc1(x)))` (the seeds' d → 4d → d block with GELU, BERT's
+/// feed-forward, GPT-2's MLP).
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    fc1: ColumnParallelLinear,
+    fc2: RowParallelLinear,
+    act: Activation,
+}
+
+impl Mlp {
+    /// From built layers (`fc1` must leave its output split, `fc2` take a split input).
+    pub fn new(fc1: ColumnParallelLinear, fc2: RowParallelLinear, act: Activation) -> Self {
+        Self { fc1, fc2, act }
+    }
+
+    /// Loads `fc1` (`[d_ff, d_model]`) and `fc2` (`[d_model, d_ff]`), both with bias, under
+    /// the names `fc1_name` and `fc2_name` of `vb` (e.g. `"fc1"`, `"fc2"`).
+    pub fn load(
+        d_model: usize,
+        d_ff: usize,
+        act: Activation,
+        fc1_name: &str,
+        fc2_name: &str,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        let fc1 = ColumnParallelLinear::load(d_model, d_ff, true, 1, vb.pp(fc1_name))?;
+        let fc2 = RowParallelLinear::load(d_ff, d_model, true, 1, vb.pp(fc2_name))?;
+        Ok(Self::new(fc1, fc2, act))
+    }
+
+    /// The first (column-parallel) layer.
+    pub fn fc1(&self) -> &ColumnParallelLinear {
+        &self.fc1
+    }
+
+    /// The second (row-parallel) layer.
+    pub fn fc2(&self) -> &RowParallelLinear {
+        &self.fc2
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc2.forward(&self.act.forward(&self.fc1.forward(x)?)?)
+    }
+}
+
+/// `mlp(d_model, d_ff, act, vb)`: the two-layer MLP with tensors `fc1.*` and `fc2.*`.
+pub fn mlp(d_model: usize, d_ff: usize, act: Activation, vb: ShardedVarBuilder) -> Result<Mlp> {
+    Mlp::load(d_model, d_ff, act, "fc1", "fc2", vb)
+}
+
+/// The gated MLP of Llama, Mistral and Qwen2: `down_proj(act(gate_proj(x)) * up_proj(x))`,
+/// with one `copy_to_tp` shared by the gate and up projections (one all-reduce backward).
+#[derive(Debug, Clone)]
+pub struct GatedMlp {
+    gate_proj: ColumnParallelLinear,
+    up_proj: ColumnParallelLinear,
+    down_proj: RowParallelLinear,
+    act: Activation,
+}
+
+impl GatedMlp {
+    /// From built layers; `gate_proj` and `up_proj` must be split the same way.
+    pub fn new(
+        gate_proj: ColumnParallelLinear,
+        up_proj: ColumnParallelLinear,
+        down_proj: RowParallelLinear,
+        act: Activation,
+    ) -> Result<Self> {
+        if gate_proj.out_partition() != up_proj.out_partition()
+            || up_proj.out_partition() != down_proj.in_partition()
+        {
+            candle_core::bail!(
+                "GatedMlp: gate_proj, up_proj and down_proj must split the intermediate size alike ({:?}, {:?}, {:?})",
+                gate_proj.out_partition().sizes(),
+                up_proj.out_partition().sizes(),
+                down_proj.in_partition().sizes()
+            );
+        }
+        Ok(Self {
+            gate_proj,
+            up_proj,
+            down_proj,
+            act,
+        })
+    }
+
+    /// Loads `gate_proj`, `up_proj` (`[intermediate, hidden]`) and `down_proj`
+    /// (`[hidden, intermediate]`), without bias, as Llama checkpoints name them.
+    pub fn load(
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        let gate = ColumnParallelLinear::load(hidden, intermediate, false, 1, vb.pp("gate_proj"))?;
+        let up = ColumnParallelLinear::load(hidden, intermediate, false, 1, vb.pp("up_proj"))?;
+        let down = RowParallelLinear::load(intermediate, hidden, false, 1, vb.pp("down_proj"))?;
+        Self::new(gate, up, down, act)
+    }
+
+    /// The gate projection.
+    pub fn gate_proj(&self) -> &ColumnParallelLinear {
+        &self.gate_proj
+    }
+
+    /// The up projection.
+    pub fn up_proj(&self) -> &ColumnParallelLinear {
+        &self.up_proj
+    }
+
+    /// The down projection.
+    pub fn down_proj(&self) -> &RowParallelLinear {
+        &self.down_proj
+    }
+}
+
+impl Module for GatedMlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = copy_to_tp(x, self.gate_proj.pg())?;
+        let gate = self.act.forward(&self.gate_proj.forward_local(&x)?)?;
+        let up = self.up_proj.forward_local(&x)?;
+        self.down_proj.forward(&(gate * up)?)
+    }
+}
+
+/// `GatedMlp::load` with SiLU, Llama's activation.
+pub fn gated_mlp(hidden: usize, intermediate: usize, vb: ShardedVarBuilder) -> Result<GatedMlp> {
+    GatedMlp::load(hidden, intermediate, Activation::Silu, vb)
+}
