@@ -174,7 +174,10 @@ impl Config {
                 ),
             ));
         }
-        if nnodes.checked_mul(nproc_per_node).is_none_or(|w| w > i32::MAX as usize) {
+        if nnodes
+            .checked_mul(nproc_per_node)
+            .is_none_or(|w| w > i32::MAX as usize)
+        {
             return Err(usage_error(
                 ErrorKind::ValueValidation,
                 format!("--nnodes {nnodes} times --nproc-per-node {nproc_per_node} is too large"),
@@ -199,7 +202,9 @@ impl Config {
             if id.is_empty() || id.chars().any(|c| c.is_control() || c == '/') {
                 return Err(usage_error(
                     ErrorKind::ValueValidation,
-                    format!("--rdzv-id {id:?} must be non-empty, without '/' or control characters"),
+                    format!(
+                        "--rdzv-id {id:?} must be non-empty, without '/' or control characters"
+                    ),
                 ));
             }
         }

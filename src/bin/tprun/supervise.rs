@@ -141,10 +141,7 @@ enum Event {
 pub fn run(config: &Config, job: &Job) -> i32 {
     if let Some(dir) = &config.log_dir {
         if let Err(e) = fs::create_dir_all(dir) {
-            say!(
-                "tprun: cannot create --log-dir {}: {e}\n",
-                dir.display()
-            );
+            say!("tprun: cannot create --log-dir {}: {e}\n", dir.display());
             return 1;
         }
     }
@@ -410,10 +407,15 @@ fn report_failure(worker: &Worker, others: usize) -> i32 {
         elapsed.as_secs_f64()
     );
     if others > 0 {
-        text.push_str(&format!("tprun: stopped the {others} other running rank(s)\n"));
+        text.push_str(&format!(
+            "tprun: stopped the {others} other running rank(s)\n"
+        ));
     }
     if lines.is_empty() {
-        text.push_str(&format!("tprun: rank {} wrote nothing to stderr\n", worker.rank));
+        text.push_str(&format!(
+            "tprun: rank {} wrote nothing to stderr\n",
+            worker.rank
+        ));
     } else {
         text.push_str(&format!(
             "tprun: last {} stderr line(s) of rank {}:\n",
