@@ -76,7 +76,7 @@ pub struct Cli {
     #[arg(long = "standalone")]
     pub standalone: bool,
 
-    /// Also write each rank's output to DIR/rank<N>.stdout and DIR/rank<N>.stderr.
+    /// Also write each rank's output to DIR/rankN.stdout and DIR/rankN.stderr (N: global rank).
     #[arg(long = "log-dir", alias = "log_dir", value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
 

@@ -100,3 +100,27 @@ pub fn random_hex(bytes: usize) -> io::Result<String> {
         .map_err(|e| io::Error::new(e.kind(), format!("cannot read /dev/urandom: {e}")))?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_split_the_cores_with_at_least_one_each() {
+        assert_eq!(threads_per_rank(16, 4), 4);
+        assert_eq!(threads_per_rank(16, 3), 5);
+        assert_eq!(threads_per_rank(2, 3), 1);
+        assert_eq!(threads_per_rank(1, 1), 1);
+    }
+
+    #[test]
+    fn random_hex_has_two_chars_a_byte_and_differs() -> io::Result<()> {
+        let (a, b) = (random_hex(16)?, random_hex(16)?);
+        assert_eq!(a.len(), 32);
+        assert!(a
+            .chars()
+            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+        assert_ne!(a, b);
+        Ok(())
+    }
+}

@@ -69,5 +69,23 @@ fn run(config: &Config) -> i32 {
             return 1;
         }
     };
+    if config.nnodes > 1 {
+        if std::env::var_os(job::TOKEN_VAR).is_none() {
+            say!(
+                "tprun: warning: --nnodes is {} but {} is not set, so this node made up its own \
+                 token; set the same {1} on every node\n",
+                config.nnodes,
+                job::TOKEN_VAR
+            );
+        }
+        if config.run_id.is_none() {
+            say!(
+                "tprun: warning: --nnodes is {} but --rdzv-id is not given, so this node made up \
+                 its own job id ({}); give the same --rdzv-id on every node\n",
+                config.nnodes,
+                job.run_id
+            );
+        }
+    }
     supervise::run(config, &job)
 }

@@ -172,3 +172,28 @@ fn trim_newline(line: &[u8]) -> &[u8] {
 pub fn say(message: std::fmt::Arguments) {
     let _ = io::stderr().lock().write_fmt(message);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_keeps_the_last_lines_in_order() {
+        let mut tail = Tail::new(3);
+        for i in 0..5 {
+            tail.push(i.to_string());
+        }
+        assert_eq!(tail.lines(), ["2", "3", "4"]);
+        let mut none = Tail::new(0);
+        none.push("x".to_string());
+        assert!(none.lines().is_empty());
+    }
+
+    #[test]
+    fn newline_and_crlf_are_trimmed_once() {
+        assert_eq!(trim_newline(b"a\n"), b"a");
+        assert_eq!(trim_newline(b"a\r\n"), b"a");
+        assert_eq!(trim_newline(b"a"), b"a");
+        assert_eq!(trim_newline(b"a\n\n"), b"a\n");
+    }
+}
