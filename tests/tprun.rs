@@ -440,6 +440,37 @@ fn stop_with_signal(signal: libc::c_int, expected: i32) -> Result<()> {
 }
 
 #[test]
+fn workers_die_with_a_killed_tprun() -> Result<()> {
+    let dir = TempDir::new("pdeathsig")?;
+    let script = format!("{WRITE_PID}; exec sleep 60");
+    let mut command = tprun(&["--nproc-per-node", "2", "sh", "-c", &script]);
+    command.env("D", dir.str()?);
+    let started = Instant::now();
+    let mut child = command.spawn()?;
+    while worker_pids(dir.path(), 2).is_err() {
+        if started.elapsed() > Duration::from_secs(5) {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("workers did not start");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    let pids = worker_pids(dir.path(), 2)?;
+    // SIGKILL: tprun gets no chance to stop its workers; the kernel must.
+    child.kill()?;
+    child.wait()?;
+    // Orphans are reparented and may stay zombies here: only live ones count.
+    for pid in pids {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !group_members(pid).is_empty() {
+            ensure!(Instant::now() < deadline, "worker {pid} outlived tprun");
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn sigint_stops_all_workers_with_130() -> Result<()> {
     stop_with_signal(libc::SIGINT, 130)
 }
