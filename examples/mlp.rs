@@ -67,15 +67,25 @@ fn main() -> Result<()> {
     let (rank, world) = (pg.rank(), pg.size());
     let (d, h) = (args.d_model, 4 * args.d_model);
     let s = args.seed;
-    let (w1, b1) = (seeded(&[h, d], s, 1.0 / (d as f32).sqrt())?, seeded(&[h], s + 1, 0.1)?);
-    let (w2, b2) = (seeded(&[d, h], s + 2, 1.0 / (h as f32).sqrt())?, seeded(&[d], s + 3, 0.1)?);
+    let (w1, b1) = (
+        seeded(&[h, d], s, 1.0 / (d as f32).sqrt())?,
+        seeded(&[h], s + 1, 0.1)?,
+    );
+    let (w2, b2) = (
+        seeded(&[d, h], s + 2, 1.0 / (h as f32).sqrt())?,
+        seeded(&[d], s + 3, 0.1)?,
+    );
     let x = seeded(&[args.batch, args.seq_len, d], s + 4, 1.0)?;
     let probe = seeded(&[args.batch, args.seq_len, d], s + 5, 1.0)?;
 
     // Dense reference, on every rank.
-    let vars: Vec<Var> = [&x, &w1, &b1, &w2, &b2].iter().map(|t| Var::from_tensor(t)).collect::<candle_core::Result<_>>()?;
+    let vars: Vec<Var> = [&x, &w1, &b1, &w2, &b2]
+        .iter()
+        .map(|t| Var::from_tensor(t))
+        .collect::<candle_core::Result<_>>()?;
     let t = |i: usize| vars[i].as_tensor().clone();
-    let dense_out = Linear::new(t(3), Some(t(4))).forward(&Linear::new(t(1), Some(t(2))).forward(&t(0))?.gelu_erf()?)?;
+    let dense_out = Linear::new(t(3), Some(t(4)))
+        .forward(&Linear::new(t(1), Some(t(2))).forward(&t(0))?.gelu_erf()?)?;
     let dense_grads = (&dense_out * &probe)?.sum_all()?.backward()?;
 
     // Tensor-parallel MLP from this rank's shards.
@@ -87,7 +97,10 @@ fn main() -> Result<()> {
         narrow(&w2, 1, &part, rank)?,
         b2.clone(),
     ];
-    let pvars: Vec<Var> = shards.iter().map(Var::from_tensor).collect::<candle_core::Result<_>>()?;
+    let pvars: Vec<Var> = shards
+        .iter()
+        .map(Var::from_tensor)
+        .collect::<candle_core::Result<_>>()?;
     let p = |i: usize| pvars[i].as_tensor().clone();
     let fc1 = ColumnParallelLinear::new(p(1), Some(p(2)), d, part, pg.clone())?;
     let fc2 = RowParallelLinear::new(p(3), Some(p(4)), part, d, pg.clone())?;
@@ -118,13 +131,24 @@ fn main() -> Result<()> {
         dims(&out)
     );
 
-    let g = |store: &candle_core::backprop::GradStore, v: &Var| store.get(v).cloned().expect("gradient");
+    let g = |store: &candle_core::backprop::GradStore, v: &Var| {
+        store.get(v).cloned().expect("gradient")
+    };
     let err_out = max_err(&out, &dense_out)?;
     let err_gx = max_err(&g(&grads, &pvars[0]), &g(&dense_grads, &vars[0]))?;
-    let err_gw = max_err(&g(&grads, &pvars[1]), &narrow(&g(&dense_grads, &vars[1]), 0, &part, rank)?)?
-        .max(max_err(&g(&grads, &pvars[3]), &narrow(&g(&dense_grads, &vars[3]), 1, &part, rank)?)?);
-    let err_gb = max_err(&g(&grads, &pvars[2]), &narrow(&g(&dense_grads, &vars[2]), 0, &part, rank)?)?
-        .max(max_err(&g(&grads, &pvars[4]), &g(&dense_grads, &vars[4]))?);
+    let err_gw = max_err(
+        &g(&grads, &pvars[1]),
+        &narrow(&g(&dense_grads, &vars[1]), 0, &part, rank)?,
+    )?
+    .max(max_err(
+        &g(&grads, &pvars[3]),
+        &narrow(&g(&dense_grads, &vars[3]), 1, &part, rank)?,
+    )?);
+    let err_gb = max_err(
+        &g(&grads, &pvars[2]),
+        &narrow(&g(&dense_grads, &vars[2]), 0, &part, rank)?,
+    )?
+    .max(max_err(&g(&grads, &pvars[4]), &g(&dense_grads, &vars[4]))?);
     // The largest error over all ranks.
     let mut errs = [err_out, err_gx, err_gw, err_gb];
     pg.all_reduce_slice(&mut errs, ReduceOp::Max)?;

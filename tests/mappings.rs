@@ -83,8 +83,8 @@ fn gather_and_scatter_on_the_last_dim_with_uneven_shares() {
             let g = (y * (me as f64 + 1.0))?.sum_all()?.backward()?;
             // Column c's gradient is (owner of c) + 1.
             let got = v2(g.get(&xf).unwrap());
-            for c in 0..total {
-                assert_eq!(got[1][c], part.owner(c).unwrap() as f32 + 1.0, "column {c}");
+            for (c, g) in got[1].iter().enumerate() {
+                assert_eq!(*g, part.owner(c).unwrap() as f32 + 1.0, "column {c}");
             }
             Ok(())
         })
@@ -121,8 +121,8 @@ fn sequence_parallel_pair_on_dim_0_and_dim_1() {
             // Backward all-gathers: row i's gradient is (owner of row i) + 1.
             let g = (y * (me as f64 + 1.0))?.sum_all()?.backward()?;
             let got = v2(g.get(&xf).unwrap());
-            for i in 0..seq {
-                assert_eq!(got[i][0], part.owner(i).unwrap() as f32 + 1.0, "row {i}");
+            for (i, row) in got.iter().enumerate() {
+                assert_eq!(row[0], part.owner(i).unwrap() as f32 + 1.0, "row {i}");
             }
             // Along dim 1 of a [2, seq, 3] batch-first activation.
             let b = Tensor::stack(&[ramp(seq, 3, 0.0), ramp(seq, 3, 50.0)], 0)?;

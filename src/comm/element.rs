@@ -215,7 +215,7 @@ mod tests {
         unsafe { reduce_into(ReduceOp::Sum, &[pa as *const f32, b.as_ptr()], pa, n) };
         assert!(a.iter().enumerate().all(|(i, &v)| v == 3.0 * i as f32));
         let mut x = vec![i64::MAX, 5];
-        let y = vec![1i64, 7];
+        let y = [1i64, 7];
         let px = x.as_mut_ptr();
         unsafe { reduce_into(ReduceOp::Sum, &[px as *const i64, y.as_ptr()], px, 2) };
         assert_eq!(x, vec![i64::MIN, 12]);

@@ -780,8 +780,13 @@ impl Engine {
                 recv += len * esz;
             }
         }
-        self.stats
-            .record(CollectiveKind::Broadcast, n * esz, sent, recv, t0.elapsed());
+        self.stats.record(
+            CollectiveKind::Broadcast,
+            std::mem::size_of_val(buf),
+            sent,
+            recv,
+            t0.elapsed(),
+        );
         Ok(())
     }
 
