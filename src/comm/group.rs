@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use super::element::{Element, ReduceOp};
-use super::engine::{default_slot_bytes, region_layout, Engine};
+use super::engine::{default_slot_bytes, region_layout, Engine, MAX_RANKS};
 use super::error::{CommError, CommResult};
 use super::region::{self, RegionKind};
 use super::stats::CommStats;
@@ -391,8 +391,8 @@ impl ProcessGroup {
 
     /// Concatenates every rank's `src` (all the same length) into `dst`, in rank order.
     pub fn all_gather_slice<T: Element>(&self, src: &[T], dst: &mut [T]) -> CommResult<()> {
-        let counts = vec![src.len(); self.size()];
-        self.all_gather_v_slice(src, dst, &counts)
+        let counts = [src.len(); MAX_RANKS];
+        self.all_gather_v_slice(src, dst, &counts[..self.size().min(MAX_RANKS)])
     }
 
     /// Concatenates every rank's `src` into `dst`, where rank `r` contributes `counts[r]`
@@ -430,8 +430,8 @@ impl ProcessGroup {
         dst: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
-        let counts = vec![dst.len(); self.size()];
-        self.reduce_scatter_v_slice(src, dst, &counts, op)
+        let counts = [dst.len(); MAX_RANKS];
+        self.reduce_scatter_v_slice(src, dst, &counts[..self.size().min(MAX_RANKS)], op)
     }
 
     /// Reduces `src` (blocks of `counts[r]` elements, concatenated) across ranks and leaves

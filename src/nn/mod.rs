@@ -1,7 +1,9 @@
 //! Parallel layers that are drop-in replacements for candle-nn's.
+pub mod embedding;
 pub mod linear;
 pub mod mlp;
 
+pub use embedding::{ParallelLmHead, VocabParallelEmbedding};
 pub use linear::{
     column_linear, column_linear_no_bias, replicated_linear, replicated_linear_no_bias, row_linear,
     row_linear_no_bias, ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
