@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 
 pub mod comm;
+pub mod generate;
 pub mod loader;
 pub mod nn;
 pub mod ops;
