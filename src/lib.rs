@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 
 pub mod comm;
+pub mod convert;
 pub mod loader;
 pub mod partition;
 
