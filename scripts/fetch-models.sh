@@ -9,6 +9,9 @@
 #
 # Idempotent: every step whose output already exists is skipped. Every output is written to a
 # temporary path first and renamed into place, so an interrupted run leaves nothing half-made.
+#
+# Environment: CANDLE_TP_HOME (cache root), PYTHON (default python3), CANDLE_TP_CONVERT_PROFILE
+# (cargo profile for the converter, default release), and cargo's own CARGO_TARGET_DIR.
 set -euo pipefail
 
 HOME_DIR="${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}"
@@ -41,6 +44,8 @@ cleanup() {
     for p in "${TMP_PATHS[@]+"${TMP_PATHS[@]}"}"; do rm -rf -- "$p"; done
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 sha256_of() { "$PYTHON" -c 'import hashlib,sys
 h = hashlib.sha256()

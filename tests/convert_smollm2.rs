@@ -159,7 +159,7 @@ fn config_matches_transformers() -> Result<()> {
         assert_eq!(c.tokenizer_config.get(key), reference.get(key), "{key}");
     }
     let template = read_reference("chat_template.jinja")?;
-    assert_eq!(c.chat_template.trim_end(), template.trim_end());
+    assert_eq!(c.chat_template, template);
     assert_eq!(
         c.tokenizer_config["chat_template"]
             .as_str()
@@ -251,11 +251,21 @@ fn tokenizer_matches_transformers_tokenizer() -> Result<()> {
     assert_eq!(added(&ours), added(&reference));
     assert_eq!(added(&ours).len(), 17);
 
+    // Built from the GGUF alone, the whole file equals what transformers wrote.
+    let c = converted()?;
+    assert!(
+        read_json(&c.tokenizer_json, "our tokenizer.json")?
+            == read_json(
+                &read_reference("tokenizer.json")?,
+                "reference tokenizer.json"
+            )?,
+        "tokenizer.json differs from the reference as a JSON value"
+    );
+
     // Same merges, in the same order (the file form of the BPE ranks).
     let merges = |json: &str| -> Result<Value> {
         Ok(read_json(json, "tokenizer.json")?["model"]["merges"].clone())
     };
-    let c = converted()?;
     let ours_merges = merges(&c.tokenizer_json)?;
     assert_eq!(ours_merges, merges(&read_reference("tokenizer.json")?)?);
     assert_eq!(ours_merges.as_array().map(Vec::len), Some(48_900));

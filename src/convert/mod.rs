@@ -95,7 +95,7 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<ConvertSummary> 
         let path = out_dir.join(name);
         let text = serde_json::to_string_pretty(value)
             .map_err(|e| Error::Msg(format!("cannot serialize {}: {e}", path.display())))?;
-        write_file(&path, text.as_bytes())?;
+        write_file(&path, format!("{text}\n").as_bytes())?;
         files.push(path);
         Ok(())
     };
@@ -130,7 +130,6 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path)
         .map_err(|e| Error::Msg(format!("cannot create {}: {e}", path.display())))?;
     f.write_all(bytes)
-        .and_then(|_| f.write_all(b"\n"))
         .map_err(|e| Error::Msg(format!("cannot write {}: {e}", path.display())))
 }
 
