@@ -54,7 +54,8 @@ fn default_model_dir() -> Result<PathBuf> {
     let home = match std::env::var_os("CANDLE_TP_HOME") {
         Some(h) => PathBuf::from(h),
         None => PathBuf::from(
-            std::env::var_os("HOME").ok_or_else(|| anyhow!("neither CANDLE_TP_HOME nor HOME is set"))?,
+            std::env::var_os("HOME")
+                .ok_or_else(|| anyhow!("neither CANDLE_TP_HOME nor HOME is set"))?,
         )
         .join(".cache/candle-tp"),
     };
@@ -174,8 +175,12 @@ fn main() -> Result<()> {
     let dtype = parse_dtype(&args.dtype)?;
 
     let t0 = Instant::now();
-    let model = BertModel::from_dir(&dir, dtype, &device, pg.clone())
-        .with_context(|| format!("loading the BERT model from {} (scripts/fetch-models.sh fetches the default one)", dir.display()))?;
+    let model = BertModel::from_dir(&dir, dtype, &device, pg.clone()).with_context(|| {
+        format!(
+            "loading the BERT model from {} (scripts/fetch-models.sh fetches the default one)",
+            dir.display()
+        )
+    })?;
     let load_s = t0.elapsed().as_secs_f64();
 
     let (texts, ids) = if pg.rank() == 0 {
@@ -189,7 +194,9 @@ fn main() -> Result<()> {
     let ids = share_ids(&pg, ids)?;
     if ids.is_empty() {
         if pg.rank() == 0 {
-            eprintln!("no sentences to embed (give --text, --input FILE, or lines on standard input)");
+            eprintln!(
+                "no sentences to embed (give --text, --input FILE, or lines on standard input)"
+            );
         }
         return Ok(());
     }

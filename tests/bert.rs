@@ -17,7 +17,9 @@ use common::{max_abs_diff, seeded};
 fn minilm_dir() -> PathBuf {
     let home = match std::env::var_os("CANDLE_TP_HOME") {
         Some(h) => PathBuf::from(h),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/candle-tp"),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/candle-tp")
+        }
     };
     let dir = home.join("models/all-minilm-l6-v2");
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
@@ -37,7 +39,11 @@ fn reference_model(dir: &Path) -> reference::BertModel {
             .expect("candle-transformers parses the config");
     // SAFETY: the test's own checkpoint files are not modified while mapped.
     let vb = unsafe {
-        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &Device::Cpu)
+        VarBuilder::from_mmaped_safetensors(
+            &[dir.join("model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )
     }
     .expect("mmap the checkpoint");
     reference::BertModel::load(vb, &cfg).expect("reference BERT")
@@ -99,7 +105,10 @@ fn minilm_matches_candle_transformers_at_1_to_4_ranks() -> Result<()> {
     ];
     let sentences = tokenize(&dir, &texts);
     let lens: Vec<usize> = sentences.iter().map(Vec::len).collect();
-    assert!(lens[0] < lens[2] && lens[2] < lens[1], "padding is exercised: {lens:?}");
+    assert!(
+        lens[0] < lens[2] && lens[2] < lens[1],
+        "padding is exercised: {lens:?}"
+    );
 
     let (ids, mask_t, mask) = padded(&sentences);
     let r = reference_model(&dir);
@@ -119,8 +128,13 @@ fn minilm_matches_candle_transformers_at_1_to_4_ranks() -> Result<()> {
             let e_h = max_abs_diff(hidden, &ref_hidden)?;
             let e_m = max_abs_diff(mean, &ref_mean)?;
             let e_n = max_abs_diff(norm, &ref_norm)?;
-            println!("world {world} rank {rank}: hidden {e_h:.2e} mean {e_m:.2e} normalized {e_n:.2e}");
-            assert!(e_h <= 1e-3 && e_m <= 1e-3 && e_n <= 1e-3, "world {world} rank {rank}: {e_h} {e_m} {e_n}");
+            println!(
+                "world {world} rank {rank}: hidden {e_h:.2e} mean {e_m:.2e} normalized {e_n:.2e}"
+            );
+            assert!(
+                e_h <= 1e-3 && e_m <= 1e-3 && e_n <= 1e-3,
+                "world {world} rank {rank}: {e_h} {e_m} {e_n}"
+            );
         }
     }
     Ok(())
@@ -145,23 +159,55 @@ fn tiny_tensors() -> HashMap<String, Tensor> {
     let mut seed = 1u64;
     let mut put = |name: String, shape: &[usize], scale: f64, offset: f64| {
         seed += 1;
-        let x = (seeded(shape, seed) * scale).and_then(|x| x + offset).expect("scale");
+        let x = (seeded(shape, seed) * scale)
+            .and_then(|x| x + offset)
+            .expect("scale");
         m.insert(format!("bert.{name}"), x);
     };
-    put("embeddings.word_embeddings.weight".into(), &[v, h], 1.0, 0.0);
-    put("embeddings.position_embeddings.weight".into(), &[p, h], 0.5, 0.0);
-    put("embeddings.token_type_embeddings.weight".into(), &[t, h], 0.5, 0.0);
+    put(
+        "embeddings.word_embeddings.weight".into(),
+        &[v, h],
+        1.0,
+        0.0,
+    );
+    put(
+        "embeddings.position_embeddings.weight".into(),
+        &[p, h],
+        0.5,
+        0.0,
+    );
+    put(
+        "embeddings.token_type_embeddings.weight".into(),
+        &[t, h],
+        0.5,
+        0.0,
+    );
     put("embeddings.LayerNorm.weight".into(), &[h], 0.2, 1.0);
     put("embeddings.LayerNorm.bias".into(), &[h], 0.2, 0.0);
     for l in 0..2 {
         let pre = format!("encoder.layer.{l}");
         for name in ["query", "key", "value"] {
-            put(format!("{pre}.attention.self.{name}.weight"), &[h, h], 0.4, 0.0);
+            put(
+                format!("{pre}.attention.self.{name}.weight"),
+                &[h, h],
+                0.4,
+                0.0,
+            );
             put(format!("{pre}.attention.self.{name}.bias"), &[h], 0.2, 0.0);
         }
-        put(format!("{pre}.attention.output.dense.weight"), &[h, h], 0.3, 0.0);
+        put(
+            format!("{pre}.attention.output.dense.weight"),
+            &[h, h],
+            0.3,
+            0.0,
+        );
         put(format!("{pre}.attention.output.dense.bias"), &[h], 0.2, 0.0);
-        put(format!("{pre}.intermediate.dense.weight"), &[i, h], 0.3, 0.0);
+        put(
+            format!("{pre}.intermediate.dense.weight"),
+            &[i, h],
+            0.3,
+            0.0,
+        );
         put(format!("{pre}.intermediate.dense.bias"), &[i], 0.2, 0.0);
         put(format!("{pre}.output.dense.weight"), &[h, i], 0.3, 0.0);
         put(format!("{pre}.output.dense.bias"), &[h], 0.2, 0.0);
@@ -183,8 +229,16 @@ fn write_checkpoint(dir: &Path, config: Option<&str>, tensors: &HashMap<String, 
 #[test]
 fn tiny_uneven_bert_matches_candle_transformers() -> Result<()> {
     let tmp = tempfile::tempdir().expect("tempdir");
-    write_checkpoint(tmp.path(), Some(&tiny_config("bert", "gelu")), &tiny_tensors());
-    let sentences: Vec<Vec<u32>> = vec![vec![1, 7, 49, 3, 22, 5, 2], vec![1, 13, 2], vec![1, 30, 31, 40, 2]];
+    write_checkpoint(
+        tmp.path(),
+        Some(&tiny_config("bert", "gelu")),
+        &tiny_tensors(),
+    );
+    let sentences: Vec<Vec<u32>> = vec![
+        vec![1, 7, 49, 3, 22, 5, 2],
+        vec![1, 13, 2],
+        vec![1, 30, 31, 40, 2],
+    ];
     let (ids, mask_t, mask) = padded(&sentences);
     // Segment ids: the second half of each row is segment 1.
     let (b, s) = ids.dims2()?;
@@ -193,7 +247,11 @@ fn tiny_uneven_bert_matches_candle_transformers() -> Result<()> {
 
     let r = reference_model(tmp.path());
     let ref_hidden = r.forward(&ids, &types, Some(&mask_t))?;
-    let ref_norm = pool(&r.forward(&ids, &ids.zeros_like()?, Some(&mask_t))?, &mask, true);
+    let ref_norm = pool(
+        &r.forward(&ids, &ids.zeros_like()?, Some(&mask_t))?,
+        &mask,
+        true,
+    );
 
     for world in 1..=4 {
         let outs = run_threads(world, |pg| {
@@ -207,7 +265,10 @@ fn tiny_uneven_bert_matches_candle_transformers() -> Result<()> {
             let e_h = max_abs_diff(hidden, &ref_hidden)?;
             let e_n = max_abs_diff(norm, &ref_norm)?;
             println!("tiny world {world} rank {rank}: hidden {e_h:.2e} normalized {e_n:.2e}");
-            assert!(e_h <= 1e-4 && e_n <= 1e-4, "world {world} rank {rank}: {e_h} {e_n}");
+            assert!(
+                e_h <= 1e-4 && e_n <= 1e-4,
+                "world {world} rank {rank}: {e_h} {e_n}"
+            );
         }
     }
     Ok(())
@@ -215,7 +276,9 @@ fn tiny_uneven_bert_matches_candle_transformers() -> Result<()> {
 
 fn load_err(dir: &Path, world: usize) -> String {
     let errs = run_threads(world, |pg| {
-        Ok(BertModel::from_dir(dir, DType::F32, &Device::Cpu, pg).err().map(|e| e.to_string()))
+        Ok(BertModel::from_dir(dir, DType::F32, &Device::Cpu, pg)
+            .err()
+            .map(|e| e.to_string()))
     })
     .expect("threads");
     errs[0].clone().expect("loading must fail")
@@ -226,7 +289,10 @@ fn missing_config_is_a_clear_error() {
     let tmp = tempfile::tempdir().expect("tempdir");
     write_checkpoint(tmp.path(), None, &tiny_tensors());
     let e = load_err(tmp.path(), 1);
-    assert!(e.contains("config.json") && e.contains(&tmp.path().display().to_string()), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains(&tmp.path().display().to_string()),
+        "{e}"
+    );
 }
 
 #[test]
@@ -243,9 +309,16 @@ fn missing_tensor_is_named() {
 #[test]
 fn world_larger_than_heads_is_refused_with_sizes() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    write_checkpoint(tmp.path(), Some(&tiny_config("bert", "gelu")), &tiny_tensors());
+    write_checkpoint(
+        tmp.path(),
+        Some(&tiny_config("bert", "gelu")),
+        &tiny_tensors(),
+    );
     let e = load_err(tmp.path(), 7);
-    assert!(e.contains("world size 7") && e.contains("num_attention_heads 6"), "{e}");
+    assert!(
+        e.contains("world size 7") && e.contains("num_attention_heads 6"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -255,10 +328,16 @@ fn unsupported_config_values_are_named() {
     let e = BertConfig::from_json_str(&tiny_config("roberta", "gelu"), "cfg").expect_err("roberta");
     assert!(e.to_string().contains("model_type 'roberta'"), "{e}");
     let e = BertConfig::from_json_str(r#"{"hidden_size": 8}"#, "cfg.json").expect_err("fields");
-    assert!(e.to_string().contains("cfg.json") && e.to_string().contains("vocab_size"), "{e}");
+    assert!(
+        e.to_string().contains("cfg.json") && e.to_string().contains("vocab_size"),
+        "{e}"
+    );
     // The parsed config agrees with the file.
     let c = BertConfig::from_json_str(&tiny_config("bert", "gelu"), "cfg").expect("valid");
-    assert_eq!((c.hidden_size, c.num_attention_heads, c.head_dim()), (24, 6, 4));
+    assert_eq!(
+        (c.hidden_size, c.num_attention_heads, c.head_dim()),
+        (24, 6, 4)
+    );
 }
 
 #[test]

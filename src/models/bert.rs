@@ -279,11 +279,11 @@ impl BertAttention {
         let v = self.heads(&self.value.forward_local(&xp)?)?;
         let scores = (q.matmul(&k.t()?)? / (self.head_dim as f64).sqrt())?;
         let probs = candle_nn::ops::softmax(&scores.broadcast_add(mask)?, D::Minus1)?;
-        let ctx = probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((b, s, self.local_heads * self.head_dim))?;
+        let ctx = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((
+            b,
+            s,
+            self.local_heads * self.head_dim,
+        ))?;
         let y = self.dense.forward(&ctx)?;
         self.norm.forward(&(y + x)?)
     }
@@ -500,10 +500,11 @@ pub fn pad_batch(sentences: &[Vec<u32>], pad_id: u32, device: &Device) -> Result
     let mut ids = Vec::with_capacity(n * len);
     let mut mask = Vec::with_capacity(n * len);
     for s in sentences {
+        let row_end = ids.len() + len;
         ids.extend_from_slice(s);
-        ids.extend(std::iter::repeat(pad_id).take(len - s.len()));
-        mask.extend(std::iter::repeat(1u32).take(s.len()));
-        mask.extend(std::iter::repeat(0u32).take(len - s.len()));
+        ids.resize(row_end, pad_id);
+        mask.resize(mask.len() + s.len(), 1u32);
+        mask.resize(row_end, 0u32);
     }
     Ok((
         Tensor::from_vec(ids, (n, len), device)?,
