@@ -35,6 +35,7 @@ pub mod comm;
 pub mod convert;
 pub mod generate;
 pub mod loader;
+pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod partition;
