@@ -68,7 +68,9 @@ fn max_err(a: &Tensor, b: &Tensor) -> Result<f32> {
 }
 
 fn bytes(ts: &[&Tensor]) -> usize {
-    ts.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    ts.iter()
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum()
 }
 
 fn grad(g: &GradStore, v: &Var) -> Result<Tensor> {
@@ -124,6 +126,9 @@ fn dense(a: &Args) -> Result<Dense> {
     })
 }
 
+/// A parallel MLP: its output and the element count of this rank's hidden activation.
+type ForwardFn<'a> = dyn Fn(&[Tensor]) -> candle_core::Result<(Tensor, usize)> + 'a;
+
 /// What one mode measured on this rank.
 struct Measured {
     param_bytes: usize,
@@ -135,11 +140,12 @@ struct Measured {
 }
 
 /// The parallel run shared by every mode: `params` are the local parameters (x first),
-/// `forward` the parallel MLP, `slice` cuts a dense tensor the way each local one is laid
+/// `forward` the parallel MLP (its output and the elements of this rank's hidden activation,
+/// held twice: before and after GELU), `slice` cuts a dense tensor the way each local one is laid
 /// out (index as in `params`, 5 = the output), `stats` the counters of every group involved.
 fn measure(
     params: Vec<Tensor>,
-    forward: &dyn Fn(&[Tensor]) -> candle_core::Result<[Tensor; 3]>,
+    forward: &ForwardFn<'_>,
     slice: &dyn Fn(usize, &Tensor) -> candle_core::Result<Tensor>,
     stats: &dyn Fn() -> CommStats,
     d: &Dense,
@@ -150,7 +156,7 @@ fn measure(
         .collect::<candle_core::Result<_>>()?;
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let s0 = stats();
-    let [pre, post, out] = forward(&ts)?;
+    let (out, hidden) = forward(&ts)?;
     let s1 = stats();
     let g = (&out * &slice(5, &d.probe)?)?.sum_all()?.backward()?;
     let s2 = stats();
@@ -160,7 +166,7 @@ fn measure(
     }
     Ok(Measured {
         param_bytes: bytes(&ts[1..].iter().collect::<Vec<_>>()),
-        act_bytes: bytes(&[&ts[0], &pre, &post, &out]),
+        act_bytes: bytes(&[&ts[0], &out]) + 2 * hidden * out.dtype().size_in_bytes(),
         fwd: s1.since(&s0).total(),
         bwd: s2.since(&s1).total(),
         err_out: max_err(&out, &slice(5, &d.out)?)?,
@@ -171,7 +177,7 @@ fn measure(
 fn run_1d(pg: &ProcessGroup, d: &Dense) -> Result<Measured> {
     let c = ColumnParallelLinear::from_dense(&d.w1, Some(&d.b1), pg.clone())?;
     let r = RowParallelLinear::from_dense(&d.w2, Some(&d.b2), pg.clone())?;
-    let (part, inp) = (c.out_partition().clone(), d.w1.dims()[1]);
+    let (part, inp) = (*c.out_partition(), d.w1.dims()[1]);
     let params = vec![
         d.x.clone(),
         c.weight().clone(),
@@ -181,13 +187,12 @@ fn run_1d(pg: &ProcessGroup, d: &Dense) -> Result<Measured> {
     ];
     let pg2 = pg.clone();
     let forward = move |t: &[Tensor]| {
-        let fc1 = ColumnParallelLinear::new(t[1].clone(), Some(t[2].clone()), inp, part, pg2.clone())?;
+        let fc1 =
+            ColumnParallelLinear::new(t[1].clone(), Some(t[2].clone()), inp, part, pg2.clone())?;
         let fc2 = RowParallelLinear::new(t[3].clone(), Some(t[4].clone()), part, inp, pg2.clone())?;
-        let pre = fc1.forward(&t[0])?;
-        let post = Activation::Gelu.forward(&pre)?;
-        let out = fc2.forward(&post)?;
-        let _ = Mlp::new(fc1, fc2, Activation::Gelu); // the same composition as `Mlp`
-        Ok([pre, post, out])
+        // fc1's local product (no communication) only for the hidden activation's size.
+        let hidden = fc1.forward_local(&t[0])?.elem_count();
+        Ok((Mlp::new(fc1, fc2, Activation::Gelu).forward(&t[0])?, hidden))
     };
     let rk = pg.rank();
     let slice = move |i: usize, t: &Tensor| -> candle_core::Result<Tensor> {
@@ -215,18 +220,26 @@ fn run_2d(mesh: &DeviceMesh, d: &Dense) -> Result<Measured> {
     let forward = |t: &[Tensor]| {
         let fc1 = Linear2d::new(t[1].clone(), Some(t[2].clone()), dd, h, mesh)?;
         let fc2 = Linear2d::new(t[3].clone(), Some(t[4].clone()), h, dd, mesh)?;
-        let pre = fc1.forward(&t[0])?;
-        let post = Activation::Gelu.forward(&pre)?;
-        let out = Mlp2d::new(fc1, fc2, Activation::Gelu)?.fc2().forward(&post)?;
-        Ok([pre, post, out])
+        let q = mesh.dims()[0];
+        let hidden = t[0].elem_count() / (dd / q) * (h / q);
+        Ok((
+            Mlp2d::new(fc1, fc2, Activation::Gelu)?.forward(&t[0])?,
+            hidden,
+        ))
     };
     // The layers' own from_dense cut the dense gradients like the parameters.
     let slice = |i: usize, t: &Tensor| -> candle_core::Result<Tensor> {
         match i {
             1 => Ok(Linear2d::from_dense(t, None, mesh)?.weight().clone()),
             3 => Ok(Linear2d::from_dense(t, None, mesh)?.weight().clone()),
-            2 => Ok(Linear2d::from_dense(&d.w1, Some(t), mesh)?.bias().cloned().unwrap_or(t.clone())),
-            4 => Ok(Linear2d::from_dense(&d.w2, Some(t), mesh)?.bias().cloned().unwrap_or(t.clone())),
+            2 => Ok(Linear2d::from_dense(&d.w1, Some(t), mesh)?
+                .bias()
+                .cloned()
+                .unwrap_or(t.clone())),
+            4 => Ok(Linear2d::from_dense(&d.w2, Some(t), mesh)?
+                .bias()
+                .cloned()
+                .unwrap_or(t.clone())),
             _ => scatter_2d(t, mesh),
         }
     };
@@ -248,17 +261,25 @@ fn run_3d(mesh: &DeviceMesh, d: &Dense) -> Result<Measured> {
     let forward = |t: &[Tensor]| {
         let fc1 = Linear3d::new(t[1].clone(), Some(t[2].clone()), dd, h, l, mesh)?;
         let fc2 = Linear3d::new(t[3].clone(), Some(t[4].clone()), h, dd, m, mesh)?;
-        let pre = fc1.forward(&t[0])?;
-        let post = Activation::Gelu.forward(&pre)?;
-        let out = Mlp3d::new(fc1, fc2, Activation::Gelu)?.fc2().forward(&post)?;
-        Ok([pre, post, out])
+        let q = mesh.dims()[0];
+        let hidden = t[0].elem_count() / (dd / q) * (h / q);
+        Ok((
+            Mlp3d::new(fc1, fc2, Activation::Gelu)?.forward(&t[0])?,
+            hidden,
+        ))
     };
     let slice = |i: usize, t: &Tensor| -> candle_core::Result<Tensor> {
         match i {
             1 => Ok(Linear3d::from_dense(t, None, l, mesh)?.weight().clone()),
             3 => Ok(Linear3d::from_dense(t, None, m, mesh)?.weight().clone()),
-            2 => Ok(Linear3d::from_dense(&d.w1, Some(t), l, mesh)?.bias().cloned().unwrap_or(t.clone())),
-            4 => Ok(Linear3d::from_dense(&d.w2, Some(t), m, mesh)?.bias().cloned().unwrap_or(t.clone())),
+            2 => Ok(Linear3d::from_dense(&d.w1, Some(t), l, mesh)?
+                .bias()
+                .cloned()
+                .unwrap_or(t.clone())),
+            4 => Ok(Linear3d::from_dense(&d.w2, Some(t), m, mesh)?
+                .bias()
+                .cloned()
+                .unwrap_or(t.clone())),
             // The MLP's output is back in the input's layout.
             _ => scatter_3d(t, l, mesh),
         }
@@ -278,8 +299,17 @@ struct Predicted {
 
 fn predict(mode: &str, p: usize, a: &Args, d: &Dense) -> Predicted {
     let f = 4.0; // bytes per f32
-    let (m, k, n) = ((a.batch * a.seq_len) as f64, a.hidden as f64, 4.0 * a.hidden as f64);
-    let (pf, q) = (p as f64, (p as f64).powf(if mode == "2d" { 0.5 } else { 1.0 / 3.0 }).round());
+    let (m, k, n) = (
+        (a.batch * a.seq_len) as f64,
+        a.hidden as f64,
+        4.0 * a.hidden as f64,
+    );
+    let (pf, q) = (
+        p as f64,
+        (p as f64)
+            .powf(if mode == "2d" { 0.5 } else { 1.0 / 3.0 })
+            .round(),
+    );
     let (params, acts) = (d.param_bytes as f64, d.act_bytes as f64);
     // Per linear layer X [m, k] W [k, n] Y [m, n], fc1 then fc2 (k and n exchanged).
     let (x, w, y) = (m * k * f, k * n * f, m * n * f);
@@ -332,9 +362,15 @@ fn main() -> Result<()> {
     let mut modes = Vec::new();
     for mode in ["1d", "2d", "3d"] {
         let Some(q) = fits(mode, world) else {
-            let need = if mode == "2d" { "a square (q x q)" } else { "a cube (q x q x q)" };
+            let need = if mode == "2d" {
+                "a square (q x q)"
+            } else {
+                "a cube (q x q x q)"
+            };
             println!("{mode}: skipped, world size {world} is not {need}");
-            modes.push(json!({"mode": mode, "skipped": format!("world size {world} is not {need}")}));
+            modes.push(
+                json!({"mode": mode, "skipped": format!("world size {world} is not {need}")}),
+            );
             continue;
         };
         // Every rank takes the same branch: a size error is the same on all of them.
@@ -371,7 +407,11 @@ fn main() -> Result<()> {
             ("bwd sent", m.bwd.sent_bytes as f64, f64::NAN),
         ] {
             let pred = if pred.is_nan() { "-".into() } else { kib(pred) };
-            println!("rank {rank} {mode}   {what:<12} {:>14} {:>14}", kib(meas), pred);
+            println!(
+                "rank {rank} {mode}   {what:<12} {:>14} {:>14}",
+                kib(meas),
+                pred
+            );
         }
         println!(
             "rank {rank} {mode}   calls fwd {} bwd {}; formulas: {}; max error out {:.2e} grads {:.2e}",

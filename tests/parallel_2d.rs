@@ -85,7 +85,10 @@ fn run(q: usize, case: Case) -> Vec<Vec<(String, f32)>> {
         let x = seeded(&[batch, seq, d], 1);
         let (w1, b1) = params(d, h, 10)?;
         let (w2, b2) = params(h, d, 20)?;
-        let (g, beta) = (((seeded(&[d], 30) * 0.5)? + 1.0)?, (seeded(&[d], 31) * 0.1)?);
+        let (g, beta) = (
+            ((seeded(&[d], 30) * 0.5)? + 1.0)?,
+            (seeded(&[d], 31) * 0.1)?,
+        );
         // Dense parameters (as Vars) and this rank's slices (as Vars).
         let dense: Vec<Var> = [&x, &w1, &b1, &w2, &b2, &g, &beta]
             .into_iter()
@@ -128,11 +131,7 @@ fn run(q: usize, case: Case) -> Vec<Vec<(String, f32)>> {
                 let ln = LayerNorm2d::new(t(&local, 5), Some(t(&local, 6)), d, 1e-5, &mesh)?;
                 // candle-nn's fused layer_norm has no backward: its op-by-op twin.
                 let dense_y = layer_norm_slow(&t(&dense, 0), &t(&dense, 5), &t(&dense, 6), 1e-5)?;
-                (
-                    ln.forward(&t(&local, 0))?,
-                    dense_y,
-                    vec![0, 5, 6],
-                )
+                (ln.forward(&t(&local, 0))?, dense_y, vec![0, 5, 6])
             }
             Case::Mlp => {
                 let mlp = Mlp2d::new(l1(true)?, l2()?, Activation::Gelu)?;

@@ -55,7 +55,8 @@ impl Slicer {
         let n = v.dims1()? / self.q;
         let p = Partition::new(n, self.q).map_err(candle_core::Error::wrap)?;
         let r = p.range(self.c[part]);
-        v.narrow(0, self.c[block] * n + r.start, r.len())?.contiguous()
+        v.narrow(0, self.c[block] * n + r.start, r.len())?
+            .contiguous()
     }
 }
 
@@ -91,7 +92,10 @@ fn run(q: usize, case: Case) -> Vec<Vec<(String, f32)>> {
         let x = seeded(&[batch, seq, d], 1);
         let (w1, b1) = params(d, h, 10)?;
         let (w2, b2) = params(h, d, 20)?;
-        let (g, beta) = (((seeded(&[d], 30) * 0.5)? + 1.0)?, (seeded(&[d], 31) * 0.1)?);
+        let (g, beta) = (
+            ((seeded(&[d], 30) * 0.5)? + 1.0)?,
+            (seeded(&[d], 31) * 0.1)?,
+        );
         let dense: Vec<Var> = [&x, &w1, &b1, &w2, &b2, &g, &beta]
             .into_iter()
             .map(var)

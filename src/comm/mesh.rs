@@ -89,9 +89,9 @@ impl DeviceMesh {
             axes: Vec::new(),
             planes: Vec::new(),
         };
-        for a in 0..dims.len() {
+        for (a, name) in names.iter().enumerate() {
             let ranks = mesh.ranks_varying(&[a]);
-            mesh.axes.push(mesh.make_group(&ranks, names[a])?);
+            mesh.axes.push(mesh.make_group(&ranks, name)?);
         }
         if dims.len() >= 3 {
             for a in 0..dims.len() {
@@ -138,9 +138,7 @@ impl DeviceMesh {
         let q = icbrt_exact(n).ok_or_else(|| {
             CommError::invalid(
                 format!("3D mesh on group '{}'", world.name()),
-                format!(
-                    "3D tensor parallelism needs a cubic number of ranks (q × q × q), got {n}"
-                ),
+                format!("3D tensor parallelism needs a cubic number of ranks (q × q × q), got {n}"),
             )
         })?;
         Self::new(world, &[q, q, q], &["i", "j", "k"])
@@ -226,7 +224,10 @@ impl DeviceMesh {
         if self.dims.len() == 2 && (a, b) == (0, 1) {
             return Some(&self.world);
         }
-        self.planes.iter().find(|(k, _)| *k == (a, b)).map(|(_, g)| g)
+        self.planes
+            .iter()
+            .find(|(k, _)| *k == (a, b))
+            .map(|(_, g)| g)
     }
 
     /// 2D: the `q` ranks of this rank's row (same `row`, ordered by `col`).

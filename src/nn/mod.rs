@@ -12,4 +12,4 @@ pub use linear::{
 };
 pub use mlp::{gated_mlp, mlp, GatedMlp, Mlp};
 pub use parallel_2d::{LayerNorm2d, Linear2d, Mlp2d};
-pub use parallel_3d::{Layout3d, LayerNorm3d, Linear3d, Mlp3d};
+pub use parallel_3d::{LayerNorm3d, Layout3d, Linear3d, Mlp3d};

@@ -186,7 +186,12 @@ pub fn scatter_3d(x: &Tensor, layout: Layout3d, mesh: &DeviceMesh) -> Result<Ten
     let last = x.rank() - 1;
     let q = g.q;
     let b = g.divide("scatter_3d", "the batch size (dim 0)", x.dims()[0], q * q)?;
-    let h = g.divide("scatter_3d", "the hidden size (last dim)", x.dims()[last], q)?;
+    let h = g.divide(
+        "scatter_3d",
+        "the hidden size (last dim)",
+        x.dims()[last],
+        q,
+    )?;
     let row_block = g.coord[0] * q + g.coord[layout.rows];
     x.narrow(0, row_block * b, b)?
         .narrow(last, g.coord[layout.features] * h, h)
@@ -373,9 +378,7 @@ impl LayerNorm3d {
         let name = "LayerNorm3d";
         layout.check(name)?;
         let grid = Grid3d::new(mesh)?;
-        let want = grid
-            .block_part(name, hidden)?
-            .size(grid.coord[layout.rows]);
+        let want = grid.block_part(name, hidden)?.size(grid.coord[layout.rows]);
         for (what, t) in [("scale", Some(&weight)), ("shift", bias.as_ref())] {
             if let Some(t) = t {
                 if t.dims() != [want] {
