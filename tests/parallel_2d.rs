@@ -272,3 +272,26 @@ fn bad_sizes_are_clear_errors() {
         );
     }
 }
+
+#[test]
+fn dp_tp_mesh_groups_consecutive_tp_ranks() {
+    let out = run_threads(6, |pg| {
+        let mesh = DeviceMesh::dp_tp(&pg, 3)?;
+        let tp = mesh.group_along(1).expect("tp").members().to_vec();
+        let dp = mesh.group_along(0).expect("dp").members().to_vec();
+        Ok((pg.rank(), tp, dp))
+    })
+    .unwrap();
+    for (rank, tp, dp) in out {
+        let (d, t) = (rank / 3, rank % 3);
+        assert_eq!(tp, vec![d * 3, d * 3 + 1, d * 3 + 2]);
+        assert_eq!(dp, vec![t, 3 + t]);
+    }
+    let err = run_threads(6, |pg| Ok(DeviceMesh::dp_tp(&pg, 4).map(|_| ())?))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tensor-parallel size 4 must divide the 6 ranks"),
+        "{err}"
+    );
+}
