@@ -40,7 +40,7 @@ pub mod nn;
 pub mod ops;
 pub mod partition;
 
-pub use comm::{init_from_env, run_threads, ProcessGroup, ReduceOp};
+pub use comm::{init_from_env, run_threads, DeviceMesh, ProcessGroup, ReduceOp};
 pub use loader::ShardedVarBuilder;
 pub use nn::*;
 pub use partition::{Partition, PartitionError};

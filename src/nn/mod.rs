@@ -2,6 +2,8 @@
 pub mod embedding;
 pub mod linear;
 pub mod mlp;
+pub mod parallel_2d;
+pub mod parallel_3d;
 
 pub use embedding::{ParallelLmHead, VocabParallelEmbedding};
 pub use linear::{
@@ -9,3 +11,5 @@ pub use linear::{
     row_linear_no_bias, ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
 };
 pub use mlp::{gated_mlp, mlp, GatedMlp, Mlp};
+pub use parallel_2d::{LayerNorm2d, Linear2d, Mlp2d};
+pub use parallel_3d::{LayerNorm3d, Layout3d, Linear3d, Mlp3d};
