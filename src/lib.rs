@@ -3,6 +3,7 @@
 
 pub mod comm;
 pub mod loader;
+pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod partition;

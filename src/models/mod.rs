@@ -1,0 +1,6 @@
+//! Tensor-parallel models built from Hugging Face checkpoints.
+pub mod llama;
+pub mod llama_config;
+
+pub use llama::Llama;
+pub use llama_config::{LlamaConfig, SUPPORTED_ARCHITECTURES};
