@@ -375,6 +375,7 @@ impl ParallelAttention {
             k = Tensor::cat(&[ck, &k], 2)?.contiguous()?;
             v = Tensor::cat(&[cv, &v], 2)?.contiguous()?;
         }
+        let v = v.contiguous()?;
         self.kv_cache = Some((k.clone(), v.clone()));
         let (k, v) = match &self.kv_index {
             None => (k, v),
