@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 if [ -x scripts/fetch-models.sh ]; then
   echo "==> fetching the demo models (idempotent)"
-  scripts/fetch-models.sh
+  CANDLE_TP_CONVERT_PROFILE="${CANDLE_TP_CONVERT_PROFILE:-dev}" scripts/fetch-models.sh
 fi
 
 echo "==> cargo test"

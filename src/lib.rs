@@ -1,7 +1,39 @@
-//! candle-tp: tensor parallelism for Candle.
+//! # candle-tp: tensor parallelism for Candle
+//!
+//! Split a model across processes (or GPUs) with layers that replace candle-nn's with a
+//! one-word change, collectives that are Candle ops with autograd, and a torchrun-style
+//! launcher (`tprun`).
+//!
+//! ```no_run
+//! use candle_core::{DType, Device, Module, Tensor};
+//! # fn main() -> candle_core::Result<()> {
+//! # let (d, dir) = (256, "model-dir");
+//! let device = Device::Cpu;
+//! // Under `tprun --nproc-per-node 2 ...` (or torchrun): RANK, WORLD_SIZE, MASTER_ADDR, ...
+//! let pg = candle_tp::init_from_env(&device)?;
+//! let vb = candle_tp::ShardedVarBuilder::from_safetensors_dir(dir, DType::F32, &device, pg)?;
+//! let up = candle_tp::column_linear(d, 4 * d, vb.pp("up_proj"))?; // was candle_nn::linear
+//! let down = candle_tp::row_linear(4 * d, d, vb.pp("down_proj"))?; // all-reduce inside
+//! let x = Tensor::zeros((1, 8, d), DType::F32, &device)?;
+//! let y = down.forward(&up.forward(&x)?.gelu()?)?;
+//! # Ok(()) }
+//! ```
+//!
+//! - [`comm`]: [`ProcessGroup`], the shared-memory engine and its `threads` and `shm`
+//!   backends, sub-groups, [`init_from_env`], [`run_threads`].
+//! - [`ops`]: Megatron's mappings (`copy_to_tp`, `reduce_from_tp`, …) with backward.
+//! - [`nn`]: [`ColumnParallelLinear`], [`RowParallelLinear`], [`Mlp`], [`GatedMlp`],
+//!   [`VocabParallelEmbedding`], [`ParallelLmHead`].
+//! - [`loader`]: [`ShardedVarBuilder`] over memory-mapped safetensors (each rank reads only
+//!   its slice) or tensors in memory.
+//! - [`generate`]: sampling from vocabulary-parallel logits without gathering them.
+//! - [`convert`]: GGUF → Hugging Face checkpoint and tokenizer, for the demo models.
+//! - [`Partition`]: uneven splits (9 heads on 2 ranks is 5 + 4).
 #![warn(missing_docs)]
 
 pub mod comm;
+pub mod convert;
+pub mod generate;
 pub mod loader;
 pub mod models;
 pub mod nn;

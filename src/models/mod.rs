@@ -1,4 +1,5 @@
-//! Tensor-parallel models built from Hugging Face checkpoints.
+//! Tensor-parallel models built from the parallel layers, read from Hugging Face checkpoints.
+pub mod bert;
 pub mod llama;
 pub mod llama_config;
 

@@ -112,8 +112,10 @@ pub(crate) fn run_kind<T: Element>(
     match kind {
         Kind::Identity => Ok((data.to_vec(), dims.to_vec())),
         Kind::AllReduce(op) => {
-            let mut out = data.to_vec();
-            pg.all_reduce_slice(&mut out, *op)?;
+            // Out of place: the engine reads the input where it lies (no copy first), and a
+            // zeroed f32 buffer is a lazily mapped allocation.
+            let mut out = vec![T::default(); data.len()];
+            pg.all_reduce_slice_into(data, &mut out, *op)?;
             Ok((out, dims.to_vec()))
         }
         Kind::Broadcast { root } => {

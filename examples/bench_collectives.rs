@@ -1,0 +1,141 @@
+//! Collective latency and bandwidth on the shm backend, nccl-tests style.
+//!
+//! ```text
+//! cargo build --release --examples --bins
+//! target/release/tprun --standalone --nproc-per-node 2 target/release/examples/bench_collectives
+//! target/release/tprun --standalone --nproc-per-node 2 target/release/examples/bench_collectives -- \
+//!     --ops all_reduce --dtypes f32 --sizes 4K,1M,64M
+//! ```
+//!
+//! Every iteration is timed on every rank; an iteration's time is the slowest rank's (an
+//! all-reduce of the per-iteration times after the loop, outside the timing), and rank 0
+//! prints the median, minimum and maximum over iterations as one JSON line per measurement:
+//! `op`, `dtype`, `world_size`, `bytes`, `iters`, `median_us`, `min_us`, `max_us`,
+//! `algbw_gbps`, `busbw_gbps`. `bytes` follows nccl-tests: the buffer of all-reduce, the
+//! gathered output of all-gather, the input of reduce-scatter. busbw = algbw · 2(n−1)/n for
+//! all-reduce and algbw · (n−1)/n for the other two. `scripts/bench-collectives.sh` runs the
+//! same procedure with Open MPI and prints the ratios.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_tp::comm::{Element, ProcessGroup, ReduceOp};
+use clap::Parser;
+use half::bf16;
+
+#[derive(Parser, Debug)]
+#[command(about = "Benchmark all_reduce, all_gather and reduce_scatter on the shm backend")]
+struct Args {
+    /// Sizes in bytes (suffixes K, M): default 4K to 64M in steps of 4x.
+    #[arg(long, value_delimiter = ',', default_value = "4K,16K,64K,256K,1M,4M,16M,64M")]
+    sizes: Vec<String>,
+    /// Collectives: all_reduce, all_gather, reduce_scatter.
+    #[arg(long, value_delimiter = ',', default_value = "all_reduce,all_gather,reduce_scatter")]
+    ops: Vec<String>,
+    /// Element types: f32, bf16.
+    #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
+    dtypes: Vec<String>,
+    /// Bytes moved per measurement, which sets the iteration count (between 5 and 1000).
+    #[arg(long, default_value_t = 256 << 20)]
+    budget_bytes: usize,
+}
+
+fn parse_size(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    Ok(num.parse::<usize>().map_err(|_| anyhow::anyhow!("bad size '{s}'"))? * mult)
+}
+
+/// Iterations for a size: the same rule as the MPI program of scripts/bench-collectives.sh.
+fn iterations(bytes: usize, budget: usize) -> usize {
+    (budget / bytes.max(1)).clamp(5, 1000)
+}
+
+fn time_op<T: Element>(pg: &ProcessGroup, op: &str, bytes: usize, budget: usize) -> Result<Option<Vec<f64>>> {
+    let world = pg.size();
+    let esz = std::mem::size_of::<T>();
+    // Element counts: all_reduce buffer, all_gather output and reduce_scatter input are `bytes`.
+    let n = bytes / esz;
+    if n % world != 0 && op != "all_reduce" {
+        return Ok(None);
+    }
+    let val = |i: usize| -> T {
+        let mut v = [T::default()];
+        let _ = i;
+        v[0] = T::default();
+        v[0]
+    };
+    let mut a: Vec<T> = (0..n).map(val).collect();
+    let mut b: Vec<T> = vec![T::default(); n];
+    let iters = iterations(bytes, budget);
+    let warmup = (iters / 10).max(2);
+    let mut times = vec![0f64; iters];
+    let mut run = |a: &mut Vec<T>, b: &mut Vec<T>| -> Result<()> {
+        match op {
+            "all_reduce" => pg.all_reduce_slice(a, ReduceOp::Sum)?,
+            "all_gather" => pg.all_gather_slice(&a[..n / world], b)?,
+            "reduce_scatter" => pg.reduce_scatter_slice(a, &mut b[..n / world], ReduceOp::Sum)?,
+            other => bail!("unknown op {other}"),
+        }
+        Ok(())
+    };
+    for _ in 0..warmup {
+        run(&mut a, &mut b)?;
+    }
+    pg.barrier()?;
+    for t in times.iter_mut() {
+        let t0 = Instant::now();
+        run(&mut a, &mut b)?;
+        *t = t0.elapsed().as_secs_f64() * 1e6;
+    }
+    pg.all_reduce_slice(&mut times, ReduceOp::Max)?;
+    Ok(Some(times))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let pg = candle_tp::init_from_env(&candle_core::Device::Cpu)?;
+    let world = pg.size();
+    let sizes: Vec<usize> = args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?;
+    for op in &args.ops {
+        for dtype in &args.dtypes {
+            for &bytes in &sizes {
+                let times = match dtype.as_str() {
+                    "f32" => time_op::<f32>(&pg, op, bytes, args.budget_bytes)?,
+                    "bf16" => time_op::<bf16>(&pg, op, bytes, args.budget_bytes)?,
+                    other => bail!("unsupported dtype {other} (f32, bf16)"),
+                };
+                let Some(mut times) = times else { continue };
+                if pg.rank() != 0 {
+                    continue;
+                }
+                times.sort_by(f64::total_cmp);
+                let median = times[times.len() / 2];
+                let algbw = bytes as f64 / (median * 1e-6) / 1e9;
+                let factor = if op == "all_reduce" { 2.0 } else { 1.0 } * (world as f64 - 1.0) / world as f64;
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "impl": "candle-tp",
+                        "op": op,
+                        "dtype": dtype,
+                        "world_size": world,
+                        "bytes": bytes,
+                        "iters": times.len(),
+                        "median_us": median,
+                        "min_us": times[0],
+                        "max_us": times[times.len() - 1],
+                        "algbw_gbps": algbw,
+                        "busbw_gbps": algbw * factor,
+                    })
+                );
+            }
+        }
+    }
+    Ok(())
+}

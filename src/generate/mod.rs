@@ -1,0 +1,4 @@
+//! Decoding helpers: sampling from vocabulary-parallel logits.
+pub mod sampling;
+
+pub use sampling::{DistributedSampler, SamplingParams};
