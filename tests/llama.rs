@@ -121,11 +121,21 @@ fn tensors(t: &Tiny) -> Result<HashMap<String, Tensor>> {
             m.insert(format!("{p}.{name}.weight"), w(&shape, 2.0 * s, 0.0)?);
         }
         if t.arch == "Qwen2ForCausalLM" {
-            for (name, n) in [("q_proj", t.heads), ("k_proj", t.kv_heads), ("v_proj", t.kv_heads)] {
-                m.insert(format!("{p}.self_attn.{name}.bias"), w(&[n * hd], 0.3, 0.0)?);
+            for (name, n) in [
+                ("q_proj", t.heads),
+                ("k_proj", t.kv_heads),
+                ("v_proj", t.kv_heads),
+            ] {
+                m.insert(
+                    format!("{p}.self_attn.{name}.bias"),
+                    w(&[n * hd], 0.3, 0.0)?,
+                );
             }
         }
-        m.insert(format!("{p}.input_layernorm.weight"), w(&[t.hidden], 0.1, 1.0)?);
+        m.insert(
+            format!("{p}.input_layernorm.weight"),
+            w(&[t.hidden], 0.1, 1.0)?,
+        );
         m.insert(
             format!("{p}.post_attention_layernorm.weight"),
             w(&[t.hidden], 0.1, 1.0)?,
@@ -330,17 +340,24 @@ fn bad_input_gives_clear_errors() -> Result<()> {
     c["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
     let arch = tempfile::tempdir()?;
     write_checkpoint(arch.path(), &c, &tensors(&GQA)?)?;
-    assert_mentions(&load_err(arch.path(), 1), &["GPT2LMHeadModel", "config.json"]);
+    assert_mentions(
+        &load_err(arch.path(), 1),
+        &["GPT2LMHeadModel", "config.json"],
+    );
 
     let mut c = config_json(&GQA);
-    c.as_object_mut().context("config object")?.remove("rope_theta");
+    c.as_object_mut()
+        .context("config object")?
+        .remove("rope_theta");
     let theta = tempfile::tempdir()?;
     write_checkpoint(theta.path(), &c, &tensors(&GQA)?)?;
     assert_mentions(&load_err(theta.path(), 1), &["rope_theta", "config.json"]);
 
     // rope_theta inside rope_parameters (transformers 5) is read.
     let mut c = config_json(&GQA);
-    c.as_object_mut().context("config object")?.remove("rope_theta");
+    c.as_object_mut()
+        .context("config object")?
+        .remove("rope_theta");
     c["rope_parameters"] = serde_json::json!({"rope_theta": 10000.0, "rope_type": "default"});
     let nested = tempfile::tempdir()?;
     write_checkpoint(nested.path(), &c, &tensors(&GQA)?)?;

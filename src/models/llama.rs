@@ -11,8 +11,7 @@ use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::models::LlamaConfig;
 use crate::nn::{
-    gated_mlp, GatedMlp, ParallelAttention, ParallelLmHead, RotaryEmbedding,
-    VocabParallelEmbedding,
+    gated_mlp, GatedMlp, ParallelAttention, ParallelLmHead, RotaryEmbedding, VocabParallelEmbedding,
 };
 
 fn rms_norm(cfg: &LlamaConfig, vb: &ShardedVarBuilder) -> Result<RmsNorm> {

@@ -10,11 +10,8 @@ use serde::Deserialize;
 use crate::nn::{AttentionConfig, Llama3RopeScaling};
 
 /// Architectures (`config.json` `architectures`) this model implements.
-pub const SUPPORTED_ARCHITECTURES: [&str; 3] = [
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-];
+pub const SUPPORTED_ARCHITECTURES: [&str; 3] =
+    ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
 #[derive(Debug, Deserialize)]
 struct RawRope {
@@ -111,17 +108,17 @@ impl LlamaConfig {
     pub fn from_json(text: &str, origin: &str) -> Result<Self> {
         let raw: RawConfig = serde_json::from_str(text)
             .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))?;
-        let bail = |msg: String| -> Result<Self> { Err(candle_core::Error::msg(format!("{origin}: {msg}"))) };
+        let bail = |msg: String| -> Result<Self> {
+            Err(candle_core::Error::msg(format!("{origin}: {msg}")))
+        };
         let architecture = match (&raw.architectures, raw.model_type.as_deref()) {
             (Some(a), _) if !a.is_empty() => a[0].clone(),
             (_, Some("llama")) => "LlamaForCausalLM".into(),
             (_, Some("mistral")) => "MistralForCausalLM".into(),
             (_, Some("qwen2")) => "Qwen2ForCausalLM".into(),
-            (_, other) => {
-                return bail(format!(
-                    "no 'architectures' and model_type {other:?} is not one of llama, mistral, qwen2"
-                ))
-            }
+            (_, other) => return bail(format!(
+                "no 'architectures' and model_type {other:?} is not one of llama, mistral, qwen2"
+            )),
         };
         if !SUPPORTED_ARCHITECTURES.contains(&architecture.as_str()) {
             return bail(format!(

@@ -175,7 +175,9 @@ impl HeadAssignment {
             // Whole KV groups: a unit is the n_rep query heads of one group.
             let q_part =
                 Partition::with_unit(num_heads * head_dim, world, n_rep * head_dim).map_err(err)?;
-            let kv = Partition::new(num_kv_heads, world).map_err(err)?.range(rank);
+            let kv = Partition::new(num_kv_heads, world)
+                .map_err(err)?
+                .range(rank);
             Ok(Self {
                 q_part,
                 q_heads: kv.start * n_rep..kv.end * n_rep,
@@ -183,7 +185,8 @@ impl HeadAssignment {
                 kv_split: true,
             })
         } else {
-            let q_part = Partition::with_unit(num_heads * head_dim, world, head_dim).map_err(err)?;
+            let q_part =
+                Partition::with_unit(num_heads * head_dim, world, head_dim).map_err(err)?;
             let r = q_part.range(rank);
             let q_heads = r.start / head_dim..r.end / head_dim;
             let kv_heads = q_heads.start / n_rep..(q_heads.end - 1) / n_rep + 1;
@@ -214,11 +217,7 @@ enum KvProj {
 }
 
 impl KvProj {
-    fn load(
-        cfg: &AttentionConfig,
-        heads: &HeadAssignment,
-        vb: ShardedVarBuilder,
-    ) -> Result<Self> {
+    fn load(cfg: &AttentionConfig, heads: &HeadAssignment, vb: ShardedVarBuilder) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let out = cfg.num_kv_heads * hd;
         if heads.kv_split {
