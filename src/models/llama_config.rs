@@ -116,9 +116,11 @@ impl LlamaConfig {
             (_, Some("llama")) => "LlamaForCausalLM".into(),
             (_, Some("mistral")) => "MistralForCausalLM".into(),
             (_, Some("qwen2")) => "Qwen2ForCausalLM".into(),
-            (_, other) => return bail(format!(
+            (_, other) => {
+                return bail(format!(
                 "no 'architectures' and model_type {other:?} is not one of llama, mistral, qwen2"
-            )),
+            ))
+            }
         };
         if !SUPPORTED_ARCHITECTURES.contains(&architecture.as_str()) {
             return bail(format!(

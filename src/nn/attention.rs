@@ -229,10 +229,10 @@ impl KvProj {
                 vb,
             )?));
         }
-        let rows = [heads.kv_heads.start * hd..heads.kv_heads.end * hd];
-        let w = vb.get_ranges((out, h), "weight", 0, &rows)?;
+        let rows = heads.kv_heads.start * hd..heads.kv_heads.end * hd;
+        let w = vb.get_ranges((out, h), "weight", 0, std::slice::from_ref(&rows))?;
         let b = if cfg.qkv_bias {
-            Some(vb.get_ranges(out, "bias", 0, &rows)?)
+            Some(vb.get_ranges(out, "bias", 0, std::slice::from_ref(&rows))?)
         } else {
             None
         };
