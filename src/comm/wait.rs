@@ -12,25 +12,26 @@ use std::time::{Duration, Instant};
 /// How long a waiter spins and yields before it sleeps.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WaitPolicy {
-    /// Spin iterations (each one `spin_loop` hint and a load).
-    pub spins: u32,
-    /// `sched_yield` calls after the spin.
+    /// How long to spin (each probe a load and a `spin_loop` hint).
+    pub spin: Duration,
+    /// `sched_yield` calls after the spin, so a peer sharing this core can run.
     pub yields: u32,
     /// Longest single futex sleep, so deadlines and dead peers are noticed.
     pub sleep_slice: Duration,
 }
 
 impl WaitPolicy {
-    /// Picks a policy for `ranks` ranks sharing this machine.
+    /// Picks a policy for `ranks` ranks sharing this machine: `CANDLE_TP_SPIN_US`
+    /// microseconds of spinning (default 20, or 2 when ranks outnumber cores).
     pub(crate) fn for_ranks(ranks: usize) -> Self {
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1);
         let oversubscribed = ranks > cores;
-        let spins = env_u32("CANDLE_TP_SPIN").unwrap_or(if oversubscribed { 64 } else { 20_000 });
+        let spin_us = env_u32("CANDLE_TP_SPIN_US").unwrap_or(if oversubscribed { 2 } else { 20 });
         Self {
-            spins,
-            yields: if oversubscribed { 4 } else { 16 },
+            spin: Duration::from_micros(spin_us as u64),
+            yields: if oversubscribed { 4 } else { 8 },
             sleep_slice: Duration::from_millis(50),
         }
     }
@@ -46,18 +47,26 @@ pub(crate) fn reached(seen: u32, target: u32) -> bool {
     (seen.wrapping_sub(target) as i32) >= 0
 }
 
-/// Spins then yields until `word` reaches `target`. Returns whether it did; the caller then
-/// falls back to [`futex_wait`] in a loop of its own.
+/// Spins for the policy's time budget, then yields a few times, until `word` reaches
+/// `target`. Returns whether it did; the caller then falls back to [`futex_wait`] in a loop of
+/// its own. The budget is in time, not iterations: a `pause` costs from 10 to 140 cycles
+/// depending on the CPU.
 #[inline]
 pub(crate) fn spin_then_yield(word: &AtomicU32, target: u32, policy: &WaitPolicy) -> bool {
-    for i in 0..policy.spins {
-        if reached(word.load(Ordering::Acquire), target) {
-            return true;
-        }
-        if i % 64 == 63 {
+    if reached(word.load(Ordering::Acquire), target) {
+        return true;
+    }
+    let start = Instant::now();
+    loop {
+        for _ in 0..32 {
+            if reached(word.load(Ordering::Acquire), target) {
+                return true;
+            }
             std::hint::spin_loop();
         }
-        std::hint::spin_loop();
+        if start.elapsed() >= policy.spin {
+            break;
+        }
     }
     for _ in 0..policy.yields {
         if reached(word.load(Ordering::Acquire), target) {
