@@ -1,0 +1,254 @@
+//! [`TcpStore`]: a client of the rendezvous store server.
+
+use std::io::{self, ErrorKind};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::wire::{
+    malformed, read_frame, write_frame, Dec, Enc, HELLO_ACCEPT, HELLO_BAD_TOKEN, MAGIC,
+    MAX_FRAME_BYTES, MAX_TOKEN_BYTES, OP_ADD, OP_DELETE, OP_GET, OP_SET, OP_TRY_GET, R_BOOL, R_ERR,
+    R_INT, R_NOT_FOUND, R_OK, R_VALUE,
+};
+use super::{get_timeout_err, host_port, lock, store_err, Store, MAX_WAIT};
+use crate::comm::error::{CommError, CommResult};
+
+/// Client read timeout on `get` beyond the requested wait, so a dead server gives an error.
+const CLIENT_MARGIN: Duration = Duration::from_secs(2);
+
+/// A client of a [`TcpStoreServer`](super::TcpStoreServer). One connection, used under a
+/// mutex; after an I/O failure the connection is marked broken and every later call errors
+/// with the original reason.
+pub struct TcpStore {
+    addr: String,
+    io_timeout: Duration,
+    conn: Mutex<Conn>,
+}
+
+enum Conn {
+    Ready(TcpStream),
+    Broken(String),
+}
+
+fn io_reason(e: &io::Error, waited: Duration) -> String {
+    match e.kind() {
+        ErrorKind::UnexpectedEof
+        | ErrorKind::ConnectionReset
+        | ErrorKind::ConnectionAborted
+        | ErrorKind::BrokenPipe => "the store closed the connection (did rank 0 exit?)".into(),
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => format!(
+            "no reply within {:.1} s (is the store host alive?)",
+            waited.as_secs_f64()
+        ),
+        _ => e.to_string(),
+    }
+}
+
+fn connect_any(addr: &str, port: u16, within: Duration) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(ErrorKind::NotFound, "the address resolves to nothing");
+    for sa in (addr, port).to_socket_addrs()? {
+        match TcpStream::connect_timeout(&sa, within.max(Duration::from_millis(1))) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+impl TcpStore {
+    /// Connects to the store at `addr:port` and presents `token`. Retries with a short backoff
+    /// while nothing listens yet (rank 0 may not have started), until `timeout`. `timeout` also
+    /// bounds every later reply (besides `get`, which waits its own timeout).
+    pub fn connect(addr: &str, port: u16, token: &str, timeout: Duration) -> CommResult<Self> {
+        let desc = host_port(addr, port);
+        if token.len() > MAX_TOKEN_BYTES {
+            return Err(CommError::invalid(
+                format!("connecting to the rendezvous store at {desc}"),
+                format!(
+                    "job token of {} bytes exceeds {MAX_TOKEN_BYTES}",
+                    token.len()
+                ),
+            ));
+        }
+        let timeout = timeout.min(MAX_WAIT);
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let mut backoff = Duration::from_millis(10);
+        let mut stream = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let err = match connect_any(addr, port, left) {
+                Ok(s) => break s,
+                Err(e) => e,
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(store_err(
+                    &desc,
+                    format!(
+                        "could not connect within {:.1} s: {err} (is rank 0 running and \
+                         listening on this address?)",
+                        start.elapsed().as_secs_f64()
+                    ),
+                ));
+            }
+            thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        };
+        let io_timeout = timeout.max(Duration::from_secs(1));
+        let hello = Enc(Vec::new()).bytes(MAGIC).bytes(token.as_bytes()).0;
+        let reply = stream
+            .set_nodelay(true)
+            .and_then(|_| stream.set_read_timeout(Some(io_timeout)))
+            .and_then(|_| stream.set_write_timeout(Some(io_timeout)))
+            .and_then(|_| write_frame(&mut stream, &hello))
+            .and_then(|_| read_frame(&mut stream, 16))
+            .map_err(|e| {
+                store_err(
+                    &desc,
+                    format!(
+                        "handshake failed: {} (not a candle-tp store at this address, another \
+                         protocol version, or too many connections)",
+                        io_reason(&e, io_timeout)
+                    ),
+                )
+            })?;
+        match reply.as_slice() {
+            [HELLO_ACCEPT] => Ok(Self {
+                addr: desc,
+                io_timeout,
+                conn: Mutex::new(Conn::Ready(stream)),
+            }),
+            [HELLO_BAD_TOKEN] => Err(store_err(
+                &desc,
+                "the store refused the job token (another job on this port? check \
+                 MASTER_PORT, or use --standalone)",
+            )),
+            _ => Err(store_err(
+                &desc,
+                format!("unexpected handshake reply {reply:?} (not a candle-tp store?)"),
+            )),
+        }
+    }
+
+    /// Sends one request and returns the reply payload (status byte first).
+    fn call(&self, op: &str, key: &str, req: Vec<u8>, wait: Duration) -> CommResult<Vec<u8>> {
+        if req.len() > MAX_FRAME_BYTES {
+            return Err(CommError::invalid(
+                format!("store {op} of key '{key}' at {}", self.addr),
+                format!(
+                    "request of {} bytes exceeds the frame limit of {MAX_FRAME_BYTES} bytes",
+                    req.len()
+                ),
+            ));
+        }
+        let mut conn = lock(&self.conn);
+        let stream = match &mut *conn {
+            Conn::Ready(s) => s,
+            Conn::Broken(why) => {
+                return Err(store_err(
+                    &self.addr,
+                    format!(
+                        "{op} of key '{key}': connection unusable after an earlier failure: {why}"
+                    ),
+                ))
+            }
+        };
+        let start = Instant::now();
+        let result = stream
+            .set_read_timeout(Some(wait))
+            .and_then(|_| write_frame(stream, &req))
+            .and_then(|_| read_frame(stream, MAX_FRAME_BYTES));
+        match result {
+            Ok(reply) if !reply.is_empty() => Ok(reply),
+            Ok(_) => Err(self.protocol(&mut conn, op, key)),
+            Err(e) => {
+                let why = io_reason(&e, start.elapsed());
+                *conn = Conn::Broken(why.clone());
+                Err(store_err(&self.addr, format!("{op} of key '{key}': {why}")))
+            }
+        }
+    }
+
+    /// Marks the connection broken after a reply it cannot understand.
+    fn protocol(&self, conn: &mut Conn, op: &str, key: &str) -> CommError {
+        let why = "malformed reply from the store (protocol mismatch?)".to_string();
+        *conn = Conn::Broken(why.clone());
+        store_err(&self.addr, format!("{op} of key '{key}': {why}"))
+    }
+
+    fn bad_reply(&self, op: &str, key: &str) -> CommError {
+        let mut conn = lock(&self.conn);
+        self.protocol(&mut conn, op, key)
+    }
+
+    fn value_or_missing(&self, op: &str, key: &str, reply: &[u8]) -> CommResult<Option<Vec<u8>>> {
+        let mut d = Dec(reply);
+        let parsed = match d.u8() {
+            Ok(R_VALUE) => d.bytes().map(|v| Some(v.to_vec())),
+            Ok(R_NOT_FOUND) => Ok(None),
+            _ => Err(malformed("status")),
+        };
+        match parsed.and_then(|v| d.end().map(|_| v)) {
+            Ok(v) => Ok(v),
+            Err(_) => Err(self.bad_reply(op, key)),
+        }
+    }
+}
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> CommResult<()> {
+        let req = Enc::op(OP_SET).bytes(key.as_bytes()).bytes(value).0;
+        match self.call("set", key, req, self.io_timeout)?.as_slice() {
+            [R_OK] => Ok(()),
+            _ => Err(self.bad_reply("set", key)),
+        }
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> CommResult<Vec<u8>> {
+        let timeout = timeout.min(MAX_WAIT);
+        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let req = Enc::op(OP_GET).bytes(key.as_bytes()).u64(ms).0;
+        let start = Instant::now();
+        let reply = self.call("get", key, req, timeout + CLIENT_MARGIN)?;
+        match self.value_or_missing("get", key, &reply)? {
+            Some(v) => Ok(v),
+            None => Err(get_timeout_err(&self.addr, key, start.elapsed())),
+        }
+    }
+
+    fn try_get(&self, key: &str) -> CommResult<Option<Vec<u8>>> {
+        let req = Enc::op(OP_TRY_GET).bytes(key.as_bytes()).0;
+        let reply = self.call("try_get", key, req, self.io_timeout)?;
+        self.value_or_missing("try_get", key, &reply)
+    }
+
+    fn add(&self, key: &str, delta: i64) -> CommResult<i64> {
+        let req = Enc::op(OP_ADD).bytes(key.as_bytes()).u64(delta as u64).0;
+        let reply = self.call("add", key, req, self.io_timeout)?;
+        let mut d = Dec(&reply);
+        match d.u8() {
+            Ok(R_INT) => match (d.u64(), d.end()) {
+                (Ok(n), Ok(())) => Ok(n as i64),
+                _ => Err(self.bad_reply("add", key)),
+            },
+            Ok(R_ERR) => match d.bytes() {
+                Ok(msg) => Err(store_err(&self.addr, String::from_utf8_lossy(msg))),
+                Err(_) => Err(self.bad_reply("add", key)),
+            },
+            _ => Err(self.bad_reply("add", key)),
+        }
+    }
+
+    fn delete(&self, key: &str) -> CommResult<bool> {
+        let req = Enc::op(OP_DELETE).bytes(key.as_bytes()).0;
+        match self.call("delete", key, req, self.io_timeout)?.as_slice() {
+            [R_BOOL, b] if *b <= 1 => Ok(*b == 1),
+            _ => Err(self.bad_reply("delete", key)),
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.addr.clone()
+    }
+}
