@@ -27,10 +27,18 @@ use half::bf16;
 #[command(about = "Benchmark all_reduce, all_gather and reduce_scatter on the shm backend")]
 struct Args {
     /// Sizes in bytes (suffixes K, M): default 4K to 64M in steps of 4x.
-    #[arg(long, value_delimiter = ',', default_value = "4K,16K,64K,256K,1M,4M,16M,64M")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "4K,16K,64K,256K,1M,4M,16M,64M"
+    )]
     sizes: Vec<String>,
     /// Collectives: all_reduce, all_gather, reduce_scatter.
-    #[arg(long, value_delimiter = ',', default_value = "all_reduce,all_gather,reduce_scatter")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "all_reduce,all_gather,reduce_scatter"
+    )]
     ops: Vec<String>,
     /// Element types: f32, bf16.
     #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
@@ -48,7 +56,10 @@ fn parse_size(s: &str) -> Result<usize> {
         Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    Ok(num.parse::<usize>().map_err(|_| anyhow::anyhow!("bad size '{s}'"))? * mult)
+    Ok(num
+        .parse::<usize>()
+        .map_err(|_| anyhow::anyhow!("bad size '{s}'"))?
+        * mult)
 }
 
 /// Iterations for a size: the same rule as the MPI program of scripts/bench-collectives.sh.
@@ -56,7 +67,12 @@ fn iterations(bytes: usize, budget: usize) -> usize {
     (budget / bytes.max(1)).clamp(5, 1000)
 }
 
-fn time_op<T: Element>(pg: &ProcessGroup, op: &str, bytes: usize, budget: usize) -> Result<Option<Vec<f64>>> {
+fn time_op<T: Element>(
+    pg: &ProcessGroup,
+    op: &str,
+    bytes: usize,
+    budget: usize,
+) -> Result<Option<Vec<f64>>> {
     let world = pg.size();
     let esz = std::mem::size_of::<T>();
     // Element counts: all_reduce buffer, all_gather output and reduce_scatter input are `bytes`.
@@ -101,7 +117,11 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let pg = candle_tp::init_from_env(&candle_core::Device::Cpu)?;
     let world = pg.size();
-    let sizes: Vec<usize> = args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?;
+    let sizes: Vec<usize> = args
+        .sizes
+        .iter()
+        .map(|s| parse_size(s))
+        .collect::<Result<_>>()?;
     for op in &args.ops {
         for dtype in &args.dtypes {
             for &bytes in &sizes {
@@ -117,7 +137,8 @@ fn main() -> Result<()> {
                 times.sort_by(f64::total_cmp);
                 let median = times[times.len() / 2];
                 let algbw = bytes as f64 / (median * 1e-6) / 1e9;
-                let factor = if op == "all_reduce" { 2.0 } else { 1.0 } * (world as f64 - 1.0) / world as f64;
+                let factor = if op == "all_reduce" { 2.0 } else { 1.0 } * (world as f64 - 1.0)
+                    / world as f64;
                 println!(
                     "{}",
                     serde_json::json!({

@@ -58,7 +58,11 @@ fn threads() -> usize {
 
 /// Times `f` on every rank; returns per-iteration times (ms), each the slowest rank's, and
 /// the milliseconds per iteration this rank spent inside all-reduces during the timed loop.
-fn time_iters(pg: &ProcessGroup, seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, f64)> {
+fn time_iters(
+    pg: &ProcessGroup,
+    seconds: f64,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<(Vec<f64>, f64)> {
     let t0 = Instant::now();
     f()?;
     let once = t0.elapsed().as_secs_f64();
@@ -75,7 +79,14 @@ fn time_iters(pg: &ProcessGroup, seconds: f64, mut f: impl FnMut() -> Result<()>
         f()?;
         *t = t0.elapsed().as_secs_f64() * 1e3;
     }
-    let comm = pg.stats().since(&before).get(CollectiveKind::AllReduce).time.as_secs_f64() * 1e3 / n as f64;
+    let comm = pg
+        .stats()
+        .since(&before)
+        .get(CollectiveKind::AllReduce)
+        .time
+        .as_secs_f64()
+        * 1e3
+        / n as f64;
     pg.all_reduce_slice(&mut times, ReduceOp::Max)?;
     Ok((times, comm))
 }
@@ -107,14 +118,35 @@ fn main() -> Result<()> {
         let h = 4 * d;
         let part = Partition::new(h, world)?;
         let r = part.range(rank);
-        let w1 = seeded(&[h, d], 1, 1.0 / (d as f32).sqrt())?.narrow(0, r.start, r.len())?.contiguous()?;
-        let b1 = seeded(&[h], 2, 0.1)?.narrow(0, r.start, r.len())?.contiguous()?;
-        let w2 = seeded(&[d, h], 3, 1.0 / (h as f32).sqrt())?.narrow(1, r.start, r.len())?.contiguous()?;
+        let w1 = seeded(&[h, d], 1, 1.0 / (d as f32).sqrt())?
+            .narrow(0, r.start, r.len())?
+            .contiguous()?;
+        let b1 = seeded(&[h], 2, 0.1)?
+            .narrow(0, r.start, r.len())?
+            .contiguous()?;
+        let w2 = seeded(&[d, h], 3, 1.0 / (h as f32).sqrt())?
+            .narrow(1, r.start, r.len())?
+            .contiguous()?;
         let b2 = seeded(&[d], 4, 0.1)?;
-        let vars: Vec<Var> = [&w1, &b1, &w2, &b2].iter().map(|t| Var::from_tensor(t)).collect::<candle_core::Result<_>>()?;
+        let vars: Vec<Var> = [&w1, &b1, &w2, &b2]
+            .iter()
+            .map(|t| Var::from_tensor(t))
+            .collect::<candle_core::Result<_>>()?;
         let mlp = Mlp::new(
-            ColumnParallelLinear::new(vars[0].as_tensor().clone(), Some(vars[1].as_tensor().clone()), d, part, pg.clone())?,
-            RowParallelLinear::new(vars[2].as_tensor().clone(), Some(vars[3].as_tensor().clone()), part, d, pg.clone())?,
+            ColumnParallelLinear::new(
+                vars[0].as_tensor().clone(),
+                Some(vars[1].as_tensor().clone()),
+                d,
+                part,
+                pg.clone(),
+            )?,
+            RowParallelLinear::new(
+                vars[2].as_tensor().clone(),
+                Some(vars[3].as_tensor().clone()),
+                part,
+                d,
+                pg.clone(),
+            )?,
             Activation::Gelu,
         );
         for &s in &args.seq_len {
@@ -133,7 +165,11 @@ fn main() -> Result<()> {
                 pg.all_reduce_slice(&mut buf, ReduceOp::Sum)?;
                 Ok(())
             })?;
-            let words = if world > 1 { 2.0 * (world as f64 - 1.0) / world as f64 * (s * d) as f64 } else { 0.0 };
+            let words = if world > 1 {
+                2.0 * (world as f64 - 1.0) / world as f64 * (s * d) as f64
+            } else {
+                0.0
+            };
             let lambda_comms = words / (median(&mut t) * 1e-3);
             for pass in &args.pass {
                 let (mut times, comm) = match pass.as_str() {
@@ -155,7 +191,11 @@ fn main() -> Result<()> {
                 let mut comm = [comm];
                 pg.all_reduce_slice(&mut comm, ReduceOp::Max)?;
                 let med = median(&mut times);
-                let measured = if med > comm[0] { comm[0] / (med - comm[0]) } else { f64::INFINITY };
+                let measured = if med > comm[0] {
+                    comm[0] / (med - comm[0])
+                } else {
+                    f64::INFINITY
+                };
                 let model = if world > 1 {
                     (world as f64 - 1.0) / d as f64 * lambda_compute / (4.0 * lambda_comms)
                 } else {

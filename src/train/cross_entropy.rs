@@ -56,7 +56,9 @@ pub fn vocab_parallel_cross_entropy(
         );
     }
     if !(0.0..1.0).contains(&label_smoothing) {
-        candle_core::bail!("vocab_parallel_cross_entropy: label_smoothing {label_smoothing} is not in [0, 1)");
+        candle_core::bail!(
+            "vocab_parallel_cross_entropy: label_smoothing {label_smoothing} is not in [0, 1)"
+        );
     }
     let dev = local_logits.device();
     let dtype = local_logits.dtype();

@@ -84,7 +84,13 @@ impl Dropout {
 
     /// Residual-branch dropout on `x` `[batch, rows.len(), hidden]`, the rows `rows` of a
     /// sequence of `seq`: the mask of the full sequence from the shared seed, sliced.
-    pub fn apply_shared(&self, x: &Tensor, site: Site, seq: usize, rows: &Range<usize>) -> Result<Tensor> {
+    pub fn apply_shared(
+        &self,
+        x: &Tensor,
+        site: Site,
+        seq: usize,
+        rows: &Range<usize>,
+    ) -> Result<Tensor> {
         if self.hidden == 0.0 {
             return Ok(x.clone());
         }
@@ -110,8 +116,12 @@ impl Dropout {
         }
         Self::check(self.attention)?;
         let seed = mix(self.site_seed(site), 2718 + rank as u64);
-        let m = Tensor::from_vec(mask(seed, x.elem_count(), self.attention), x.shape(), x.device())?
-            .to_dtype(x.dtype())?;
+        let m = Tensor::from_vec(
+            mask(seed, x.elem_count(), self.attention),
+            x.shape(),
+            x.device(),
+        )?
+        .to_dtype(x.dtype())?;
         x * m
     }
 }

@@ -120,7 +120,12 @@ impl TrainInit {
 
     /// Declares parameter `name` with its full shape and initialiser (before building the
     /// model: layer constructors ask the source for shapes).
-    pub fn declare(&self, name: impl Into<String>, shape: impl Into<Shape>, init: Init) -> Result<()> {
+    pub fn declare(
+        &self,
+        name: impl Into<String>,
+        shape: impl Into<Shape>,
+        init: Init,
+    ) -> Result<()> {
         let mut st = self.lock()?;
         st.decls.insert(
             name.into(),
@@ -133,7 +138,12 @@ impl TrainInit {
     }
 
     /// A [`ShardedVarBuilder`] over this initialiser for group `pg`.
-    pub fn var_builder(&self, dtype: DType, device: &Device, pg: ProcessGroup) -> ShardedVarBuilder {
+    pub fn var_builder(
+        &self,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> ShardedVarBuilder {
         ShardedVarBuilder::new(Arc::new(self.clone()), dtype, device, pg)
     }
 
@@ -265,7 +275,10 @@ impl TrainInit {
         }
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir).map_err(|e| {
-            candle_core::Error::msg(format!("cannot create checkpoint dir {}: {e}", dir.display()))
+            candle_core::Error::msg(format!(
+                "cannot create checkpoint dir {}: {e}",
+                dir.display()
+            ))
         })?;
         let map: HashMap<String, Tensor> = full.into_iter().collect();
         let path = dir.join("model.safetensors");

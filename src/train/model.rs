@@ -88,8 +88,16 @@ impl TrainConfig {
         let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h], normal)];
         for l in 0..self.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            out.push((format!("{p}.input_layernorm.weight"), vec![h], Init::Const(1.0)));
-            out.push((format!("{p}.post_attention_layernorm.weight"), vec![h], Init::Const(1.0)));
+            out.push((
+                format!("{p}.input_layernorm.weight"),
+                vec![h],
+                Init::Const(1.0),
+            ));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                Init::Const(1.0),
+            ));
             let q = self.num_attention_heads * hd;
             let kv = self.num_key_value_heads * hd;
             out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], normal));
@@ -117,9 +125,13 @@ impl TrainConfig {
 
     /// A Hugging Face `config.json` for this model (`LlamaForCausalLM`).
     pub fn hf_config_json(&self, bos: Option<u32>, eos: Option<u32>) -> Result<String> {
-        let mut v = serde_json::to_value(self).map_err(|e| candle_core::Error::msg(e.to_string()))?;
+        let mut v =
+            serde_json::to_value(self).map_err(|e| candle_core::Error::msg(e.to_string()))?;
         if let Some(o) = v.as_object_mut() {
-            o.insert("architectures".into(), serde_json::json!(["LlamaForCausalLM"]));
+            o.insert(
+                "architectures".into(),
+                serde_json::json!(["LlamaForCausalLM"]),
+            );
             o.insert("model_type".into(), "llama".into());
             o.insert("hidden_act".into(), "silu".into());
             o.insert("head_dim".into(), self.head_dim().into());
@@ -341,7 +353,10 @@ impl TrainLlama {
         let mask = Tensor::from_vec(mask, (n, 1), dev)?.to_dtype(self.embed.dtype())?;
         let mut dims = ids.dims().to_vec();
         dims.push(self.cfg.hidden_size);
-        self.embed.index_select(&idx, 0)?.broadcast_mul(&mask)?.reshape(dims)
+        self.embed
+            .index_select(&idx, 0)?
+            .broadcast_mul(&mask)?
+            .reshape(dims)
     }
 
     fn attention(&self, layer: &Layer, x: &Tensor, drop: &Dropout, l: usize) -> Result<Tensor> {
