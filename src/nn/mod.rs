@@ -1,10 +1,14 @@
 //! Parallel layers that are drop-in replacements for candle-nn's.
+pub mod attention;
 pub mod embedding;
 pub mod linear;
 pub mod mlp;
 pub mod parallel_2d;
 pub mod parallel_3d;
 
+pub use attention::{
+    AttentionConfig, HeadAssignment, Llama3RopeScaling, ParallelAttention, RotaryEmbedding,
+};
 pub use embedding::{ParallelLmHead, VocabParallelEmbedding};
 pub use linear::{
     column_linear, column_linear_no_bias, replicated_linear, replicated_linear_no_bias, row_linear,

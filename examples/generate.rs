@@ -1,0 +1,346 @@
+//! Text generation with a tensor-parallel Llama-family model (SmolLM2-135M-Instruct by
+//! default).
+//!
+//! ```text
+//! cargo run --release --example generate -- --prompt "The capital of France is"
+//! cargo build --release --bin tprun --example generate
+//! target/release/tprun --standalone --nproc-per-node 2 target/release/examples/generate \
+//!     --chat --prompt "What is tensor parallelism?" --max-new-tokens 64
+//! ```
+//!
+//! Every rank loads only its share of the weights. Rank 0 tokenizes the prompt (rendering the
+//! checkpoint's chat template with `--chat`) and sends the ids to the others; every rank runs
+//! the same decode loop, and the next token is drawn from the vocabulary-parallel logits
+//! without gathering them (all ranks draw the same token). Rank 0 streams the text as it is
+//! produced and ends with one JSON line: `world_size`, `prompt_tokens`, `generated_tokens`,
+//! `token_ids`, `tokens_per_s` (decode), `load_s`, `rss_bytes` (anonymous resident memory of
+//! each rank after loading).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_tp::generate::{DistributedSampler, SamplingParams};
+use candle_tp::models::Llama;
+use candle_tp::ops::gather_from_tp;
+use candle_tp::ProcessGroup;
+use clap::Parser;
+use tokenizers::Tokenizer;
+
+#[derive(Parser, Debug)]
+#[command(about = "Text generation with a tensor-parallel Llama-family model")]
+struct Args {
+    /// Model directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
+    /// Default: $CANDLE_TP_HOME/models/smollm2-135m-instruct ($CANDLE_TP_HOME defaults to
+    /// ~/.cache/candle-tp).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The prompt (the user message with --chat).
+    #[arg(long, default_value = "Tensor parallelism splits a model")]
+    prompt: String,
+    /// Render the prompt with the checkpoint's chat template (tokenizer_config.json).
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate at most (generation also stops at an end-of-sequence token).
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Sample only among the k most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample only among the most likely tokens whose probability reaches p.
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// Seed of the sampler (the same on every rank).
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Device: cpu.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Weight dtype: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Rank 0 writes the full logits of the prompt's last position here: a JSON array if the
+    /// name ends in .json, else raw little-endian f32.
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+}
+
+fn default_model_dir() -> Result<PathBuf> {
+    let home = match std::env::var_os("CANDLE_TP_HOME") {
+        Some(h) => PathBuf::from(h),
+        None => PathBuf::from(
+            std::env::var_os("HOME")
+                .ok_or_else(|| anyhow!("neither CANDLE_TP_HOME nor HOME is set"))?,
+        )
+        .join(".cache/candle-tp"),
+    };
+    Ok(home.join("models/smollm2-135m-instruct"))
+}
+
+fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => bail!("unsupported --dtype '{other}' (f32, f16 or bf16)"),
+    }
+}
+
+fn parse_device(s: &str) -> Result<Device> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        other => bail!("unsupported --device '{other}' (this build runs on cpu)"),
+    }
+}
+
+/// This process's anonymous resident memory (`RssAnon` of /proc/self/status), in bytes.
+fn rss_anon_bytes() -> Result<i64> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("RssAnon:"))
+        .context("no RssAnon line in /proc/self/status")?;
+    let kb: i64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("cannot parse {line:?}"))?;
+    Ok(kb * 1024)
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// A special token of tokenizer_config.json: a string or `{"content": ...}`.
+fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
+    match &cfg[key] {
+        serde_json::Value::String(s) => Some(s.clone()),
+        v => v["content"].as_str().map(String::from),
+    }
+}
+
+/// The checkpoint's chat template applied to one user message, with the generation prompt.
+fn render_chat(dir: &Path, prompt: &str) -> Result<String> {
+    let cfg_path = dir.join("tokenizer_config.json");
+    let cfg = read_json(&cfg_path)?;
+    let template = match &cfg["chat_template"] {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t["name"] == "default")
+            .and_then(|t| t["template"].as_str())
+            .map(String::from)
+            .with_context(|| format!("{}: no 'default' chat template", cfg_path.display()))?,
+        _ => {
+            let jinja = dir.join("chat_template.jinja");
+            std::fs::read_to_string(&jinja).with_context(|| {
+                format!(
+                    "--chat: neither {} has a chat_template nor does {} exist",
+                    cfg_path.display(),
+                    jinja.display()
+                )
+            })?
+        }
+    };
+    let mut env = minijinja::Environment::new();
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template("chat", &template)
+        .context("parsing the chat template")?;
+    let ctx = serde_json::json!({
+        "messages": [{"role": "user", "content": prompt}],
+        "add_generation_prompt": true,
+        "bos_token": special_token(&cfg, "bos_token").unwrap_or_default(),
+        "eos_token": special_token(&cfg, "eos_token").unwrap_or_default(),
+    });
+    env.get_template("chat")?
+        .render(ctx)
+        .context("rendering the chat template")
+}
+
+/// Rank 0's prompt ids and end-of-sequence ids.
+fn prepare(args: &Args, dir: &Path, model: &Llama) -> Result<(Tokenizer, Vec<u32>, Vec<u32>)> {
+    let tok_path = dir.join("tokenizer.json");
+    let tok = Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow!("loading {}: {e}", tok_path.display()))?;
+    let (text, add_special) = if args.chat {
+        (render_chat(dir, &args.prompt)?, false)
+    } else {
+        (args.prompt.clone(), true)
+    };
+    let ids = tok
+        .encode(text.as_str(), add_special)
+        .map_err(|e| anyhow!("tokenizing the prompt: {e}"))?
+        .get_ids()
+        .to_vec();
+    if ids.is_empty() {
+        bail!("the prompt {:?} has no tokens", args.prompt);
+    }
+    let mut eos = model.config().eos_token_ids.clone();
+    let tc = dir.join("tokenizer_config.json");
+    if tc.is_file() {
+        if let Some(id) =
+            special_token(&read_json(&tc)?, "eos_token").and_then(|t| tok.token_to_id(&t))
+        {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    Ok((tok, ids, eos))
+}
+
+/// Sends rank 0's `ids` and `eos` to every rank.
+fn share(pg: &ProcessGroup, ids: Vec<u32>, eos: Vec<u32>) -> Result<(Vec<u32>, Vec<u32>)> {
+    let mut n = [ids.len() as u32, eos.len() as u32];
+    pg.broadcast_slice(&mut n, 0)?;
+    let mut flat = if pg.rank() == 0 {
+        [ids, eos].concat()
+    } else {
+        vec![0; (n[0] + n[1]) as usize]
+    };
+    pg.broadcast_slice(&mut flat, 0)?;
+    let eos = flat.split_off(n[0] as usize);
+    Ok((flat, eos))
+}
+
+fn write_logits(path: &Path, logits: &Tensor) -> Result<()> {
+    let v: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+    let bytes = if path.extension().is_some_and(|e| e == "json") {
+        serde_json::to_vec(&v)?
+    } else {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    };
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Prints the newly decodable part of the generated text.
+struct Streamer {
+    tok: Tokenizer,
+    printed: usize,
+}
+
+impl Streamer {
+    fn push(&mut self, ids: &[u32]) -> Result<()> {
+        let text = self
+            .tok
+            .decode(ids, true)
+            .map_err(|e| anyhow!("decoding: {e}"))?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok(()); // an incomplete UTF-8 sequence: wait for the next token
+        }
+        if let Some(new) = text.get(self.printed..) {
+            print!("{new}");
+            std::io::stdout().flush()?;
+            self.printed = text.len();
+        }
+        Ok(())
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = parse_device(&args.device)?;
+    let dtype = parse_dtype(&args.dtype)?;
+    let pg = candle_tp::init_from_env(&device)?;
+    let dir = match &args.model {
+        Some(d) => d.clone(),
+        None => default_model_dir()?,
+    };
+    let t0 = Instant::now();
+    let mut model = Llama::from_dir(&dir, dtype, &device, pg.clone()).with_context(|| {
+        format!(
+            "loading {} on rank {} of {}",
+            dir.display(),
+            pg.rank(),
+            pg.size()
+        )
+    })?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let mut rss = vec![0i64; pg.size()];
+    pg.all_gather_slice(&[rss_anon_bytes()?], &mut rss)?;
+
+    let (mut streamer, ids, eos) = if pg.rank() == 0 {
+        let (tok, ids, eos) = prepare(&args, &dir, &model)?;
+        (Some(Streamer { tok, printed: 0 }), ids, eos)
+    } else {
+        (None, Vec::new(), Vec::new())
+    };
+    let (prompt, eos) = share(&pg, ids, eos)?;
+    let max_pos = model.config().max_position_embeddings;
+    if prompt.len() >= max_pos {
+        bail!(
+            "the prompt has {} tokens, the model at most {max_pos}",
+            prompt.len()
+        );
+    }
+
+    let mut sampler = DistributedSampler::new(SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    });
+    let x = Tensor::new(prompt.as_slice(), &device)?.unsqueeze(0)?;
+    let mut logits = model.forward(&x, 0)?.squeeze(0)?;
+    if let Some(path) = &args.logits_out {
+        let full = gather_from_tp(&logits, &pg, model.lm_head().partition())?;
+        if pg.rank() == 0 {
+            write_logits(path, &full)?;
+        }
+    }
+    let mut generated: Vec<u32> = Vec::new();
+    let mut pos = prompt.len();
+    let mut t_decode = None;
+    while generated.len() < args.max_new_tokens {
+        let next = sampler.sample(&logits, model.lm_head())?;
+        generated.push(next);
+        if let Some(s) = streamer.as_mut() {
+            s.push(&generated)?;
+        }
+        if eos.contains(&next) || generated.len() == args.max_new_tokens || pos + 1 >= max_pos {
+            break;
+        }
+        if t_decode.is_none() {
+            t_decode = Some(Instant::now());
+        }
+        let x = Tensor::new(&[next], &device)?.unsqueeze(0)?;
+        logits = model.forward(&x, pos)?.squeeze(0)?;
+        pos += 1;
+    }
+    // Decode speed: the tokens after the first (the first comes from the prompt pass).
+    let tokens_per_s = match t_decode {
+        Some(t) if generated.len() > 1 => (generated.len() - 1) as f64 / t.elapsed().as_secs_f64(),
+        _ => 0.0,
+    };
+    if pg.rank() == 0 {
+        println!();
+        let report = serde_json::json!({
+            "world_size": pg.size(),
+            "prompt_tokens": prompt.len(),
+            "generated_tokens": generated.len(),
+            "token_ids": generated,
+            "tokens_per_s": tokens_per_s,
+            "load_s": load_s,
+            "rss_bytes": rss,
+        });
+        println!("{report}");
+    }
+    Ok(())
+}

@@ -1,0 +1,287 @@
+//! The `config.json` of a Llama-family checkpoint (Llama 2/3, Mistral, Qwen2, SmolLM2), read
+//! with serde and checked: unknown architectures, missing `rope_theta` and unsupported options
+//! are errors that name the file and the key, never silent defaults.
+
+use std::path::Path;
+
+use candle_core::Result;
+use serde::Deserialize;
+
+use crate::nn::{AttentionConfig, Llama3RopeScaling};
+
+/// Architectures (`config.json` `architectures`) this model implements.
+pub const SUPPORTED_ARCHITECTURES: [&str; 3] =
+    ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+
+#[derive(Debug, Deserialize)]
+struct RawRope {
+    rope_theta: Option<f64>,
+    #[serde(alias = "type")]
+    rope_type: Option<String>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    vocab_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: f64,
+    rope_theta: Option<f64>,
+    rope_parameters: Option<RawRope>,
+    rope_scaling: Option<RawRope>,
+    max_position_embeddings: usize,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<TokenIds>,
+}
+
+/// A Llama-family model's settings, resolved from `config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// The `architectures` entry (e.g. `LlamaForCausalLM`).
+    pub architecture: String,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Width of the gated MLP.
+    pub intermediate_size: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA when fewer than the query heads).
+    pub num_key_value_heads: usize,
+    /// Width of one head (`head_dim`, or `hidden_size / num_attention_heads`).
+    pub head_dim: usize,
+    /// RmsNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base, from `rope_theta` or `rope_parameters.rope_theta`.
+    pub rope_theta: f32,
+    /// Llama 3 RoPE scaling, if the checkpoint has it.
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+    /// Whether the LM head shares the embedding table.
+    pub tie_word_embeddings: bool,
+    /// Whether q/k/v have a bias (Qwen2, or Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// Whether o_proj has a bias (Llama's `attention_bias`).
+    pub o_bias: bool,
+    /// `bos_token_id`.
+    pub bos_token_id: Option<u32>,
+    /// `eos_token_id` (one or several).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl LlamaConfig {
+    /// Reads and checks `path` (a `config.json`).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            candle_core::Error::msg(format!("cannot read model config {}: {e}", path.display()))
+        })?;
+        Self::from_json(&text, &path.display().to_string())
+    }
+
+    /// Parses and checks the JSON text of a `config.json`; `origin` names it in errors.
+    pub fn from_json(text: &str, origin: &str) -> Result<Self> {
+        let raw: RawConfig = serde_json::from_str(text)
+            .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))?;
+        let bail = |msg: String| -> Result<Self> {
+            Err(candle_core::Error::msg(format!("{origin}: {msg}")))
+        };
+        let architecture = match (&raw.architectures, raw.model_type.as_deref()) {
+            (Some(a), _) if !a.is_empty() => a[0].clone(),
+            (_, Some("llama")) => "LlamaForCausalLM".into(),
+            (_, Some("mistral")) => "MistralForCausalLM".into(),
+            (_, Some("qwen2")) => "Qwen2ForCausalLM".into(),
+            (_, other) => {
+                return bail(format!(
+                "no 'architectures' and model_type {other:?} is not one of llama, mistral, qwen2"
+            ))
+            }
+        };
+        if !SUPPORTED_ARCHITECTURES.contains(&architecture.as_str()) {
+            return bail(format!(
+                "unsupported architecture '{architecture}' (supported: {})",
+                SUPPORTED_ARCHITECTURES.join(", ")
+            ));
+        }
+        if let Some(act) = raw.hidden_act.as_deref() {
+            if act != "silu" {
+                return bail(format!("hidden_act '{act}' is not supported (only silu)"));
+            }
+        }
+        if raw.mlp_bias == Some(true) {
+            return bail("mlp_bias = true is not supported".into());
+        }
+        let heads = raw.num_attention_heads;
+        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return bail(format!(
+                "num_attention_heads = {heads} must be a positive multiple of num_key_value_heads = {kv_heads}"
+            ));
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
+            None => {
+                return bail(format!(
+                    "hidden_size = {} is not a multiple of num_attention_heads = {heads} and there is no head_dim",
+                    raw.hidden_size
+                ))
+            }
+        };
+        let nested_theta = raw.rope_parameters.as_ref().and_then(|p| p.rope_theta);
+        let rope_theta = match (raw.rope_theta, nested_theta) {
+            (Some(a), Some(b)) if a != b => {
+                return bail(format!(
+                    "rope_theta = {a} and rope_parameters.rope_theta = {b} disagree"
+                ))
+            }
+            (Some(t), _) | (None, Some(t)) => t as f32,
+            (None, None) => {
+                return bail(
+                    "neither 'rope_theta' nor 'rope_parameters.rope_theta' is set (no default is assumed)"
+                        .into(),
+                )
+            }
+        };
+        let mut rope_scaling = None;
+        for (key, rope) in [
+            ("rope_scaling", &raw.rope_scaling),
+            ("rope_parameters", &raw.rope_parameters),
+        ] {
+            let Some(rope) = rope else { continue };
+            match rope.rope_type.as_deref() {
+                None | Some("default") => {}
+                Some("llama3") => {
+                    let (Some(f), Some(lo), Some(hi), Some(orig)) = (
+                        rope.factor,
+                        rope.low_freq_factor,
+                        rope.high_freq_factor,
+                        rope.original_max_position_embeddings,
+                    ) else {
+                        return bail(format!(
+                            "{key} of type llama3 needs factor, low_freq_factor, high_freq_factor and original_max_position_embeddings"
+                        ));
+                    };
+                    rope_scaling = Some(Llama3RopeScaling {
+                        factor: f as f32,
+                        low_freq_factor: lo as f32,
+                        high_freq_factor: hi as f32,
+                        original_max_position_embeddings: orig,
+                    });
+                }
+                Some(other) => {
+                    return bail(format!(
+                        "{key}.rope_type '{other}' is not supported (default or llama3)"
+                    ))
+                }
+            }
+        }
+        let attention_bias = raw.attention_bias.unwrap_or(false);
+        let qwen2 = architecture == "Qwen2ForCausalLM";
+        Ok(Self {
+            architecture,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            vocab_size: raw.vocab_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            rms_norm_eps: raw.rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: raw.max_position_embeddings,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: qwen2 || attention_bias,
+            o_bias: !qwen2 && attention_bias,
+            bos_token_id: raw.bos_token_id,
+            eos_token_ids: match raw.eos_token_id {
+                None => Vec::new(),
+                Some(TokenIds::One(t)) => vec![t],
+                Some(TokenIds::Many(v)) => v,
+            },
+        })
+    }
+
+    /// The attention layers' settings.
+    pub fn attention(&self) -> AttentionConfig {
+        AttentionConfig {
+            hidden_size: self.hidden_size,
+            num_heads: self.num_attention_heads,
+            num_kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            qkv_bias: self.qkv_bias,
+            o_bias: self.o_bias,
+            rope_theta: self.rope_theta,
+            rope_scaling: self.rope_scaling,
+            max_position_embeddings: self.max_position_embeddings,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#""hidden_size": 64, "intermediate_size": 96, "vocab_size": 100,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 128"#;
+
+    fn cfg(extra: &str) -> Result<LlamaConfig> {
+        LlamaConfig::from_json(&format!("{{{BASE}{extra}}}"), "config.json")
+    }
+
+    #[test]
+    fn rope_theta_top_level_or_nested_never_defaulted() -> Result<()> {
+        let a = cfg(r#", "architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0"#)?;
+        assert_eq!(a.rope_theta, 500000.0);
+        let b = cfg(
+            r#", "architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}"#,
+        )?;
+        assert_eq!(b.rope_theta, 100000.0);
+        assert_eq!(b.head_dim, 8);
+        let e = cfg(r#", "architectures": ["LlamaForCausalLM"]"#).unwrap_err();
+        assert!(e.to_string().contains("rope_theta"), "{e}");
+        Ok(())
+    }
+
+    #[test]
+    fn llama3_scaling_qwen2_bias_and_bad_architecture() -> Result<()> {
+        let c = cfg(
+            r#", "architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
+        )?;
+        assert_eq!(c.rope_scaling.map(|s| s.factor), Some(8.0));
+        let q = cfg(r#", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6"#)?;
+        assert!(q.qkv_bias && !q.o_bias);
+        let e = cfg(r#", "architectures": ["GPT2LMHeadModel"], "rope_theta": 1e4"#).unwrap_err();
+        assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        Ok(())
+    }
+}

@@ -1,0 +1,449 @@
+//! Tensor-parallel causal self-attention (Llama family): q/k/v column-parallel, o
+//! row-parallel, rotary position embeddings, causal mask, KV cache, MHA and GQA.
+//!
+//! Heads are split across ranks, unevenly where needed (9 heads on 2 ranks is 5 + 4):
+//! - with `world <= num_kv_heads`, each rank owns whole KV groups (`Partition::new(kv, world)`)
+//!   and exactly the query heads of those groups;
+//! - with `world > num_kv_heads`, the query heads are split (in units of one head) and each
+//!   rank loads the KV heads its query heads need (a KV head may live on several ranks).
+//!
+//! Every rank runs the same ops (only the sizes differ), so collectives line up.
+
+use std::f32::consts::PI;
+use std::ops::Range;
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::Linear;
+
+use crate::comm::ProcessGroup;
+use crate::loader::ShardedVarBuilder;
+use crate::nn::{ColumnParallelLinear, RowParallelLinear};
+use crate::ops::copy_to_tp;
+use crate::Partition;
+
+/// Llama 3 `rope_scaling` (`"rope_type": "llama3"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3RopeScaling {
+    /// `factor`.
+    pub factor: f32,
+    /// `low_freq_factor`.
+    pub low_freq_factor: f32,
+    /// `high_freq_factor`.
+    pub high_freq_factor: f32,
+    /// `original_max_position_embeddings`.
+    pub original_max_position_embeddings: usize,
+}
+
+/// Shape and position-encoding settings of one attention layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionConfig {
+    /// Model width (input and output features).
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (equal to `num_heads` for MHA).
+    pub num_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Whether q/k/v have a bias (Qwen2).
+    pub qkv_bias: bool,
+    /// Whether o_proj has a bias.
+    pub o_bias: bool,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Llama 3 frequency scaling, if any.
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Positions for which the rotary tables are computed.
+    pub max_position_embeddings: usize,
+}
+
+/// Precomputed rotary tables `cos`/`sin`, `[max_positions, head_dim / 2]` (shared by all
+/// layers; the math of candle-transformers' `llama.rs`).
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RotaryEmbedding {
+    /// Tables for `cfg` in `dtype` on `device`.
+    pub fn new(cfg: &AttentionConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let hd = cfg.head_dim;
+        if hd == 0 || hd % 2 != 0 {
+            candle_core::bail!("rotary embedding: head_dim {hd} must be even and positive");
+        }
+        let base: Vec<f32> = (0..hd)
+            .step_by(2)
+            .map(|i| 1f32 / cfg.rope_theta.powf(i as f32 / hd as f32))
+            .collect();
+        let inv_freq = match cfg.rope_scaling {
+            None => base,
+            Some(s) => {
+                let orig = s.original_max_position_embeddings as f32;
+                let low_freq_wavelen = orig / s.low_freq_factor;
+                let high_freq_wavelen = orig / s.high_freq_factor;
+                base.into_iter()
+                    .map(|freq| {
+                        let wavelen = 2. * PI / freq;
+                        if wavelen < high_freq_wavelen {
+                            freq
+                        } else if wavelen > low_freq_wavelen {
+                            freq / s.factor
+                        } else {
+                            let smooth = (orig / wavelen - s.low_freq_factor)
+                                / (s.high_freq_factor - s.low_freq_factor);
+                            (1. - smooth) * freq / s.factor + smooth * freq
+                        }
+                    })
+                    .collect()
+            }
+        };
+        let n = inv_freq.len();
+        let theta = Tensor::new(inv_freq, device)?;
+        let max = cfg.max_position_embeddings;
+        let idx_theta = Tensor::arange(0, max as u32, device)?
+            .to_dtype(DType::F32)?
+            .reshape((max, 1))?
+            .matmul(&theta.reshape((1, n))?)?;
+        Ok(Self {
+            cos: idx_theta.cos()?.to_dtype(dtype)?,
+            sin: idx_theta.sin()?.to_dtype(dtype)?,
+        })
+    }
+
+    /// Positions the tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// Rotates `x` `[batch, heads, seq, head_dim]` for positions `index_pos..index_pos+seq`.
+    pub fn apply(&self, x: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let (_, _, seq_len, _) = x.dims4()?;
+        if index_pos + seq_len > self.max_positions() {
+            candle_core::bail!(
+                "rotary embedding: positions {index_pos}..{} exceed max_position_embeddings = {}",
+                index_pos + seq_len,
+                self.max_positions()
+            );
+        }
+        let cos = self.cos.narrow(0, index_pos, seq_len)?;
+        let sin = self.sin.narrow(0, index_pos, seq_len)?;
+        candle_nn::rotary_emb::rope(x, &cos, &sin)
+    }
+}
+
+/// Which heads one rank holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadAssignment {
+    /// How the query features (`num_heads * head_dim`) are split; also o_proj's input split.
+    pub q_part: Partition,
+    /// Global indices of this rank's query heads.
+    pub q_heads: Range<usize>,
+    /// Global indices of the KV heads this rank holds.
+    pub kv_heads: Range<usize>,
+    /// Whether the KV heads are split without overlap (`world <= num_kv_heads`); otherwise
+    /// they are replicated where query heads of one group land on several ranks.
+    pub kv_split: bool,
+}
+
+impl HeadAssignment {
+    /// The heads of `rank` among `world` ranks.
+    pub fn new(
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        world: usize,
+        rank: usize,
+    ) -> Result<Self> {
+        if num_kv_heads == 0 || num_heads == 0 || num_heads % num_kv_heads != 0 {
+            candle_core::bail!(
+                "attention: num_attention_heads = {num_heads} must be a positive multiple of num_key_value_heads = {num_kv_heads}"
+            );
+        }
+        if world > num_heads {
+            candle_core::bail!(
+                "attention: cannot split {num_heads} attention heads over a world of {world} ranks (world size must be at most the number of heads)"
+            );
+        }
+        let n_rep = num_heads / num_kv_heads;
+        let err = |e| {
+            candle_core::Error::msg(format!(
+                "attention: cannot split {num_heads} heads ({num_kv_heads} KV heads) over {world} ranks: {e}"
+            ))
+        };
+        if world <= num_kv_heads {
+            // Whole KV groups: a unit is the n_rep query heads of one group.
+            let q_part =
+                Partition::with_unit(num_heads * head_dim, world, n_rep * head_dim).map_err(err)?;
+            let kv = Partition::new(num_kv_heads, world)
+                .map_err(err)?
+                .range(rank);
+            Ok(Self {
+                q_part,
+                q_heads: kv.start * n_rep..kv.end * n_rep,
+                kv_heads: kv,
+                kv_split: true,
+            })
+        } else {
+            let q_part =
+                Partition::with_unit(num_heads * head_dim, world, head_dim).map_err(err)?;
+            let r = q_part.range(rank);
+            let q_heads = r.start / head_dim..r.end / head_dim;
+            let kv_heads = q_heads.start / n_rep..(q_heads.end - 1) / n_rep + 1;
+            Ok(Self {
+                q_part,
+                q_heads,
+                kv_heads,
+                kv_split: false,
+            })
+        }
+    }
+
+    /// For each local query head, the index of its KV head among the local KV heads.
+    pub fn kv_index(&self, n_rep: usize) -> Vec<u32> {
+        self.q_heads
+            .clone()
+            .map(|h| (h / n_rep - self.kv_heads.start) as u32)
+            .collect()
+    }
+}
+
+/// A key or value projection: column-parallel when KV heads are split, otherwise the rank's
+/// (possibly overlapping) KV heads as a plain linear layer.
+#[derive(Debug, Clone)]
+enum KvProj {
+    Split(ColumnParallelLinear),
+    Replicated(Linear),
+}
+
+impl KvProj {
+    fn load(cfg: &AttentionConfig, heads: &HeadAssignment, vb: ShardedVarBuilder) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let out = cfg.num_kv_heads * hd;
+        if heads.kv_split {
+            return Ok(Self::Split(ColumnParallelLinear::load(
+                h,
+                out,
+                cfg.qkv_bias,
+                hd,
+                vb,
+            )?));
+        }
+        let rows = heads.kv_heads.start * hd..heads.kv_heads.end * hd;
+        let w = vb.get_ranges((out, h), "weight", 0, std::slice::from_ref(&rows))?;
+        let b = if cfg.qkv_bias {
+            Some(vb.get_ranges(out, "bias", 0, std::slice::from_ref(&rows))?)
+        } else {
+            None
+        };
+        Ok(Self::Replicated(Linear::new(w, b)))
+    }
+
+    fn forward_local(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Split(l) => l.forward_local(x),
+            Self::Replicated(l) => l.forward(x),
+        }
+    }
+}
+
+/// Causal self-attention with heads split across the ranks of a group, and a KV cache.
+///
+/// Weights are loaded under Hugging Face's names (`q_proj`, `k_proj`, `v_proj`, `o_proj`).
+/// With one rank it computes what candle-transformers' Llama attention computes.
+#[derive(Debug, Clone)]
+pub struct ParallelAttention {
+    q_proj: ColumnParallelLinear,
+    k_proj: KvProj,
+    v_proj: KvProj,
+    o_proj: RowParallelLinear,
+    heads: HeadAssignment,
+    /// Local query head -> local KV head; `None` for MHA (no expansion).
+    kv_index: Option<Tensor>,
+    head_dim: usize,
+    pg: ProcessGroup,
+    kv_cache: Option<(Tensor, Tensor)>,
+}
+
+impl ParallelAttention {
+    /// Loads the layer from `vb` (the `self_attn` prefix) with its group's rank and size.
+    pub fn load(cfg: &AttentionConfig, vb: ShardedVarBuilder) -> Result<Self> {
+        let pg = vb.pg().clone();
+        let heads = HeadAssignment::new(
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            pg.size(),
+            pg.rank(),
+        )
+        .map_err(|e| candle_core::Error::msg(format!("'{}': {e}", vb.prefix())))?;
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let q_out = cfg.num_heads * hd;
+        let unit = heads.q_part.unit();
+        let q_proj = ColumnParallelLinear::load(h, q_out, cfg.qkv_bias, unit, vb.pp("q_proj"))?;
+        let k_proj = KvProj::load(cfg, &heads, vb.pp("k_proj"))?;
+        let v_proj = KvProj::load(cfg, &heads, vb.pp("v_proj"))?;
+        let o_proj = RowParallelLinear::load(q_out, h, cfg.o_bias, unit, vb.pp("o_proj"))?;
+        let n_rep = cfg.num_heads / cfg.num_kv_heads;
+        let kv_index = if n_rep == 1 {
+            None
+        } else {
+            let idx = heads.kv_index(n_rep);
+            let n = idx.len();
+            Some(Tensor::from_vec(idx, n, vb.device())?)
+        };
+        Ok(Self {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            heads,
+            kv_index,
+            head_dim: hd,
+            pg,
+            kv_cache: None,
+        })
+    }
+
+    /// Which heads this rank holds.
+    pub fn heads(&self) -> &HeadAssignment {
+        &self.heads
+    }
+
+    /// The query projection.
+    pub fn q_proj(&self) -> &ColumnParallelLinear {
+        &self.q_proj
+    }
+
+    /// The output projection.
+    pub fn o_proj(&self) -> &RowParallelLinear {
+        &self.o_proj
+    }
+
+    /// The group the heads are split over.
+    pub fn pg(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// Positions held in the KV cache.
+    pub fn cached_len(&self) -> usize {
+        self.kv_cache.as_ref().map_or(0, |(k, _)| k.dims()[2])
+    }
+
+    /// Empties the KV cache (a new sequence).
+    pub fn clear_kv_cache(&mut self) {
+        self.kv_cache = None;
+    }
+
+    /// Attention over `x` `[batch, seq, hidden]` at positions `index_pos..index_pos+seq`,
+    /// appending this step's keys and values to the cache. Returns `[batch, seq, hidden]`,
+    /// all-reduced (the same on every rank).
+    pub fn forward(
+        &mut self,
+        x: &Tensor,
+        index_pos: usize,
+        rope: &RotaryEmbedding,
+    ) -> Result<Tensor> {
+        let (b, seq_len, _) = x.dims3()?;
+        if index_pos != self.cached_len() {
+            candle_core::bail!(
+                "attention: index_pos {index_pos} does not follow the {} cached positions (clear the cache for a new sequence)",
+                self.cached_len()
+            );
+        }
+        let hd = self.head_dim;
+        let nq = self.heads.q_heads.len();
+        let nkv = self.heads.kv_heads.len();
+        let x = copy_to_tp(x, &self.pg)?;
+        let q = self.q_proj.forward_local(&x)?;
+        let k = self.k_proj.forward_local(&x)?;
+        let v = self.v_proj.forward_local(&x)?;
+        let q = q
+            .reshape((b, seq_len, nq, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let k = k
+            .reshape((b, seq_len, nkv, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let v = v.reshape((b, seq_len, nkv, hd))?.transpose(1, 2)?;
+        let q = rope.apply(&q, index_pos)?;
+        let mut k = rope.apply(&k, index_pos)?;
+        let mut v = v;
+        if let Some((ck, cv)) = &self.kv_cache {
+            k = Tensor::cat(&[ck, &k], 2)?.contiguous()?;
+            v = Tensor::cat(&[cv, &v], 2)?.contiguous()?;
+        }
+        let v = v.contiguous()?;
+        self.kv_cache = Some((k.clone(), v.clone()));
+        let (k, v) = match &self.kv_index {
+            None => (k, v),
+            Some(idx) => (k.index_select(idx, 1)?, v.index_select(idx, 1)?),
+        };
+        let in_dtype = q.dtype();
+        let q = q.to_dtype(DType::F32)?;
+        let k = k.to_dtype(DType::F32)?;
+        let v = v.to_dtype(DType::F32)?;
+        let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+        let att = if seq_len == 1 {
+            att
+        } else {
+            let mask = causal_mask(seq_len, index_pos, att.device())?.broadcast_as(att.shape())?;
+            let neg = Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
+            mask.where_cond(&neg, &att)?
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)?;
+        let y = y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))?;
+        self.o_proj.forward(&y)
+    }
+}
+
+/// `mask[i][j] = 1` where query `index_pos + i` must not see key `j`.
+fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tensor> {
+    let kv_len = index_pos + seq_len;
+    let mask: Vec<u8> = (0..seq_len)
+        .flat_map(|i| (0..kv_len).map(move |j| u8::from(j > index_pos + i)))
+        .collect();
+    Tensor::from_slice(&mask, (seq_len, kv_len), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_kv_groups_when_world_le_kv_heads() -> Result<()> {
+        // 9 heads, 3 KV heads, 2 ranks: groups 2 + 1 -> q heads 6 + 3.
+        let a0 = HeadAssignment::new(9, 3, 4, 2, 0)?;
+        let a1 = HeadAssignment::new(9, 3, 4, 2, 1)?;
+        assert_eq!((a0.q_heads.clone(), a0.kv_heads.clone()), (0..6, 0..2));
+        assert_eq!((a1.q_heads.clone(), a1.kv_heads.clone()), (6..9, 2..3));
+        assert_eq!(a0.q_part.sizes(), vec![24, 12]);
+        assert_eq!(a0.kv_index(3), vec![0, 0, 0, 1, 1, 1]);
+        Ok(())
+    }
+
+    #[test]
+    fn replicated_kv_when_world_gt_kv_heads() -> Result<()> {
+        // 9 heads, 3 KV heads, 4 ranks: q heads 3, 2, 2, 2.
+        let a: Vec<_> = (0..4)
+            .map(|r| HeadAssignment::new(9, 3, 2, 4, r))
+            .collect::<Result<_>>()?;
+        let q: Vec<_> = a.iter().map(|a| a.q_heads.clone()).collect();
+        let kv: Vec<_> = a.iter().map(|a| a.kv_heads.clone()).collect();
+        assert_eq!(q, vec![0..3, 3..5, 5..7, 7..9]);
+        assert_eq!(kv, vec![0..1, 1..2, 1..3, 2..3]);
+        assert_eq!(a[2].kv_index(3), vec![0, 1]);
+        Ok(())
+    }
+
+    #[test]
+    fn mha_uneven_and_too_many_ranks() -> Result<()> {
+        let a = HeadAssignment::new(9, 9, 8, 2, 0)?;
+        assert_eq!(a.q_heads, 0..5);
+        assert!(HeadAssignment::new(9, 9, 8, 10, 0).is_err());
+        assert!(HeadAssignment::new(9, 4, 8, 2, 0).is_err());
+        Ok(())
+    }
+}

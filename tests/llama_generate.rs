@@ -1,0 +1,124 @@
+//! `examples/generate` as real processes on the converted SmolLM2: 2 and 3 ranks under
+//! `tprun` give the same greedy tokens and prompt logits as 1 rank, and each of 3 ranks holds
+//! at most 45 % of the 1-rank anonymous resident memory after loading.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn example(name: &str) -> PathBuf {
+    // target/<profile>/deps/llama_generate-<hash> -> target/<profile>/examples/<name>
+    let exe = std::env::current_exe().expect("test binary path");
+    let path = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .expect("profile dir")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.is_file(),
+        "{} is not built: run `cargo test` (which builds the examples) or `cargo build --example {name}`",
+        path.display()
+    );
+    path
+}
+
+fn model_dir() -> PathBuf {
+    let home = match std::env::var_os("CANDLE_TP_HOME") {
+        Some(h) => PathBuf::from(h),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/candle-tp")
+        }
+    };
+    let dir = home.join("models/smollm2-135m-instruct");
+    assert!(
+        dir.join("config.json").is_file() && dir.join("model.safetensors").is_file(),
+        "the converted SmolLM2 checkpoint is missing from {}: run scripts/fetch-models.sh",
+        dir.display()
+    );
+    dir
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs generate on `nproc` ranks (directly for 1) and returns rank 0's final JSON line and
+/// the prompt logits it wrote.
+fn run(nproc: usize, logits: &Path) -> (Value, Vec<f32>) {
+    let args = [
+        "--model".to_string(),
+        model_dir().display().to_string(),
+        "--max-new-tokens".into(),
+        "8".into(),
+        "--prompt".into(),
+        "The capital of France is".into(),
+        "--logits-out".into(),
+        logits.display().to_string(),
+    ];
+    let out = if nproc == 1 {
+        Command::new(example("generate")).args(&args).output()
+    } else {
+        Command::new(env!("CARGO_BIN_EXE_tprun"))
+            .args(["--standalone", "--nproc-per-node", &nproc.to_string()])
+            .arg(example("generate"))
+            .args(&args)
+            .output()
+    }
+    .expect("start generate");
+    let t = text(&out);
+    assert!(
+        out.status.success(),
+        "generate on {nproc} ranks failed:\n{t}"
+    );
+    let json = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l).to_string())
+        .rfind(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON line:\n{t}"));
+    let v: Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("bad JSON {json}: {e}"));
+    let l: Vec<f32> =
+        serde_json::from_slice(&std::fs::read(logits).expect("logits file")).expect("logits JSON");
+    (v, l)
+}
+
+#[test]
+fn generate_under_tprun_matches_one_rank() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let (one, l1) = run(1, &tmp.path().join("l1.json"));
+    assert_eq!(one["world_size"], 1);
+    assert_eq!(one["generated_tokens"], 8, "{one}");
+    assert_eq!(l1.len(), 49152);
+    let rss1 = one["rss_bytes"][0].as_f64().expect("rss of rank 0");
+    for n in [2, 3] {
+        let (v, l) = run(n, &tmp.path().join(format!("l{n}.json")));
+        assert_eq!(v["world_size"], n, "{v}");
+        assert_eq!(
+            v["token_ids"], one["token_ids"],
+            "{n} ranks: {v} vs 1 rank: {one}"
+        );
+        assert_eq!(v["prompt_tokens"], one["prompt_tokens"]);
+        let err = l
+            .iter()
+            .zip(&l1)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err <= 1e-3, "{n} ranks: prompt logits differ by {err}");
+        let rss = v["rss_bytes"].as_array().expect("rss_bytes array");
+        assert_eq!(rss.len(), n);
+        if n == 3 {
+            for (r, b) in rss.iter().enumerate() {
+                let frac = b.as_f64().expect("rss number") / rss1;
+                assert!(
+                    frac <= 0.45,
+                    "rank {r} of 3 holds {frac:.2} of the 1-rank RSS: {v}"
+                );
+            }
+        }
+    }
+}
