@@ -10,6 +10,7 @@ use candle_tp::train::{
     all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama,
 };
 use candle_tp::{run_threads, DeviceMesh, ProcessGroup, ShardedVarBuilder};
+use candle_tp::models::llama::Llama;
 use common::max_abs_diff;
 
 fn cfg(tie: bool) -> TrainConfig {

@@ -296,6 +296,12 @@ impl TrainLlama {
         self.sequence_parallel
     }
 
+    /// Switches sequence parallelism on or off (same weights; only the forward's
+    /// communication pattern and the activations' layout change).
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.sequence_parallel = on;
+    }
+
     /// Names of the parameters that live in the sequence-parallel region (the RMSNorm
     /// weights). With sequence parallelism each rank's gradient of them covers only its
     /// sequence rows, so they must be summed over the TP group after backward.
