@@ -141,9 +141,13 @@ fn tokenizer_json() -> serde_json::Value {
 fn global_batch(corpus: &[u8], args: &Args, step: usize) -> Result<(Vec<u32>, Vec<u32>)> {
     let span = args.seq + 1;
     if corpus.len() <= span {
-        bail!("the corpus ({} bytes) is shorter than a window of {span}", corpus.len());
+        bail!(
+            "the corpus ({} bytes) is shorter than a window of {span}",
+            corpus.len()
+        );
     }
-    let mut rng = SplitMix64::new(args.seed ^ (step as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    let mut rng =
+        SplitMix64::new(args.seed ^ (step as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
     let (mut x, mut y) = (Vec::new(), Vec::new());
     for _ in 0..args.batch {
         let at = (rng.next_u64() % (corpus.len() - span) as u64) as usize;
@@ -160,13 +164,22 @@ fn main() -> Result<()> {
     let world = candle_tp::init_from_env(&dev)?;
     let tp = args.tp.unwrap_or(world.size() / args.dp.max(1));
     if args.dp == 0 || tp == 0 || tp * args.dp != world.size() {
-        bail!("--tp {tp} x --dp {} must equal the world size {}", args.dp, world.size());
+        bail!(
+            "--tp {tp} x --dp {} must equal the world size {}",
+            args.dp,
+            world.size()
+        );
     }
     if args.batch % args.dp != 0 {
-        bail!("--batch {} must be a multiple of --dp {}", args.batch, args.dp);
+        bail!(
+            "--batch {} must be a multiple of --dp {}",
+            args.batch,
+            args.dp
+        );
     }
     let mesh = DeviceMesh::dp_tp(&world, tp)?;
-    let (Some(dp_pg), Some(tp_pg)) = (mesh.group_along(0).cloned(), mesh.group_along(1).cloned()) else {
+    let (Some(dp_pg), Some(tp_pg)) = (mesh.group_along(0).cloned(), mesh.group_along(1).cloned())
+    else {
         bail!("the DP x TP mesh has no dp/tp groups");
     };
     let lead = world.rank() == 0;
@@ -212,8 +225,16 @@ fn main() -> Result<()> {
     for step in 0..args.steps {
         let t0 = Instant::now();
         let (x, y) = global_batch(&corpus, &args, step)?;
-        let x = Tensor::from_vec(x[rows.start * args.seq..rows.end * args.seq].to_vec(), (local_b, args.seq), &dev)?;
-        let y = Tensor::from_vec(y[rows.start * args.seq..rows.end * args.seq].to_vec(), n_local, &dev)?;
+        let x = Tensor::from_vec(
+            x[rows.start * args.seq..rows.end * args.seq].to_vec(),
+            (local_b, args.seq),
+            &dev,
+        )?;
+        let y = Tensor::from_vec(
+            y[rows.start * args.seq..rows.end * args.seq].to_vec(),
+            n_local,
+            &dev,
+        )?;
         let drop = Dropout {
             seed: args.seed,
             step: step as u64,
@@ -240,7 +261,10 @@ fn main() -> Result<()> {
         let loss = l[0] / args.dp as f32;
         let tps = (args.batch * args.seq) as f64 / t0.elapsed().as_secs_f64();
         if lead {
-            println!("{}", serde_json::json!({"step": step, "loss": loss, "tokens_per_s": tps}));
+            println!(
+                "{}",
+                serde_json::json!({"step": step, "loss": loss, "tokens_per_s": tps})
+            );
             if !args.quiet {
                 let w = 30;
                 let done = (step + 1) * w / args.steps.max(1);
@@ -260,7 +284,11 @@ fn main() -> Result<()> {
     }
     // Activation memory of one forward (what backward would keep), both layouts.
     let (x, _) = global_batch(&corpus, &args, 0)?;
-    let x = Tensor::from_vec(x[rows.start * args.seq..rows.end * args.seq].to_vec(), (local_b, args.seq), &dev)?;
+    let x = Tensor::from_vec(
+        x[rows.start * args.seq..rows.end * args.seq].to_vec(),
+        (local_b, args.seq),
+        &dev,
+    )?;
     let mut bytes = [0i64; 2];
     for (i, sp) in [false, true].into_iter().enumerate() {
         model.set_sequence_parallel(sp);

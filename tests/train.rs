@@ -6,11 +6,11 @@ mod common;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Result, Tensor};
+use candle_tp::models::llama::Llama;
 use candle_tp::train::{
     all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama,
 };
 use candle_tp::{run_threads, DeviceMesh, ProcessGroup, ShardedVarBuilder};
-use candle_tp::models::llama::Llama;
 use common::max_abs_diff;
 
 fn cfg(tie: bool) -> TrainConfig {
@@ -179,7 +179,7 @@ fn checkpoint_saved_at_tp2_loads_at_tp1_and_tp3() -> Result<()> {
     let ids = Tensor::from_vec(ids[..b * s].to_vec(), (b, s), &Device::Cpu)?;
     let full_logits = |model: &TrainLlama, pg: &ProcessGroup| -> Result<Tensor> {
         let l = model.forward(&ids, &Dropout::off())?;
-        pg.all_gather(&l, 1).map_err(Into::into)
+        pg.all_gather(&l, 1)
     };
     let saved = run_threads(2, |pg| {
         let init = TrainInit::new(9);
@@ -230,6 +230,21 @@ fn checkpoint_saved_at_tp2_loads_at_tp1_and_tp3() -> Result<()> {
             assert!(
                 d <= 1e-5,
                 "world {world} rank {rank}: logits differ by {d} from the TP = 2 model"
+            );
+        }
+        // The inference model (models::Llama: KV cache, its own RoPE and RMSNorm) reads the
+        // same checkpoint: last-position logits.
+        let last = Tensor::new(&[(s - 1) as u32, (2 * s - 1) as u32], &Device::Cpu)?;
+        let want = saved[0].index_select(&last, 0)?;
+        let got = run_threads(world, |pg| {
+            let mut m = Llama::from_dir(dir.path(), DType::F32, &Device::Cpu, pg)?;
+            m.forward_gathered(&ids, 0)
+        })?;
+        for (rank, l) in got.iter().enumerate() {
+            let d = max_abs_diff(l, &want)?;
+            assert!(
+                d <= 1e-4,
+                "Llama at world {world} rank {rank}: logits differ by {d}"
             );
         }
     }

@@ -29,7 +29,7 @@ pub fn all_reduce_grads(
     for v in vars {
         match grads.get(v.as_tensor()) {
             Some(g) => flat.extend(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
-            None => flat.extend(std::iter::repeat(0f32).take(v.elem_count())),
+            None => flat.resize(flat.len() + v.elem_count(), 0.0),
         }
     }
     pg.all_reduce_slice(&mut flat, ReduceOp::Sum)?;
