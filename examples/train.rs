@@ -1,0 +1,321 @@
+//! Trains a small Llama-style byte-level language model with tensor, sequence and data
+//! parallelism, on the project's own documentation (compiled in: no download).
+//!
+//! ```text
+//! cargo build --release --bin tprun --example train
+//! target/release/tprun --standalone --nproc-per-node 4 target/release/examples/train \
+//!     --tp 2 --dp 2 --sequence-parallel --steps 50 --save /tmp/tiny-llama
+//! target/release/examples/generate --model /tmp/tiny-llama --prompt "Tensor "
+//! ```
+//!
+//! - Model: 4 layers, hidden 256, 8 heads, 4 KV heads, gated MLP 688 (flags change them).
+//! - Tokenizer: bytes. Token id = byte value (vocabulary 256); the checkpoint gets a
+//!   `tokenizer.json` (byte-level BPE with no merges) that maps text to the same ids, so
+//!   `examples/generate` reads and writes text.
+//! - Data: README.md and docs/*.md. Step `i` reads `--batch` windows of `--seq + 1` bytes at
+//!   offsets drawn from `--seed` and `i`; DP rank `d` takes its `batch / dp` of them, so every
+//!   layout sees the same global batch and logs the same loss as one process.
+//! - Output (rank 0): one JSON line per step `{"step","loss","tokens_per_s"}` on stdout, a
+//!   progress bar on stderr, then `{"activation_bytes_per_rank": {...}}`: bytes of the
+//!   tensors the autograd graph keeps for backward after one forward, with and without
+//!   sequence parallelism, for every rank.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_tp::train::{
+    activation_bytes, all_reduce_grads, vocab_parallel_cross_entropy, Dropout, SplitMix64,
+    TrainConfig, TrainInit, TrainLlama,
+};
+use candle_tp::{DeviceMesh, ReduceOp};
+use clap::Parser;
+
+const CORPUS: [&str; 3] = [
+    include_str!("../README.md"),
+    include_str!("../docs/ARCHITECTURE.md"),
+    include_str!("../docs/PARALLEL_MODES.md"),
+];
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a small Llama-style LM with TP, SP and DP")]
+struct Args {
+    /// Tensor-parallel size (default: world size / dp).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Data-parallel size.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Sequence parallelism (Megatron-SP) in the tensor-parallel groups.
+    #[arg(long)]
+    sequence_parallel: bool,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 50)]
+    steps: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Seed of the initialisation, the data order and dropout.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Global batch (sequences per step, split over DP).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Sequence length (tokens).
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Hidden size.
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, default_value_t = 4)]
+    kv_heads: usize,
+    /// Gated MLP width.
+    #[arg(long, default_value_t = 688)]
+    intermediate: usize,
+    /// Dropout on the residual branches (shared seed: equal across layouts).
+    #[arg(long, default_value_t = 0.0)]
+    hidden_dropout: f64,
+    /// Dropout on attention probabilities (per-rank seeds inside the TP region).
+    #[arg(long, default_value_t = 0.0)]
+    attention_dropout: f64,
+    /// Label smoothing of the cross-entropy.
+    #[arg(long, default_value_t = 0.0)]
+    label_smoothing: f64,
+    /// Write the trained model here (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// GPT-2's byte → printable character map (the ByteLevel pre-tokenizer's alphabet).
+fn byte_chars() -> Vec<char> {
+    let mut printable: Vec<u32> = (u32::from('!')..=u32::from('~')).collect();
+    printable.extend(u32::from('¡')..=u32::from('¬'));
+    printable.extend(u32::from('®')..=u32::from('ÿ'));
+    let mut extra = 0;
+    (0u32..256)
+        .map(|b| {
+            let c = if printable.contains(&b) {
+                b
+            } else {
+                extra += 1;
+                255 + extra
+            };
+            char::from_u32(c).unwrap_or('?')
+        })
+        .collect()
+}
+
+/// A byte-level BPE `tokenizer.json` with no merges: token id = byte value.
+fn tokenizer_json() -> serde_json::Value {
+    let vocab: serde_json::Map<String, serde_json::Value> = byte_chars()
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), serde_json::json!(i)))
+        .collect();
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": []}
+    })
+}
+
+/// The global batch of step `step`: inputs and targets `[batch, seq]`.
+fn global_batch(corpus: &[u8], args: &Args, step: usize) -> Result<(Vec<u32>, Vec<u32>)> {
+    let span = args.seq + 1;
+    if corpus.len() <= span {
+        bail!(
+            "the corpus ({} bytes) is shorter than a window of {span}",
+            corpus.len()
+        );
+    }
+    let mut rng =
+        SplitMix64::new(args.seed ^ (step as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    for _ in 0..args.batch {
+        let at = (rng.next_u64() % (corpus.len() - span) as u64) as usize;
+        let w = &corpus[at..at + span];
+        x.extend(w[..args.seq].iter().map(|&b| u32::from(b)));
+        y.extend(w[1..].iter().map(|&b| u32::from(b)));
+    }
+    Ok((x, y))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = Device::Cpu;
+    let world = candle_tp::init_from_env(&dev)?;
+    let tp = args.tp.unwrap_or(world.size() / args.dp.max(1));
+    if args.dp == 0 || tp == 0 || tp * args.dp != world.size() {
+        bail!(
+            "--tp {tp} x --dp {} must equal the world size {}",
+            args.dp,
+            world.size()
+        );
+    }
+    if args.batch % args.dp != 0 {
+        bail!(
+            "--batch {} must be a multiple of --dp {}",
+            args.batch,
+            args.dp
+        );
+    }
+    let mesh = DeviceMesh::dp_tp(&world, tp)?;
+    let (Some(dp_pg), Some(tp_pg)) = (mesh.group_along(0).cloned(), mesh.group_along(1).cloned())
+    else {
+        bail!("the DP x TP mesh has no dp/tp groups");
+    };
+    let lead = world.rank() == 0;
+    let cfg = TrainConfig {
+        vocab_size: 256,
+        hidden_size: args.hidden,
+        intermediate_size: args.intermediate,
+        num_hidden_layers: args.layers,
+        num_attention_heads: args.heads,
+        num_key_value_heads: args.kv_heads,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        max_position_embeddings: args.seq.max(256),
+        tie_word_embeddings: true,
+        initializer_range: 0.02,
+    };
+    let init = TrainInit::new(args.seed);
+    cfg.declare(&init)?;
+    let mut model = TrainLlama::load(
+        &cfg,
+        init.var_builder(DType::F32, &dev, tp_pg.clone()),
+        args.sequence_parallel,
+    )?;
+    let params = init.params()?;
+    let vars = init.vars()?;
+    let sp_vars: Vec<_> = params
+        .iter()
+        .filter(|p| model.sequence_parallel_params().contains(&p.name))
+        .map(|p| p.var.clone())
+        .collect();
+    let mut opt = AdamW::new(
+        vars.clone(),
+        ParamsAdamW {
+            lr: args.lr,
+            ..Default::default()
+        },
+    )?;
+    let corpus: Vec<u8> = CORPUS.concat().into_bytes();
+    let local_b = args.batch / args.dp;
+    let d = mesh.coord()[0];
+    let rows = d * local_b..(d + 1) * local_b;
+    let n_local = local_b * args.seq;
+    for step in 0..args.steps {
+        let t0 = Instant::now();
+        let (x, y) = global_batch(&corpus, &args, step)?;
+        let x = Tensor::from_vec(
+            x[rows.start * args.seq..rows.end * args.seq].to_vec(),
+            (local_b, args.seq),
+            &dev,
+        )?;
+        let y = Tensor::from_vec(
+            y[rows.start * args.seq..rows.end * args.seq].to_vec(),
+            n_local,
+            &dev,
+        )?;
+        let drop = Dropout {
+            seed: args.seed,
+            step: step as u64,
+            hidden: args.hidden_dropout,
+            attention: args.attention_dropout,
+        };
+        let logits = model.forward(&x, &drop)?;
+        let loss = vocab_parallel_cross_entropy(
+            &logits,
+            &y,
+            model.vocab_partition(),
+            &tp_pg,
+            args.label_smoothing,
+            None,
+        )?;
+        let mut grads = loss.backward()?;
+        if args.sequence_parallel {
+            all_reduce_grads(&mut grads, &sp_vars, &tp_pg, false)?;
+        }
+        all_reduce_grads(&mut grads, &vars, &dp_pg, true)?;
+        opt.step(&grads)?;
+        let mut l = [loss.to_scalar::<f32>()?];
+        dp_pg.all_reduce_slice(&mut l, ReduceOp::Sum)?;
+        let loss = l[0] / args.dp as f32;
+        let tps = (args.batch * args.seq) as f64 / t0.elapsed().as_secs_f64();
+        if lead {
+            println!(
+                "{}",
+                serde_json::json!({"step": step, "loss": loss, "tokens_per_s": tps})
+            );
+            if !args.quiet {
+                let w = 30;
+                let done = (step + 1) * w / args.steps.max(1);
+                eprint!(
+                    "\r[{}{}] {}/{} loss {loss:.4} {tps:.0} tok/s",
+                    "#".repeat(done),
+                    ".".repeat(w - done),
+                    step + 1,
+                    args.steps
+                );
+                if step + 1 == args.steps {
+                    eprintln!();
+                }
+                std::io::stderr().flush().ok();
+            }
+        }
+    }
+    // Activation memory of one forward (what backward would keep), both layouts.
+    let (x, _) = global_batch(&corpus, &args, 0)?;
+    let x = Tensor::from_vec(
+        x[rows.start * args.seq..rows.end * args.seq].to_vec(),
+        (local_b, args.seq),
+        &dev,
+    )?;
+    let mut bytes = [0i64; 2];
+    for (i, sp) in [false, true].into_iter().enumerate() {
+        model.set_sequence_parallel(sp);
+        let logits = model.forward(&x, &Dropout::off())?;
+        bytes[i] = activation_bytes(&logits) as i64;
+    }
+    model.set_sequence_parallel(args.sequence_parallel);
+    let mut all = vec![0i64; 2 * world.size()];
+    world.all_gather_slice(&bytes, &mut all)?;
+    if lead {
+        let no_sp: Vec<i64> = all.iter().step_by(2).copied().collect();
+        let sp: Vec<i64> = all.iter().skip(1).step_by(2).copied().collect();
+        println!(
+            "{}",
+            serde_json::json!({"activation_bytes_per_rank": {"without_sp": no_sp, "with_sp": sp}, "tp": tp, "dp": args.dp})
+        );
+    }
+    if let Some(dir) = &args.save {
+        let write = mesh.coord()[0] == 0;
+        init.save_safetensors_dir(dir, &cfg.hf_config_json(None, None)?, &tp_pg, write)?;
+        if lead {
+            let tok = dir.join("tokenizer.json");
+            std::fs::write(&tok, serde_json::to_string(&tokenizer_json())?)
+                .with_context(|| format!("writing {}", tok.display()))?;
+            eprintln!("saved {}", dir.display());
+        }
+        world.barrier()?;
+    }
+    Ok(())
+}

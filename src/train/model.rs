@@ -1,0 +1,434 @@
+//! A Llama-style causal LM for training with tensor and sequence parallelism.
+//!
+//! Same tensor names and layout as Hugging Face's `LlamaForCausalLM` (so a saved checkpoint
+//! loads with the inference loaders), built from the crate's layers
+//! ([`ColumnParallelLinear`], [`RowParallelLinear`], vocabulary-parallel embedding), with
+//! every op differentiable (RMSNorm, RoPE and softmax are composed of Candle ops). The
+//! inference attention keeps a KV cache and does its own `copy_to_tp`; training needs the
+//! pieces separately to put Megatron-SP's all-gather / reduce-scatter around them.
+//!
+//! Sequence parallelism (`sequence_parallel = true`): the residual stream is split along the
+//! sequence (dim 1) across the TP group; norms and hidden dropout run on the local rows;
+//! [`gather_from_sp`] enters each column-parallel block and [`reduce_scatter_to_sp`] leaves
+//! each row-parallel one. The norm weights then get partial gradients: see
+//! [`TrainLlama::sequence_parallel_params`] and [`crate::train::grads`].
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+use super::dropout::{Dropout, Site};
+use super::init::{Init, TrainInit};
+use crate::comm::ProcessGroup;
+use crate::loader::ShardedVarBuilder;
+use crate::ops::{copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp};
+use crate::{ColumnParallelLinear, Partition, RowParallelLinear};
+
+/// Shape of the model (the fields of a Llama `config.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the gated MLP.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA); divides `num_attention_heads`.
+    pub num_key_value_heads: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Longest sequence (RoPE table).
+    pub max_position_embeddings: usize,
+    /// Whether the LM head shares the embedding table.
+    pub tie_word_embeddings: bool,
+    /// Standard deviation of the normal initialisation of matrices.
+    #[serde(default = "default_std")]
+    pub initializer_range: f64,
+}
+
+fn default_std() -> f64 {
+    0.02
+}
+
+impl TrainConfig {
+    /// `hidden_size / num_attention_heads`.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+
+    fn check(&self) -> Result<()> {
+        let (h, nh, nkv) = (
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+        );
+        if nh == 0 || nkv == 0 || nh % nkv != 0 || h % nh != 0 {
+            candle_core::bail!(
+                "TrainConfig: hidden_size {h}, num_attention_heads {nh}, num_key_value_heads {nkv}: heads must divide hidden_size and KV heads the heads"
+            );
+        }
+        Ok(())
+    }
+
+    /// Every parameter's name, full shape and initialiser (Llama's: normal(0, σ) for
+    /// matrices, ones for norms).
+    pub fn param_specs(&self) -> Vec<(String, Vec<usize>, Init)> {
+        let (h, i, v, hd) = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size,
+            self.head_dim(),
+        );
+        let normal = Init::Normal(self.initializer_range);
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h], normal)];
+        for l in 0..self.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            out.push((
+                format!("{p}.input_layernorm.weight"),
+                vec![h],
+                Init::Const(1.0),
+            ));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                Init::Const(1.0),
+            ));
+            let q = self.num_attention_heads * hd;
+            let kv = self.num_key_value_heads * hd;
+            out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], normal));
+            out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], normal));
+            out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], normal));
+            out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], normal));
+            out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], normal));
+            out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], normal));
+            out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], normal));
+        }
+        out.push(("model.norm.weight".to_string(), vec![h], Init::Const(1.0)));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![v, h], normal));
+        }
+        out
+    }
+
+    /// Declares every parameter in `init`.
+    pub fn declare(&self, init: &TrainInit) -> Result<()> {
+        for (name, shape, how) in self.param_specs() {
+            init.declare(name, shape, how)?;
+        }
+        Ok(())
+    }
+
+    /// A Hugging Face `config.json` for this model (`LlamaForCausalLM`).
+    pub fn hf_config_json(&self, bos: Option<u32>, eos: Option<u32>) -> Result<String> {
+        let mut v =
+            serde_json::to_value(self).map_err(|e| candle_core::Error::msg(e.to_string()))?;
+        if let Some(o) = v.as_object_mut() {
+            o.insert(
+                "architectures".into(),
+                serde_json::json!(["LlamaForCausalLM"]),
+            );
+            o.insert("model_type".into(), "llama".into());
+            o.insert("hidden_act".into(), "silu".into());
+            o.insert("head_dim".into(), self.head_dim().into());
+            o.insert("torch_dtype".into(), "float32".into());
+            o.insert("attention_bias".into(), false.into());
+            o.insert("bos_token_id".into(), serde_json::json!(bos));
+            o.insert("eos_token_id".into(), serde_json::json!(eos));
+        }
+        serde_json::to_string_pretty(&v).map_err(|e| candle_core::Error::msg(e.to_string()))
+    }
+}
+
+/// RMSNorm of composed ops (differentiable), as Hugging Face's `LlamaRMSNorm` in f32.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let norm = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
+    x.broadcast_div(&norm)?.broadcast_mul(w)
+}
+
+/// RoPE tables `[max_pos, head_dim]` (cos and sin repeated over both halves).
+fn rope_tables(cfg: &TrainConfig, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let hd = cfg.head_dim();
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / (cfg.rope_theta as f32).powf(2.0 * i as f32 / hd as f32))
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, hd / 2), dev)?;
+    let pos = Tensor::arange(0u32, cfg.max_position_embeddings as u32, dev)?
+        .to_dtype(DType::F32)?
+        .unsqueeze(1)?;
+    let f = pos.broadcast_mul(&inv)?;
+    let f = Tensor::cat(&[&f, &f], 1)?;
+    Ok((f.cos()?.to_dtype(dtype)?, f.sin()?.to_dtype(dtype)?))
+}
+
+/// `x·cos + rotate_half(x)·sin` on `[b, heads, seq, head_dim]` (Hugging Face's layout).
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let hd = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
+    let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
+    let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
+}
+
+struct Layer {
+    input_norm: Tensor,
+    post_norm: Tensor,
+    q: ColumnParallelLinear,
+    k: ColumnParallelLinear,
+    v: ColumnParallelLinear,
+    o: RowParallelLinear,
+    gate: ColumnParallelLinear,
+    up: ColumnParallelLinear,
+    down: RowParallelLinear,
+}
+
+/// The training model. See the [module docs](self).
+pub struct TrainLlama {
+    cfg: TrainConfig,
+    embed: Tensor,
+    vocab: Partition,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    head: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    pg: ProcessGroup,
+    sequence_parallel: bool,
+    norm_names: Vec<String>,
+}
+
+impl TrainLlama {
+    /// Builds the model from `vb` (a [`TrainInit`] builder to train from scratch, or a
+    /// checkpoint) on the TP group `vb.pg()`. KV heads are split whole: the TP size must not
+    /// exceed `num_key_value_heads`.
+    pub fn load(cfg: &TrainConfig, vb: ShardedVarBuilder, sequence_parallel: bool) -> Result<Self> {
+        cfg.check()?;
+        let pg = vb.pg().clone();
+        let tp = pg.size();
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim(),
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        );
+        if tp > nkv {
+            candle_core::bail!(
+                "TrainLlama: tensor-parallel size {tp} exceeds num_key_value_heads {nkv} (training splits whole KV heads)"
+            );
+        }
+        let vocab = Partition::new(cfg.vocab_size, tp).map_err(|e| {
+            candle_core::Error::msg(format!(
+                "TrainLlama: cannot split a vocabulary of {} over {tp} ranks: {e}",
+                cfg.vocab_size
+            ))
+        })?;
+        let m = vb.pp("model");
+        let embed = m
+            .pp("embed_tokens")
+            .get_sharded((cfg.vocab_size, h), "weight", 0, &vocab)?;
+        let n_rep = nh / nkv;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut norm_names = Vec::new();
+        for l in 0..cfg.num_hidden_layers {
+            let lv = m.pp("layers").pp(l);
+            let a = lv.pp("self_attn");
+            let mlp = lv.pp("mlp");
+            let i = cfg.intermediate_size;
+            norm_names.push(lv.pp("input_layernorm").full_name("weight"));
+            norm_names.push(lv.pp("post_attention_layernorm").full_name("weight"));
+            layers.push(Layer {
+                input_norm: lv.pp("input_layernorm").get(h, "weight")?,
+                post_norm: lv.pp("post_attention_layernorm").get(h, "weight")?,
+                q: ColumnParallelLinear::load(h, nh * hd, false, n_rep * hd, a.pp("q_proj"))?,
+                k: ColumnParallelLinear::load(h, nkv * hd, false, hd, a.pp("k_proj"))?,
+                v: ColumnParallelLinear::load(h, nkv * hd, false, hd, a.pp("v_proj"))?,
+                o: RowParallelLinear::load(nh * hd, h, false, n_rep * hd, a.pp("o_proj"))?,
+                gate: ColumnParallelLinear::load(h, i, false, 1, mlp.pp("gate_proj"))?,
+                up: ColumnParallelLinear::load(h, i, false, 1, mlp.pp("up_proj"))?,
+                down: RowParallelLinear::load(i, h, false, 1, mlp.pp("down_proj"))?,
+            });
+        }
+        norm_names.push(m.pp("norm").full_name("weight"));
+        let norm = m.pp("norm").get(h, "weight")?;
+        let head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            vb.pp("lm_head")
+                .get_sharded((cfg.vocab_size, h), "weight", 0, &vocab)?
+        };
+        let (cos, sin) = rope_tables(cfg, vb.dtype(), vb.device())?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            vocab,
+            layers,
+            norm,
+            head,
+            cos,
+            sin,
+            pg,
+            sequence_parallel,
+            norm_names,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.cfg
+    }
+
+    /// How the vocabulary (embedding rows, logits) is split.
+    pub fn vocab_partition(&self) -> &Partition {
+        &self.vocab
+    }
+
+    /// The tensor-parallel group.
+    pub fn pg(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// Whether the residual stream is sequence-parallel.
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
+    }
+
+    /// Switches sequence parallelism on or off (same weights; only the forward's
+    /// communication pattern and the activations' layout change).
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.sequence_parallel = on;
+    }
+
+    /// Names of the parameters that live in the sequence-parallel region (the RMSNorm
+    /// weights). With sequence parallelism each rank's gradient of them covers only its
+    /// sequence rows, so they must be summed over the TP group after backward.
+    pub fn sequence_parallel_params(&self) -> &[String] {
+        &self.norm_names
+    }
+
+    fn seq_partition(&self, seq: usize) -> Result<Partition> {
+        Partition::new(seq, self.pg.size()).map_err(|e| {
+            candle_core::Error::msg(format!(
+                "sequence parallelism: cannot split a sequence of {seq} over {} ranks: {e}",
+                self.pg.size()
+            ))
+        })
+    }
+
+    /// Enters a TP region from the residual stream: all-gather (SP) or copy.
+    fn enter(&self, x: &Tensor, sp: &Partition) -> Result<Tensor> {
+        if self.sequence_parallel {
+            gather_from_sp(x, &self.pg, sp, 1)
+        } else {
+            copy_to_tp(x, &self.pg)
+        }
+    }
+
+    /// Leaves a TP region with partial sums: reduce-scatter (SP) or all-reduce.
+    fn leave(&self, y: &Tensor, sp: &Partition) -> Result<Tensor> {
+        if self.sequence_parallel {
+            reduce_scatter_to_sp(y, &self.pg, sp, 1)
+        } else {
+            reduce_from_tp(y, &self.pg)
+        }
+    }
+
+    /// Vocabulary-parallel lookup: this rank's rows, zeros elsewhere (partial sums).
+    fn embed_partial(&self, ids: &Tensor) -> Result<Tensor> {
+        let flat: Vec<u32> = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
+        let r = self.vocab.range(self.pg.rank());
+        if let Some(bad) = flat.iter().find(|&&i| i as usize >= self.vocab.total()) {
+            candle_core::bail!(
+                "TrainLlama: token id {bad} is outside the vocabulary of {}",
+                self.vocab.total()
+            );
+        }
+        let (idx, mask): (Vec<u32>, Vec<f32>) = flat
+            .iter()
+            .map(|&i| match r.contains(&(i as usize)) {
+                true => (i - r.start as u32, 1.0),
+                false => (0, 0.0),
+            })
+            .unzip();
+        let n = idx.len();
+        let dev = self.embed.device();
+        let idx = Tensor::from_vec(idx, n, dev)?;
+        let mask = Tensor::from_vec(mask, (n, 1), dev)?.to_dtype(self.embed.dtype())?;
+        let mut dims = ids.dims().to_vec();
+        dims.push(self.cfg.hidden_size);
+        self.embed
+            .index_select(&idx, 0)?
+            .broadcast_mul(&mask)?
+            .reshape(dims)
+    }
+
+    fn attention(&self, layer: &Layer, x: &Tensor, drop: &Dropout, l: usize) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let hd = self.cfg.head_dim();
+        let nq = layer.q.out_partition().size(self.pg.rank()) / hd;
+        let nkv = layer.k.out_partition().size(self.pg.rank()) / hd;
+        let heads = |t: Tensor, n: usize| -> Result<Tensor> {
+            t.reshape((b, s, n, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let cos = self.cos.narrow(0, 0, s)?;
+        let sin = self.sin.narrow(0, 0, s)?;
+        let q = apply_rope(&heads(layer.q.forward_local(x)?, nq)?, &cos, &sin)?;
+        let k = apply_rope(&heads(layer.k.forward_local(x)?, nkv)?, &cos, &sin)?;
+        let v = heads(layer.v.forward_local(x)?, nkv)?;
+        let rep = nq / nkv;
+        let expand = |t: Tensor| -> Result<Tensor> {
+            if rep == 1 {
+                return Ok(t);
+            }
+            t.unsqueeze(2)?
+                .broadcast_as((b, nkv, rep, s, hd))?
+                .reshape((b, nq, s, hd))
+        };
+        let (k, v) = (expand(k)?, expand(v)?);
+        let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+        let mask: Vec<f32> = (0..s)
+            .flat_map(|i| (0..s).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (s, s), x.device())?.to_dtype(att.dtype())?;
+        let att = candle_nn::ops::softmax(&att.broadcast_add(&mask)?, D::Minus1)?;
+        // Attention dropout acts on this rank's heads: a per-rank seed (Megatron's
+        // model-parallel RNG).
+        let att = drop.apply_per_rank(&att, Site::Attention(l), self.pg.rank())?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, nq * hd))?;
+        layer.o.forward_partial(&y)
+    }
+
+    /// This rank's slice of the logits, `[batch * seq, vocab_partition().size(rank)]`, for
+    /// token ids `[batch, seq]`. The logits cover the whole sequence also with sequence
+    /// parallelism (gathered before the head, as Megatron does).
+    pub fn forward(&self, ids: &Tensor, drop: &Dropout) -> Result<Tensor> {
+        let (b, s) = ids.dims2()?;
+        let sp = self.seq_partition(s)?;
+        let eps = self.cfg.rms_norm_eps;
+        let part = self.embed_partial(ids)?;
+        let mut h = self.leave(&part, &sp)?;
+        let rows = if self.sequence_parallel {
+            sp.range(self.pg.rank())
+        } else {
+            0..s
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let x = self.enter(&rms_norm(&h, &layer.input_norm, eps)?, &sp)?;
+            let y = self.leave(&self.attention(layer, &x, drop, l)?, &sp)?;
+            let y = drop.apply_shared(&y, Site::AttentionOut(l), s, &rows)?;
+            h = (h + y)?;
+            let x = self.enter(&rms_norm(&h, &layer.post_norm, eps)?, &sp)?;
+            let g = layer.gate.forward_local(&x)?.silu()?;
+            let u = layer.up.forward_local(&x)?;
+            let y = self.leave(&layer.down.forward_partial(&(g * u)?)?, &sp)?;
+            let y = drop.apply_shared(&y, Site::MlpOut(l), s, &rows)?;
+            h = (h + y)?;
+        }
+        let x = self.enter(&rms_norm(&h, &self.norm, eps)?, &sp)?;
+        let logits = candle_nn::Linear::new(self.head.clone(), None).forward(&x)?;
+        logits.reshape((b * s, self.vocab.size(self.pg.rank())))
+    }
+}

@@ -1,0 +1,270 @@
+//! Training with tensor parallelism against one process: gradients of every parameter of a
+//! 2-layer model (TP = 2, 3, with and without sequence parallelism, DP × TP), and a
+//! checkpoint saved at TP = 2 loaded at TP = 1 and 3.
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_tp::models::llama::Llama;
+use candle_tp::train::{
+    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama,
+};
+use candle_tp::{run_threads, DeviceMesh, ProcessGroup, ShardedVarBuilder};
+use common::max_abs_diff;
+
+fn cfg(tie: bool) -> TrainConfig {
+    TrainConfig {
+        vocab_size: 37,
+        hidden_size: 24,
+        intermediate_size: 40,
+        num_hidden_layers: 2,
+        num_attention_heads: 6,
+        num_key_value_heads: 3,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        max_position_embeddings: 32,
+        tie_word_embeddings: tie,
+        initializer_range: 0.2,
+    }
+}
+
+fn batch(b: usize, s: usize) -> (Vec<u32>, Vec<u32>) {
+    let ids: Vec<u32> = (0..b * s).map(|i| ((i * 7 + 3) % 37) as u32).collect();
+    let tg: Vec<u32> = (0..b * s).map(|i| ((i * 11 + 5) % 37) as u32).collect();
+    (ids, tg)
+}
+
+/// (name, split, gradient) of every parameter after one forward/backward of rows `rows` of
+/// the batch, with the gradients synchronised as the trainer does.
+type Grads = Vec<(String, Option<(usize, std::ops::Range<usize>)>, Tensor)>;
+
+fn grads(
+    cfg: &TrainConfig,
+    tp: &ProcessGroup,
+    dp: Option<&ProcessGroup>,
+    sp: bool,
+    drop: Dropout,
+    rows: std::ops::Range<usize>,
+) -> Result<(f32, Grads)> {
+    let (b, s) = (4, 7);
+    let init = TrainInit::new(42);
+    cfg.declare(&init)?;
+    let model = TrainLlama::load(
+        cfg,
+        init.var_builder(DType::F32, &Device::Cpu, tp.clone()),
+        sp,
+    )?;
+    let (ids, tg) = batch(b, s);
+    let ids = Tensor::from_vec(ids, (b, s), &Device::Cpu)?.narrow(0, rows.start, rows.len())?;
+    let tg = Tensor::from_vec(tg, (b, s), &Device::Cpu)?
+        .narrow(0, rows.start, rows.len())?
+        .flatten_all()?;
+    let logits = model.forward(&ids, &drop)?;
+    let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), tp, 0.0, None)?;
+    let mut g = loss.backward()?;
+    let params = init.params()?;
+    if sp {
+        let names = model.sequence_parallel_params();
+        let vars: Vec<_> = params
+            .iter()
+            .filter(|p| names.contains(&p.name))
+            .map(|p| p.var.clone())
+            .collect();
+        all_reduce_grads(&mut g, &vars, tp, false)?;
+    }
+    if let Some(dp) = dp {
+        let vars: Vec<_> = params.iter().map(|p| p.var.clone()).collect();
+        all_reduce_grads(&mut g, &vars, dp, true)?;
+    }
+    let mut out = Vec::new();
+    for p in params {
+        let grad = match g.get(p.var.as_tensor()) {
+            Some(t) => t.clone(),
+            None => candle_core::bail!("no gradient for {}", p.name),
+        };
+        out.push((p.name, p.split, grad));
+    }
+    Ok((loss.to_scalar()?, out))
+}
+
+fn reference(cfg: &TrainConfig, drop: Dropout) -> Result<(f32, HashMap<String, Tensor>)> {
+    let mut r = run_threads(1, |pg| grads(cfg, &pg, None, false, drop, 0..4))?;
+    let (loss, g) = r.remove(0);
+    Ok((loss, g.into_iter().map(|(n, _, t)| (n, t)).collect()))
+}
+
+fn compare(
+    what: &str,
+    reference: &(f32, HashMap<String, Tensor>),
+    got: Vec<(f32, Grads)>,
+) -> Result<()> {
+    let (ref_loss, ref_g) = reference;
+    for (rank, (loss, g)) in got.into_iter().enumerate() {
+        assert!(
+            (loss - ref_loss).abs() < 1e-5,
+            "{what} rank {rank}: loss {loss} vs {ref_loss}"
+        );
+        assert_eq!(
+            g.len(),
+            ref_g.len(),
+            "{what} rank {rank}: number of parameters"
+        );
+        for (name, split, grad) in g {
+            let full = &ref_g[&name];
+            let want = match &split {
+                None => full.clone(),
+                Some((dim, r)) => full.narrow(*dim, r.start, r.len())?,
+            };
+            let d = max_abs_diff(&grad, &want)?;
+            assert!(
+                d <= 1e-5,
+                "{what} rank {rank}: gradient of {name} ({split:?}) differs by {d}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gradients_equal_one_process_tp_2_3_with_and_without_sp() -> Result<()> {
+    for tie in [false, true] {
+        let cfg = cfg(tie);
+        // Residual dropout uses a shared seed, so it is part of the comparison.
+        let drop = Dropout {
+            seed: 5,
+            step: 1,
+            hidden: 0.1,
+            attention: 0.0,
+        };
+        let reference = reference(&cfg, drop)?;
+        for tp in [2, 3] {
+            for sp in [false, true] {
+                let got = run_threads(tp, |pg| grads(&cfg, &pg, None, sp, drop, 0..4))?;
+                compare(&format!("tie {tie} tp {tp} sp {sp}"), &reference, got)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gradients_equal_one_process_dp2_x_tp2() -> Result<()> {
+    let cfg = cfg(false);
+    let reference = reference(&cfg, Dropout::off())?;
+    let got = run_threads(4, |world| {
+        let mesh = DeviceMesh::dp_tp(&world, 2)?;
+        let (Some(dp), Some(tp)) = (mesh.group_along(0), mesh.group_along(1)) else {
+            candle_core::bail!("mesh without dp/tp groups");
+        };
+        let d = mesh.coord()[0];
+        let (loss, g) = grads(&cfg, tp, Some(dp), true, Dropout::off(), 2 * d..2 * d + 2)?;
+        // The logged loss is the DP average.
+        let l = dp.all_reduce(
+            &Tensor::new(&[loss], &Device::Cpu)?,
+            candle_tp::ReduceOp::Sum,
+        )?;
+        let l = l.to_vec1::<f32>()?[0] / dp.size() as f32;
+        Ok((l, g))
+    })?;
+    compare("dp 2 x tp 2 sp", &reference, got)
+}
+
+#[test]
+fn checkpoint_saved_at_tp2_loads_at_tp1_and_tp3() -> Result<()> {
+    let dir = tempfile::tempdir().map_err(candle_core::Error::wrap)?;
+    let cfg = cfg(false);
+    let (b, s) = (2, 5);
+    let (ids, _) = batch(b, s);
+    let ids = Tensor::from_vec(ids[..b * s].to_vec(), (b, s), &Device::Cpu)?;
+    let full_logits = |model: &TrainLlama, pg: &ProcessGroup| -> Result<Tensor> {
+        let l = model.forward(&ids, &Dropout::off())?;
+        pg.all_gather(&l, 1)
+    };
+    let saved = run_threads(2, |pg| {
+        let init = TrainInit::new(9);
+        cfg.declare(&init)?;
+        let model = TrainLlama::load(
+            &cfg,
+            init.var_builder(DType::F32, &Device::Cpu, pg.clone()),
+            true,
+        )?;
+        // One optimizer step so the weights are no longer the initial draw.
+        let logits = model.forward(&ids, &Dropout::off())?;
+        let tg = ids.flatten_all()?;
+        let loss =
+            vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), &pg, 0.0, None)?;
+        let mut g = loss.backward()?;
+        let params = init.params()?;
+        let norms: Vec<_> = params
+            .iter()
+            .filter(|p| model.sequence_parallel_params().contains(&p.name))
+            .map(|p| p.var.clone())
+            .collect();
+        all_reduce_grads(&mut g, &norms, &pg, false)?;
+        let mut opt = candle_nn::AdamW::new_lr(init.vars()?, 1e-2)?;
+        candle_nn::Optimizer::step(&mut opt, &g)?;
+        init.save_safetensors_dir(dir.path(), &cfg.hf_config_json(None, None)?, &pg, true)?;
+        full_logits(&model, &pg)
+    })?;
+    assert!(
+        dir.path().join("model.safetensors").exists() && dir.path().join("config.json").exists()
+    );
+    let text = std::fs::read_to_string(dir.path().join("config.json"))
+        .map_err(candle_core::Error::wrap)?;
+    let back: TrainConfig = serde_json::from_str(&text).map_err(candle_core::Error::wrap)?;
+    assert_eq!(back, cfg);
+    for world in [1, 3] {
+        let got = run_threads(world, |pg| {
+            let vb = ShardedVarBuilder::from_safetensors_dir(
+                dir.path(),
+                DType::F32,
+                &Device::Cpu,
+                pg.clone(),
+            )?;
+            let model = TrainLlama::load(&cfg, vb, false)?;
+            full_logits(&model, &pg)
+        })?;
+        for (rank, l) in got.iter().enumerate() {
+            let d = max_abs_diff(l, &saved[0])?;
+            assert!(
+                d <= 1e-5,
+                "world {world} rank {rank}: logits differ by {d} from the TP = 2 model"
+            );
+        }
+        // The inference model (models::Llama: KV cache, its own RoPE and RMSNorm) reads the
+        // same checkpoint: last-position logits.
+        let last = Tensor::new(&[(s - 1) as u32, (2 * s - 1) as u32], &Device::Cpu)?;
+        let want = saved[0].index_select(&last, 0)?;
+        let got = run_threads(world, |pg| {
+            let mut m = Llama::from_dir(dir.path(), DType::F32, &Device::Cpu, pg)?;
+            m.forward_gathered(&ids, 0)
+        })?;
+        for (rank, l) in got.iter().enumerate() {
+            let d = max_abs_diff(l, &want)?;
+            assert!(
+                d <= 1e-4,
+                "Llama at world {world} rank {rank}: logits differ by {d}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn too_many_ranks_for_kv_heads_is_an_error() -> Result<()> {
+    let cfg = cfg(false);
+    let out = run_threads(4, |pg| {
+        let init = TrainInit::new(1);
+        cfg.declare(&init)?;
+        Ok(
+            TrainLlama::load(&cfg, init.var_builder(DType::F32, &Device::Cpu, pg), false)
+                .err()
+                .map(|e| e.to_string()),
+        )
+    })?;
+    for e in out {
+        assert!(e.is_some_and(|e| e.contains("exceeds num_key_value_heads 3")));
+    }
+    Ok(())
+}

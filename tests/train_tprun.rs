@@ -1,0 +1,109 @@
+//! `examples/train` as real processes under `tprun` (a shortened `scripts/train-curves.sh`):
+//! a tiny model for a few steps at TP = 1, TP = 2 with sequence parallelism, and DP = 2 × TP = 2
+//! gives the same loss at every step; the TP = 2 checkpoint has the files `examples/generate`
+//! reads.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn example(name: &str) -> PathBuf {
+    // target/<profile>/deps/train_tprun-<hash> -> target/<profile>/examples/<name>
+    let exe = std::env::current_exe().expect("test binary path");
+    let path = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .expect("profile dir")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.is_file(),
+        "{} is not built: run `cargo test` (which builds the examples) or `cargo build --example {name}`",
+        path.display()
+    );
+    path
+}
+
+const TINY: [&str; 14] = [
+    "--steps",
+    "4",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--intermediate",
+    "48",
+    "--seq",
+    "17",
+];
+
+fn losses(nproc: usize, extra: &[&str]) -> Vec<f64> {
+    let out = Command::new(env!("CARGO_BIN_EXE_tprun"))
+        .args(["--standalone", "--nproc-per-node", &nproc.to_string()])
+        .arg(example("train"))
+        .args(TINY)
+        .arg("--quiet")
+        .args(extra)
+        .output()
+        .expect("run tprun");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "tprun {nproc} {extra:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut v = Vec::new();
+    for line in stdout.lines() {
+        let json = line.trim_start_matches("[rank 0] ");
+        if let Ok(j) = serde_json::from_str::<serde_json::Value>(json) {
+            if let Some(l) = j["loss"].as_f64() {
+                assert_eq!(j["step"].as_u64(), Some(v.len() as u64), "{line}");
+                assert!(
+                    j["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0),
+                    "{line}"
+                );
+                v.push(l);
+            }
+        }
+    }
+    assert_eq!(v.len(), 4, "expected 4 steps in:\n{stdout}");
+    v
+}
+
+#[test]
+fn loss_curves_equal_one_process() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ckpt = dir.path().join("ckpt");
+    let ckpt_s = ckpt.to_string_lossy().to_string();
+    let one = losses(1, &["--tp", "1"]);
+    let sp = losses(2, &["--tp", "2", "--sequence-parallel", "--save", &ckpt_s]);
+    let dp_tp = losses(4, &["--tp", "2", "--dp", "2", "--sequence-parallel"]);
+    for (i, &r) in one.iter().enumerate() {
+        for (what, c) in [("tp2+sp", &sp), ("dp2xtp2", &dp_tp)] {
+            let rel = (c[i] - r).abs() / r.abs();
+            assert!(
+                rel <= 1e-4,
+                "{what} step {i}: loss {} vs TP=1 {r} (rel {rel:e})",
+                c[i]
+            );
+        }
+    }
+    assert!(one[3] < one[0], "the loss does not decrease: {one:?}");
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(ckpt.join(f).is_file(), "checkpoint lacks {f}");
+    }
+}
+
+#[test]
+fn bad_layout_is_an_error() {
+    let out = Command::new(example("train"))
+        .args(["--tp", "2", "--dp", "1", "--steps", "1"])
+        .output()
+        .expect("run train");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("must equal the world size 1"), "{err}");
+}
