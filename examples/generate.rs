@@ -339,6 +339,8 @@ fn main() -> Result<()> {
             "tokens_per_s": tokens_per_s,
             "load_s": load_s,
             "rss_bytes": rss,
+            "backend": if cfg!(feature = "mkl") { "mkl" } else { "gemm" },
+            "threads_per_rank": candle_core::utils::get_num_threads(),
         });
         println!("{report}");
     }
