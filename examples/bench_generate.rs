@@ -40,7 +40,9 @@ struct Args {
 }
 
 fn prompt(len: usize, vocab: usize) -> Vec<u32> {
-    (0..len).map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32).collect()
+    (0..len)
+        .map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32)
+        .collect()
 }
 
 fn backend() -> &'static str {
@@ -86,13 +88,18 @@ fn run_candle_transformers(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bo
     let cfg = cfg.into_config(false);
     let files = vec![args.model.join("model.safetensors")];
     // SAFETY: the checkpoint is not modified while mapped.
-    let vb = unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &device)? };
+    let vb =
+        unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &device)? };
     let model = ct::Llama::load(vb, &cfg)?;
     let mut cache = ct::Cache::new(true, DType::F32, &cfg, &device)?;
     let ids = prompt(args.prompt_len, cfg.vocab_size);
     let t0 = Instant::now();
     let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-    let mut next = model.forward(&input, 0, &mut cache)?.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
+    let mut next = model
+        .forward(&input, 0, &mut cache)?
+        .squeeze(0)?
+        .argmax(0)?
+        .to_scalar::<u32>()?;
     let prefill = t0.elapsed().as_secs_f64();
     let mut out = vec![next];
     let t1 = Instant::now();

@@ -97,17 +97,12 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn seeded(shape: &[usize], seed: u64, scale: f32) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let data: Vec<f32> = (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect();
-    Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+    Ok(candle_tp::rng::seeded_uniform(
+        shape,
+        seed,
+        scale,
+        &Device::Cpu,
+    )?)
 }
 
 fn main() -> Result<()> {

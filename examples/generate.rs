@@ -71,15 +71,7 @@ struct Args {
 }
 
 fn default_model_dir() -> Result<PathBuf> {
-    let home = match std::env::var_os("CANDLE_TP_HOME") {
-        Some(h) => PathBuf::from(h),
-        None => PathBuf::from(
-            std::env::var_os("HOME")
-                .ok_or_else(|| anyhow!("neither CANDLE_TP_HOME nor HOME is set"))?,
-        )
-        .join(".cache/candle-tp"),
-    };
-    Ok(home.join("models/smollm2-135m-instruct"))
+    Ok(candle_tp::models::models_dir()?.join("smollm2-135m-instruct"))
 }
 
 fn parse_dtype(s: &str) -> Result<DType> {

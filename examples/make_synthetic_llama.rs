@@ -39,19 +39,52 @@ fn main() -> Result<()> {
     let hd = a.hidden / a.heads;
     let rand = |shape: &[usize]| -> Result<Tensor> { Ok(Tensor::randn(0f32, 0.02, shape, &dev)?) };
     let mut t: HashMap<String, Tensor> = HashMap::new();
-    t.insert("model.embed_tokens.weight".into(), rand(&[a.vocab, a.hidden])?);
-    t.insert("model.norm.weight".into(), Tensor::ones(a.hidden, DType::F32, &dev)?);
+    t.insert(
+        "model.embed_tokens.weight".into(),
+        rand(&[a.vocab, a.hidden])?,
+    );
+    t.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(a.hidden, DType::F32, &dev)?,
+    );
     for l in 0..a.layers {
         let p = format!("model.layers.{l}");
-        t.insert(format!("{p}.self_attn.q_proj.weight"), rand(&[a.heads * hd, a.hidden])?);
-        t.insert(format!("{p}.self_attn.k_proj.weight"), rand(&[a.kv_heads * hd, a.hidden])?);
-        t.insert(format!("{p}.self_attn.v_proj.weight"), rand(&[a.kv_heads * hd, a.hidden])?);
-        t.insert(format!("{p}.self_attn.o_proj.weight"), rand(&[a.hidden, a.heads * hd])?);
-        t.insert(format!("{p}.mlp.gate_proj.weight"), rand(&[a.intermediate, a.hidden])?);
-        t.insert(format!("{p}.mlp.up_proj.weight"), rand(&[a.intermediate, a.hidden])?);
-        t.insert(format!("{p}.mlp.down_proj.weight"), rand(&[a.hidden, a.intermediate])?);
-        t.insert(format!("{p}.input_layernorm.weight"), Tensor::ones(a.hidden, DType::F32, &dev)?);
-        t.insert(format!("{p}.post_attention_layernorm.weight"), Tensor::ones(a.hidden, DType::F32, &dev)?);
+        t.insert(
+            format!("{p}.self_attn.q_proj.weight"),
+            rand(&[a.heads * hd, a.hidden])?,
+        );
+        t.insert(
+            format!("{p}.self_attn.k_proj.weight"),
+            rand(&[a.kv_heads * hd, a.hidden])?,
+        );
+        t.insert(
+            format!("{p}.self_attn.v_proj.weight"),
+            rand(&[a.kv_heads * hd, a.hidden])?,
+        );
+        t.insert(
+            format!("{p}.self_attn.o_proj.weight"),
+            rand(&[a.hidden, a.heads * hd])?,
+        );
+        t.insert(
+            format!("{p}.mlp.gate_proj.weight"),
+            rand(&[a.intermediate, a.hidden])?,
+        );
+        t.insert(
+            format!("{p}.mlp.up_proj.weight"),
+            rand(&[a.intermediate, a.hidden])?,
+        );
+        t.insert(
+            format!("{p}.mlp.down_proj.weight"),
+            rand(&[a.hidden, a.intermediate])?,
+        );
+        t.insert(
+            format!("{p}.input_layernorm.weight"),
+            Tensor::ones(a.hidden, DType::F32, &dev)?,
+        );
+        t.insert(
+            format!("{p}.post_attention_layernorm.weight"),
+            Tensor::ones(a.hidden, DType::F32, &dev)?,
+        );
     }
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
@@ -75,12 +108,19 @@ fn main() -> Result<()> {
     let tmp = a.out.with_extension("partial");
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     candle_core::safetensors::save(&t, tmp.join("model.safetensors"))?;
-    std::fs::write(tmp.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        tmp.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     if a.out.exists() {
         std::fs::remove_dir_all(&a.out)?;
     }
     std::fs::rename(&tmp, &a.out)?;
     let params: usize = t.values().map(|x| x.elem_count()).sum();
-    eprintln!("wrote {} ({:.1} M parameters)", a.out.display(), params as f64 / 1e6);
+    eprintln!(
+        "wrote {} ({:.1} M parameters)",
+        a.out.display(),
+        params as f64 / 1e6
+    );
     Ok(())
 }

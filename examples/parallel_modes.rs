@@ -46,21 +46,13 @@ struct Args {
     seed: u64,
 }
 
-/// Deterministic values in [-1, 1) (splitmix64), identical on every rank.
 fn seeded(shape: &[usize], seed: u64, scale: f32) -> Result<Tensor> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let n: usize = shape.iter().product();
-    let data: Vec<f32> = (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            (((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
-        })
-        .collect();
-    Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+    Ok(candle_tp::rng::seeded_uniform(
+        shape,
+        seed,
+        scale,
+        &Device::Cpu,
+    )?)
 }
 
 fn max_err(a: &Tensor, b: &Tensor) -> Result<f32> {

@@ -39,6 +39,7 @@ pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod partition;
+pub mod rng;
 pub mod train;
 
 pub use comm::{init_from_env, run_threads, DeviceMesh, ProcessGroup, ReduceOp};

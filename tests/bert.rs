@@ -15,13 +15,9 @@ use candle_transformers::models::bert as reference;
 use common::{max_abs_diff, seeded};
 
 fn minilm_dir() -> PathBuf {
-    let home = match std::env::var_os("CANDLE_TP_HOME") {
-        Some(h) => PathBuf::from(h),
-        None => {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/candle-tp")
-        }
-    };
-    let dir = home.join("models/all-minilm-l6-v2");
+    let dir = candle_tp::models::models_dir()
+        .expect("models directory")
+        .join("all-minilm-l6-v2");
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         assert!(
             dir.join(f).is_file(),

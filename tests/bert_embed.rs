@@ -1,8 +1,11 @@
 //! `examples/embed` as real processes: 2 ranks under `tprun` print the same sentences, token
 //! ids and embeddings as 1 rank, and standard input gives the same as `--text`.
 
+mod common;
+
+use common::example;
+
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
 use serde_json::Value;
@@ -12,23 +15,6 @@ const TEXTS: [&str; 3] = [
     "Sharded inference splits the twelve attention heads across processes.",
     "Héllo, wörld!",
 ];
-
-fn example(name: &str) -> PathBuf {
-    // target/<profile>/deps/bert_embed-<hash> -> target/<profile>/examples/<name>
-    let exe = std::env::current_exe().expect("test binary path");
-    let path = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .expect("profile dir")
-        .join("examples")
-        .join(name);
-    assert!(
-        path.is_file(),
-        "{} is not built: run `cargo test` (which builds the examples) or `cargo build --example {name}`",
-        path.display()
-    );
-    path
-}
 
 fn text(out: &Output) -> String {
     format!(

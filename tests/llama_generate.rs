@@ -2,36 +2,19 @@
 //! `tprun` give the same greedy tokens and prompt logits as 1 rank, and each of 3 ranks holds
 //! at most 45 % of the 1-rank anonymous resident memory after loading.
 
+mod common;
+
+use common::example;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
 
-fn example(name: &str) -> PathBuf {
-    // target/<profile>/deps/llama_generate-<hash> -> target/<profile>/examples/<name>
-    let exe = std::env::current_exe().expect("test binary path");
-    let path = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .expect("profile dir")
-        .join("examples")
-        .join(name);
-    assert!(
-        path.is_file(),
-        "{} is not built: run `cargo test` (which builds the examples) or `cargo build --example {name}`",
-        path.display()
-    );
-    path
-}
-
 fn model_dir() -> PathBuf {
-    let home = match std::env::var_os("CANDLE_TP_HOME") {
-        Some(h) => PathBuf::from(h),
-        None => {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/candle-tp")
-        }
-    };
-    let dir = home.join("models/smollm2-135m-instruct");
+    let dir = candle_tp::models::models_dir()
+        .expect("models directory")
+        .join("smollm2-135m-instruct");
     assert!(
         dir.join("config.json").is_file() && dir.join("model.safetensors").is_file(),
         "the converted SmolLM2 checkpoint is missing from {}: run scripts/fetch-models.sh",

@@ -6,7 +6,8 @@
 
 mod common;
 
-use std::path::PathBuf;
+use common::example;
+
 use std::process::{Command, Output};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -19,16 +20,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn tprun() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tprun"))
-}
-
-fn example(name: &str) -> PathBuf {
-    // target/<profile>/deps/multiprocess-<hash> -> target/<profile>/examples/<name>
-    let exe = std::env::current_exe().expect("test binary path");
-    exe.parent()
-        .and_then(|p| p.parent())
-        .expect("profile dir")
-        .join("examples")
-        .join(name)
 }
 
 fn ours_in_dev_shm() -> Vec<String> {

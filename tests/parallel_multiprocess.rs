@@ -2,18 +2,11 @@
 //! `examples/parallel_modes`, whose ranks meet over the shm backend, check every gradient
 //! against the dense MLP and report measured and predicted memory and bytes.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn example(name: &str) -> PathBuf {
-    // target/<profile>/deps/parallel_multiprocess-<hash> -> target/<profile>/examples/<name>
-    let exe = std::env::current_exe().expect("test binary path");
-    exe.parent()
-        .and_then(|p| p.parent())
-        .expect("profile dir")
-        .join("examples")
-        .join(name)
-}
+use common::example;
+
+use std::process::Command;
 
 fn run(nproc: usize) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_tprun"))

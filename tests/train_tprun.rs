@@ -3,25 +3,11 @@
 //! gives the same loss at every step; the TP = 2 checkpoint has the files `examples/generate`
 //! reads.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn example(name: &str) -> PathBuf {
-    // target/<profile>/deps/train_tprun-<hash> -> target/<profile>/examples/<name>
-    let exe = std::env::current_exe().expect("test binary path");
-    let path = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .expect("profile dir")
-        .join("examples")
-        .join(name);
-    assert!(
-        path.is_file(),
-        "{} is not built: run `cargo test` (which builds the examples) or `cargo build --example {name}`",
-        path.display()
-    );
-    path
-}
+use common::example;
+
+use std::process::Command;
 
 const TINY: [&str; 14] = [
     "--steps",

@@ -15,6 +15,7 @@ use candle_core::{DType, Result, Tensor};
 
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::nn::ParallelLmHead;
+use crate::rng::SplitMix64;
 use crate::Partition;
 
 /// How the next token is chosen.
@@ -67,7 +68,7 @@ const FIRST_CANDIDATES: usize = 64;
 #[derive(Debug, Clone)]
 pub struct DistributedSampler {
     params: SamplingParams,
-    state: u64,
+    rng: SplitMix64,
 }
 
 impl DistributedSampler {
@@ -75,7 +76,7 @@ impl DistributedSampler {
     pub fn new(params: SamplingParams) -> Self {
         Self {
             params,
-            state: params.seed ^ 0x5DEE_CE66_D1CE_4E5B,
+            rng: SplitMix64::new(params.seed ^ 0x5DEE_CE66_D1CE_4E5B),
         }
     }
 
@@ -165,7 +166,7 @@ impl DistributedSampler {
                 }
             };
             let total: f64 = probs[..kept_len].iter().sum();
-            let u = self.next_f64() * total;
+            let u = self.rng.next_f64() * total;
             let mut acc = 0.0;
             for (i, q) in probs[..kept_len].iter().enumerate() {
                 acc += q;
@@ -175,16 +176,6 @@ impl DistributedSampler {
             }
             return Ok(kept[kept_len - 1].1);
         }
-    }
-
-    /// Uniform in [0, 1) (splitmix64): the same sequence on every rank.
-    fn next_f64(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

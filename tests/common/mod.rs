@@ -3,22 +3,10 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-/// A tensor of deterministic pseudo-random values in [-1, 1) (splitmix64), the same on every
-/// rank and every run.
+/// A tensor of deterministic pseudo-random values in [-1, 1), the same on every rank and
+/// every run.
 pub fn seeded(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x1234_5678;
-    let data: Vec<f32> = (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(data, shape, &Device::Cpu).expect("shape matches data")
+    candle_tp::rng::seeded_uniform(shape, seed, 1.0, &Device::Cpu).expect("shape matches data")
 }
 
 /// Largest absolute difference of two tensors of the same shape.
@@ -35,4 +23,23 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
 /// A trainable copy of `t`.
 pub fn var(t: &Tensor) -> Var {
     Var::from_tensor(t).expect("var")
+}
+
+/// Path of a built example binary next to this test binary
+/// (`target/<profile>/deps/<test>-<hash>` → `target/<profile>/examples/<name>`).
+/// `cargo test` builds the examples; a test run alone may need `cargo build --example NAME`.
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let path = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .expect("profile dir")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.is_file(),
+        "{} is not built: run `cargo test` (which builds the examples) or `cargo build --example {name}`",
+        path.display()
+    );
+    path
 }
