@@ -14,7 +14,8 @@
 //! - `exit0 --victim K --after S`: the all-reduce loop, but rank K prints
 //!   `chaos: rank K exits 0 early at <unix seconds>` and exits with code 0 after S seconds.
 //!
-//! With `--check`, each all-reduce result is compared with the value every rank can compute
+//! Rank 0 ends with one JSON line: `iterations`, `world_size`, `start` and `end` (Unix seconds
+//! of the loop). With `--check`, each all-reduce result is compared with the value every rank can compute
 //! (the sum of the ranks' contributions) and a difference is an error.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -94,6 +95,7 @@ fn main() -> Result<()> {
     let run_for = seconds("seconds", args.seconds)?;
     let exit_after = seconds("after", args.after)?;
     let start = Instant::now();
+    let started_at = unix_now();
     let mut buf = vec![0f32; args.elems.max(2)];
     let world = pg.size() as f32;
     let mut iterations = 0u64;
@@ -128,7 +130,11 @@ fn main() -> Result<()> {
     }
     eprintln!("chaos: rank {rank} done after {iterations} all-reduces");
     if rank == 0 {
-        println!("{{\"iterations\": {iterations}, \"world_size\": {}}}", pg.size());
+        println!(
+            "{{\"iterations\": {iterations}, \"world_size\": {}, \"start\": {started_at:.6}, \"end\": {:.6}}}",
+            pg.size(),
+            unix_now()
+        );
     }
     Ok(())
 }

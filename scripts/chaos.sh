@@ -151,7 +151,9 @@ one_run() {
         > "$dir/out" 2>&1 &
     TP=$!
     # A watchdog, so that a hung job cannot hang the script: 120 s for the whole run.
-    ( sleep 120; kill -KILL "$TP" 2>/dev/null ) &
+    # Its sleep is killed with it, so that no stray process holds our output open.
+    ( sleep 120 & s=$!; trap 'kill $s 2>/dev/null; exit 0' TERM; wait $s; kill -KILL "$TP" 2>/dev/null ) \
+        < /dev/null > /dev/null 2>&1 &
     local watchdog=$!
     if ! find_workers "$nproc"; then
         R_WHY="the workers did not start"
