@@ -102,10 +102,7 @@ fn main() -> Result<()> {
     eprintln!("chaos: rank {rank} all-reduce loop");
     loop {
         if args.mode == Mode::Exit0 && rank == args.victim && start.elapsed() >= exit_after {
-            eprintln!(
-                "chaos: rank {rank} exits 0 early at {:.6}",
-                unix_now()
-            );
+            eprintln!("chaos: rank {rank} exits 0 early at {:.6}", unix_now());
             return Ok(());
         }
         let stop = rank == 0 && start.elapsed() >= run_for;

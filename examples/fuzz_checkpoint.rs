@@ -211,7 +211,10 @@ fn mutate_json(v: &mut Value, rng: &mut Rng, len: usize) {
         Value::Object(map) => {
             if map.is_empty() || rng.below(8) == 0 {
                 let key = rng.pick(&["w", "__metadata__", "weight_map", "x.weight", ""]);
-                map.insert(key.to_string(), json!({"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}));
+                map.insert(
+                    key.to_string(),
+                    json!({"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}),
+                );
                 return;
             }
             let keys: Vec<String> = map.keys().cloned().collect();
@@ -272,7 +275,10 @@ fn mutate_json(v: &mut Value, rng: &mut Rng, len: usize) {
 fn split_header(bytes: &[u8]) -> Option<(Value, Vec<u8>)> {
     let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
     let header = bytes.get(8..8usize.checked_add(n)?)?;
-    Some((serde_json::from_slice(header).ok()?, bytes[8 + n..].to_vec()))
+    Some((
+        serde_json::from_slice(header).ok()?,
+        bytes[8 + n..].to_vec(),
+    ))
 }
 
 fn join_header(header: &Value, data: &[u8]) -> Vec<u8> {
@@ -350,8 +356,20 @@ fn exercise(dir: &Path, input: &Input) -> candle_core::Result<bool> {
         };
         let _ = src.load(&name, DType::F32, &cpu);
         if let Some(&rows) = shape.dims().first() {
-            let _ = src.load_ranges(&name, 0, &[0..rows.min(1), rows / 2..rows], DType::F32, &cpu);
-            let _ = src.load_ranges(&name, 0, &[rows..rows + 1], DType::F32, &cpu);
+            let _ = src.load_ranges(
+                &name,
+                0,
+                &[0..rows.min(1), rows / 2..rows],
+                DType::F32,
+                &cpu,
+            );
+            let _ = src.load_ranges(
+                &name,
+                0,
+                std::slice::from_ref(&(rows..rows + 1)),
+                DType::F32,
+                &cpu,
+            );
         }
     }
     Ok(true)
@@ -360,7 +378,10 @@ fn exercise(dir: &Path, input: &Input) -> candle_core::Result<bool> {
 fn save(out: &Path, what: &str, input: &Input) -> PathBuf {
     let dir = out.join(what);
     if let Err(e) = write_input(&dir, input) {
-        eprintln!("fuzz_checkpoint: cannot save the failing input to {}: {e}", dir.display());
+        eprintln!(
+            "fuzz_checkpoint: cannot save the failing input to {}: {e}",
+            dir.display()
+        );
     }
     dir
 }
@@ -393,7 +414,11 @@ fn main() -> Result<()> {
     let case_started = Arc::new(AtomicU64::new(0));
     let epoch = Instant::now();
     {
-        let (current, case_started, out) = (Arc::clone(&current), Arc::clone(&case_started), args.out.clone());
+        let (current, case_started, out) = (
+            Arc::clone(&current),
+            Arc::clone(&case_started),
+            args.out.clone(),
+        );
         let limit = Duration::from_millis(args.case_limit_ms);
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(50));
@@ -440,7 +465,10 @@ fn main() -> Result<()> {
                 panics += 1;
                 let dir = save(&args.out, &format!("panic-{panics}"), &input);
                 let msg = last_panic.lock().map(|s| s.clone()).unwrap_or_default();
-                eprintln!("fuzz_checkpoint: PANIC ({msg}); input saved in {}", dir.display());
+                eprintln!(
+                    "fuzz_checkpoint: PANIC ({msg}); input saved in {}",
+                    dir.display()
+                );
             }
         }
     }

@@ -40,10 +40,14 @@ fn chaos_quick_every_fault_is_torn_down_and_cleaned_up() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let context = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(out.status.success(), "chaos.sh failed ({})\n{context}", out.status);
+    assert!(
+        out.status.success(),
+        "chaos.sh failed ({})\n{context}",
+        out.status
+    );
     let last = stdout.lines().last().unwrap_or_default();
-    let summary: serde_json::Value =
-        serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON: {e}\n{context}"));
+    let summary: serde_json::Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("last line is not JSON: {e}\n{context}"));
     assert_eq!(summary["cases"], 4, "{context}");
     assert_eq!(summary["runs"], 4, "{context}");
     assert_eq!(summary["passes"], 4, "{context}");
@@ -51,11 +55,21 @@ fn chaos_quick_every_fault_is_torn_down_and_cleaned_up() {
     assert_eq!(summary["leftover_processes"], 0, "{context}");
     // The slowest case is the stopped rank: 2 s of CANDLE_TP_TIMEOUT, then the teardown.
     let worst = summary["worst_teardown_s"].as_f64().unwrap_or(f64::NAN);
-    assert!(worst > 0.0 && worst <= 12.0, "worst teardown {worst} s\n{context}");
+    assert!(
+        worst > 0.0 && worst <= 12.0,
+        "worst teardown {worst} s\n{context}"
+    );
     assert!(took < Duration::from_secs(60), "took {took:?}\n{context}");
-    for case in ["rendezvous-kill", "allreduce-kill", "collective-stop", "exit0-early"] {
+    for case in [
+        "rendezvous-kill",
+        "allreduce-kill",
+        "collective-stop",
+        "exit0-early",
+    ] {
         assert!(
-            stdout.lines().any(|l| l.starts_with(case) && l.split_whitespace().nth(2) == Some("1")),
+            stdout
+                .lines()
+                .any(|l| l.starts_with(case) && l.split_whitespace().nth(2) == Some("1")),
             "no passing row for {case}\n{context}"
         );
     }

@@ -179,7 +179,10 @@ fn weights_of_a_dtype_the_model_cannot_use_are_named() -> Result<()> {
     let dir = TempDir::new("dtype")?;
     let mut w = weights()?;
     let name = "model.layers.1.mlp.up_proj.weight";
-    w.insert(name.into(), Tensor::zeros((INTER, HIDDEN), DType::I32, &Device::Cpu)?);
+    w.insert(
+        name.into(),
+        Tensor::zeros((INTER, HIDDEN), DType::I32, &Device::Cpu)?,
+    );
     write_model(&dir.0, &config(), &w)?;
     for world in [1, 2] {
         let msg = load_error(&dir.0, world);
@@ -202,7 +205,11 @@ fn absurd_config_sizes_are_refused_before_allocating() -> Result<()> {
             // head_dim = hidden_size / heads = 2^38: refused by the RoPE bound.
             &["head_dim = 274877906944", "out of range"],
         ),
-        ("num_attention_heads", serde_json::json!(0), &["num_attention_heads"]),
+        (
+            "num_attention_heads",
+            serde_json::json!(0),
+            &["num_attention_heads"],
+        ),
         (
             "head_dim",
             serde_json::json!(1u64 << 40),

@@ -30,15 +30,27 @@ fn job(nproc: usize, port: Option<u16>, seconds: f64) -> Child {
         Some(p) => cmd.args(["--master-port", &p.to_string()]),
         None => cmd.arg("--standalone"),
     };
-    cmd.args(["--grace-period", "1", "--nproc-per-node", &nproc.to_string()])
-        .arg(example("chaos_worker"))
-        .args(["allreduce", "--check", "--elems", "4096", "--seconds", &seconds.to_string()])
-        .env("CANDLE_TP_TIMEOUT", "20")
-        .env_remove("CANDLE_TP_TOKEN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start tprun")
+    cmd.args([
+        "--grace-period",
+        "1",
+        "--nproc-per-node",
+        &nproc.to_string(),
+    ])
+    .arg(example("chaos_worker"))
+    .args([
+        "allreduce",
+        "--check",
+        "--elems",
+        "4096",
+        "--seconds",
+        &seconds.to_string(),
+    ])
+    .env("CANDLE_TP_TIMEOUT", "20")
+    .env_remove("CANDLE_TP_TOKEN")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("start tprun")
 }
 
 /// Waits for `child` at most `limit`, killing it past that.
@@ -87,7 +99,10 @@ fn two_concurrent_jobs_keep_their_own_ranks_and_results() {
     // Different world sizes, so a rank joining the wrong job would show in the sums.
     let a = job(2, None, 2.0);
     let b = job(3, None, 2.0);
-    let (a, b) = (finish(a, Duration::from_secs(60)), finish(b, Duration::from_secs(60)));
+    let (a, b) = (
+        finish(a, Duration::from_secs(60)),
+        finish(b, Duration::from_secs(60)),
+    );
     assert!(a.status.success(), "job A failed\n{}", describe(&a));
     assert!(b.status.success(), "job B failed\n{}", describe(&b));
     let (ia, wa, sa, ea) = summary(&a);
@@ -95,7 +110,10 @@ fn two_concurrent_jobs_keep_their_own_ranks_and_results() {
     assert_eq!((wa, wb), (2, 3), "world sizes");
     assert!(ia > 0 && ib > 0, "iterations {ia} and {ib}");
     // They really ran at the same time: their all-reduce loops overlap.
-    assert!(sa < eb && sb < ea, "loops [{sa}, {ea}] and [{sb}, {eb}] do not overlap");
+    assert!(
+        sa < eb && sb < ea,
+        "loops [{sa}, {ea}] and [{sb}, {eb}] do not overlap"
+    );
     for (out, world) in [(&a, 2), (&b, 3)] {
         let text = String::from_utf8_lossy(&out.stderr);
         for r in 0..world {
@@ -105,7 +123,11 @@ fn two_concurrent_jobs_keep_their_own_ranks_and_results() {
                 describe(out)
             );
         }
-        assert!(!text.contains(&format!("[rank {world}]")), "an extra rank\n{}", describe(out));
+        assert!(
+            !text.contains(&format!("[rank {world}]")),
+            "an extra rank\n{}",
+            describe(out)
+        );
     }
 }
 

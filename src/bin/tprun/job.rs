@@ -102,7 +102,10 @@ impl Job {
     /// rank leaves behind only when it is killed between creating a group's segment and the
     /// moment every rank has mapped it; returns their names.
     pub fn remove_segments(&self) -> Vec<String> {
-        remove_tagged(Path::new("/dev/shm"), &format!("candle-tp-{}", self.shm_tag))
+        remove_tagged(
+            Path::new("/dev/shm"),
+            &format!("candle-tp-{}", self.shm_tag),
+        )
     }
 }
 
@@ -149,7 +152,12 @@ mod tests {
     fn remove_tagged_removes_only_the_tagged_entries() -> io::Result<()> {
         let dir = std::env::temp_dir().join(format!("tprun-tag-{}", random_hex(8)?));
         std::fs::create_dir(&dir)?;
-        for name in ["candle-tp-abc1-x", "candle-tp-abc1-y", "candle-tp-abc2-x", "other"] {
+        for name in [
+            "candle-tp-abc1-x",
+            "candle-tp-abc1-y",
+            "candle-tp-abc2-x",
+            "other",
+        ] {
             std::fs::write(dir.join(name), b"")?;
         }
         let mut removed = remove_tagged(&dir, "candle-tp-abc1");
