@@ -7,10 +7,35 @@
 
 use std::sync::Arc;
 
-use super::error::CommResult;
+use super::error::{CommError, CommResult};
 use super::group::{rendezvous, Context, GroupOptions, ProcessGroup};
 use super::region::{random_hex, RegionKind};
 use super::store::{Store, TcpStore, TcpStoreServer};
+
+/// Environment variable with a tag that `tprun` puts at the start of the job id (so of every
+/// segment name, `/dev/shm/candle-tp-<tag>…`): after the job, tprun removes what a rank killed
+/// in the middle of a rendezvous could not.
+pub const SHM_TAG_VAR: &str = "CANDLE_TP_SHM_TAG";
+
+/// The job id drawn by rank 0: `CANDLE_TP_SHM_TAG` (1 to 32 lowercase ASCII letters or digits)
+/// followed by 16 random hex characters, or the random part alone when the tag is unset.
+fn job_id() -> CommResult<String> {
+    match std::env::var(SHM_TAG_VAR) {
+        Err(std::env::VarError::NotPresent) => Ok(random_hex()),
+        Ok(tag)
+            if (1..=32).contains(&tag.len())
+                && tag
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase()) =>
+        {
+            Ok(format!("{tag}{}", random_hex()))
+        }
+        _ => Err(CommError::env(
+            SHM_TAG_VAR,
+            "must be 1 to 32 lowercase ASCII letters or digits",
+        )),
+    }
+}
 
 /// Where and how the ranks of a job meet.
 #[derive(Debug, Clone)]
@@ -38,7 +63,7 @@ pub fn init_shm(rv: &Rendezvous, options: GroupOptions) -> CommResult<ProcessGro
         let server = TcpStoreServer::bind(&rv.master_addr, rv.master_port, &rv.token)?;
         let client = TcpStore::connect(&rv.master_addr, server.port(), &rv.token, options.timeout)?;
         keep.push(Box::new(server));
-        client.set("job", random_hex().as_bytes())?;
+        client.set("job", job_id()?.as_bytes())?;
         client
     } else {
         TcpStore::connect(&rv.master_addr, rv.master_port, &rv.token, options.timeout)?

@@ -543,11 +543,19 @@ fn open_file(path: &Path) -> Result<(MappedFile, HashMap<String, Entry>)> {
         let Some((bits, dtype)) = dtype_info(&raw.dtype) else {
             bail!("{p}: tensor '{name}' has unknown dtype {:?}", raw.dtype);
         };
+        // The product skipping zero dimensions must not overflow either: slicing a tensor
+        // multiplies sub-products of its shape ([0, 2^40, 2^40] holds 0 bytes).
+        let nonzero_fits = raw
+            .shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(bits as u64, |acc, &d| acc.checked_mul(d as u64))
+            .is_some_and(|b| usize::try_from(b).is_ok());
         let expected = raw
             .shape
             .iter()
             .try_fold(bits as u64, |acc, &d| acc.checked_mul(d as u64))
-            .filter(|b| b % 8 == 0)
+            .filter(|b| nonzero_fits && b % 8 == 0)
             .map(|b| b / 8);
         let Some(expected) = expected else {
             bail!(

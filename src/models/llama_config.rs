@@ -13,6 +13,10 @@ use crate::nn::{AttentionConfig, Llama3RopeScaling};
 pub const SUPPORTED_ARCHITECTURES: [&str; 3] =
     ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
+/// Most values one RoPE table may hold (`max_position_embeddings` x `head_dim`): 2^30, so
+/// 4 GiB in f32; Llama 3.1's 131072 positions x 128 need 2^24.
+const MAX_ROPE_ELEMENTS: usize = 1 << 30;
+
 #[derive(Debug, Deserialize)]
 struct RawRope {
     rope_theta: Option<f64>,
@@ -200,6 +204,16 @@ impl LlamaConfig {
                     ))
                 }
             }
+        }
+        // The RoPE tables hold max_position_embeddings x head_dim values each, built before any
+        // forward pass: bound them so that a hostile config cannot ask for terabytes.
+        let rope_elems = raw.max_position_embeddings.checked_mul(head_dim);
+        if raw.max_position_embeddings == 0 || rope_elems.is_none_or(|n| n > MAX_ROPE_ELEMENTS) {
+            return bail(format!(
+                "max_position_embeddings = {} with head_dim = {head_dim} is out of range: the \
+                 RoPE tables would hold more than {MAX_ROPE_ELEMENTS} values each",
+                raw.max_position_embeddings
+            ));
         }
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let qwen2 = architecture == "Qwen2ForCausalLM";

@@ -9,11 +9,16 @@
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, Read};
+use std::path::Path;
 
 use crate::args::Config;
 
 /// Environment variable holding the job's shared secret token.
 pub const TOKEN_VAR: &str = "CANDLE_TP_TOKEN";
+
+/// Environment variable with the job's shared-memory tag: rank 0 starts the job id, so every
+/// segment name (`/dev/shm/candle-tp-<tag>...`), with it.
+pub const SHM_TAG_VAR: &str = "CANDLE_TP_SHM_TAG";
 
 /// Thread-count variables split between the workers unless the user set them.
 pub const THREAD_VARS: [&str; 3] = ["RAYON_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"];
@@ -25,6 +30,9 @@ pub struct Job {
     pub run_id: String,
     /// The job token (`CANDLE_TP_TOKEN`): inherited, or 32 random hex characters.
     pub token: OsString,
+    /// The tag of this job's shared-memory segments (`CANDLE_TP_SHM_TAG`): 16 random hex
+    /// characters, not secret.
+    pub shm_tag: String,
     /// Thread-count variables to set, with their value; user-set ones are absent.
     pub threads: Vec<(&'static str, String)>,
 }
@@ -51,6 +59,7 @@ impl Job {
         Ok(Job {
             run_id,
             token,
+            shm_tag: random_hex(8)?,
             threads,
         })
     }
@@ -80,11 +89,37 @@ impl Job {
         .map(|(k, v)| (k.to_string(), OsString::from(v)))
         .collect();
         vars.push((TOKEN_VAR.to_string(), self.token.clone()));
+        vars.push((SHM_TAG_VAR.to_string(), OsString::from(&self.shm_tag)));
         for (var, value) in &self.threads {
             vars.push((var.to_string(), OsString::from(value)));
         }
         vars
     }
+}
+
+impl Job {
+    /// Removes the segments of this job still in `/dev/shm` (`candle-tp-<tag>*`), which a
+    /// rank leaves behind only when it is killed between creating a group's segment and the
+    /// moment every rank has mapped it; returns their names.
+    pub fn remove_segments(&self) -> Vec<String> {
+        remove_tagged(
+            Path::new("/dev/shm"),
+            &format!("candle-tp-{}", self.shm_tag),
+        )
+    }
+}
+
+/// Removes the entries of `dir` whose name starts with `prefix`; returns the removed names.
+fn remove_tagged(dir: &Path, prefix: &str) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| entry.ok())
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(prefix))
+        .filter(|name| std::fs::remove_file(dir.join(name)).is_ok())
+        .collect()
 }
 
 /// Threads per worker: the cores split evenly, at least one.
@@ -111,6 +146,30 @@ mod tests {
         assert_eq!(threads_per_rank(16, 3), 5);
         assert_eq!(threads_per_rank(2, 3), 1);
         assert_eq!(threads_per_rank(1, 1), 1);
+    }
+
+    #[test]
+    fn remove_tagged_removes_only_the_tagged_entries() -> io::Result<()> {
+        let dir = std::env::temp_dir().join(format!("tprun-tag-{}", random_hex(8)?));
+        std::fs::create_dir(&dir)?;
+        for name in [
+            "candle-tp-abc1-x",
+            "candle-tp-abc1-y",
+            "candle-tp-abc2-x",
+            "other",
+        ] {
+            std::fs::write(dir.join(name), b"")?;
+        }
+        let mut removed = remove_tagged(&dir, "candle-tp-abc1");
+        removed.sort();
+        assert_eq!(removed, ["candle-tp-abc1-x", "candle-tp-abc1-y"]);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)?
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["candle-tp-abc2-x", "other"]);
+        std::fs::remove_dir_all(&dir)
     }
 
     #[test]

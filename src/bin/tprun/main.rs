@@ -4,7 +4,9 @@
 //! that torchrun gives (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
 //! `GROUP_RANK`, `ROLE_RANK`, `ROLE_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
 //! `TORCHELASTIC_RUN_ID`), plus `CANDLE_TP_TOKEN` (a random 32-hex-char job
-//! token, or the one already in tprun's environment) and a per-rank thread
+//! token, or the one already in tprun's environment), `CANDLE_TP_SHM_TAG` (the
+//! prefix of the job's shared-memory segment names: whatever a killed rank
+//! left in `/dev/shm` under it is removed when the job ends) and a per-rank thread
 //! count (`RAYON_NUM_THREADS`, `OMP_NUM_THREADS`, `MKL_NUM_THREADS`: the cores
 //! split between the ranks, unless the user set the variable).
 //!
@@ -21,7 +23,8 @@
 //!
 //! Each output line of a worker is printed as `[rank N] line` (stdout to
 //! stdout, stderr to stderr). When a worker exits non-zero or is killed, the
-//! others get SIGTERM, then SIGKILL after `--grace-period` seconds; tprun
+//! others get SIGTERM (and SIGCONT, so a stopped one handles it), then SIGKILL
+//! after `--grace-period` seconds; tprun
 //! names the rank that failed first, shows its last stderr lines and exits
 //! with its exit code (1 when it was killed by a signal). Ctrl-C (or SIGTERM,
 //! SIGHUP, SIGQUIT) stops every worker the same way and exits with 128 +
@@ -87,5 +90,14 @@ fn run(config: &Config) -> i32 {
             );
         }
     }
-    supervise::run(config, &job)
+    let code = supervise::run(config, &job);
+    let removed = job.remove_segments();
+    if !removed.is_empty() {
+        say!(
+            "tprun: removed {} shared-memory segment(s) a killed rank left in /dev/shm: {}\n",
+            removed.len(),
+            removed.join(", ")
+        );
+    }
+    code
 }

@@ -326,6 +326,9 @@ fn watch(workers: &mut [Worker]) -> Event {
 fn teardown(workers: &mut [Worker], grace: Duration, signals_seen: usize) {
     for worker in workers.iter() {
         worker.signal_group(libc::SIGTERM);
+        // A stopped worker (SIGSTOP, a debugger) would hold SIGTERM pending until the
+        // grace period ends: wake it so that it handles the signal now.
+        worker.signal_group(libc::SIGCONT);
     }
     let deadline = Instant::now() + grace;
     let mut killed_at: Option<Instant> = None;

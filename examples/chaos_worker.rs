@@ -1,0 +1,137 @@
+//! A worker for fault injection (`scripts/chaos.sh`, `tests/chaos.rs`): it joins the job,
+//! announces each phase on stderr (`chaos: rank R <phase>`), and loops on all-reduces so that a
+//! fault injected from outside lands where the script wants it.
+//!
+//! ```text
+//! tprun --standalone --nproc-per-node 3 target/release/examples/chaos_worker allreduce --seconds 30
+//! ```
+//!
+//! Modes:
+//! - `rendezvous --stagger S`: rank R waits R × S seconds before joining, so that the others sit
+//!   in the rendezvous meanwhile; then it runs the all-reduce loop.
+//! - `allreduce`: the all-reduce loop, for `--seconds` (rank 0 decides when to stop and tells the
+//!   others through the reduced buffer, so every rank runs the same number of collectives).
+//! - `exit0 --victim K --after S`: the all-reduce loop, but rank K prints
+//!   `chaos: rank K exits 0 early at <unix seconds>` and exits with code 0 after S seconds.
+//!
+//! Rank 0 ends with one JSON line: `iterations`, `world_size`, `start` and `end` (Unix seconds
+//! of the loop). With `--check`, each all-reduce result is compared with the value every rank can compute
+//! (the sum of the ranks' contributions) and a difference is an error.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+use candle_tp::comm::ReduceOp;
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    Rendezvous,
+    Allreduce,
+    Exit0,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Fault-injection worker: joins the job and loops on all-reduces")]
+struct Args {
+    /// What to do.
+    #[arg(value_enum)]
+    mode: Mode,
+    /// How long the all-reduce loop runs, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    seconds: f64,
+    /// f32 elements per all-reduce.
+    #[arg(long, default_value_t = 65_536)]
+    elems: usize,
+    /// `rendezvous`: rank R waits R × this many seconds before joining.
+    #[arg(long, default_value_t = 0.5)]
+    stagger: f64,
+    /// `exit0`: the rank that exits early.
+    #[arg(long, default_value_t = 1)]
+    victim: usize,
+    /// `exit0`: seconds after joining at which the victim exits.
+    #[arg(long, default_value_t = 0.5)]
+    after: f64,
+    /// Check every all-reduce result against the expected sum.
+    #[arg(long)]
+    check: bool,
+}
+
+/// Seconds since the Unix epoch, for the fault timestamps the chaos script reads.
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// A duration from a number of seconds given on the command line.
+fn seconds(name: &str, value: f64) -> Result<Duration> {
+    match Duration::try_from_secs_f64(value) {
+        Ok(d) => Ok(d),
+        Err(e) => bail!("--{name} {value}: {e}"),
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let rank: usize = std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
+    if args.mode == Mode::Rendezvous {
+        eprintln!("chaos: rank {rank} rendezvous");
+        std::thread::sleep(seconds("stagger", args.stagger * rank as f64)?);
+    }
+    let pg = candle_tp::init_from_env(&Device::Cpu)?;
+    if args.mode == Mode::Exit0 && args.victim >= pg.size() {
+        bail!(
+            "--victim {} is not a rank of this job of {}",
+            args.victim,
+            pg.size()
+        );
+    }
+    eprintln!("chaos: rank {rank} joined");
+    let run_for = seconds("seconds", args.seconds)?;
+    let exit_after = seconds("after", args.after)?;
+    let start = Instant::now();
+    let started_at = unix_now();
+    let mut buf = vec![0f32; args.elems.max(2)];
+    let world = pg.size() as f32;
+    let mut iterations = 0u64;
+    eprintln!("chaos: rank {rank} all-reduce loop");
+    loop {
+        if args.mode == Mode::Exit0 && rank == args.victim && start.elapsed() >= exit_after {
+            eprintln!("chaos: rank {rank} exits 0 early at {:.6}", unix_now());
+            return Ok(());
+        }
+        let stop = rank == 0 && start.elapsed() >= run_for;
+        buf[0] = if stop { 1.0 } else { 0.0 };
+        for (i, x) in buf.iter_mut().enumerate().skip(1) {
+            *x = (rank + i % 7) as f32;
+        }
+        pg.all_reduce_slice(&mut buf, ReduceOp::Sum)?;
+        iterations += 1;
+        if args.check {
+            // Sum over ranks r of (r + i % 7) = world (world - 1) / 2 + world (i % 7).
+            for (i, x) in buf.iter().enumerate().skip(1) {
+                let want = world * (world - 1.0) / 2.0 + world * (i % 7) as f32;
+                if *x != want {
+                    bail!("rank {rank}: all-reduce element {i} is {x}, expected {want}");
+                }
+            }
+        }
+        if buf[0] > 0.0 {
+            break;
+        }
+    }
+    eprintln!("chaos: rank {rank} done after {iterations} all-reduces");
+    if rank == 0 {
+        println!(
+            "{{\"iterations\": {iterations}, \"world_size\": {}, \"start\": {started_at:.6}, \"end\": {:.6}}}",
+            pg.size(),
+            unix_now()
+        );
+    }
+    Ok(())
+}
