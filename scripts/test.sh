@@ -1,16 +1,42 @@
 #!/usr/bin/env bash
-# Runs every test: unit, integration (threads backend and real processes through tprun),
-# doc tests, then the README's multi-process acceptance run of the MLP example.
+# Runs every test: unit, integration (threads backend, real processes through tprun, real
+# checkpoints), doc tests, then the README's multi-process acceptance run of the MLP example.
+#
+#   scripts/test.sh                # everything, default build (Candle's gemm)
+#   scripts/test.sh --mkl          # the layer and model tests on the MKL build (scripts/setup-mkl.sh)
+#   CANDLE_TP_MKL=1 scripts/test.sh   # the same
+#   scripts/test.sh -- ARGS        # extra arguments for cargo test
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+mkl="${CANDLE_TP_MKL:-0}"
+cargo_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --mkl) mkl=1; shift ;;
+    --) shift; cargo_args=("$@"); break ;;
+    *) cargo_args+=("$1"); shift ;;
+  esac
+done
 
 if [ -x scripts/fetch-models.sh ]; then
   echo "==> fetching the demo models (idempotent)"
   CANDLE_TP_CONVERT_PROFILE="${CANDLE_TP_CONVERT_PROFILE:-dev}" scripts/fetch-models.sh
 fi
 
+if [ "$mkl" = 1 ]; then
+  # shellcheck disable=SC1091
+  . scripts/setup-mkl.sh
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/mkl"
+  echo "==> cargo test --features mkl (layers, mappings, vocabulary, Llama and BERT against candle-transformers)"
+  cargo test --no-fail-fast --features mkl --test layers --test mappings --test vocab_parallel \
+    --test llama --test bert --test sampling "${cargo_args[@]}"
+  echo "==> all MKL tests passed"
+  exit 0
+fi
+
 echo "==> cargo test"
-cargo test --no-fail-fast "$@"
+cargo test --no-fail-fast "${cargo_args[@]}"
 
 echo "==> acceptance: the MLP example under tprun (release), 2, 3 and 4 ranks"
 cargo build --release --quiet --bin tprun --example mlp
