@@ -33,6 +33,7 @@
 
 pub mod comm;
 pub mod convert;
+mod device;
 pub mod generate;
 pub mod loader;
 pub mod models;
@@ -40,6 +41,7 @@ pub mod nn;
 pub mod ops;
 pub mod partition;
 
+pub use device::device_from_arg;
 pub use comm::{init_from_env, run_threads, ProcessGroup, ReduceOp};
 pub use loader::ShardedVarBuilder;
 pub use nn::*;

@@ -10,6 +10,8 @@ mod engine;
 mod env;
 pub mod error;
 mod group;
+#[cfg(feature = "nccl")]
+pub(crate) mod nccl;
 mod region;
 mod shm;
 pub mod stats;
@@ -21,6 +23,8 @@ pub use element::{Element, ReduceOp};
 pub use env::{init_from_env, rendezvous_from_env};
 pub use error::{CommError, CommResult};
 pub use group::{GroupOptions, ProcessGroup};
+#[cfg(feature = "nccl")]
+pub use nccl::init_nccl;
 pub use shm::{init_shm, Rendezvous};
 pub use stats::{CollectiveKind, CommStats, OpStats};
 pub use threads::{run_threads, run_threads_with};
