@@ -360,7 +360,7 @@ impl NcclGroup {
             c.0.all_reduce(src, dst, &nccl_op(op))
                 .map_err(nccl_err(self.who("ncclAllReduce")))?;
         }
-        self.record(CollectiveKind::AllReduce, src.len() * T::SIZE, t);
+        self.record(CollectiveKind::AllReduce, src.len() * std::mem::size_of::<T>(), t);
         Ok(())
     }
 
@@ -385,7 +385,7 @@ impl NcclGroup {
             c.0.broadcast(Some(src), dst, root as i32)
                 .map_err(nccl_err(self.who("ncclBroadcast")))?;
         }
-        self.record(CollectiveKind::Broadcast, src.len() * T::SIZE, t);
+        self.record(CollectiveKind::Broadcast, src.len() * std::mem::size_of::<T>(), t);
         Ok(())
     }
 
@@ -425,7 +425,7 @@ impl NcclGroup {
                 Ok(())
             })?;
         }
-        self.record(CollectiveKind::AllGather, total * T::SIZE, t);
+        self.record(CollectiveKind::AllGather, total * std::mem::size_of::<T>(), t);
         Ok(())
     }
 
@@ -466,7 +466,7 @@ impl NcclGroup {
                 Ok(())
             })?;
         }
-        self.record(CollectiveKind::ReduceScatter, total * T::SIZE, t);
+        self.record(CollectiveKind::ReduceScatter, total * std::mem::size_of::<T>(), t);
         Ok(())
     }
 
@@ -566,13 +566,4 @@ fn grouped(what: &str, f: impl FnOnce() -> CommResult<()>) -> CommResult<()> {
     let r = f();
     let end = group_end().map_err(nccl_err(what.to_string()));
     r.and(end.map(|_| ()))
-}
-
-/// `size_of` as an associated constant.
-trait Size {
-    const SIZE: usize;
-}
-
-impl<T> Size for T {
-    const SIZE: usize = std::mem::size_of::<T>();
 }
