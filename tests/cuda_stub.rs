@@ -38,7 +38,11 @@ fn device_from_arg_cuda_names_the_driver_problem() {
     }
     let err = candle_tp::device_from_arg("cuda").expect_err("CUDA must not open with the stubs");
     let msg = err.to_string();
-    for want in ["cannot open CUDA device 0", "driver", "CUDA_ERROR_STUB_LIBRARY"] {
+    for want in [
+        "cannot open CUDA device 0",
+        "driver",
+        "CUDA_ERROR_STUB_LIBRARY",
+    ] {
         assert!(msg.contains(want), "'{want}' missing from: {msg}");
     }
     let err = candle_tp::device_from_arg("cuda:3").expect_err("no GPU 3");
@@ -116,7 +120,11 @@ fn mlp_example_with_device_cuda_fails_clearly() {
         .expect("run mlp --device cuda");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
-    for want in ["cannot open CUDA device 0", "NVIDIA driver", "CUDA_ERROR_STUB_LIBRARY"] {
+    for want in [
+        "cannot open CUDA device 0",
+        "NVIDIA driver",
+        "CUDA_ERROR_STUB_LIBRARY",
+    ] {
         assert!(stderr.contains(want), "'{want}' missing from: {stderr}");
     }
     assert!(!stderr.contains("panicked"), "{stderr}");

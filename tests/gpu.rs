@@ -16,7 +16,7 @@ mod common;
 use std::process::Command;
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_tp::comm::{init_nccl, GroupOptions, Rendezvous, ReduceOp};
+use candle_tp::comm::{init_nccl, GroupOptions, ReduceOp, Rendezvous};
 use candle_tp::{ColumnParallelLinear, Partition, ProcessGroup, RowParallelLinear};
 use common::{max_abs_diff, seeded};
 
@@ -70,11 +70,21 @@ fn nccl_one_rank() -> Result<()> {
         close("all_reduce max", &pg.all_reduce(&g, ReduceOp::Max)?, &x, t);
         close("all_gather dim 0", &pg.all_gather(&g, 0)?, &x, t);
         close("all_gather dim 1", &pg.all_gather(&g, 1)?, &x, t);
-        close("reduce_scatter dim 2", &pg.reduce_scatter(&g, 2, ReduceOp::Sum)?, &x, t);
+        close(
+            "reduce_scatter dim 2",
+            &pg.reduce_scatter(&g, 2, ReduceOp::Sum)?,
+            &x,
+            t,
+        );
         close("broadcast", &pg.broadcast(&g, 0)?, &x, t);
         // A strided input (the op makes it contiguous first).
         let tr = g.transpose(0, 2)?;
-        close("all_reduce transposed", &pg.all_reduce(&tr, ReduceOp::Sum)?, &x.transpose(0, 2)?, t);
+        close(
+            "all_reduce transposed",
+            &pg.all_reduce(&tr, ReduceOp::Sum)?,
+            &x.transpose(0, 2)?,
+            t,
+        );
     }
     let mut v = vec![1.5f32, -2.0, 3.0];
     pg.all_reduce_slice(&mut v, ReduceOp::Sum)?;
@@ -152,7 +162,12 @@ fn check_layers(pg: ProcessGroup, dev: &Device, label: &str) -> Result<()> {
     let emb = candle_tp::VocabParallelEmbedding::from_dense(&on(&table)?, pg.clone())?;
     let ids = Tensor::new(&[[0u32, 9, 4]], dev)?;
     let want = candle_nn::Embedding::new(table, 4).forward(&ids.to_device(&Device::Cpu)?)?;
-    close(&format!("{label}: embedding"), &emb.forward(&ids)?, &want, 1e-6);
+    close(
+        &format!("{label}: embedding"),
+        &emb.forward(&ids)?,
+        &want,
+        1e-6,
+    );
     Ok(())
 }
 
@@ -181,18 +196,40 @@ fn worker() -> Result<()> {
     let part = Partition::new(7, n).map_err(candle_core::Error::wrap)?;
     let all: Vec<Tensor> = (0..n).map(|r| input(r, 7)).collect();
     let sum = all.iter().skip(1).try_fold(all[0].clone(), |a, b| a + b)?;
-    let max = all.iter().skip(1).try_fold(all[0].clone(), |a, b| a.maximum(b))?;
+    let max = all
+        .iter()
+        .skip(1)
+        .try_fold(all[0].clone(), |a, b| a.maximum(b))?;
     let shares: Vec<Tensor> = (0..n).map(|r| input(r, part.size(r))).collect();
     let gathered = Tensor::cat(&shares, 1)?;
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let t = tol(dtype) * n as f32;
         let mine = all[rank].to_dtype(dtype)?.to_device(&dev)?;
         let q = |x: &Tensor| x.to_dtype(dtype);
-        close("all_reduce sum", &pg.all_reduce(&mine, ReduceOp::Sum)?, &q(&sum)?, t);
-        close("all_reduce max", &pg.all_reduce(&mine, ReduceOp::Max)?, &q(&max)?, t);
+        close(
+            "all_reduce sum",
+            &pg.all_reduce(&mine, ReduceOp::Sum)?,
+            &q(&sum)?,
+            t,
+        );
+        close(
+            "all_reduce max",
+            &pg.all_reduce(&mine, ReduceOp::Max)?,
+            &q(&max)?,
+            t,
+        );
         let share = shares[rank].to_dtype(dtype)?.to_device(&dev)?;
-        close("all_gather unequal dim 1", &pg.all_gather(&share, 1)?, &q(&gathered)?, t);
-        let lead = shares[rank].transpose(0, 1)?.contiguous()?.to_dtype(dtype)?.to_device(&dev)?;
+        close(
+            "all_gather unequal dim 1",
+            &pg.all_gather(&share, 1)?,
+            &q(&gathered)?,
+            t,
+        );
+        let lead = shares[rank]
+            .transpose(0, 1)?
+            .contiguous()?
+            .to_dtype(dtype)?
+            .to_device(&dev)?;
         close(
             "all_gather unequal dim 0",
             &pg.all_gather(&lead, 0)?,
@@ -206,14 +243,21 @@ fn worker() -> Result<()> {
             &q(&sum.narrow(1, r.start, r.len())?)?,
             t,
         );
-        let even = Tensor::cat(&vec![all[rank].clone(); n], 1)?.to_dtype(dtype)?.to_device(&dev)?;
+        let even = Tensor::cat(&vec![all[rank].clone(); n], 1)?
+            .to_dtype(dtype)?
+            .to_device(&dev)?;
         close(
             "reduce_scatter even dim 1",
             &pg.reduce_scatter(&even, 1, ReduceOp::Sum)?,
             &q(&sum)?,
             t,
         );
-        close("broadcast", &pg.broadcast(&mine, n - 1)?, &q(&all[n - 1])?, 0.0);
+        close(
+            "broadcast",
+            &pg.broadcast(&mine, n - 1)?,
+            &q(&all[n - 1])?,
+            0.0,
+        );
     }
     let mut v = vec![rank as f32 + 1.0; 3];
     pg.all_reduce_slice(&mut v, ReduceOp::Sum)?;

@@ -111,7 +111,11 @@ pub(crate) fn ordinal(device: &CudaDevice) -> usize {
 ///
 /// Rank 0 hosts the rendezvous store at `rv.master_addr:rv.master_port` (port 0: any free
 /// port, only for one rank). Each rank needs its own GPU: NCCL refuses two ranks on one device.
-pub fn init_nccl(rv: &Rendezvous, device: &Device, options: GroupOptions) -> CommResult<ProcessGroup> {
+pub fn init_nccl(
+    rv: &Rendezvous,
+    device: &Device,
+    options: GroupOptions,
+) -> CommResult<ProcessGroup> {
     let Device::Cuda(dev) = device else {
         return Err(CommError::invalid(
             "init_nccl",
@@ -130,7 +134,13 @@ pub fn init_nccl(rv: &Rendezvous, device: &Device, options: GroupOptions) -> Com
     };
     let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
     let ctx = Context::new(Arc::new(store), RegionKind::Shm, job, &options, keep);
-    rendezvous(&ctx, "world".into(), rv.rank, (0..rv.world_size).collect(), dev)
+    rendezvous(
+        &ctx,
+        "world".into(),
+        rv.rank,
+        (0..rv.world_size).collect(),
+        dev,
+    )
 }
 
 /// Creates the NCCL communicator of group `name` (this rank is `rank` of `members`).
@@ -210,7 +220,13 @@ pub(crate) fn rendezvous(
         rank,
         size,
     };
-    Ok(ProcessGroup::from_nccl(name, rank, members, group, ctx.clone()))
+    Ok(ProcessGroup::from_nccl(
+        name,
+        rank,
+        members,
+        group,
+        ctx.clone(),
+    ))
 }
 
 /// Maps a host slice of `T` onto the NCCL type `U` of the same dtype.
@@ -231,14 +247,38 @@ fn cast_mut<T: Element, U: 'static>(s: &mut [T]) -> &mut [U] {
 macro_rules! with_nccl_type {
     ($self:ident, $op:expr, $t:ty, |$u:ident| $body:block) => {
         match <$t as Element>::DTYPE {
-            DType::F32 => { type $u = f32; $body }
-            DType::F64 => { type $u = f64; $body }
-            DType::F16 => { type $u = f16; $body }
-            DType::BF16 => { type $u = bf16; $body }
-            DType::U8 => { type $u = u8; $body }
-            DType::U32 => { type $u = u32; $body }
-            DType::I32 => { type $u = i32; $body }
-            DType::I64 => { type $u = i64; $body }
+            DType::F32 => {
+                type $u = f32;
+                $body
+            }
+            DType::F64 => {
+                type $u = f64;
+                $body
+            }
+            DType::F16 => {
+                type $u = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $u = bf16;
+                $body
+            }
+            DType::U8 => {
+                type $u = u8;
+                $body
+            }
+            DType::U32 => {
+                type $u = u32;
+                $body
+            }
+            DType::I32 => {
+                type $u = i32;
+                $body
+            }
+            DType::I64 => {
+                type $u = i64;
+                $body
+            }
             other => Err(CommError::invalid(
                 $self.who($op),
                 format!("NCCL cannot reduce dtype {other:?}"),
@@ -360,7 +400,11 @@ impl NcclGroup {
             c.0.all_reduce(src, dst, &nccl_op(op))
                 .map_err(nccl_err(self.who("ncclAllReduce")))?;
         }
-        self.record(CollectiveKind::AllReduce, src.len() * std::mem::size_of::<T>(), t);
+        self.record(
+            CollectiveKind::AllReduce,
+            src.len() * std::mem::size_of::<T>(),
+            t,
+        );
         Ok(())
     }
 
@@ -385,7 +429,11 @@ impl NcclGroup {
             c.0.broadcast(Some(src), dst, root as i32)
                 .map_err(nccl_err(self.who("ncclBroadcast")))?;
         }
-        self.record(CollectiveKind::Broadcast, src.len() * std::mem::size_of::<T>(), t);
+        self.record(
+            CollectiveKind::Broadcast,
+            src.len() * std::mem::size_of::<T>(),
+            t,
+        );
         Ok(())
     }
 
@@ -425,7 +473,11 @@ impl NcclGroup {
                 Ok(())
             })?;
         }
-        self.record(CollectiveKind::AllGather, total * std::mem::size_of::<T>(), t);
+        self.record(
+            CollectiveKind::AllGather,
+            total * std::mem::size_of::<T>(),
+            t,
+        );
         Ok(())
     }
 
@@ -458,7 +510,11 @@ impl NcclGroup {
                     let part = src.try_slice(off..off + n).ok_or_else(|| {
                         CommError::invalid(self.who(name), format!("block {r} out of range"))
                     })?;
-                    let recv = if r == self.rank { Some(&mut *dst) } else { None };
+                    let recv = if r == self.rank {
+                        Some(&mut *dst)
+                    } else {
+                        None
+                    };
                     c.0.reduce(&part, recv, &nccl_op(op), r as i32)
                         .map_err(nccl_err(self.who("ncclReduce (reduce_scatter_v)")))?;
                     off += n;
@@ -466,7 +522,11 @@ impl NcclGroup {
                 Ok(())
             })?;
         }
-        self.record(CollectiveKind::ReduceScatter, total * std::mem::size_of::<T>(), t);
+        self.record(
+            CollectiveKind::ReduceScatter,
+            total * std::mem::size_of::<T>(),
+            t,
+        );
         Ok(())
     }
 
@@ -486,7 +546,9 @@ impl NcclGroup {
             .alloc_zeros::<U>(dst.len())
             .map_err(driver_err(what()))?;
         f(&d_src.as_view(), &mut d_dst.as_view_mut())?;
-        stream.memcpy_dtoh(&d_dst, dst).map_err(driver_err(what()))?;
+        stream
+            .memcpy_dtoh(&d_dst, dst)
+            .map_err(driver_err(what()))?;
         stream.synchronize().map_err(driver_err(what()))
     }
 

@@ -43,7 +43,10 @@ fn geometry(
     gather: bool,
 ) -> Result<Geometry> {
     if dim >= dims.len() {
-        candle_core::bail!("{}: tensor of shape {dims:?} has no dimension {dim}", who(pg, kind));
+        candle_core::bail!(
+            "{}: tensor of shape {dims:?} has no dimension {dim}",
+            who(pg, kind)
+        );
     }
     if sizes.len() != pg.size() {
         candle_core::bail!(
@@ -159,7 +162,15 @@ fn split(
     let run = sizes[me] * g.inner;
     let mut out = alloc(s, g.outer * run)?;
     if g.outer * run > 0 {
-        s.copy2d(&mut out, g.outer, run, g.total * g.inner, run, start + col, 0)?;
+        s.copy2d(
+            &mut out,
+            g.outer,
+            run,
+            g.total * g.inner,
+            run,
+            start + col,
+            0,
+        )?;
     }
     let mut out_dims = dims.to_vec();
     out_dims[dim] = sizes[me];
@@ -216,12 +227,14 @@ fn nccl_fwd(
         Kind::Split { dim, sizes } => split(pg, kind, s, start, dims, *dim, sizes),
         Kind::AllReduce(rop) => {
             let mut out = alloc(s, len)?;
-            typed!(name, s, start, end, out, |src, dst| n.all_reduce(src, dst, *rop))?;
+            typed!(name, s, start, end, out, |src, dst| n
+                .all_reduce(src, dst, *rop))?;
             Ok((out, same))
         }
         Kind::Broadcast { root } => {
             let mut out = alloc(s, len)?;
-            typed!(name, s, start, end, out, |src, dst| n.broadcast(src, dst, *root))?;
+            typed!(name, s, start, end, out, |src, dst| n
+                .broadcast(src, dst, *root))?;
             Ok((out, same))
         }
         Kind::AllGather { dim, sizes } => {
@@ -239,7 +252,11 @@ fn nccl_fwd(
             permute(&gathered, 0, &mut out, &g, sizes, true)?;
             Ok((out, Shape::from(out_dims)))
         }
-        Kind::ReduceScatter { dim, sizes, op: rop } => {
+        Kind::ReduceScatter {
+            dim,
+            sizes,
+            op: rop,
+        } => {
             let g = geometry(pg, kind, dims, *dim, sizes, false)?;
             let counts: Vec<usize> = sizes.iter().map(|s| s * g.outer * g.inner).collect();
             let mut out = alloc(s, counts[pg.rank()])?;
