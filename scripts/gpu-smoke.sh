@@ -82,7 +82,7 @@ name, status, secs, detail = sys.argv[1:5]
 extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] else {}
 print(json.dumps({"step": name, "status": status, "seconds": round(float(secs), 2), "detail": detail[-2000:], **extra}))
 PY
-  echo "   $1: $2 ($3 s) ${4:0:200}"
+  printf '   %s: %s (%.1f s) %s\n' "$1" "$2" "$3" "$(printf '%s' "$4" | tr '\n' ' ' | tail -c 160)"
   [ "$2" = fail ] && fails=$((fails + 1))
   return 0
 }
@@ -95,7 +95,9 @@ run_step() {
   "$@" >"$log_dir/$name.log" 2>&1 || rc=$?
   t1=$(date +%s.%N)
   local secs; secs=$(python3 -c "print($t1 - $t0)")
-  if [ $rc -eq 0 ]; then record "$name" pass "$secs" "$(tail -c 600 "$log_dir/$name.log")"
+  if [ $rc -eq 0 ] && grep -q '^skipped:' "$log_dir/$name.log"; then
+    record "$name" skip "$secs" "$(grep -m 1 '^skipped:' "$log_dir/$name.log")"
+  elif [ $rc -eq 0 ]; then record "$name" pass "$secs" "$(tail -c 600 "$log_dir/$name.log")"
   else record "$name" fail "$secs" "exit $rc: $(tail -c 1500 "$log_dir/$name.log")"; fi
   return 0
 }
@@ -109,8 +111,9 @@ else
 
   check_mlp() { # N: run the mlp example on N ranks and check its JSON line
     local n=$1 out
-    if [ "$n" -eq 1 ]; then out=$("$rel/examples/mlp" --device cuda)
-    else out=$("$rel/tprun" --standalone --nproc-per-node "$n" "$rel/examples/mlp" --device cuda); fi
+    # (errexit is off inside run_step's `||`: every command checks its own status)
+    if [ "$n" -eq 1 ]; then out=$("$rel/examples/mlp" --device cuda) || return 1
+    else out=$("$rel/tprun" --standalone --nproc-per-node "$n" "$rel/examples/mlp" --device cuda) || return 1; fi
     echo "$out"
     printf '%s\n' "$out" | sed -n 's/^\(\[rank 0\] \)\{0,1\}\({.*}\)$/\2/p' | tail -n 1 | python3 -c '
 import json, sys
@@ -135,8 +138,8 @@ sys.exit(1 if bad else 0)'
   if [ -x "$rel/examples/embed" ] && [ -f "$minilm/model.safetensors" ]; then
     embed_cmp() {
       local texts=(--text "Tensor parallelism splits layers across GPUs." --text "The cat sat on the mat.")
-      "$rel/examples/embed" --model "$minilm" "${texts[@]}" --device cpu >"$log_dir/embed_cpu.jsonl"
-      "$rel/examples/embed" --model "$minilm" "${texts[@]}" --device cuda >"$log_dir/embed_cuda.jsonl"
+      "$rel/examples/embed" --model "$minilm" "${texts[@]}" --device cpu >"$log_dir/embed_cpu.jsonl" || return 1
+      "$rel/examples/embed" --model "$minilm" "${texts[@]}" --device cuda >"$log_dir/embed_cuda.jsonl" || return 1
       python3 - "$log_dir/embed_cpu.jsonl" "$log_dir/embed_cuda.jsonl" <<'PY'
 import json, sys
 a = [json.loads(l)["embedding"] for l in open(sys.argv[1])]
