@@ -24,19 +24,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::{DType, Device};
-use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+use candle_core::Device;
+use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr};
 use cudarc::nccl::result::{group_end, group_start, NcclError};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
-use half::{bf16, f16};
 
-use super::element::{Element, ReduceOp};
+use super::element::ReduceOp;
 use super::error::{CommError, CommResult};
 use super::group::{Context, GroupOptions, ProcessGroup};
 use super::region::{random_hex, RegionKind};
 use super::shm::Rendezvous;
 use super::stats::{CollectiveKind, CommStats};
 use super::store::{Store, TcpStore, TcpStoreServer};
+
+mod host;
 
 /// An NCCL communicator that may move between threads.
 ///
@@ -227,64 +228,6 @@ pub(crate) fn rendezvous(
         group,
         ctx.clone(),
     ))
-}
-
-/// Maps a host slice of `T` onto the NCCL type `U` of the same dtype.
-fn cast<T: Element, U: 'static>(s: &[T]) -> &[U] {
-    debug_assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>());
-    // SAFETY: only called with `U` the Rust type of `T::DTYPE` (the sealed `Element` impls are
-    // one per dtype), so `T` and `U` are the same type.
-    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const U, s.len()) }
-}
-
-fn cast_mut<T: Element, U: 'static>(s: &mut [T]) -> &mut [U] {
-    debug_assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>());
-    // SAFETY: as in `cast`.
-    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut U, s.len()) }
-}
-
-/// Runs `$body` with `$u` the NCCL element type matching `$t::DTYPE`.
-macro_rules! with_nccl_type {
-    ($self:ident, $op:expr, $t:ty, |$u:ident| $body:block) => {
-        match <$t as Element>::DTYPE {
-            DType::F32 => {
-                type $u = f32;
-                $body
-            }
-            DType::F64 => {
-                type $u = f64;
-                $body
-            }
-            DType::F16 => {
-                type $u = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $u = bf16;
-                $body
-            }
-            DType::U8 => {
-                type $u = u8;
-                $body
-            }
-            DType::U32 => {
-                type $u = u32;
-                $body
-            }
-            DType::I32 => {
-                type $u = i32;
-                $body
-            }
-            DType::I64 => {
-                type $u = i64;
-                $body
-            }
-            other => Err(CommError::invalid(
-                $self.who($op),
-                format!("NCCL cannot reduce dtype {other:?}"),
-            )),
-        }
-    };
 }
 
 impl NcclGroup {
@@ -529,92 +472,6 @@ impl NcclGroup {
         );
         Ok(())
     }
-
-    // ---- host slices: staged through device memory, synchronous -----------------------------
-
-    fn stage<U: DeviceRepr + ValidAsZeroBits>(
-        &self,
-        op: &str,
-        src: &[U],
-        dst: &mut [U],
-        f: impl FnOnce(&CudaView<'_, U>, &mut CudaViewMut<'_, U>) -> CommResult<()>,
-    ) -> CommResult<()> {
-        let stream = self.device.cuda_stream();
-        let what = || self.who(&format!("{op} (staging a host buffer through the GPU)"));
-        let d_src = stream.clone_htod(src).map_err(driver_err(what()))?;
-        let mut d_dst = stream
-            .alloc_zeros::<U>(dst.len())
-            .map_err(driver_err(what()))?;
-        f(&d_src.as_view(), &mut d_dst.as_view_mut())?;
-        stream
-            .memcpy_dtoh(&d_dst, dst)
-            .map_err(driver_err(what()))?;
-        stream.synchronize().map_err(driver_err(what()))
-    }
-
-    pub(crate) fn host_all_reduce<T: Element>(
-        &self,
-        src: &[T],
-        dst: &mut [T],
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        with_nccl_type!(self, "all_reduce", T, |U| {
-            self.stage::<U>("all_reduce", cast(src), cast_mut(dst), |s, d| {
-                self.all_reduce(s, d, op)
-            })
-        })
-    }
-
-    pub(crate) fn host_reduce_scatter_v<T: Element>(
-        &self,
-        src: &[T],
-        dst: &mut [T],
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        with_nccl_type!(self, "reduce_scatter", T, |U| {
-            self.stage::<U>("reduce_scatter", cast(src), cast_mut(dst), |s, d| {
-                self.reduce_scatter_v(s, d, counts, op)
-            })
-        })
-    }
-
-    /// Bytes, whatever the element type (gathers do not compute).
-    pub(crate) fn host_all_gather_v<T: Element>(
-        &self,
-        src: &[T],
-        dst: &mut [T],
-        counts: &[usize],
-    ) -> CommResult<()> {
-        let sz = std::mem::size_of::<T>();
-        let bytes: Vec<usize> = counts.iter().map(|c| c * sz).collect();
-        self.stage::<u8>("all_gather", as_bytes(src), as_bytes_mut(dst), |s, d| {
-            self.all_gather_v(s, d, &bytes)
-        })
-    }
-
-    pub(crate) fn host_broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
-        let src = as_bytes(buf).to_vec();
-        self.stage::<u8>("broadcast", &src, as_bytes_mut(buf), |s, d| {
-            self.broadcast(s, d, root)
-        })
-    }
-
-    /// An all-reduce of one value, then a stream synchronisation.
-    pub(crate) fn barrier(&self) -> CommResult<()> {
-        let mut one = [0f32];
-        self.host_all_reduce(&[1f32], &mut one, ReduceOp::Sum)
-    }
-}
-
-fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
-    // SAFETY: `Element` types are plain numbers without padding; any byte view of them is valid.
-    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
-}
-
-fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
-    // SAFETY: as in `as_bytes`; every byte pattern is a valid value of these number types.
-    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
 }
 
 /// Runs `f` between `ncclGroupStart` and `ncclGroupEnd` (ending the group on errors too).
