@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use candle_tp::models::bert::BertModel;
 use candle_tp::ProcessGroup;
 use clap::Parser;
@@ -48,6 +48,10 @@ struct Args {
     /// Weight dtype: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Device: `cpu`, or `cuda` (GPU `LOCAL_RANK`, NCCL between ranks; needs
+    /// `--features cuda,nccl`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn default_model_dir() -> Result<PathBuf> {
@@ -158,7 +162,7 @@ fn share_ids(pg: &ProcessGroup, ids: Vec<Vec<u32>>) -> Result<Vec<Vec<u32>>> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let device = Device::Cpu;
+    let device = candle_tp::device_from_arg(&args.device)?;
     let pg = candle_tp::init_from_env(&device)?;
     let dir = match &args.model {
         Some(d) => d.clone(),

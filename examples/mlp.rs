@@ -3,6 +3,8 @@
 //! ```text
 //! cargo build --release --examples
 //! scripts/tprun --nproc-per-node 2 target/release/examples/mlp
+//! # on GPUs (one per rank, NCCL): cargo build --release --features cuda,nccl --examples
+//! scripts/tprun --nproc-per-node 2 target/release/examples/mlp --device cuda
 //! ```
 //!
 //! Every rank builds the same full weights from a fixed seed, keeps its shards in a
@@ -32,6 +34,10 @@ struct Args {
     /// Seed of the weights and inputs (the same on every rank).
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Device of the tensor-parallel MLP: `cpu`, or `cuda` (GPU `LOCAL_RANK`, NCCL between
+    /// ranks; needs `--features cuda,nccl`). The dense reference always runs on the CPU.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn seeded(shape: &[usize], seed: u64, scale: f32) -> Result<Tensor> {
@@ -44,6 +50,7 @@ fn seeded(shape: &[usize], seed: u64, scale: f32) -> Result<Tensor> {
 }
 
 fn max_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let (a, b) = (a.to_device(&Device::Cpu)?, b.to_device(&Device::Cpu)?);
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }
 
@@ -54,7 +61,7 @@ fn narrow(t: &Tensor, dim: usize, part: &Partition, rank: usize) -> Result<Tenso
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let device = Device::Cpu;
+    let device = candle_tp::device_from_arg(&args.device)?;
     let pg = candle_tp::init_from_env(&device)?;
     let (rank, world) = (pg.rank(), pg.size());
     let (d, h) = (args.d_model, 4 * args.d_model);
@@ -91,7 +98,7 @@ fn main() -> Result<()> {
     ];
     let pvars: Vec<Var> = shards
         .iter()
-        .map(Var::from_tensor)
+        .map(|t| Var::from_tensor(&t.to_device(&device)?))
         .collect::<candle_core::Result<_>>()?;
     let p = |i: usize| pvars[i].as_tensor().clone();
     let fc1 = ColumnParallelLinear::new(p(1), Some(p(2)), d, part, pg.clone())?;
@@ -99,7 +106,7 @@ fn main() -> Result<()> {
     let mlp = Mlp::new(fc1.clone(), fc2.clone(), Activation::Gelu);
     let hidden = fc1.forward(&p(0))?;
     let out = mlp.forward(&p(0))?;
-    let grads = (&out * &probe)?.sum_all()?.backward()?;
+    let grads = (&out * &probe.to_device(&device)?)?.sum_all()?.backward()?;
 
     let dims = |t: &Tensor| format!("{:?}", t.dims());
     println!(
@@ -149,6 +156,7 @@ fn main() -> Result<()> {
             "{}",
             serde_json::json!({
                 "world_size": world,
+                "device": args.device,
                 "d_model": d,
                 "batch": args.batch,
                 "seq_len": args.seq_len,

@@ -29,10 +29,13 @@
 //! - [`generate`]: sampling from vocabulary-parallel logits without gathering them.
 //! - [`convert`]: GGUF → Hugging Face checkpoint and tokenizer, for the demo models.
 //! - [`Partition`]: uneven splits (9 heads on 2 ranks is 5 + 4).
+//! - GPUs: cargo features `cuda` and `nccl` (one process per GPU, NCCL collectives on the
+//!   tensors' stream), [`device_from_arg`] for `--device cpu|cuda`; see `docs/GPU.md`.
 #![warn(missing_docs)]
 
 pub mod comm;
 pub mod convert;
+mod device;
 pub mod generate;
 pub mod loader;
 pub mod models;
@@ -43,6 +46,7 @@ pub mod rng;
 pub mod train;
 
 pub use comm::{init_from_env, run_threads, DeviceMesh, ProcessGroup, ReduceOp};
+pub use device::device_from_arg;
 pub use loader::ShardedVarBuilder;
 pub use nn::*;
 pub use partition::{Partition, PartitionError};

@@ -79,7 +79,10 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
 }
 
 /// Joins the job this process was started in (by `tprun` or `torchrun`) and returns its world
-/// group, on the backend that suits `device`: shared memory between processes on CPU.
+/// group, on the backend that suits `device`: shared memory between processes on CPU, NCCL
+/// on a CUDA device (feature `nccl`; one GPU per rank, normally `cuda:LOCAL_RANK`, see
+/// [`crate::device_from_arg`]). A job of one rank needs no backend and gets
+/// [`ProcessGroup::single`].
 ///
 /// ```no_run
 /// # fn main() -> candle_core::Result<()> {
@@ -108,6 +111,8 @@ pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
     }
     match device {
         Device::Cpu => Ok(init_shm(&rv, GroupOptions::default())?),
+        #[cfg(feature = "nccl")]
+        Device::Cuda(_) => Ok(super::nccl::init_nccl(&rv, device, GroupOptions::default())?),
         other => candle_core::bail!(
             "init_from_env: no backend for device {other:?} in this build (the CPU shm backend is built in; \
              GPUs need the `nccl` feature)"

@@ -42,6 +42,9 @@ struct Inner {
     /// World rank of each member, in group order.
     members: Vec<usize>,
     engine: Option<Mutex<Engine>>,
+    /// The NCCL backend, when the group was built on a CUDA device (then `engine` is `None`).
+    #[cfg(feature = "nccl")]
+    nccl: Option<super::nccl::NcclGroup>,
     ctx: Option<Arc<Context>>,
     children: Mutex<Vec<Weak<Inner>>>,
 }
@@ -97,6 +100,16 @@ impl Default for GroupOptions {
             slot_bytes: default_slot_bytes(),
         }
     }
+}
+
+/// Returns `$body` from the enclosing function when the group is NCCL-backed (feature `nccl`).
+macro_rules! on_nccl {
+    ($self:ident, |$n:ident| $body:expr) => {
+        #[cfg(feature = "nccl")]
+        if let Some($n) = &$self.inner.nccl {
+            return $body;
+        }
+    };
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -205,10 +218,41 @@ impl ProcessGroup {
                 size: members.len(),
                 members,
                 engine: engine.map(Mutex::new),
+                #[cfg(feature = "nccl")]
+                nccl: None,
                 ctx,
                 children: Mutex::new(Vec::new()),
             }),
         }
+    }
+
+    /// A group whose collectives run through NCCL.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn from_nccl(
+        name: String,
+        rank: usize,
+        members: Vec<usize>,
+        nccl: super::nccl::NcclGroup,
+        ctx: Arc<Context>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                name,
+                rank,
+                size: members.len(),
+                members,
+                engine: None,
+                nccl: Some(nccl),
+                ctx: Some(ctx),
+                children: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// The group's NCCL backend, if it has one.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn nccl(&self) -> Option<&super::nccl::NcclGroup> {
+        self.inner.nccl.as_ref()
     }
 
     /// A group of one rank: every collective is a copy. What a program gets when it runs
@@ -239,6 +283,7 @@ impl ProcessGroup {
 
     /// What this rank's collectives on this group moved so far.
     pub fn stats(&self) -> CommStats {
+        on_nccl!(self, |n| n.stats());
         match &self.inner.engine {
             Some(e) => lock(e).stats(),
             None => CommStats::default(),
@@ -247,6 +292,7 @@ impl ProcessGroup {
 
     /// Zeroes this rank's counters of this group.
     pub fn reset_stats(&self) {
+        on_nccl!(self, |n| n.reset_stats());
         if let Some(e) = &self.inner.engine {
             lock(e).reset_stats();
         }
@@ -256,6 +302,12 @@ impl ProcessGroup {
     /// in a collective stop at once with an error carrying `reason` (instead of waiting for
     /// the timeout).
     pub fn abort(&self, reason: &str) {
+        #[cfg(feature = "nccl")]
+        if let Some(n) = &self.inner.nccl {
+            // NCCL has no abort word to carry `reason`: ncclCommAbort stops this rank's
+            // pending work; peers see their own NCCL error (or timeout) instead.
+            n.abort();
+        }
         if let Some(e) = &self.inner.engine {
             // try_lock: the group may be locked by a collective stuck on this very thread's
             // peer; the abort word lives in shared memory, so any handle can set it.
@@ -332,6 +384,12 @@ impl ProcessGroup {
                     *n
                 };
                 let name = if n == 1 { base } else { format!("{base}#{n}") };
+                #[cfg(feature = "nccl")]
+                if let Some(nc) = &self.inner.nccl {
+                    let g = super::nccl::rendezvous(c, name, my, members, nc.device())?;
+                    lock(&self.inner.children).push(Arc::downgrade(&g.inner));
+                    return Ok(Some(g));
+                }
                 rendezvous(c, name, my, members)?
             }
         };
@@ -355,6 +413,10 @@ impl ProcessGroup {
     /// Element-wise reduction of `buf` across ranks, in place: afterwards every rank holds
     /// the same values.
     pub fn all_reduce_slice<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
+        on_nccl!(self, |n| {
+            let src = buf.to_vec();
+            n.host_all_reduce(&src, buf, op)
+        });
         match self.engine() {
             None => Ok(()),
             // SAFETY: src and dst are the same valid buffer of buf.len() elements.
@@ -379,6 +441,7 @@ impl ProcessGroup {
                 ),
             ));
         }
+        on_nccl!(self, |n| n.host_all_reduce(src, dst, op));
         match self.engine() {
             None => {
                 dst.copy_from_slice(src);
@@ -403,6 +466,7 @@ impl ProcessGroup {
         dst: &mut [T],
         counts: &[usize],
     ) -> CommResult<()> {
+        on_nccl!(self, |n| n.host_all_gather_v(src, dst, counts));
         match self.engine() {
             Some(mut e) => e.all_gather(src, dst, counts),
             None => {
@@ -443,6 +507,7 @@ impl ProcessGroup {
         counts: &[usize],
         op: ReduceOp,
     ) -> CommResult<()> {
+        on_nccl!(self, |n| n.host_reduce_scatter_v(src, dst, counts, op));
         match self.engine() {
             Some(mut e) => e.reduce_scatter(src, dst, counts, op),
             None => {
@@ -464,6 +529,7 @@ impl ProcessGroup {
 
     /// Copies `root`'s `buf` into every rank's `buf` (all of the same length).
     pub fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
+        on_nccl!(self, |n| n.host_broadcast(buf, root));
         match self.engine() {
             Some(mut e) => e.broadcast(buf, root),
             None if root == 0 => Ok(()),
@@ -476,6 +542,7 @@ impl ProcessGroup {
 
     /// Waits until every rank of the group has called `barrier`.
     pub fn barrier(&self) -> CommResult<()> {
+        on_nccl!(self, |n| n.barrier());
         match self.engine() {
             Some(mut e) => e.barrier("barrier"),
             None => Ok(()),

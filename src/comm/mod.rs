@@ -11,6 +11,8 @@ mod env;
 pub mod error;
 mod group;
 pub mod mesh;
+#[cfg(feature = "nccl")]
+pub(crate) mod nccl;
 mod region;
 mod shm;
 pub mod stats;
@@ -23,6 +25,8 @@ pub use env::{init_from_env, rendezvous_from_env};
 pub use error::{CommError, CommResult};
 pub use group::{GroupOptions, ProcessGroup};
 pub use mesh::DeviceMesh;
+#[cfg(feature = "nccl")]
+pub use nccl::init_nccl;
 pub use shm::{init_shm, Rendezvous};
 pub use stats::{CollectiveKind, CommStats, OpStats};
 pub use threads::{run_threads, run_threads_with};

@@ -30,7 +30,7 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
-    fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Kind::Identity => "candle-tp-identity",
             Kind::AllReduce(_) => "candle-tp-all-reduce",
@@ -243,6 +243,15 @@ impl CustomOp1 for CollectiveOp {
             layout,
             [F32, F64, F16, BF16, U8, U32, I16, I32, I64]
         )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::fwd(self, storage, layout)
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {

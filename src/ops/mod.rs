@@ -1,5 +1,7 @@
 //! Collectives as Candle ops with autograd (Megatron's mappings), and tensor collectives.
 mod collective;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod mappings;
 mod tensor;
 

@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# GPU smoke test: NCCL collectives, TP layers on CUDA against the CPU, the examples on GPUs,
+# every multi-rank test the GPU count allows. Results as JSON.
+#
+# Two steps, because the GPU machine has CUDA 13 (driver 580, the CUDA libraries in Python
+# packages such as nvidia-cublas, nvidia-nccl-cu13) but no Rust toolchain:
+#
+#   scripts/gpu-smoke.sh build        # here (no GPU needed): release binaries with cuda,nccl
+#                                     # (CUDA_COMPUTE_CAP=90: H100/H200), via check-gpu-build.sh
+#   scripts/gpu-smoke.sh [run] [OUT]  # on the GPU machine, from the repository root with the
+#                                     # target dir carried over; writes OUT (gpu-smoke.json)
+#
+# What `build` makes ($CARGO_TARGET_DIR or target, release profile): tprun, examples/* and the
+# GPU test binary copied to release/gpu-tests. `run` needs only those files (and the demo
+# models under $CANDLE_TP_HOME for the model steps, skipped when absent).
+#
+# Steps of `run` (each is pass / fail / skip with a reason and its time in the JSON):
+#   nccl_one_rank      1-rank NCCL communicator: every collective, f32/f16/bf16, host slices
+#   layers_match_cpu   TP layers + mappings on CUDA (fwd+bwd) vs the CPU, plain and NCCL group
+#   mlp_1              examples/mlp --device cuda vs the dense CPU MLP (errors <= 1e-4)
+#   mlp_N              the same under tprun with N = 2..min(GPUs, 4) ranks, one GPU each
+#   nccl_multi_rank    the multi-rank collective/layer tests of tests/gpu.rs under tprun
+#   embed_cuda_vs_cpu  examples/embed on MiniLM: CUDA embeddings vs CPU (max |diff| <= 1e-3)
+#   generate_N         examples/generate --device cuda (if built), tokens/s, 1 and N ranks
+# NCCL refuses two ranks on one GPU: with one GPU the multi-rank steps are skipped, not faked.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target="${CARGO_TARGET_DIR:-target}"
+rel="$target/release"
+mode="${1:-run}"
+
+if [ "$mode" = build ]; then
+  env_file=$(scripts/check-gpu-build.sh --env-only | tail -n 1)
+  # shellcheck disable=SC1090
+  . "$env_file"
+  export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+  cargo build --release --features cuda,nccl --bin tprun --examples
+  exe=$(cargo test --release --features cuda,nccl --test gpu --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])')
+  cp "$exe" "$rel/gpu-tests"
+  du -sh "$rel/tprun" "$rel/gpu-tests" "$rel/examples/mlp" | sed 's/^/   /'
+  echo "==> built for compute capability $CUDA_COMPUTE_CAP; carry $rel to the GPU machine and run scripts/gpu-smoke.sh"
+  exit 0
+fi
+[ "$mode" = run ] && shift || true
+out_json="${1:-gpu-smoke.json}"
+
+# --- CUDA libraries from the Python packages (nvidia-cublas, nvidia-nccl-cu13, ...) ----------------
+libs=$(python3 - <<'PY' 2>/dev/null || true
+import glob, os, site, sys
+roots = set(site.getsitepackages() + [site.getusersitepackages()] + sys.path)
+dirs = []
+for r in roots:
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
+        if d not in dirs:
+            dirs.append(d)
+print(":".join(dirs))
+PY
+)
+export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)
+driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)
+echo "==> $gpus GPU(s): ${gpu_name:-none} (driver ${driver:-?})"
+for f in "$rel/tprun" "$rel/gpu-tests" "$rel/examples/mlp"; do
+  [ -x "$f" ] || { echo "missing $f: run 'scripts/gpu-smoke.sh build' on a machine with Rust and carry $rel here" >&2; exit 2; }
+done
+
+results=$(mktemp)
+log_dir=$(mktemp -d)
+fails=0
+# record NAME STATUS SECONDS DETAIL [EXTRA_JSON]
+record() {
+  python3 - "$@" >>"$results" <<'PY'
+import json, sys
+name, status, secs, detail = sys.argv[1:5]
+extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] else {}
+print(json.dumps({"step": name, "status": status, "seconds": round(float(secs), 2), "detail": detail[-2000:], **extra}))
+PY
+  printf '   %s: %s (%.1f s) %s\n' "$1" "$2" "$3" "$(printf '%s' "$4" | tr '\n' ' ' | tail -c 160)"
+  [ "$2" = fail ] && fails=$((fails + 1))
+  return 0
+}
+skip() { record "$1" skip 0 "$2"; }
+# run_step NAME CMD...: pass when the command exits 0; the output tail is the detail.
+run_step() {
+  local name=$1; shift
+  local t0 t1 rc=0
+  t0=$(date +%s.%N)
+  "$@" >"$log_dir/$name.log" 2>&1 || rc=$?
+  t1=$(date +%s.%N)
+  local secs; secs=$(python3 -c "print($t1 - $t0)")
+  if [ $rc -eq 0 ] && grep -q '^skipped:' "$log_dir/$name.log"; then
+    record "$name" skip "$secs" "$(grep -m 1 '^skipped:' "$log_dir/$name.log")"
+  elif [ $rc -eq 0 ]; then record "$name" pass "$secs" "$(tail -c 600 "$log_dir/$name.log")"
+  else record "$name" fail "$secs" "exit $rc: $(tail -c 1500 "$log_dir/$name.log")"; fi
+  return 0
+}
+
+echo "==> steps"
+if [ "$gpus" -lt 1 ]; then
+  skip all "no GPU visible (nvidia-smi -L)"
+else
+  run_step nccl_one_rank "$rel/gpu-tests" --exact nccl_one_rank --nocapture
+  run_step layers_match_cpu "$rel/gpu-tests" --exact layers_match_cpu --nocapture
+
+  check_mlp() { # N: run the mlp example on N ranks and check its JSON line
+    local n=$1 out
+    # (errexit is off inside run_step's `||`: every command checks its own status)
+    if [ "$n" -eq 1 ]; then out=$("$rel/examples/mlp" --device cuda) || return 1
+    else out=$("$rel/tprun" --standalone --nproc-per-node "$n" "$rel/examples/mlp" --device cuda) || return 1; fi
+    echo "$out"
+    printf '%s\n' "$out" | sed -n 's/^\(\[rank 0\] \)\{0,1\}\({.*}\)$/\2/p' | tail -n 1 | python3 -c '
+import json, sys
+v = json.loads(sys.stdin.read())
+keys = ["max_abs_err_out", "max_abs_err_grad_input", "max_abs_err_grad_weight", "max_abs_err_grad_bias"]
+bad = [k for k in keys if not v[k] <= 1e-4]
+print({k: v[k] for k in keys})
+sys.exit(1 if bad else 0)'
+  }
+  run_step mlp_1 check_mlp 1
+  max_n=$(( gpus < 4 ? gpus : 4 ))
+  if [ "$gpus" -lt 2 ]; then
+    skip mlp_multi "1 GPU: NCCL refuses two ranks on one GPU"
+    skip nccl_multi_rank "1 GPU: NCCL refuses two ranks on one GPU"
+  else
+    for n in $(seq 2 "$max_n"); do run_step "mlp_$n" check_mlp "$n"; done
+    run_step nccl_multi_rank "$rel/gpu-tests" --exact nccl_multi_rank --nocapture
+  fi
+
+  home="${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}"
+  minilm="$home/models/all-minilm-l6-v2"
+  if [ -x "$rel/examples/embed" ] && [ -f "$minilm/model.safetensors" ]; then
+    embed_cmp() {
+      local texts=(--text "Tensor parallelism splits layers across GPUs." --text "The cat sat on the mat.")
+      "$rel/examples/embed" --model "$minilm" "${texts[@]}" --device cpu >"$log_dir/embed_cpu.jsonl" || return 1
+      "$rel/examples/embed" --model "$minilm" "${texts[@]}" --device cuda >"$log_dir/embed_cuda.jsonl" || return 1
+      python3 - "$log_dir/embed_cpu.jsonl" "$log_dir/embed_cuda.jsonl" <<'PY'
+import json, sys
+a = [json.loads(l)["embedding"] for l in open(sys.argv[1])]
+b = [json.loads(l)["embedding"] for l in open(sys.argv[2])]
+assert len(a) == len(b) == 2, (len(a), len(b))
+d = max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
+print(f"max |cuda - cpu| = {d:.2e}")
+sys.exit(0 if d <= 1e-3 else 1)
+PY
+    }
+    run_step embed_cuda_vs_cpu embed_cmp
+  else
+    skip embed_cuda_vs_cpu "examples/embed or $minilm/model.safetensors missing (scripts/fetch-models.sh)"
+  fi
+
+  if [ -x "$rel/examples/generate" ]; then
+    # GENERATE_ARGS overrides the arguments (the example's flags are its own).
+    read -r -a gen_args <<<"${GENERATE_ARGS:---device cuda}"
+    gen() {
+      local n=$1
+      if [ "$n" -eq 1 ]; then "$rel/examples/generate" "${gen_args[@]}"
+      else "$rel/tprun" --standalone --nproc-per-node "$n" "$rel/examples/generate" "${gen_args[@]}"; fi
+    }
+    for n in 1 $( [ "$gpus" -ge 2 ] && echo "$max_n" ); do
+      t0=$(date +%s.%N); rc=0
+      gen "$n" >"$log_dir/generate_$n.log" 2>&1 || rc=$?
+      secs=$(python3 -c "print($(date +%s.%N) - $t0)")
+      tps=$(grep -oiE '[0-9]+(\.[0-9]+)? *(tokens|tok)/s' "$log_dir/generate_$n.log" | tail -n 1 | grep -oE '^[0-9.]+' || true)
+      if [ $rc -eq 0 ] && [ -n "$tps" ]; then
+        record "generate_$n" pass "$secs" "$(tail -c 400 "$log_dir/generate_$n.log")" "{\"ranks\": $n, \"tokens_per_s\": $tps}"
+      else
+        record "generate_$n" fail "$secs" "exit $rc, tokens/s ${tps:-not found}: $(tail -c 1200 "$log_dir/generate_$n.log")"
+      fi
+    done
+  else
+    skip generate "$rel/examples/generate is not built (the generate example lives on another branch)"
+  fi
+fi
+
+python3 - "$results" "$out_json" "$gpus" "$gpu_name" "$driver" <<'PY'
+import json, sys, platform, datetime
+steps = [json.loads(l) for l in open(sys.argv[1])]
+doc = {
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "host": platform.node(),
+    "gpus": int(sys.argv[3] or 0),
+    "gpu": sys.argv[4],
+    "driver": sys.argv[5],
+    "passed": sum(s["status"] == "pass" for s in steps),
+    "failed": sum(s["status"] == "fail" for s in steps),
+    "skipped": sum(s["status"] == "skip" for s in steps),
+    "steps": steps,
+}
+json.dump(doc, open(sys.argv[2], "w"), indent=2)
+print(f"==> {doc['passed']} passed, {doc['failed']} failed, {doc['skipped']} skipped: {sys.argv[2]}")
+PY
+rm -rf "$results"
+[ "$fails" -eq 0 ]

@@ -1,0 +1,278 @@
+//! `cuda_fwd` of the collective op (feature `cuda`).
+//!
+//! - NCCL groups (feature `nccl`): the collective runs on the `CudaStorage` slice itself, on
+//!   the device's stream: no host copy and no synchronisation. Layout changes around it (the
+//!   gathered dim is not the leading one, a local split) are `copy2d` kernels on the same
+//!   stream.
+//! - Groups without NCCL (one rank, or the CPU `threads`/`shm` backends given CUDA tensors):
+//!   kinds that do not communicate (identity, split, anything on one rank) are device copies;
+//!   the others are staged through host memory and run by the CPU engine.
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{CustomOp1, Layout, Result, Shape};
+
+use super::collective::{CollectiveOp, Kind};
+use crate::comm::ProcessGroup;
+
+/// The geometry of a dim-wise collective: `outer` rows of `total * inner` elements.
+struct Geometry {
+    outer: usize,
+    inner: usize,
+    total: usize,
+}
+
+fn who(pg: &ProcessGroup, kind: &Kind) -> String {
+    format!(
+        "{} on group '{}' (rank {} of {})",
+        kind.name(),
+        pg.name(),
+        pg.rank(),
+        pg.size()
+    )
+}
+
+/// Checks `dim` and `sizes` against `dims`; `along` is the size the tensor must have along
+/// `dim` (this rank's share for a gather, the total for a split or a reduce-scatter).
+fn geometry(
+    pg: &ProcessGroup,
+    kind: &Kind,
+    dims: &[usize],
+    dim: usize,
+    sizes: &[usize],
+    gather: bool,
+) -> Result<Geometry> {
+    if dim >= dims.len() {
+        candle_core::bail!(
+            "{}: tensor of shape {dims:?} has no dimension {dim}",
+            who(pg, kind)
+        );
+    }
+    if sizes.len() != pg.size() {
+        candle_core::bail!(
+            "{}: {} per-rank sizes for {} ranks",
+            who(pg, kind),
+            sizes.len(),
+            pg.size()
+        );
+    }
+    let total: usize = sizes.iter().sum();
+    let along = if gather { sizes[pg.rank()] } else { total };
+    if dims[dim] != along {
+        candle_core::bail!(
+            "{}: tensor has {} along dim {dim} (shape {dims:?}), expected {along} (shares {sizes:?})",
+            who(pg, kind),
+            dims[dim]
+        );
+    }
+    Ok(Geometry {
+        outer: dims[..dim].iter().product(),
+        inner: dims[dim + 1..].iter().product(),
+        total,
+    })
+}
+
+fn alloc(s: &CudaStorage, len: usize) -> Result<CudaStorage> {
+    // SAFETY: every element of the buffer is written (by a copy or a collective) before the
+    // storage is handed to candle.
+    unsafe { s.device().alloc_uninit(&Shape::from(len), s.dtype()) }
+}
+
+/// Copies the `[outer][s_r * inner]` blocks of every rank between the rank-major layout
+/// (rank after rank) and the interleaved one (`[outer][total * inner]`): from `src` (starting
+/// at element `src_off`) into `dst`, towards the interleaved layout when `to_full`.
+fn permute(
+    src: &CudaStorage,
+    src_off: usize,
+    dst: &mut CudaStorage,
+    g: &Geometry,
+    sizes: &[usize],
+    to_full: bool,
+) -> Result<()> {
+    let (mut block, mut col) = (0, 0);
+    let row = g.total * g.inner;
+    for &s in sizes {
+        let run = s * g.inner;
+        if run > 0 && g.outer > 0 {
+            if to_full {
+                src.copy2d(dst, g.outer, run, run, row, src_off + block, col)?;
+            } else {
+                src.copy2d(dst, g.outer, run, row, run, src_off + col, block)?;
+            }
+        }
+        block += g.outer * run;
+        col += run;
+    }
+    Ok(())
+}
+
+/// `cuda_fwd` of [`CollectiveOp`].
+pub(crate) fn fwd(op: &CollectiveOp, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("{}: the input must be contiguous", op.fwd.name());
+    };
+    let dims = l.dims();
+    #[cfg(feature = "nccl")]
+    if let Some(n) = op.pg.nccl() {
+        return nccl_fwd(op, n, s, start, end, dims);
+    }
+    let pg = &op.pg;
+    let len = end - start;
+    let copy = |s: &CudaStorage| -> Result<CudaStorage> {
+        let mut out = alloc(s, len)?;
+        if len > 0 {
+            s.copy2d(&mut out, 1, len, len, len, start, 0)?;
+        }
+        Ok(out)
+    };
+    match &op.fwd {
+        Kind::Identity => Ok((copy(s)?, Shape::from(dims))),
+        Kind::Split { dim, sizes } => split(pg, &op.fwd, s, start, dims, *dim, sizes),
+        Kind::AllReduce(_) | Kind::Broadcast { root: 0 } if pg.size() == 1 => {
+            Ok((copy(s)?, Shape::from(dims)))
+        }
+        Kind::AllGather { dim, sizes } | Kind::ReduceScatter { dim, sizes, .. }
+            if pg.size() == 1 =>
+        {
+            geometry(pg, &op.fwd, dims, *dim, sizes, true)?;
+            Ok((copy(s)?, Shape::from(dims)))
+        }
+        _ => {
+            // A CPU backend given CUDA tensors: through host memory.
+            let cpu = s.to_cpu_storage()?;
+            let (out, shape) = op.cpu_fwd(&cpu, l)?;
+            Ok((s.device().storage_from_cpu_storage(&out)?, shape))
+        }
+    }
+}
+
+/// This rank's part of `dim` (no communication).
+fn split(
+    pg: &ProcessGroup,
+    kind: &Kind,
+    s: &CudaStorage,
+    start: usize,
+    dims: &[usize],
+    dim: usize,
+    sizes: &[usize],
+) -> Result<(CudaStorage, Shape)> {
+    let g = geometry(pg, kind, dims, dim, sizes, false)?;
+    let me = pg.rank();
+    let col: usize = sizes[..me].iter().sum::<usize>() * g.inner;
+    let run = sizes[me] * g.inner;
+    let mut out = alloc(s, g.outer * run)?;
+    if g.outer * run > 0 {
+        s.copy2d(
+            &mut out,
+            g.outer,
+            run,
+            g.total * g.inner,
+            run,
+            start + col,
+            0,
+        )?;
+    }
+    let mut out_dims = dims.to_vec();
+    out_dims[dim] = sizes[me];
+    Ok((out, Shape::from(out_dims)))
+}
+
+/// Runs `$call` with `$src: &CudaView<T>` (the input elements `$start..$end`) and
+/// `$dst: &mut CudaViewMut<T>` (all of `$out`) for the storage's element type.
+#[cfg(feature = "nccl")]
+macro_rules! typed {
+    ($name:expr, $s:expr, $start:expr, $end:expr, $out:expr, |$src:ident, $dst:ident| $call:expr) => {{
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let range = $start..$end;
+        let bad = || candle_core::Error::Msg(format!("{}: input range {:?} out of bounds", $name, $start..$end));
+        match (&$s.slice, &mut $out.slice) {
+            (S::F32(a), S::F32(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
+            (S::F16(a), S::F16(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
+            (S::BF16(a), S::BF16(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
+            (S::F64(a), S::F64(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
+            (S::U8(a), S::U8(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
+            (S::U32(a), S::U32(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
+            (S::I32(a), S::I32(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
+            (S::I64(a), S::I64(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
+            _ => candle_core::bail!(
+                "{}: dtype {:?} is not supported by NCCL collectives (use f32, f16, bf16, f64, u8, u32, i32, i64)",
+                $name, $s.dtype()
+            ),
+        }
+    }};
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_fwd(
+    op: &CollectiveOp,
+    n: &crate::comm::nccl::NcclGroup,
+    s: &CudaStorage,
+    start: usize,
+    end: usize,
+    dims: &[usize],
+) -> Result<(CudaStorage, Shape)> {
+    let (pg, kind) = (&op.pg, &op.fwd);
+    let name = who(pg, kind);
+    n.check_device(s.device(), kind.name())?;
+    let len = end - start;
+    let same = Shape::from(dims);
+    match kind {
+        Kind::Identity => {
+            let mut out = alloc(s, len)?;
+            if len > 0 {
+                s.copy2d(&mut out, 1, len, len, len, start, 0)?;
+            }
+            Ok((out, same))
+        }
+        Kind::Split { dim, sizes } => split(pg, kind, s, start, dims, *dim, sizes),
+        Kind::AllReduce(rop) => {
+            let mut out = alloc(s, len)?;
+            typed!(name, s, start, end, out, |src, dst| n
+                .all_reduce(src, dst, *rop))?;
+            Ok((out, same))
+        }
+        Kind::Broadcast { root } => {
+            let mut out = alloc(s, len)?;
+            typed!(name, s, start, end, out, |src, dst| n
+                .broadcast(src, dst, *root))?;
+            Ok((out, same))
+        }
+        Kind::AllGather { dim, sizes } => {
+            let g = geometry(pg, kind, dims, *dim, sizes, true)?;
+            let counts: Vec<usize> = sizes.iter().map(|s| s * g.outer * g.inner).collect();
+            let mut gathered = alloc(s, counts.iter().sum())?;
+            typed!(name, s, start, end, gathered, |src, dst| n
+                .all_gather_v(src, dst, &counts))?;
+            let mut out_dims = dims.to_vec();
+            out_dims[*dim] = g.total;
+            if g.outer == 1 {
+                return Ok((gathered, Shape::from(out_dims)));
+            }
+            let mut out = alloc(s, g.outer * g.total * g.inner)?;
+            permute(&gathered, 0, &mut out, &g, sizes, true)?;
+            Ok((out, Shape::from(out_dims)))
+        }
+        Kind::ReduceScatter {
+            dim,
+            sizes,
+            op: rop,
+        } => {
+            let g = geometry(pg, kind, dims, *dim, sizes, false)?;
+            let counts: Vec<usize> = sizes.iter().map(|s| s * g.outer * g.inner).collect();
+            let mut out = alloc(s, counts[pg.rank()])?;
+            if g.outer == 1 {
+                typed!(name, s, start, end, out, |src, dst| n
+                    .reduce_scatter_v(src, dst, &counts, *rop))?;
+            } else {
+                // [outer][total * inner] -> rank-major blocks [r][outer][s_r * inner].
+                let mut blocks = alloc(s, len)?;
+                permute(s, start, &mut blocks, &g, sizes, false)?;
+                typed!(name, &blocks, 0, len, out, |src, dst| n
+                    .reduce_scatter_v(src, dst, &counts, *rop))?;
+            }
+            let mut out_dims = dims.to_vec();
+            out_dims[*dim] = sizes[pg.rank()];
+            Ok((out, Shape::from(out_dims)))
+        }
+    }
+}
