@@ -109,6 +109,8 @@ fi
 . "$PREFIX/env.sh"
 
 # --- 4. build everything with the nccl feature (links against the stubs) --------------------------
+# A target dir of its own: the CPU build's binaries (used by other checks) must stay CPU builds.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/gpu"
 t1=$(date +%s)
 echo "==> cargo build --all-targets --features nccl"
 cargo build --all-targets --features nccl
