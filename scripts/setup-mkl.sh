@@ -60,8 +60,11 @@ if [ ! -f "$_ctp_mkl_home/lib/libmkl_core.a" ] || [ ! -f "$_ctp_mkl_home/include
   _ctp_mkl_fetch || { echo "setup-mkl: could not fetch MKL" >&2; return 1 2>/dev/null || exit 1; }
 fi
 export MKLROOT="$_ctp_mkl_home"
-echo "setup-mkl: MKLROOT=$MKLROOT" >&2
+# On AMD CPUs oneMKL picks a generic code path unless told which instructions it may use
+# (measured here on an AMD EPYC: sgemm 44 -> 64 GMAC/s). Harmless on Intel. Run-time setting.
+export MKL_ENABLE_INSTRUCTIONS="${MKL_ENABLE_INSTRUCTIONS:-AVX512}"
+echo "setup-mkl: MKLROOT=$MKLROOT MKL_ENABLE_INSTRUCTIONS=$MKL_ENABLE_INSTRUCTIONS" >&2
 # Run as a script (not sourced): print the line to eval.
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
-  echo "export MKLROOT=$MKLROOT"
+  echo "export MKLROOT=$MKLROOT MKL_ENABLE_INSTRUCTIONS=$MKL_ENABLE_INSTRUCTIONS"
 fi
