@@ -84,10 +84,9 @@ fn parse_dtype(s: &str) -> Result<DType> {
 }
 
 fn parse_device(s: &str) -> Result<Device> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        other => bail!("unsupported --device '{other}' (this build runs on cpu)"),
-    }
+    // "cpu", or "cuda" (the GPU of LOCAL_RANK; a build without the cuda feature says how to
+    // rebuild).
+    Ok(candle_tp::device_from_arg(s)?)
 }
 
 /// This process's anonymous resident memory (`RssAnon` of /proc/self/status), in bytes.
