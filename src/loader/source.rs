@@ -72,7 +72,8 @@ pub fn slice_ranges(
         parts.push(full.narrow(dim, r.start, r.end - r.start)?);
     }
     if parts.len() == 1 {
-        return Ok(parts.pop().expect("one part"));
+        // A copy of the slice, not a view: the rank keeps its share, not the whole tensor.
+        return parts.pop().expect("one part").contiguous();
     }
     Tensor::cat(&parts, dim)
 }

@@ -87,6 +87,12 @@ impl ColumnParallelLinear {
         if let Some(b) = &bias {
             check_shape(name, "the bias shard", b, &[local])?;
         }
+        // Contiguous shards: a view of a dense weight (`from_dense`, in-memory sources) would
+        // keep the whole tensor alive, and Candle's MKL matmul refuses its strides.
+        let (weight, bias) = (
+            weight.contiguous()?,
+            bias.map(|b| b.contiguous()).transpose()?,
+        );
         Ok(Self {
             inner: Linear::new(weight, bias),
             pg,
@@ -223,6 +229,10 @@ impl RowParallelLinear {
         if let Some(b) = &bias {
             check_shape(name, "the bias", b, &[out_features])?;
         }
+        // Contiguous shard: a column slice of a dense weight (`from_dense`, in-memory sources)
+        // is a strided view, which Candle's MKL matmul refuses and which keeps the whole
+        // tensor alive.
+        let weight = weight.contiguous()?;
         Ok(Self {
             inner: Linear::new(weight, None),
             bias,
