@@ -39,10 +39,7 @@ impl Engine {
             let (phase, parity) = self.next_phase();
             std::ptr::copy_nonoverlapping(src, self.slot::<T>(self.rank, parity), n);
             sent += n * esz;
-            self.set_meta(parity, meta);
-            self.publish(phase);
-            self.wait_all(phase, name)?;
-            self.check_meta(parity, name, &aux)?;
+            self.exchange(phase, parity, name, Some((meta, &aux)))?;
             for (r, s) in srcs.iter_mut().enumerate() {
                 *s = if r == self.rank {
                     src
@@ -68,15 +65,9 @@ impl Engine {
                     std::ptr::copy_nonoverlapping(src.add(start + lo), slot_a.add(lo), hi - lo);
                     sent += (hi - lo) * esz;
                 }
-                if first {
-                    self.set_meta(para, meta);
-                }
-                self.publish(pa);
-                self.wait_all(pa, name)?;
-                if first {
-                    self.check_meta(para, name, &aux)?;
-                    first = false;
-                }
+                let check: &dyn Fn(u64) -> String = &aux;
+                self.exchange(pa, para, name, first.then_some((meta, check)))?;
+                first = false;
                 let (lo, hi) = portion(self.rank);
                 for (r, s) in srcs.iter_mut().enumerate() {
                     *s = if r == self.rank {
@@ -95,8 +86,7 @@ impl Engine {
                     hi - lo,
                 );
                 sent += (hi - lo) * esz;
-                self.publish(pb);
-                self.wait_all(pb, name)?;
+                self.exchange(pb, parb, name, None)?;
                 for r in (0..self.size).filter(|&r| r != self.rank) {
                     let (lo, hi) = portion(r);
                     std::ptr::copy_nonoverlapping(
@@ -157,16 +147,9 @@ impl Engine {
                 )
             };
             sent += mine * esz;
-            if k == 0 {
-                self.set_meta(parity, meta);
-            }
-            self.publish(phase);
-            self.wait_all(phase, name)?;
-            if k == 0 {
-                self.check_meta(parity, name, &|_| {
-                    " (per-rank sizes differ between ranks)".into()
-                })?;
-            }
+            let describe: &dyn Fn(u64) -> String =
+                &|_| " (per-rank sizes differ between ranks)".into();
+            self.exchange(phase, parity, name, (k == 0).then_some((meta, describe)))?;
             for r in (0..self.size).filter(|&r| r != self.rank) {
                 let len = piece(lo, cap, counts[r]);
                 if len > 0 {
@@ -242,16 +225,9 @@ impl Engine {
                 };
                 sent += len * esz;
             }
-            if k == 0 {
-                self.set_meta(parity, meta);
-            }
-            self.publish(phase);
-            self.wait_all(phase, name)?;
-            if k == 0 {
-                self.check_meta(parity, name, &|_| {
-                    " (per-rank sizes or reduce op differ between ranks)".into()
-                })?;
-            }
+            let describe: &dyn Fn(u64) -> String =
+                &|_| " (per-rank sizes or reduce op differ between ranks)".into();
+            self.exchange(phase, parity, name, (k == 0).then_some((meta, describe)))?;
             let len = piece(lo, cap, counts[self.rank]);
             if len > 0 {
                 for (r, s) in srcs.iter_mut().enumerate() {
@@ -318,14 +294,8 @@ impl Engine {
                 };
                 sent += len * esz;
             }
-            if k == 0 {
-                self.set_meta(parity, meta);
-            }
-            self.publish(phase);
-            self.wait_all(phase, name)?;
-            if k == 0 {
-                self.check_meta(parity, name, &|a| format!(" from root {a}"))?;
-            }
+            let describe: &dyn Fn(u64) -> String = &|a| format!(" from root {a}");
+            self.exchange(phase, parity, name, (k == 0).then_some((meta, describe)))?;
             if self.rank != root && len > 0 {
                 // SAFETY: the root wrote len elements this phase.
                 unsafe {

@@ -275,6 +275,27 @@ impl Engine {
         }
     }
 
+    /// One phase of the protocol after this rank has written its slot: publish `phase`, wait
+    /// for every peer to publish it. On the first phase of a collective, `first` carries its
+    /// metadata, written before publishing and checked against every rank's after the wait.
+    fn exchange(
+        &self,
+        phase: u32,
+        parity: usize,
+        op: &str,
+        first: Option<(MetaValue, &dyn Fn(u64) -> String)>,
+    ) -> CommResult<()> {
+        if let Some((meta, _)) = &first {
+            self.set_meta(parity, *meta);
+        }
+        self.publish(phase);
+        self.wait_all(phase, op)?;
+        match first {
+            Some((_, describe_aux)) => self.check_meta(parity, op, describe_aux),
+            None => Ok(()),
+        }
+    }
+
     /// After the first phase of a collective: do all ranks agree on what they are doing?
     fn check_meta(
         &self,
@@ -432,10 +453,7 @@ impl Engine {
             count: 0,
             aux: 0,
         };
-        self.set_meta(parity, meta);
-        self.publish(phase);
-        self.wait_all(phase, op)?;
-        self.check_meta(parity, op, &|_| String::new())?;
+        self.exchange(phase, parity, op, Some((meta, &|_| String::new())))?;
         self.stats
             .record(CollectiveKind::Barrier, 0, 0, 0, t0.elapsed());
         Ok(())
