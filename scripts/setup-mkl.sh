@@ -64,6 +64,12 @@ export MKLROOT="$_ctp_mkl_home"
 # (measured here on an AMD EPYC: sgemm 44 -> 64 GMAC/s). Harmless on Intel. Run-time setting.
 export MKL_ENABLE_INSTRUCTIONS="${MKL_ENABLE_INSTRUCTIONS:-AVX512}"
 echo "setup-mkl: MKLROOT=$MKLROOT MKL_ENABLE_INSTRUCTIONS=$MKL_ENABLE_INSTRUCTIONS" >&2
+if grep -q -m1 AuthenticAMD /proc/cpuinfo 2>/dev/null; then
+  # Measured on an AMD EPYC (Zen 4), docs/PERFORMANCE.md: sgemm no faster than gemm, and
+  # matrix-vector products (decode) on MKL's generic kernel, about half gemm's speed.
+  echo "setup-mkl: note: this is an AMD CPU; oneMKL runs its generic gemv kernel here, so decode" \
+    "with --mkl is slower than the default build (docs/PERFORMANCE.md, 'Intel MKL')" >&2
+fi
 # Run as a script (not sourced): print the line to eval.
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
   echo "export MKLROOT=$MKLROOT MKL_ENABLE_INSTRUCTIONS=$MKL_ENABLE_INSTRUCTIONS"
