@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 use candle_tp::models::Llama;
 use candle_tp::run_threads;
-use candle_transformers::models::{llama as ref_llama, qwen2 as ref_qwen2};
+use candle_transformers::models::{llama as ref_llama, mistral as ref_mistral, qwen2 as ref_qwen2};
 use common::{max_abs_diff, seeded};
 
 #[derive(Clone)]
@@ -303,6 +303,94 @@ fn tiny_qwen2_qkv_bias_matches_candle_transformers_qwen2() -> Result<()> {
     check_against_reference(dir.path(), None, &[1, 2, 4], &PROMPT, 8, 1e-4)
 }
 
+const MISTRAL: Tiny = Tiny {
+    arch: "MistralForCausalLM",
+    ..GQA
+};
+
+/// Last-position logits of candle-transformers' `mistral` for every prefix of `seq` from
+/// `from` tokens on, each prefilled from scratch (its KV-cache path applies no window).
+fn mistral_reference(
+    dir: &Path,
+    cfg: &ref_mistral::Config,
+    seq: &[u32],
+    from: usize,
+) -> Result<Vec<Tensor>> {
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(
+            &[dir.join("model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )?
+    };
+    let mut m = ref_mistral::Model::new(cfg, vb)?;
+    (from..=seq.len())
+        .map(|n| {
+            m.clear_kv_cache();
+            let x = Tensor::new(&seq[..n], &Device::Cpu)?.unsqueeze(0)?;
+            Ok(m.forward(&x, 0)?.flatten_all()?)
+        })
+        .collect()
+}
+
+/// Mistral's sliding window, Hugging Face's semantics (a query sees `w` positions, its own
+/// included) against candle-transformers' `mistral`, whose mask keeps `w + 1`: the reference
+/// runs with `w - 1`. The tensor-parallel model prefills the prompt (longer than the window)
+/// and then decodes with its KV cache, where the window must also hold.
+#[test]
+fn tiny_mistral_sliding_window_matches_candle_transformers_mistral() -> Result<()> {
+    let w = 3usize;
+    let mut cfg = config_json(&MISTRAL);
+    cfg["sliding_window"] = w.into();
+    let dir = tempfile::tempdir()?;
+    write_checkpoint(dir.path(), &cfg, &tensors(&MISTRAL)?)?;
+    let seq: Vec<u32> = PROMPT.iter().chain(&[11, 7, 29, 60]).copied().collect();
+    let mut ref_cfg: ref_mistral::Config = serde_json::from_value(cfg.clone())?;
+    ref_cfg.sliding_window = Some(w - 1);
+    let expected = mistral_reference(dir.path(), &ref_cfg, &seq, PROMPT.len())?;
+    // Negative control: without any window the logits are far from these.
+    ref_cfg.sliding_window = None;
+    let unwindowed = mistral_reference(dir.path(), &ref_cfg, &seq, PROMPT.len())?;
+    let gap = max_abs_diff(
+        &expected[expected.len() - 1],
+        &unwindowed[unwindowed.len() - 1],
+    )?;
+    assert!(
+        gap > 1e-2,
+        "the window should change the logits (gap {gap})"
+    );
+    for world in [1, 2] {
+        let (d, s) = (dir.path().to_path_buf(), seq.clone());
+        let ranks = run_threads(world, move |pg| {
+            let mut m = Llama::from_dir(&d, DType::F32, &Device::Cpu, pg)?;
+            let n0 = PROMPT.len();
+            let x = Tensor::new(&s[..n0], &Device::Cpu)?.unsqueeze(0)?;
+            let mut out = vec![m.forward_gathered(&x, 0)?.flatten_all()?];
+            for n in n0..s.len() {
+                let x = Tensor::new(&s[n..n + 1], &Device::Cpu)?.unsqueeze(0)?;
+                out.push(m.forward_gathered(&x, n)?.flatten_all()?);
+            }
+            Ok(out)
+        })?;
+        for (rank, got) in ranks.iter().enumerate() {
+            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                let err = max_abs_diff(g, e)?;
+                eprintln!(
+                    "world {world} rank {rank} position {}: max |diff| = {err:e}",
+                    PROMPT.len() + i - 1
+                );
+                if err > 1e-4 {
+                    bail!(
+                        "world {world} rank {rank}: logits at prefix {} differ by {err}",
+                        PROMPT.len() + i
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn load_err(dir: &Path, world: usize) -> String {
     let dir = dir.to_path_buf();
     match run_threads(world, move |pg| {
@@ -362,6 +450,21 @@ fn bad_input_gives_clear_errors() -> Result<()> {
     let nested = tempfile::tempdir()?;
     write_checkpoint(nested.path(), &c, &tensors(&GQA)?)?;
     assert_eq!(load_err(nested.path(), 2), "<loaded without error>");
+
+    // Sliding windows: Qwen2's per-layer windows are refused, a zero window is an error.
+    let mut c = config_json(&QWEN2);
+    c["use_sliding_window"] = true.into();
+    let qwen_window = tempfile::tempdir()?;
+    write_checkpoint(qwen_window.path(), &c, &tensors(&QWEN2)?)?;
+    assert_mentions(
+        &load_err(qwen_window.path(), 1),
+        &["use_sliding_window", "Qwen2"],
+    );
+    let mut c = config_json(&MISTRAL);
+    c["sliding_window"] = 0.into();
+    let zero_window = tempfile::tempdir()?;
+    write_checkpoint(zero_window.path(), &c, &tensors(&MISTRAL)?)?;
+    assert_mentions(&load_err(zero_window.path(), 1), &["sliding_window = 0"]);
     Ok(())
 }
 

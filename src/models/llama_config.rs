@@ -57,6 +57,8 @@ struct RawConfig {
     hidden_act: Option<String>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<TokenIds>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
 }
 
 /// A Llama-family model's settings, resolved from `config.json`.
@@ -96,6 +98,9 @@ pub struct LlamaConfig {
     pub bos_token_id: Option<u32>,
     /// `eos_token_id` (one or several).
     pub eos_token_ids: Vec<u32>,
+    /// Mistral's `sliding_window`: each query attends to at most this many positions (its own
+    /// included). `None` for Llama, Qwen2 and Mistral checkpoints whose window is null.
+    pub sliding_window: Option<usize>,
 }
 
 impl LlamaConfig {
@@ -217,6 +222,21 @@ impl LlamaConfig {
         }
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let qwen2 = architecture == "Qwen2ForCausalLM";
+        // Mistral applies `sliding_window` to every layer; Qwen2 only with use_sliding_window
+        // (and then to some layers, by max_window_layers), Llama not at all.
+        let sliding_window = match architecture.as_str() {
+            "MistralForCausalLM" => raw.sliding_window,
+            "Qwen2ForCausalLM" if raw.use_sliding_window == Some(true) => {
+                return bail(
+                    "use_sliding_window = true is not supported for Qwen2 (per-layer windows by max_window_layers)"
+                        .into(),
+                )
+            }
+            _ => None,
+        };
+        if sliding_window == Some(0) {
+            return bail("sliding_window = 0: a query must see at least itself".into());
+        }
         Ok(Self {
             architecture,
             hidden_size: raw.hidden_size,
@@ -239,6 +259,7 @@ impl LlamaConfig {
                 Some(TokenIds::One(t)) => vec![t],
                 Some(TokenIds::Many(v)) => v,
             },
+            sliding_window,
         })
     }
 
@@ -254,6 +275,7 @@ impl LlamaConfig {
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
             max_position_embeddings: self.max_position_embeddings,
+            sliding_window: self.sliding_window,
         }
     }
 }

@@ -55,6 +55,10 @@ pub struct AttentionConfig {
     pub rope_scaling: Option<Llama3RopeScaling>,
     /// Positions for which the rotary tables are computed.
     pub max_position_embeddings: usize,
+    /// Sliding-window attention (Mistral): a query at position `p` sees the keys at positions
+    /// `p - w + 1 ..= p` only, `w` keys including its own, as Hugging Face transformers masks
+    /// it. `None`: every earlier position.
+    pub sliding_window: Option<usize>,
 }
 
 /// Precomputed rotary tables `cos`/`sin`, `[max_positions, head_dim / 2]` (shared by all
@@ -261,6 +265,7 @@ pub struct ParallelAttention {
     /// Local query head -> local KV head; `None` for MHA (no expansion).
     kv_index: Option<Tensor>,
     head_dim: usize,
+    sliding_window: Option<usize>,
     pg: ProcessGroup,
     kv_cache: Option<(Tensor, Tensor)>,
 }
@@ -277,6 +282,9 @@ impl ParallelAttention {
             pg.rank(),
         )
         .map_err(|e| candle_core::Error::msg(format!("'{}': {e}", vb.prefix())))?;
+        if cfg.sliding_window == Some(0) {
+            candle_core::bail!("'{}': sliding_window must be at least 1", vb.prefix());
+        }
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let q_out = cfg.num_heads * hd;
         let unit = heads.q_part.unit();
@@ -300,6 +308,7 @@ impl ParallelAttention {
             heads,
             kv_index,
             head_dim: hd,
+            sliding_window: cfg.sliding_window,
             pg,
             kv_cache: None,
         })
@@ -385,12 +394,14 @@ impl ParallelAttention {
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
         let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-        let att = if seq_len == 1 {
-            att
-        } else {
-            let mask = causal_mask(seq_len, index_pos, att.device())?.broadcast_as(att.shape())?;
-            let neg = Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
-            mask.where_cond(&neg, &att)?
+        let att = match attention_mask(seq_len, index_pos, self.sliding_window, att.device())? {
+            None => att,
+            Some(mask) => {
+                let mask = mask.broadcast_as(att.shape())?;
+                let neg =
+                    Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
+                mask.where_cond(&neg, &att)?
+            }
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let y = att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)?;
@@ -399,13 +410,27 @@ impl ParallelAttention {
     }
 }
 
-/// `mask[i][j] = 1` where query `index_pos + i` must not see key `j`.
-fn causal_mask(seq_len: usize, index_pos: usize, device: &Device) -> Result<Tensor> {
+/// `mask[i][j] = 1` where query `index_pos + i` must not see key `j`: a later key, or (with a
+/// sliding window `w`) a key `w` or more positions back. `None` when nothing is masked (one
+/// query that sees the whole cache).
+fn attention_mask(
+    seq_len: usize,
+    index_pos: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Option<Tensor>> {
     let kv_len = index_pos + seq_len;
+    let w = window.unwrap_or(usize::MAX);
+    if seq_len == 1 && kv_len <= w {
+        return Ok(None);
+    }
     let mask: Vec<u8> = (0..seq_len)
-        .flat_map(|i| (0..kv_len).map(move |j| u8::from(j > index_pos + i)))
+        .flat_map(|i| {
+            let p = index_pos + i;
+            (0..kv_len).map(move |j| u8::from(j > p || p - j >= w))
+        })
         .collect();
-    Tensor::from_slice(&mask, (seq_len, kv_len), device)
+    Ok(Some(Tensor::from_slice(&mask, (seq_len, kv_len), device)?))
 }
 
 #[cfg(test)]
