@@ -20,48 +20,31 @@ static double now(void) {
 #define CHAINS 12
 #define ITERS 40000000L
 
-static double ymm_rate(float *sink) {
-  __m256 a[CHAINS], b = _mm256_set1_ps(1.0000001f), c = _mm256_set1_ps(1e-7f);
-  for (int i = 0; i < CHAINS; i++) a[i] = _mm256_set1_ps((float)i);
-  double best = 0;
-  for (int rep = 0; rep < 3; rep++) {
-    double t0 = now();
-    for (long k = 0; k < ITERS / CHAINS; k++) {
-#pragma GCC unroll 12
-      for (int i = 0; i < CHAINS; i++) a[i] = _mm256_fmadd_ps(a[i], b, c);
-    }
-    double r = (double)(ITERS / CHAINS) * CHAINS * 8 / (now() - t0) / 1e9;
-    if (r > best) best = r;
+/* Best of 3 timings of CHAINS independent FMA chains on vectors of LANES floats. */
+#define DEFINE_RATE(NAME, VEC, LANES, SET1, FMADD, ADD, STOREU)                                  \
+  static double NAME(float *sink) {                                                             \
+    VEC a[CHAINS], b = SET1(1.0000001f), c = SET1(1e-7f);                                       \
+    for (int i = 0; i < CHAINS; i++) a[i] = SET1((float)i);                                     \
+    double best = 0;                                                                            \
+    for (int rep = 0; rep < 3; rep++) {                                                         \
+      double t0 = now();                                                                        \
+      for (long k = 0; k < ITERS / CHAINS; k++) {                                               \
+        _Pragma("GCC unroll 12") for (int i = 0; i < CHAINS; i++) a[i] = FMADD(a[i], b, c);     \
+      }                                                                                         \
+      double r = (double)(ITERS / CHAINS) * CHAINS * LANES / (now() - t0) / 1e9;                \
+      if (r > best) best = r;                                                                   \
+    }                                                                                           \
+    VEC s = a[0];                                                                               \
+    for (int i = 1; i < CHAINS; i++) s = ADD(s, a[i]);                                          \
+    float out[LANES];                                                                           \
+    STOREU(out, s);                                                                             \
+    *sink += out[0];                                                                            \
+    return best;                                                                                \
   }
-  __m256 s = a[0];
-  for (int i = 1; i < CHAINS; i++) s = _mm256_add_ps(s, a[i]);
-  float out[8];
-  _mm256_storeu_ps(out, s);
-  *sink += out[0];
-  return best;
-}
 
+DEFINE_RATE(ymm_rate, __m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_storeu_ps)
 #ifdef __AVX512F__
-static double zmm_rate(float *sink) {
-  __m512 a[CHAINS], b = _mm512_set1_ps(1.0000001f), c = _mm512_set1_ps(1e-7f);
-  for (int i = 0; i < CHAINS; i++) a[i] = _mm512_set1_ps((float)i);
-  double best = 0;
-  for (int rep = 0; rep < 3; rep++) {
-    double t0 = now();
-    for (long k = 0; k < ITERS / CHAINS; k++) {
-#pragma GCC unroll 12
-      for (int i = 0; i < CHAINS; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
-    }
-    double r = (double)(ITERS / CHAINS) * CHAINS * 16 / (now() - t0) / 1e9;
-    if (r > best) best = r;
-  }
-  __m512 s = a[0];
-  for (int i = 1; i < CHAINS; i++) s = _mm512_add_ps(s, a[i]);
-  float out[16];
-  _mm512_storeu_ps(out, s);
-  *sink += out[0];
-  return best;
-}
+DEFINE_RATE(zmm_rate, __m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_storeu_ps)
 #endif
 
 static double ghz_estimate(float *sink) {
