@@ -295,3 +295,86 @@ fn dp_tp_mesh_groups_consecutive_tp_ranks() {
         "{err}"
     );
 }
+
+/// `Mlp2d::load` / `LayerNorm2d::load` from the dense tensors under their dense names: every
+/// rank's blocks equal the test's own slices, and the loaded MLP computes the dense MLP.
+#[test]
+fn load_from_dense_names_matches_slices_and_dense() -> Result<()> {
+    let (batch, seq, d, h) = (6, 2, 12, 18);
+    let errs = run_threads(9, |pg| {
+        let mesh = DeviceMesh::grid_2d(&pg)?;
+        let s = Slicer::new(&mesh);
+        let (w1, b1) = params(d, h, 10)?;
+        let (w2, b2) = params(h, d, 20)?;
+        let (g, beta) = (seeded(&[d], 30), seeded(&[d], 31));
+        let tensors = [
+            ("mlp.fc1.weight", &w1),
+            ("mlp.fc1.bias", &b1),
+            ("mlp.fc2.weight", &w2),
+            ("mlp.fc2.bias", &b2),
+            ("norm.weight", &g),
+            ("norm.bias", &beta),
+        ]
+        .into_iter()
+        .map(|(n, t)| (n.to_string(), t.clone()))
+        .collect();
+        let vb = candle_tp::ShardedVarBuilder::from_tensors(
+            tensors,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+            pg.clone(),
+        );
+        let mlp = Mlp2d::load(d, h, Activation::Gelu, "fc1", "fc2", &mesh, vb.pp("mlp"))?;
+        let norm = LayerNorm2d::load(d, 1e-5, &mesh, vb.pp("norm"))?;
+        let mut worst = 0f32;
+        for (got, want) in [
+            (mlp.fc1().weight(), s.weight(&w1)?),
+            (mlp.fc1().bias().expect("bias"), s.vector(&b1)?),
+            (mlp.fc2().weight(), s.weight(&w2)?),
+            (mlp.fc2().bias().expect("bias"), s.vector(&b2)?),
+            (norm.weight(), s.vector(&g)?),
+            (norm.bias().expect("shift"), s.vector(&beta)?),
+        ] {
+            if got.dims() != want.dims() {
+                candle_core::bail!("shape {:?} != {:?}", got.dims(), want.dims());
+            }
+            worst = worst.max(max_abs_diff(got, &want)?);
+        }
+        let x = seeded(&[batch, seq, d], 1);
+        let dense = Linear::new(w2.clone(), Some(b2.clone())).forward(
+            &Activation::Gelu.forward(&Linear::new(w1.clone(), Some(b1.clone())).forward(&x)?)?,
+        )?;
+        let y = mlp.forward(&s.act(&x)?)?;
+        Ok((worst, max_abs_diff(&y, &s.act(&dense)?)?))
+    })
+    .expect("run");
+    for (rank, (slices, forward)) in errs.into_iter().enumerate() {
+        assert_eq!(
+            slices, 0.0,
+            "rank {rank}: loaded blocks differ from the slices"
+        );
+        assert!(forward < TOL, "rank {rank}: forward differs by {forward}");
+    }
+    Ok(())
+}
+
+/// A checkpoint tensor of the wrong shape is an error that names it.
+#[test]
+fn load_checks_checkpoint_shapes() {
+    let err = run_threads(4, |pg| {
+        let mesh = DeviceMesh::grid_2d(&pg)?;
+        let tensors = [("w.weight".to_string(), seeded(&[8, 6], 1))]
+            .into_iter()
+            .collect();
+        let vb = candle_tp::ShardedVarBuilder::from_tensors(
+            tensors,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+            pg.clone(),
+        );
+        Linear2d::load(8, 6, false, &mesh, vb.pp("w")).map(|_| ())
+    })
+    .expect_err("a [8, 6] tensor cannot be loaded as [6, 8]")
+    .to_string();
+    assert!(err.contains("w.weight") && err.contains("[8, 6]"), "{err}");
+}

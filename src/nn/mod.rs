@@ -5,6 +5,7 @@ pub mod linear;
 pub mod mlp;
 pub mod parallel_2d;
 pub mod parallel_3d;
+pub mod parallel_load;
 
 pub use attention::{
     AttentionConfig, HeadAssignment, Llama3RopeScaling, ParallelAttention, RotaryEmbedding,

@@ -29,6 +29,8 @@
 //! The matrix product is one Candle `CustomOp2` whose `bwd` runs the two backward SUMMAs, so
 //! the layers train through Candle's `backward()`. CPU tensors, f32/f64/f16/bf16.
 
+use std::ops::Range;
+
 use candle_core::{
     CpuStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape, Tensor, WithDType, D,
 };
@@ -122,12 +124,33 @@ impl Grid2d {
         })
     }
 
+    /// The elements of a full vector of `n` features (bias, LayerNorm scale) this rank holds.
+    pub(crate) fn vector_range(&self, layer: &str, n: usize) -> Result<Range<usize>> {
+        let r = self.vector_part(layer, n)?.range(self.row);
+        let base = self.col * (n / self.q);
+        Ok(base + r.start..base + r.end)
+    }
+
+    /// The rows (output features) and columns (input features) of a dense `[out, in]` weight
+    /// that make this rank's block.
+    pub(crate) fn weight_ranges(
+        &self,
+        layer: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<(Range<usize>, Range<usize>)> {
+        let i = self.divide(layer, "in_features", inp)?;
+        let o = self.divide(layer, "out_features", out)?;
+        Ok((
+            self.col * o..(self.col + 1) * o,
+            self.row * i..(self.row + 1) * i,
+        ))
+    }
+
     /// This rank's part of a full vector of `n` features (bias, LayerNorm scale).
     fn slice_vector(&self, layer: &str, v: &Tensor) -> Result<Tensor> {
-        let n = v.dims1()?;
-        let part = self.vector_part(layer, n)?;
-        let r = part.range(self.row);
-        v.narrow(0, self.col * (n / self.q) + r.start, r.len())
+        let r = self.vector_range(layer, v.dims1()?)?;
+        v.narrow(0, r.start, r.len())
     }
 
     /// The full block `col` of a vector from this rank's part (all-gather over the column
@@ -394,12 +417,11 @@ impl Linear2d {
         let name = "Linear2d";
         let grid = Grid2d::new(mesh)?;
         let (out, inp) = weight.dims2()?;
-        let i = grid.divide(name, "in_features", inp)?;
-        let o = grid.divide(name, "out_features", out)?;
+        let (rows, cols) = grid.weight_ranges(name, out, inp)?;
         let w = weight
+            .narrow(0, rows.start, rows.len())?
+            .narrow(1, cols.start, cols.len())?
             .t()?
-            .narrow(0, grid.row * i, i)?
-            .narrow(1, grid.col * o, o)?
             .contiguous()?;
         let b = bias.map(|b| grid.slice_vector(name, b)).transpose()?;
         Self::new(w, b, inp, out, mesh)

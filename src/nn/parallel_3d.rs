@@ -31,6 +31,8 @@
 //! LayerNorm3d: statistics summed over the group of the features axis; scale and shift block
 //! `coord[features]`, split over the rows axis and replicated over `i`, like a bias.
 
+use std::ops::Range;
+
 use candle_core::{Module, Result, Tensor};
 use candle_nn::Activation;
 
@@ -69,7 +71,7 @@ impl Layout3d {
         }
     }
 
-    fn check(self, what: &str) -> Result<()> {
+    pub(crate) fn check(self, what: &str) -> Result<()> {
         if !matches!((self.features, self.rows), (1, 2) | (2, 1)) {
             candle_core::bail!(
                 "{what}: a 3D layout splits features and rows by axes 1 and 2 (j and k), got features {}, rows {}",
@@ -157,10 +159,37 @@ impl Grid3d {
         block_axis: usize,
         part_axis: usize,
     ) -> Result<Tensor> {
-        let n = v.dims1()?;
-        let part = self.block_part(layer, n)?;
-        let r = part.range(self.coord[part_axis]);
-        v.narrow(0, self.coord[block_axis] * (n / self.q) + r.start, r.len())
+        let r = self.vector_range(layer, v.dims1()?, block_axis, part_axis)?;
+        v.narrow(0, r.start, r.len())
+    }
+
+    /// The elements of a full `[n]` vector that this rank stores (see `slice_vector`).
+    pub(crate) fn vector_range(
+        &self,
+        layer: &str,
+        n: usize,
+        block_axis: usize,
+        part_axis: usize,
+    ) -> Result<Range<usize>> {
+        let r = self.block_part(layer, n)?.range(self.coord[part_axis]);
+        let base = self.coord[block_axis] * (n / self.q);
+        Ok(base + r.start..base + r.end)
+    }
+
+    /// The rows (output features) and columns (input features) of a dense `[out, in]` weight
+    /// that make this rank's block for a layer whose input has `input`'s layout.
+    pub(crate) fn weight_ranges(
+        &self,
+        layer: &str,
+        out: usize,
+        inp: usize,
+        input: Layout3d,
+    ) -> Result<(Range<usize>, Range<usize>)> {
+        let i = self.divide(layer, "in_features", inp, self.q)?;
+        let o = self.divide(layer, "out_features", out, self.q)?;
+        let r = self.block_part(layer, out)?.range(self.coord[0]);
+        let (a, b) = (self.coord[input.features], self.coord[input.rows]);
+        Ok((b * o + r.start..b * o + r.end, a * i..(a + 1) * i))
     }
 
     /// The full block of a vector from this rank's part: copy (gradient all-reduced over `i`),
@@ -276,15 +305,11 @@ impl Linear3d {
         input.check(name)?;
         let g = Grid3d::new(mesh)?;
         let (out, inp) = weight.dims2()?;
-        let i = g.divide(name, "in_features", inp, g.q)?;
-        let o = g.divide(name, "out_features", out, g.q)?;
-        let part = g.block_part(name, out)?;
-        let r = part.range(g.coord[0]);
-        let (a, b) = (g.coord[input.features], g.coord[input.rows]);
+        let (rows, cols) = g.weight_ranges(name, out, inp, input)?;
         let w = weight
+            .narrow(0, rows.start, rows.len())?
+            .narrow(1, cols.start, cols.len())?
             .t()?
-            .narrow(0, a * i, i)?
-            .narrow(1, b * o + r.start, r.len())?
             .contiguous()?;
         let bias = bias
             .map(|v| g.slice_vector(name, v, input.rows, input.features))
