@@ -9,7 +9,7 @@ use candle_core::{backprop::GradStore, Module, Result, Tensor, Var};
 use candle_nn::ops::layer_norm_slow;
 use candle_nn::{Activation, Linear};
 use candle_tp::{run_threads, DeviceMesh, LayerNorm2d, Linear2d, Mlp2d, Partition};
-use common::{max_abs_diff, seeded, var};
+use common::{assert_loaded, builder_from, max_abs_diff, seeded, var, DenseMlpNorm};
 
 const TOL: f32 = 1e-5;
 
@@ -301,60 +301,30 @@ fn dp_tp_mesh_groups_consecutive_tp_ranks() {
 #[test]
 fn load_from_dense_names_matches_slices_and_dense() -> Result<()> {
     let (batch, seq, d, h) = (6, 2, 12, 18);
+    let p = DenseMlpNorm::new(d, h);
     let errs = run_threads(9, |pg| {
         let mesh = DeviceMesh::grid_2d(&pg)?;
         let s = Slicer::new(&mesh);
-        let (w1, b1) = params(d, h, 10)?;
-        let (w2, b2) = params(h, d, 20)?;
-        let (g, beta) = (seeded(&[d], 30), seeded(&[d], 31));
-        let tensors = [
-            ("mlp.fc1.weight", &w1),
-            ("mlp.fc1.bias", &b1),
-            ("mlp.fc2.weight", &w2),
-            ("mlp.fc2.bias", &b2),
-            ("norm.weight", &g),
-            ("norm.bias", &beta),
-        ]
-        .into_iter()
-        .map(|(n, t)| (n.to_string(), t.clone()))
-        .collect();
-        let vb = candle_tp::ShardedVarBuilder::from_tensors(
-            tensors,
-            candle_core::DType::F32,
-            &candle_core::Device::Cpu,
-            pg.clone(),
-        );
+        let vb = p.builder(&pg);
         let mlp = Mlp2d::load(d, h, Activation::Gelu, "fc1", "fc2", &mesh, vb.pp("mlp"))?;
         let norm = LayerNorm2d::load(d, 1e-5, &mesh, vb.pp("norm"))?;
         let mut worst = 0f32;
         for (got, want) in [
-            (mlp.fc1().weight(), s.weight(&w1)?),
-            (mlp.fc1().bias().expect("bias"), s.vector(&b1)?),
-            (mlp.fc2().weight(), s.weight(&w2)?),
-            (mlp.fc2().bias().expect("bias"), s.vector(&b2)?),
-            (norm.weight(), s.vector(&g)?),
-            (norm.bias().expect("shift"), s.vector(&beta)?),
+            (mlp.fc1().weight(), s.weight(&p.w1)?),
+            (mlp.fc1().bias().expect("bias"), s.vector(&p.b1)?),
+            (mlp.fc2().weight(), s.weight(&p.w2)?),
+            (mlp.fc2().bias().expect("bias"), s.vector(&p.b2)?),
+            (norm.weight(), s.vector(&p.g)?),
+            (norm.bias().expect("shift"), s.vector(&p.beta)?),
         ] {
-            if got.dims() != want.dims() {
-                candle_core::bail!("shape {:?} != {:?}", got.dims(), want.dims());
-            }
             worst = worst.max(max_abs_diff(got, &want)?);
         }
         let x = seeded(&[batch, seq, d], 1);
-        let dense = Linear::new(w2.clone(), Some(b2.clone())).forward(
-            &Activation::Gelu.forward(&Linear::new(w1.clone(), Some(b1.clone())).forward(&x)?)?,
-        )?;
         let y = mlp.forward(&s.act(&x)?)?;
-        Ok((worst, max_abs_diff(&y, &s.act(&dense)?)?))
+        Ok((worst, max_abs_diff(&y, &s.act(&p.mlp(&x)?)?)?))
     })
     .expect("run");
-    for (rank, (slices, forward)) in errs.into_iter().enumerate() {
-        assert_eq!(
-            slices, 0.0,
-            "rank {rank}: loaded blocks differ from the slices"
-        );
-        assert!(forward < TOL, "rank {rank}: forward differs by {forward}");
-    }
+    assert_loaded(errs, TOL);
     Ok(())
 }
 
@@ -363,15 +333,7 @@ fn load_from_dense_names_matches_slices_and_dense() -> Result<()> {
 fn load_checks_checkpoint_shapes() {
     let err = run_threads(4, |pg| {
         let mesh = DeviceMesh::grid_2d(&pg)?;
-        let tensors = [("w.weight".to_string(), seeded(&[8, 6], 1))]
-            .into_iter()
-            .collect();
-        let vb = candle_tp::ShardedVarBuilder::from_tensors(
-            tensors,
-            candle_core::DType::F32,
-            &candle_core::Device::Cpu,
-            pg.clone(),
-        );
+        let vb = builder_from(&[("w.weight", &seeded(&[8, 6], 1))], &pg);
         Linear2d::load(8, 6, false, &mesh, vb.pp("w")).map(|_| ())
     })
     .expect_err("a [8, 6] tensor cannot be loaded as [6, 8]")

@@ -10,7 +10,7 @@ use candle_core::{backprop::GradStore, Module, Result, Tensor, Var};
 use candle_nn::ops::layer_norm_slow;
 use candle_nn::{Activation, Linear};
 use candle_tp::{run_threads, DeviceMesh, LayerNorm3d, Layout3d, Linear3d, Mlp3d, Partition};
-use common::{max_abs_diff, seeded, var};
+use common::{assert_loaded, max_abs_diff, seeded, var, DenseMlpNorm};
 
 const TOL: f32 = 1e-5;
 
@@ -292,70 +292,40 @@ fn bad_sizes_are_clear_errors() {
 fn load_from_dense_names_matches_slices_and_dense() -> Result<()> {
     let (batch, seq, d, h) = (8, 2, 8, 12);
     let l = Layout3d::JK;
-    let errs = run_threads(8, move |pg| {
+    let p = DenseMlpNorm::new(d, h);
+    let errs = run_threads(8, |pg| {
         let mesh = DeviceMesh::cube_3d(&pg)?;
         let s = Slicer::new(&mesh);
-        let (w1, b1) = params(d, h, 10)?;
-        let (w2, b2) = params(h, d, 20)?;
-        let (g, beta) = (seeded(&[d], 30), seeded(&[d], 31));
-        let tensors = [
-            ("mlp.fc1.weight", &w1),
-            ("mlp.fc1.bias", &b1),
-            ("mlp.fc2.weight", &w2),
-            ("mlp.fc2.bias", &b2),
-            ("norm.weight", &g),
-            ("norm.bias", &beta),
-        ]
-        .into_iter()
-        .map(|(n, t)| (n.to_string(), t.clone()))
-        .collect();
-        let vb = candle_tp::ShardedVarBuilder::from_tensors(
-            tensors,
-            candle_core::DType::F32,
-            &candle_core::Device::Cpu,
-            pg.clone(),
-        );
+        let vb = p.builder(&pg);
         let mlp = Mlp3d::load(d, h, Activation::Gelu, "fc1", "fc2", l, &mesh, vb.pp("mlp"))?;
         let norm = LayerNorm3d::load(d, 1e-5, l, &mesh, vb.pp("norm"))?;
         let l2 = mlp.fc1().output_layout();
         let mut worst = 0f32;
         for (got, want) in [
-            (mlp.fc1().weight(), s.weight(&w1, l)?),
+            (mlp.fc1().weight(), s.weight(&p.w1, l)?),
             (
                 mlp.fc1().bias().expect("bias"),
-                s.vector(&b1, l.rows, l.features)?,
+                s.vector(&p.b1, l.rows, l.features)?,
             ),
-            (mlp.fc2().weight(), s.weight(&w2, l2)?),
+            (mlp.fc2().weight(), s.weight(&p.w2, l2)?),
             (
                 mlp.fc2().bias().expect("bias"),
-                s.vector(&b2, l2.rows, l2.features)?,
+                s.vector(&p.b2, l2.rows, l2.features)?,
             ),
-            (norm.weight(), s.vector(&g, l.features, l.rows)?),
+            (norm.weight(), s.vector(&p.g, l.features, l.rows)?),
             (
                 norm.bias().expect("shift"),
-                s.vector(&beta, l.features, l.rows)?,
+                s.vector(&p.beta, l.features, l.rows)?,
             ),
         ] {
-            if got.dims() != want.dims() {
-                candle_core::bail!("shape {:?} != {:?}", got.dims(), want.dims());
-            }
             worst = worst.max(max_abs_diff(got, &want)?);
         }
         let x = seeded(&[batch, seq, d], 1);
-        let dense = Linear::new(w2.clone(), Some(b2.clone())).forward(
-            &Activation::Gelu.forward(&Linear::new(w1.clone(), Some(b1.clone())).forward(&x)?)?,
-        )?;
         let y = mlp.forward(&s.act(&x, l)?)?;
         let out = mlp.fc2().output_layout();
-        Ok((worst, max_abs_diff(&y, &s.act(&dense, out)?)?))
+        Ok((worst, max_abs_diff(&y, &s.act(&p.mlp(&x)?, out)?)?))
     })
     .expect("run");
-    for (rank, (slices, forward)) in errs.into_iter().enumerate() {
-        assert_eq!(
-            slices, 0.0,
-            "rank {rank}: loaded blocks differ from the slices"
-        );
-        assert!(forward < TOL, "rank {rank}: forward differs by {forward}");
-    }
+    assert_loaded(errs, TOL);
     Ok(())
 }

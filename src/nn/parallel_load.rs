@@ -26,24 +26,35 @@ use super::parallel_2d::{Grid2d, LayerNorm2d, Linear2d, Mlp2d};
 use super::parallel_3d::{Grid3d, LayerNorm3d, Layout3d, Linear3d, Mlp3d};
 use crate::ShardedVarBuilder;
 
-/// Rows `rows` and columns `cols` of the `[out, inp]` tensor `name`, transposed to the
-/// `[in, out]` block the 2D and 3D layers keep. Only the rows are read from the source.
-fn load_block(
+/// A linear layer's `weight` (rows `rows`, columns `cols` of the `[out, inp]` tensor, transposed
+/// to the `[in, out]` block the 2D and 3D layers keep; only those rows are read) and, with
+/// `bias_range`, elements `bias_range` of its `bias` `[out]`.
+fn load_linear(
     vb: &ShardedVarBuilder,
-    name: &str,
     (out, inp): (usize, usize),
-    rows: Range<usize>,
-    cols: Range<usize>,
-) -> Result<Tensor> {
-    vb.get_ranges((out, inp), name, 0, &[rows])?
+    (rows, cols): (Range<usize>, Range<usize>),
+    bias_range: Option<Range<usize>>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let w = vb
+        .get_ranges((out, inp), "weight", 0, &[rows])?
         .narrow(1, cols.start, cols.len())?
         .t()?
-        .contiguous()
+        .contiguous()?;
+    let b = bias_range
+        .map(|r| vb.get_ranges(out, "bias", 0, &[r]))
+        .transpose()?;
+    Ok((w, b))
 }
 
-/// Elements `range` of the `[n]` vector `name`.
-fn load_part(vb: &ShardedVarBuilder, name: &str, n: usize, range: Range<usize>) -> Result<Tensor> {
-    vb.get_ranges(n, name, 0, &[range])
+/// Elements `range` of a layer norm's `weight` and `bias` `[hidden]`.
+fn load_norm(
+    vb: &ShardedVarBuilder,
+    hidden: usize,
+    range: Range<usize>,
+) -> Result<(Tensor, Tensor)> {
+    let ranges = [range];
+    let w = vb.get_ranges(hidden, "weight", 0, &ranges)?;
+    Ok((w, vb.get_ranges(hidden, "bias", 0, &ranges)?))
 }
 
 impl Linear2d {
@@ -59,14 +70,11 @@ impl Linear2d {
     ) -> Result<Self> {
         let layer = format!("Linear2d '{}'", vb.prefix());
         let grid = Grid2d::new(mesh)?;
-        let (rows, cols) = grid.weight_ranges(&layer, out_features, in_features)?;
-        let w = load_block(&vb, "weight", (out_features, in_features), rows, cols)?;
-        let b = if bias {
-            let r = grid.vector_range(&layer, out_features)?;
-            Some(load_part(&vb, "bias", out_features, r)?)
-        } else {
-            None
-        };
+        let ranges = grid.weight_ranges(&layer, out_features, in_features)?;
+        let bias_range = bias
+            .then(|| grid.vector_range(&layer, out_features))
+            .transpose()?;
+        let (w, b) = load_linear(&vb, (out_features, in_features), ranges, bias_range)?;
         Self::new(w, b, in_features, out_features, mesh)
     }
 }
@@ -82,8 +90,7 @@ impl LayerNorm2d {
     ) -> Result<Self> {
         let layer = format!("LayerNorm2d '{}'", vb.prefix());
         let r = Grid2d::new(mesh)?.vector_range(&layer, hidden)?;
-        let w = load_part(&vb, "weight", hidden, r.clone())?;
-        let b = load_part(&vb, "bias", hidden, r)?;
+        let (w, b) = load_norm(&vb, hidden, r)?;
         Self::new(w, Some(b), hidden, eps, mesh)
     }
 }
@@ -120,14 +127,11 @@ impl Linear3d {
         let layer = format!("Linear3d '{}'", vb.prefix());
         input.check(&layer)?;
         let g = Grid3d::new(mesh)?;
-        let (rows, cols) = g.weight_ranges(&layer, out_features, in_features, input)?;
-        let w = load_block(&vb, "weight", (out_features, in_features), rows, cols)?;
-        let b = if bias {
-            let r = g.vector_range(&layer, out_features, input.rows, input.features)?;
-            Some(load_part(&vb, "bias", out_features, r)?)
-        } else {
-            None
-        };
+        let ranges = g.weight_ranges(&layer, out_features, in_features, input)?;
+        let bias_range = bias
+            .then(|| g.vector_range(&layer, out_features, input.rows, input.features))
+            .transpose()?;
+        let (w, b) = load_linear(&vb, (out_features, in_features), ranges, bias_range)?;
         Self::new(w, b, in_features, out_features, input, mesh)
     }
 }
@@ -145,8 +149,7 @@ impl LayerNorm3d {
         let layer = format!("LayerNorm3d '{}'", vb.prefix());
         layout.check(&layer)?;
         let r = Grid3d::new(mesh)?.vector_range(&layer, hidden, layout.features, layout.rows)?;
-        let w = load_part(&vb, "weight", hidden, r.clone())?;
-        let b = load_part(&vb, "bias", hidden, r)?;
+        let (w, b) = load_norm(&vb, hidden, r)?;
         Self::new(w, Some(b), hidden, eps, layout, mesh)
     }
 }

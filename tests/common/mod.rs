@@ -43,3 +43,75 @@ pub fn example(name: &str) -> std::path::PathBuf {
     );
     path
 }
+
+/// A `ShardedVarBuilder` over in-memory f32 CPU tensors `(name, tensor)`.
+pub fn builder_from(
+    tensors: &[(&str, &Tensor)],
+    pg: &candle_tp::ProcessGroup,
+) -> candle_tp::ShardedVarBuilder {
+    let map = tensors
+        .iter()
+        .map(|(n, t)| (n.to_string(), (*t).clone()))
+        .collect();
+    candle_tp::ShardedVarBuilder::from_tensors(map, DType::F32, &Device::Cpu, pg.clone())
+}
+
+/// The dense parameters of an MLP and a LayerNorm, as the 2D/3D load tests use them:
+/// `mlp.fc1.*` `[h, d]`, `mlp.fc2.*` `[d, h]`, `norm.*` `[d]`.
+pub struct DenseMlpNorm {
+    pub w1: Tensor,
+    pub b1: Tensor,
+    pub w2: Tensor,
+    pub b2: Tensor,
+    pub g: Tensor,
+    pub beta: Tensor,
+}
+
+impl DenseMlpNorm {
+    pub fn new(d: usize, h: usize) -> Self {
+        let scaled = |shape: &[usize], seed: u64, s: f64| (seeded(shape, seed) * s).expect("scale");
+        DenseMlpNorm {
+            w1: scaled(&[h, d], 10, 1.0 / (d as f64).sqrt()),
+            b1: scaled(&[h], 11, 0.1),
+            w2: scaled(&[d, h], 20, 1.0 / (h as f64).sqrt()),
+            b2: scaled(&[d], 21, 0.1),
+            g: seeded(&[d], 30),
+            beta: seeded(&[d], 31),
+        }
+    }
+
+    /// The builder holding these tensors under their dense names.
+    pub fn builder(&self, pg: &candle_tp::ProcessGroup) -> candle_tp::ShardedVarBuilder {
+        builder_from(
+            &[
+                ("mlp.fc1.weight", &self.w1),
+                ("mlp.fc1.bias", &self.b1),
+                ("mlp.fc2.weight", &self.w2),
+                ("mlp.fc2.bias", &self.b2),
+                ("norm.weight", &self.g),
+                ("norm.bias", &self.beta),
+            ],
+            pg,
+        )
+    }
+
+    /// The dense MLP `fc2(gelu(fc1(x)))`.
+    pub fn mlp(&self, x: &Tensor) -> Result<Tensor> {
+        use candle_core::Module;
+        let fc1 = candle_nn::Linear::new(self.w1.clone(), Some(self.b1.clone()));
+        let fc2 = candle_nn::Linear::new(self.w2.clone(), Some(self.b2.clone()));
+        fc2.forward(&candle_nn::Activation::Gelu.forward(&fc1.forward(x)?)?)
+    }
+}
+
+/// Checks the per-rank results of a load test: `(largest difference between the loaded
+/// blocks and the test's slices, largest forward error)`; the blocks must be exact.
+pub fn assert_loaded(errs: Vec<(f32, f32)>, tol: f32) {
+    for (rank, (slices, forward)) in errs.into_iter().enumerate() {
+        assert_eq!(
+            slices, 0.0,
+            "rank {rank}: loaded blocks differ from the slices"
+        );
+        assert!(forward < tol, "rank {rank}: forward differs by {forward}");
+    }
+}
