@@ -58,15 +58,6 @@ fn default_model_dir() -> Result<PathBuf> {
     Ok(candle_tp::models::models_dir()?.join("all-minilm-l6-v2"))
 }
 
-fn parse_dtype(s: &str) -> Result<DType> {
-    match s {
-        "f32" => Ok(DType::F32),
-        "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        other => bail!("unsupported --dtype '{other}' (f32, f16 or bf16)"),
-    }
-}
-
 fn read_lines(r: impl BufRead, what: &str) -> Result<Vec<String>> {
     r.lines()
         .collect::<std::io::Result<Vec<_>>>()
@@ -168,7 +159,7 @@ fn main() -> Result<()> {
         Some(d) => d.clone(),
         None => default_model_dir()?,
     };
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = candle_tp::dtype_from_arg(&args.dtype)?;
 
     let t0 = Instant::now();
     let model = BertModel::from_dir(&dir, dtype, &device, pg.clone()).with_context(|| {

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
 use candle_tp::models::Llama;
 use candle_tp::ops::gather_from_tp;
@@ -72,15 +72,6 @@ struct Args {
 
 fn default_model_dir() -> Result<PathBuf> {
     Ok(candle_tp::models::models_dir()?.join("smollm2-135m-instruct"))
-}
-
-fn parse_dtype(s: &str) -> Result<DType> {
-    match s {
-        "f32" => Ok(DType::F32),
-        "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        other => bail!("unsupported --dtype '{other}' (f32, f16 or bf16)"),
-    }
 }
 
 fn parse_device(s: &str) -> Result<Device> {
@@ -248,7 +239,7 @@ impl Streamer {
 fn main() -> Result<()> {
     let args = Args::parse();
     let device = parse_device(&args.device)?;
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = candle_tp::dtype_from_arg(&args.dtype)?;
     let pg = candle_tp::init_from_env(&device)?;
     let dir = match &args.model {
         Some(d) => d.clone(),

@@ -1,6 +1,22 @@
-//! Picking the device a rank runs on from a command-line argument.
+//! Picking the device a rank runs on, and the dtype of its weights, from command-line
+//! arguments.
 
-use candle_core::{Device, Result};
+use candle_core::{DType, Device, Result};
+
+/// The floating-point dtype named by a `--dtype` argument: `f32`, `f16` or `bf16`.
+///
+/// ```
+/// assert_eq!(candle_tp::dtype_from_arg("bf16").unwrap(), candle_core::DType::BF16);
+/// assert!(candle_tp::dtype_from_arg("u8").is_err());
+/// ```
+pub fn dtype_from_arg(name: &str) -> Result<DType> {
+    match name {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        other => candle_core::bail!("unsupported --dtype '{other}' (f32, f16 or bf16)"),
+    }
+}
 
 /// The device named by a `--device` argument: `cpu`, or `cuda` (the GPU `LOCAL_RANK`, which
 /// `tprun` and `torchrun` set for each process on a node; 0 when unset). `cuda:N` picks GPU `N`

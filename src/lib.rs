@@ -46,7 +46,7 @@ pub mod rng;
 pub mod train;
 
 pub use comm::{init_from_env, run_threads, DeviceMesh, ProcessGroup, ReduceOp};
-pub use device::device_from_arg;
+pub use device::{device_from_arg, dtype_from_arg};
 pub use loader::ShardedVarBuilder;
 pub use nn::*;
 pub use partition::{Partition, PartitionError};
