@@ -42,6 +42,7 @@ pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod partition;
+pub mod quant;
 pub mod rng;
 pub mod train;
 
