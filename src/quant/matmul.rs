@@ -53,8 +53,15 @@ pub fn matmul_q4_1(
 
     // Output computed weight-row major ([n, m]) so each task owns one contiguous slice; for
     // m == 1 that is dst itself, otherwise it is transposed into dst at the end.
-    let tasks = 4 * rayon::current_num_threads();
-    let rows_per_task = n.div_ceil(tasks).max(MIN_ROWS_PER_TASK).next_multiple_of(4);
+    // One thread: run on the caller (handing the work to a 1-thread pool only adds a wake-up).
+    let threads = rayon::current_num_threads();
+    let rows_per_task = if threads == 1 {
+        n
+    } else {
+        n.div_ceil(4 * threads)
+            .max(MIN_ROWS_PER_TASK)
+            .next_multiple_of(4)
+    };
     let fill = |yt: &mut [f32]| {
         let run =
             |(t, out): (usize, &mut [f32])| rows_dot(kernel, w, kb, xq, m, t * rows_per_task, out);
