@@ -305,3 +305,28 @@ fn smollm2_gguf_tensors() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn any_thread_count_gives_the_same_bits() -> Result<()> {
+    // The rows are split over the rayon pool (on the caller with one thread): every split
+    // must compute each output the same way.
+    let w = Arc::new(random_q4_1(1000, 96, 9)?);
+    let x = seeded_uniform(&[7, 96], 4, 1.0, &Device::Cpu)?;
+    let mm = QuantMatMul::from_arc(w)?;
+    let run = |threads: usize| -> Result<Tensor> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()?;
+        Ok(pool.install(|| mm.forward(&x))?)
+    };
+    let one = run(1)?;
+    assert!(max_abs(&one)? > 0.1, "the output is not trivially zero");
+    for threads in [2, 3, 5] {
+        assert_eq!(
+            max_abs_diff(&one, &run(threads)?, "threads")?,
+            0.0,
+            "{threads} threads"
+        );
+    }
+    Ok(())
+}
