@@ -87,6 +87,7 @@ fn check(w: impl Into<Arc<QTensor>>, x: &Tensor, label: &str) -> Result<Errors> 
     for kernel in kernels() {
         let mm = QuantMatMul::with_kernel(w.clone(), kernel)?;
         assert_eq!(mm.kernel(), Some(kernel), "{label}");
+        assert_eq!(mm.dims(), (n, k), "{label}");
         let y = mm.forward(x)?;
         let mut want = x.dims().to_vec();
         *want.last_mut().unwrap() = n;

@@ -162,6 +162,7 @@ impl CustomOp1 for Q4_1MatMul {
     }
 }
 
+#[derive(Clone)]
 enum Inner {
     /// The crate's kernel (CPU).
     Q4_1(Q4_1MatMul),
@@ -188,8 +189,11 @@ enum Inner {
 /// let y = mm.forward(&Tensor::randn(0f32, 1.0, (1, 7, 576), &Device::Cpu)?)?; // [1, 7, 1536]
 /// # Ok(()) }
 /// ```
+#[derive(Clone)]
 pub struct QuantMatMul {
     inner: Inner,
+    /// The weight's `(n, k)`.
+    dims: (usize, usize),
 }
 
 impl QuantMatMul {
@@ -223,6 +227,7 @@ impl QuantMatMul {
         if !(w.device().is_cpu() && w.dtype() == GgmlDType::Q4_1) {
             return Ok(Self {
                 inner: Inner::Candle(QMatMul::from_arc(w)?),
+                dims: (n, k),
             });
         }
         if k % QK4_1 != 0 {
@@ -239,7 +244,13 @@ impl QuantMatMul {
         }
         Ok(Self {
             inner: Inner::Q4_1(Q4_1MatMul { w, n, k, kernel }),
+            dims: (n, k),
         })
+    }
+
+    /// The weight's `(n, k)`: output and input features.
+    pub fn dims(&self) -> (usize, usize) {
+        self.dims
     }
 
     /// The crate's kernel this matmul runs, or `None` where it defers to candle's `QMatMul`.
