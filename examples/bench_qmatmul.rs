@@ -79,19 +79,20 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
     Ok((n.parse()?, k.parse()?))
 }
 
+/// One multiplication, `x -> x Wᵀ`.
+type RunFn = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>>;
+
 /// One implementation on one shape: a closure running `y = x Wᵀ` (cycling through the
 /// weight's copies), and the bytes of one copy.
 struct Case {
     /// Index into [`IMPLS`].
     impl_index: usize,
     bytes: usize,
-    run: Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>>,
+    run: RunFn,
 }
 
 /// Runs the copies in turn, one per call.
-fn cycle<M: Module + 'static>(
-    copies: Vec<M>,
-) -> Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>> {
+fn cycle<M: Module + 'static>(copies: Vec<M>) -> RunFn {
     let next = std::cell::Cell::new(0usize);
     Box::new(move |x| {
         let i = next.get();

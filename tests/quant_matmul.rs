@@ -266,19 +266,21 @@ fn smollm2_gguf_tensors() -> Result<()> {
     let content =
         gguf_file::Content::read(&mut file).with_context(|| path.display().to_string())?;
     let dev = Device::Cpu;
-    let mut checked = 0;
-    for name in [
+    for (checked, name) in [
         "blk.0.attn_q.weight",    // [576, 576]: 18 blocks
         "blk.0.ffn_up.weight",    // [1536, 576]
         "blk.29.ffn_down.weight", // [576, 1536]: 48 blocks
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let w = content.tensor(&mut file, name, &dev)?;
         if w.dtype() != GgmlDType::Q4_1 {
             bail!("{name} is {:?}, expected Q4_1", w.dtype());
         }
         let (_, k) = w.shape().dims2()?;
         for m in [1usize, 7] {
-            let x = seeded_uniform(&[m, k], checked * 10 + m as u64, 1.0, &dev)?;
+            let x = seeded_uniform(&[m, k], (checked * 10 + m) as u64, 1.0, &dev)?;
             let w_copy = block_range(&w, 0, k / 32)?;
             check(w_copy, &x, &format!("{name} m={m}"))?;
             // An odd block range, as rank 1 of 2 gets for 18 blocks cut 9 + 9.
@@ -302,7 +304,6 @@ fn smollm2_gguf_tensors() -> Result<()> {
             );
             check(shard, &xs, &label)?;
         }
-        checked += 1;
     }
     Ok(())
 }
