@@ -332,3 +332,12 @@ fn any_thread_count_gives_the_same_bits() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn empty_inner_dimension_gives_zeros() -> Result<()> {
+    // k = 0: every output is an empty sum. This panicked (chunks of zero blocks) before.
+    let mut dst = vec![f32::NAN; 6];
+    candle_tp::quant::matmul_q4_1(Kernel::detect(), (2, 0, 3), &[], &[], &mut dst)?;
+    assert_eq!(dst, vec![0.0; 6]);
+    Ok(())
+}

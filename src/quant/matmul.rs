@@ -47,6 +47,10 @@ pub fn matmul_q4_1(
     if m == 0 || n == 0 {
         return Ok(());
     }
+    if k == 0 {
+        dst.fill(0.0); // empty sums
+        return Ok(());
+    }
     let mut xq = Vec::new();
     quantize_row_q8_1_into(x, k, &mut xq);
     let xq = &xq[..];
