@@ -1,0 +1,298 @@
+//! `QuantMatMul`: `y = x · Wᵀ` with W a GGUF-quantized [`QTensor`], the crate's kernels where
+//! it has one (Q4_1 on CPU) and candle's [`QMatMul`] everywhere else.
+
+use super::q4_1::{dot_rows, BlockQ4_1, Kernel, QK4_1};
+use super::q8_1::{quantize_row_q8_1_into, BlockQ8_1};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Weight rows per rayon task at least: below this the task costs more than its work.
+const MIN_ROWS_PER_TASK: usize = 16;
+
+/// `dst[m, n] = x[m, k] · W[n, k]ᵀ` for a Q4_1 weight given as its `n * k / 32` blocks (the
+/// bytes of a GGUF tensor of shape `[n, k]`, rows of blocks) and f32 activations.
+///
+/// Each activation row is quantized to Q8_1 once; the weight rows are split over the current
+/// rayon pool (`RAYON_NUM_THREADS`) in ranges of whole rows, four rows at a time sharing each
+/// activation load, every activation row (`m > 1`, prefill) reusing the four rows while they
+/// are in L1. `k` may be any multiple of 32 (odd block counts included).
+pub fn matmul_q4_1(
+    kernel: Kernel,
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: &[BlockQ4_1],
+    dst: &mut [f32],
+) -> Result<()> {
+    if k % QK4_1 != 0 {
+        candle_core::bail!("Q4_1 matmul: k = {k} is not a multiple of the block size {QK4_1}")
+    }
+    let kb = k / QK4_1;
+    if x.len() != m * k || w.len() != n * kb || dst.len() != m * n {
+        candle_core::bail!(
+            "Q4_1 matmul (m, k, n) = ({m}, {k}, {n}): x has {} values (expected {}), W {} blocks \
+             (expected {}), dst {} values (expected {})",
+            x.len(),
+            m * k,
+            w.len(),
+            n * kb,
+            dst.len(),
+            m * n
+        )
+    }
+    if !kernel.is_available() {
+        candle_core::bail!("Q4_1 matmul: kernel {kernel:?} is not supported by this CPU")
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        dst.fill(0.0); // empty sums
+        return Ok(());
+    }
+    let mut xq = Vec::new();
+    quantize_row_q8_1_into(x, k, &mut xq);
+    let xq = &xq[..];
+
+    // Output computed weight-row major ([n, m]) so each task owns one contiguous slice; for
+    // m == 1 that is dst itself, otherwise it is transposed into dst at the end.
+    // One thread: run on the caller (handing the work to a 1-thread pool only adds a wake-up).
+    let threads = rayon::current_num_threads();
+    let rows_per_task = if threads == 1 {
+        n
+    } else {
+        n.div_ceil(4 * threads)
+            .max(MIN_ROWS_PER_TASK)
+            .next_multiple_of(4)
+    };
+    let fill = |yt: &mut [f32]| {
+        let run =
+            |(t, out): (usize, &mut [f32])| rows_dot(kernel, w, kb, xq, m, t * rows_per_task, out);
+        if n <= rows_per_task {
+            run((0, yt));
+        } else {
+            yt.par_chunks_mut(rows_per_task * m)
+                .enumerate()
+                .for_each(run);
+        }
+    };
+    if m == 1 {
+        fill(dst);
+    } else {
+        let mut yt = vec![0f32; n * m];
+        fill(&mut yt);
+        for (j, col) in yt.chunks_exact(m).enumerate() {
+            for (i, &v) in col.iter().enumerate() {
+                dst[i * n + j] = v;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Weight rows `row0..row0 + out.len() / m` against all `m` activation rows, into
+/// `out[(row - row0) * m + i]`.
+fn rows_dot(
+    kernel: Kernel,
+    w: &[BlockQ4_1],
+    kb: usize,
+    xq: &[BlockQ8_1],
+    m: usize,
+    row0: usize,
+    out: &mut [f32],
+) {
+    let w_row = |r: usize| &w[(row0 + r) * kb..(row0 + r + 1) * kb];
+    let rows = out.len() / m;
+    let quads = rows / 4 * 4;
+    for r in (0..quads).step_by(4) {
+        let ws = [w_row(r), w_row(r + 1), w_row(r + 2), w_row(r + 3)];
+        for (i, x) in xq.chunks_exact(kb).enumerate() {
+            let mut o = [0f32; 4];
+            dot_rows(kernel, ws, x, &mut o);
+            for (t, v) in o.into_iter().enumerate() {
+                out[(r + t) * m + i] = v;
+            }
+        }
+    }
+    for r in quads..rows {
+        for (i, x) in xq.chunks_exact(kb).enumerate() {
+            let mut o = [0f32];
+            dot_rows(kernel, [w_row(r)], x, &mut o);
+            out[r * m + i] = o[0];
+        }
+    }
+}
+
+/// The Q4_1 product as a candle op (CPU, f32 input; inference only, no backward).
+#[derive(Clone)]
+struct Q4_1MatMul {
+    w: Arc<QTensor>,
+    n: usize,
+    k: usize,
+    kernel: Kernel,
+}
+
+impl CustomOp1 for Q4_1MatMul {
+    fn name(&self) -> &'static str {
+        "q4_1-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let shape = layout.shape();
+        let Some(&k) = shape.dims().last() else {
+            candle_core::bail!("QuantMatMul: input is a scalar, expected [.., {}]", self.k)
+        };
+        if k != self.k {
+            candle_core::bail!(
+                "QuantMatMul: input {shape:?} has last dim {k}, the Q4_1 weight [n, k] = [{}, {}] needs k = {}",
+                self.n,
+                self.k,
+                self.k
+            )
+        }
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("QuantMatMul: input {shape:?} is not contiguous")
+        };
+        let x = &storage.as_slice::<f32>()?[start..end];
+        let data = self.w.data()?;
+        let w = BlockQ4_1::slice_from_bytes(&data)?;
+        let m = shape.elem_count() / k.max(1);
+        let mut dst = vec![0f32; m * self.n];
+        matmul_q4_1(self.kernel, (m, k, self.n), x, w, &mut dst)?;
+        let mut dims = shape.dims().to_vec();
+        *dims.last_mut().expect("rank checked above") = self.n;
+        Ok((CpuStorage::F32(dst), Shape::from(dims)))
+    }
+}
+
+#[derive(Clone)]
+enum Inner {
+    /// The crate's kernel (CPU).
+    Q4_1(Q4_1MatMul),
+    /// Everything else: candle's own quantized matmul.
+    Candle(QMatMul),
+}
+
+/// A linear map `y = x · Wᵀ` (no bias) with W a quantized `[n, k]` [`QTensor`], as candle's
+/// [`QMatMul`] but with the crate's fast kernels where it has them:
+///
+/// | weight type | CPU | other devices |
+/// |---|---|---|
+/// | Q4_1 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
+/// | anything else | `QMatMul` | `QMatMul` |
+///
+/// Input: any leading dims, last dim `k`; f32 (f16 / bf16 are converted to f32 and the result
+/// back). Inference only: the output does not track gradients.
+///
+/// ```no_run
+/// # use candle_core::{quantized::{GgmlDType, QTensor}, Device, Module, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let w = Tensor::randn(0f32, 1.0, (1536, 576), &Device::Cpu)?;
+/// let mm = candle_tp::quant::QuantMatMul::new(QTensor::quantize(&w, GgmlDType::Q4_1)?)?;
+/// let y = mm.forward(&Tensor::randn(0f32, 1.0, (1, 7, 576), &Device::Cpu)?)?; // [1, 7, 1536]
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct QuantMatMul {
+    inner: Inner,
+    /// The weight's `(n, k)`.
+    dims: (usize, usize),
+}
+
+impl QuantMatMul {
+    /// Wraps a quantized weight of shape `[n, k]` (GGUF layout: out features, in features).
+    pub fn new(w: QTensor) -> Result<Self> {
+        Self::from_arc(Arc::new(w))
+    }
+
+    /// As [`QuantMatMul::new`], sharing the tensor.
+    pub fn from_arc(w: Arc<QTensor>) -> Result<Self> {
+        Self::build(w, Kernel::detect())
+    }
+
+    /// As [`QuantMatMul::from_arc`] with a given kernel for the types the crate accelerates
+    /// (to test or benchmark one path); errors if this CPU cannot run it.
+    pub fn with_kernel(w: Arc<QTensor>, kernel: Kernel) -> Result<Self> {
+        if !kernel.is_available() {
+            candle_core::bail!("QuantMatMul: kernel {kernel:?} is not supported by this CPU")
+        }
+        Self::build(w, kernel)
+    }
+
+    fn build(w: Arc<QTensor>, kernel: Kernel) -> Result<Self> {
+        let (n, k) = w.shape().dims2().map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "QuantMatMul: weight of shape {:?} ({:?}) is not a matrix [n, k]",
+                w.shape(),
+                w.dtype()
+            ))
+        })?;
+        if !(w.device().is_cpu() && w.dtype() == GgmlDType::Q4_1) {
+            return Ok(Self {
+                inner: Inner::Candle(QMatMul::from_arc(w)?),
+                dims: (n, k),
+            });
+        }
+        if k % QK4_1 != 0 {
+            candle_core::bail!(
+                "QuantMatMul: Q4_1 weight [{n}, {k}]: k is not a multiple of the block size {QK4_1}"
+            )
+        }
+        let bytes = w.storage_size_in_bytes();
+        let expected = n * (k / QK4_1) * std::mem::size_of::<BlockQ4_1>();
+        if bytes != expected {
+            candle_core::bail!(
+                "QuantMatMul: Q4_1 weight [{n}, {k}] holds {bytes} bytes, expected {expected}"
+            )
+        }
+        Ok(Self {
+            inner: Inner::Q4_1(Q4_1MatMul { w, n, k, kernel }),
+            dims: (n, k),
+        })
+    }
+
+    /// The weight's `(n, k)`: output and input features.
+    pub fn dims(&self) -> (usize, usize) {
+        self.dims
+    }
+
+    /// The crate's kernel this matmul runs, or `None` where it defers to candle's `QMatMul`.
+    pub fn kernel(&self) -> Option<Kernel> {
+        match &self.inner {
+            Inner::Q4_1(op) => Some(op.kernel),
+            Inner::Candle(_) => None,
+        }
+    }
+}
+
+impl Module for QuantMatMul {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match &self.inner {
+            Inner::Candle(mm) => mm.forward(xs),
+            Inner::Q4_1(op) => {
+                if !xs.device().is_cpu() {
+                    candle_core::bail!(
+                        "QuantMatMul: input {:?} is on {:?}, the Q4_1 weight [{}, {}] on the CPU",
+                        xs.shape(),
+                        xs.device().location(),
+                        op.n,
+                        op.k
+                    )
+                }
+                let dtype = xs.dtype();
+                let x = xs.to_dtype(DType::F32)?.contiguous()?;
+                x.apply_op1_no_bwd(op)?.to_dtype(dtype)
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for QuantMatMul {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.inner {
+            Inner::Q4_1(op) => write!(f, "QuantMatMul(Q4_1 [{}, {}], {:?})", op.n, op.k, op.kernel),
+            Inner::Candle(mm) => write!(f, "QuantMatMul({mm:?})"),
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! Quantized CPU kernels: what candle 0.11 runs in scalar code, made fast.
+//!
+//! Candle 0.11.1 has SIMD dot products for Q4_0, Q8_0 and the k-quants but multiplies Q4_1
+//! (the type SmolLM2's GGUF package ships), Q5_0 and Q5_1 in scalar code, and its Q4_1 dot
+//! product asserts (in debug builds) an even block count per row, which a row-parallel shard
+//! need not have. This module adds:
+//!
+//! - [`BlockQ8_1`] and [`quantize_row_q8_1`]: the activation format (ggml's `block_q8_1`);
+//! - [`vec_dot_q4_1_q8_1`]: the Q4_1 × Q8_1 dot product, [`Kernel::Scalar`] or
+//!   [`Kernel::Avx2`] (AVX2 + FMA + F16C, runtime-detected), any block count;
+//! - [`matmul_q4_1`]: `x · Wᵀ` over rayon, quantizing each activation row once;
+//! - [`QuantMatMul`]: the one-call `Module` for a quantized weight, the crate's kernel where it
+//!   has one and candle's `QMatMul` otherwise (other types, other devices).
+//!
+//! See "Quantized kernels" in `docs/PERFORMANCE.md` for which types are fast on which CPUs.
+
+mod matmul;
+mod q4_1;
+mod q8_1;
+
+pub use matmul::{matmul_q4_1, QuantMatMul};
+pub use q4_1::{vec_dot_q4_1_q8_1, BlockQ4_1, Kernel, QK4_1};
+pub use q8_1::{quantize_row_q8_1, BlockQ8_1, QK8_1};

@@ -1,0 +1,251 @@
+//! Q4_1 × Q8_1 dot products: a scalar reference and an AVX2 + FMA + F16C kernel.
+//!
+//! A Q4_1 block (ggml's `block_q4_1`, 20 bytes) stores 32 weights as 4-bit `q` with a scale
+//! `d` and an offset `m`: `w[i] = d * q[i] + m`, low nibbles holding values 0..16 and high
+//! nibbles 16..32. Against a Q8_1 block `x[i] = d' * q'[i]`:
+//! `Σ w·x = d·d' · Σ q·q' + m · (d' · Σ q') = d·d' · Σ q·q' + m · s'`.
+//! The integer sum is what the SIMD kernel computes 32 lanes at a time, as ggml's
+//! `ggml_vec_dot_q4_1_q8_1` does: `maddubs` (unsigned nibbles × signed bytes, pairs summed to
+//! i16, at most 2·15·127 so no saturation), `madd` with ones to i32, convert, FMA with the
+//! block's `d·d'`. Unlike candle 0.11's version any block count works (a row-parallel shard
+//! may hold an odd number of blocks per row).
+
+use super::q8_1::{BlockQ8_1, QK8_1};
+use candle_core::Result;
+use half::f16;
+
+/// Values per Q4_1 block (ggml's `QK4_1`).
+pub const QK4_1: usize = 32;
+
+/// One Q4_1 block, laid out as GGUF stores it: `w[j] = d * (qs[j] & 15) + m` and
+/// `w[j + 16] = d * (qs[j] >> 4) + m` for `j < 16`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ4_1 {
+    /// Scale.
+    pub d: f16,
+    /// Offset (the block's minimum).
+    pub m: f16,
+    /// Packed 4-bit values.
+    pub qs: [u8; QK4_1 / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+
+impl BlockQ4_1 {
+    /// Views GGUF bytes (e.g. `QTensor::data()` of a Q4_1 tensor) as blocks, without copying.
+    /// Errors if the length is not a whole number of 20-byte blocks or the bytes are not
+    /// 2-byte aligned (candle's CPU storage always is).
+    pub fn slice_from_bytes(bytes: &[u8]) -> Result<&[Self]> {
+        let size = std::mem::size_of::<Self>();
+        if bytes.len() % size != 0 {
+            candle_core::bail!(
+                "Q4_1 data of {} bytes is not a whole number of {size}-byte blocks",
+                bytes.len()
+            )
+        }
+        if bytes.as_ptr() as usize % std::mem::align_of::<Self>() != 0 {
+            candle_core::bail!("Q4_1 data at {:p} is not 2-byte aligned", bytes.as_ptr())
+        }
+        // SAFETY: length and alignment checked above; `BlockQ4_1` is `repr(C)` plain data
+        // (f16 is a transparent u16) for which every bit pattern is valid.
+        Ok(
+            unsafe {
+                std::slice::from_raw_parts(bytes.as_ptr() as *const Self, bytes.len() / size)
+            },
+        )
+    }
+}
+
+/// Which implementation of the quantized dot products runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// Portable Rust, the reference every SIMD kernel is tested against.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C (Haswell / Zen and later), checked at run time.
+    Avx2,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU supports (checked once per call with
+    /// `is_x86_feature_detected!`, which caches).
+    pub fn detect() -> Self {
+        if Self::Avx2.is_available() {
+            Self::Avx2
+        } else {
+            Self::Scalar
+        }
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn is_available(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx2 => false,
+        }
+    }
+}
+
+/// `Σ_b dot(ws[b], xs[b])` over blocks, with the chosen kernel; any number of blocks.
+///
+/// # Panics
+/// If the slices differ in length, or `kernel` is not available on this CPU (a programming
+/// error: pick it with [`Kernel::detect`] or check [`Kernel::is_available`]).
+pub fn vec_dot_q4_1_q8_1(kernel: Kernel, ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f32 {
+    let mut out = [0f32];
+    dot_rows(kernel, [ws], xs, &mut out);
+    out[0]
+}
+
+/// Dot products of `R` weight rows with one activation row, sharing its loads (`R` = 1 or 4
+/// in the matmul). Panics as [`vec_dot_q4_1_q8_1`] does.
+pub(crate) fn dot_rows<const R: usize>(
+    kernel: Kernel,
+    ws: [&[BlockQ4_1]; R],
+    xs: &[BlockQ8_1],
+    out: &mut [f32; R],
+) {
+    for w in ws {
+        assert_eq!(
+            w.len(),
+            xs.len(),
+            "Q4_1 row of {} blocks against {} Q8_1 blocks",
+            w.len(),
+            xs.len()
+        );
+    }
+    match kernel {
+        Kernel::Scalar => {
+            for (o, w) in out.iter_mut().zip(ws) {
+                *o = dot_scalar(w, xs);
+            }
+        }
+        Kernel::Avx2 => {
+            assert!(
+                kernel.is_available(),
+                "the AVX2 kernel needs avx2, fma and f16c"
+            );
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU features were checked just above; the rows have xs.len() blocks.
+            unsafe {
+                *out = avx2::dot_rows(ws, xs)
+            }
+        }
+    }
+}
+
+/// Scalar reference (ggml's generic `ggml_vec_dot_q4_1_q8_1`, block after block).
+fn dot_scalar(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f32 {
+    let mut sum = 0f32;
+    for (w, x) in ws.iter().zip(xs) {
+        let mut sumi = 0i32;
+        for j in 0..QK8_1 / 2 {
+            let lo = (w.qs[j] & 0x0F) as i32;
+            let hi = (w.qs[j] >> 4) as i32;
+            sumi += lo * x.qs[j] as i32 + hi * x.qs[j + QK8_1 / 2] as i32;
+        }
+        sum += sumi as f32 * w.d.to_f32() * x.d.to_f32() + w.m.to_f32() * x.s.to_f32();
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{BlockQ4_1, BlockQ8_1};
+    use std::arch::x86_64::*;
+
+    /// `R` rows at once: `R` independent FMA chains hide the FMA latency, and each activation
+    /// block is loaded and widened once for all rows.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every row must have `xs.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_rows<const R: usize>(
+        ws: [&[BlockQ4_1]; R],
+        xs: &[BlockQ8_1],
+    ) -> [f32; R] {
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); R];
+        // Lane 1 of each accumulates m·s (lane 0 collects d·d', unused).
+        let mut acc_ms = [_mm_setzero_ps(); R];
+        for (b, x) in xs.iter().enumerate() {
+            // [d', s'] of the activation block as f32.
+            let xds = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
+                x as *const BlockQ8_1 as *const i32,
+            )));
+            let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+            for r in 0..R {
+                let w = ws[r].get_unchecked(b);
+                let wdm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
+                    w as *const BlockQ4_1 as *const i32,
+                )));
+                let prod = _mm_mul_ps(wdm, xds); // [d·d', m·s', 0, 0]
+                acc_ms[r] = _mm_add_ps(acc_ms[r], prod);
+                let packed = _mm_loadu_si128(w.qs.as_ptr() as *const __m128i);
+                let qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+                let pairs = _mm256_maddubs_epi16(qw, qx);
+                let quads = _mm256_madd_epi16(pairs, ones);
+                acc[r] = _mm256_fmadd_ps(
+                    _mm256_broadcastss_ps(prod),
+                    _mm256_cvtepi32_ps(quads),
+                    acc[r],
+                );
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            let a = acc[r];
+            let s = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            let ms = _mm_cvtss_f32(_mm_shuffle_ps(acc_ms[r], acc_ms[r], 1));
+            out[r] = _mm_cvtss_f32(s) + ms;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::q8_1::quantize_row_q8_1;
+
+    fn pseudo(i: usize) -> f32 {
+        let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+        (x as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn avx2_matches_scalar_for_every_block_count() {
+        if !Kernel::Avx2.is_available() {
+            eprintln!("no AVX2 on this CPU: nothing to compare");
+            return;
+        }
+        for nb in [1usize, 2, 3, 5, 18, 19] {
+            let ws: Vec<BlockQ4_1> = (0..nb)
+                .map(|b| BlockQ4_1 {
+                    d: f16::from_f32(0.01 + 0.02 * pseudo(b).abs()),
+                    m: f16::from_f32(-0.1 * pseudo(b + 7)),
+                    qs: std::array::from_fn(|j| (pseudo(b * 16 + j + 99).to_bits() & 0xFF) as u8),
+                })
+                .collect();
+            let x: Vec<f32> = (0..nb * 32).map(|i| pseudo(i + 1000) * 3.0).collect();
+            let mut xs = vec![BlockQ8_1::ZERO; nb];
+            quantize_row_q8_1(&x, &mut xs);
+            let s = vec_dot_q4_1_q8_1(Kernel::Scalar, &ws, &xs);
+            let a = vec_dot_q4_1_q8_1(Kernel::Avx2, &ws, &xs);
+            assert!(s.is_finite() && a.is_finite());
+            assert!(
+                (s - a).abs() <= 1e-5 * (1.0 + s.abs()),
+                "nb={nb}: scalar {s} avx2 {a}"
+            );
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! Q8_1: the activation format Q4_1 (and Q5_1) weights are multiplied with.
+//!
+//! A block holds 32 signed bytes `q`, a scale `d` and `s = d * sum(q)`, both as f16: ggml's
+//! `block_q8_1`, byte for byte (36 bytes). `s` lets a Q4_1 dot product add the weight block's
+//! offset `m` with one multiply (`m * s`) instead of summing the activations again.
+
+use half::f16;
+
+/// Values per Q8_1 block (ggml's `QK8_1`).
+pub const QK8_1: usize = 32;
+
+/// One Q8_1 block: `x[i] ≈ d * qs[i]`, and `s = d * Σ qs[i]` (ggml's `block_q8_1`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8_1 {
+    /// Scale: `max |x| / 127`.
+    pub d: f16,
+    /// `d * Σ qs`, for the offset term of asymmetric weight types.
+    pub s: f16,
+    /// Quantized values, `round(x / d)`, in `-127..=127`.
+    pub qs: [i8; QK8_1],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8_1>() == 36);
+
+impl BlockQ8_1 {
+    /// The all-zero block (`d = s = 0`).
+    pub const ZERO: Self = Self {
+        d: f16::ZERO,
+        s: f16::ZERO,
+        qs: [0; QK8_1],
+    };
+}
+
+/// Quantizes `xs` into `ys` (ggml's `quantize_row_q8_1`), with exactly the rounding candle
+/// 0.11's `BlockQ8_1::from_float` uses (round half away from zero, `s` rounded through f16 as
+/// `f16(Σq) * f16(d)`), so products against it match candle's `QMatMul` up to summation order.
+///
+/// # Panics
+/// If `xs.len() != ys.len() * 32` (callers size the buffers; see [`quantize_row_q8_1_into`]).
+pub fn quantize_row_q8_1(xs: &[f32], ys: &mut [BlockQ8_1]) {
+    assert_eq!(
+        xs.len(),
+        ys.len() * QK8_1,
+        "quantize_row_q8_1: {} values for {} blocks of {QK8_1}",
+        xs.len(),
+        ys.len()
+    );
+    for (x, y) in xs.chunks_exact(QK8_1).zip(ys.iter_mut()) {
+        let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in y.qs.iter_mut().zip(x) {
+            *q = (v * id).round() as i8;
+            sum += *q as i32;
+        }
+        y.d = f16::from_f32(d);
+        y.s = f16::from_f32(sum as f32) * y.d;
+    }
+}
+
+/// Quantizes `m` rows of `k` values each (`xs.len() == m * k`, `k` a multiple of 32) into a
+/// reused buffer of `m * k / 32` blocks, row after row.
+pub fn quantize_row_q8_1_into(xs: &[f32], k: usize, out: &mut Vec<BlockQ8_1>) {
+    debug_assert!(k % QK8_1 == 0 && xs.len() % k.max(1) == 0);
+    out.clear();
+    out.resize(xs.len() / QK8_1, BlockQ8_1::ZERO);
+    quantize_row_q8_1(xs, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roundtrip_within_half_a_step() {
+        let xs: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.3)
+            .collect();
+        let mut ys = vec![BlockQ8_1::ZERO; 2];
+        quantize_row_q8_1(&xs, &mut ys);
+        for (x, y) in xs.chunks(32).zip(&ys) {
+            let d = y.d.to_f32();
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            assert!(d > 0.0 && (d - amax / 127.0).abs() <= 1e-3 * d);
+            let sum: i32 = y.qs.iter().map(|&q| q as i32).sum();
+            assert!((y.s.to_f32() - d * sum as f32).abs() <= 2e-3 * d * sum.abs() as f32 + 1e-6);
+            for (&v, &q) in x.iter().zip(&y.qs) {
+                assert!(
+                    (v - d * q as f32).abs() <= 0.51 * d + 1e-3 * amax,
+                    "{v} {q} {d}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn zero_block_has_zero_scale() {
+        let mut ys = vec![BlockQ8_1::ZERO; 1];
+        quantize_row_q8_1(&[0.0; 32], &mut ys);
+        assert_eq!(ys[0], BlockQ8_1::ZERO);
+    }
+}

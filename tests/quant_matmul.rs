@@ -1,0 +1,343 @@
+//! `candle_tp::quant`: the Q4_1 × Q8_1 matmul against independent references.
+//!
+//! - candle's own `QMatMul` on the same `QTensor` (same activation quantization, so only the
+//!   summation order differs): tight. Candle's Q4_1 dot product asserts an even block count
+//!   per row in debug builds, so odd counts are compared with the next reference instead.
+//! - The exact product of what is multiplied: candle's `QTensor::dequantize` of W times the
+//!   activations quantized to Q8_1 and dequantized by candle (`QTensor::quantize(x, Q8_1)`),
+//!   summed in f64. Differs only by f32 rounding and the f16 rounding of Q8_1's `s`.
+//! - The plain f32 product `x · dequantize(W)ᵀ`: differs by the Q8_1 rounding of x (stated).
+//! - Both kernels, `Kernel::Scalar` and `Kernel::Avx2`, called explicitly, must agree.
+//!
+//! Weights: random, and real tensors of SmolLM2's Q4_1 GGUF (fetched by
+//! `scripts/fetch-models.sh`; the test fails without it), whole and cut to an odd number of
+//! blocks per row the way a row-parallel shard is.
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_tp::quant::{Kernel, QuantMatMul};
+use candle_tp::rng::seeded_uniform;
+
+const GGUF_NAME: &str = "smollm2-135m-instruct.Q4_1.gguf";
+
+/// Max |a - b| after checking both are finite and of the same shape.
+fn max_abs_diff(a: &Tensor, b: &Tensor, what: &str) -> Result<f32> {
+    if a.dims() != b.dims() {
+        bail!("{what}: shapes {:?} vs {:?}", a.dims(), b.dims());
+    }
+    for (t, name) in [(a, "left"), (b, "right")] {
+        let v = t.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            bail!("{what}: {name} value {i} is {}", v[i]);
+        }
+    }
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+fn max_abs(t: &Tensor) -> Result<f32> {
+    Ok(t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+/// The kernels this CPU can run (the scalar one always).
+fn kernels() -> Vec<Kernel> {
+    let mut ks = vec![Kernel::Scalar];
+    if Kernel::Avx2.is_available() {
+        ks.push(Kernel::Avx2);
+    } else {
+        eprintln!("no AVX2 here: only the scalar kernel is tested");
+    }
+    ks
+}
+
+/// Errors of one case, relative to the output's largest magnitude.
+struct Errors {
+    vs_qmatmul: Option<f32>,
+    vs_exact: f32,
+    vs_f32: f32,
+    scalar_vs_avx2: f32,
+}
+
+/// Runs every check for weight `w` ([n, k] Q4_1) and input `x` ([.., k] f32).
+fn check(w: impl Into<Arc<QTensor>>, x: &Tensor, label: &str) -> Result<Errors> {
+    let w: Arc<QTensor> = w.into();
+    assert_eq!(w.dtype(), GgmlDType::Q4_1, "{label}");
+    let (n, k) = w.shape().dims2()?;
+    let dev = Device::Cpu;
+    let x2 = x.flatten_to(x.rank() - 2)?; // [m, k]
+
+    // References.
+    let w_f32 = w.dequantize(&dev)?; // [n, k]
+    let plain = x2.matmul(&w_f32.t()?)?;
+    let xq = QTensor::quantize(&x2, GgmlDType::Q8_1)?.dequantize(&dev)?;
+    let exact = xq
+        .to_dtype(DType::F64)?
+        .matmul(&w_f32.to_dtype(DType::F64)?.t()?)?
+        .to_dtype(DType::F32)?;
+    let even = (k / 32) % 2 == 0;
+    let candle = if even {
+        Some(QMatMul::from_arc(w.clone())?.forward(&x2)?)
+    } else {
+        None
+    };
+    let scale = max_abs(&plain)?.max(1e-6);
+
+    let mut outs = Vec::new();
+    for kernel in kernels() {
+        let mm = QuantMatMul::with_kernel(w.clone(), kernel)?;
+        assert_eq!(mm.kernel(), Some(kernel), "{label}");
+        assert_eq!(mm.dims(), (n, k), "{label}");
+        let y = mm.forward(x)?;
+        let mut want = x.dims().to_vec();
+        *want.last_mut().unwrap() = n;
+        assert_eq!(y.dims(), &want[..], "{label}: output shape");
+        outs.push(y.flatten_to(x.rank() - 2)?);
+    }
+    let y = outs.last().unwrap();
+    if let Some(c) = &candle {
+        // Same blocks, same arithmetic in the same order: bit-identical.
+        let d = max_abs_diff(&outs[0], c, label)?;
+        assert_eq!(d, 0.0, "{label}: scalar kernel vs candle QMatMul");
+    }
+    let errs = Errors {
+        vs_qmatmul: match &candle {
+            Some(c) => Some(max_abs_diff(y, c, label)? / scale),
+            None => None,
+        },
+        vs_exact: max_abs_diff(y, &exact, label)? / scale,
+        vs_f32: max_abs_diff(y, &plain, label)? / scale,
+        scalar_vs_avx2: max_abs_diff(&outs[0], y, label)? / scale,
+    };
+    eprintln!(
+        "{label}: n={n} k={k} ({} blocks) m={} |y|max={scale:.3}: rel err vs QMatMul {:?}, \
+         vs exact {:.2e}, vs f32 {:.2e}, scalar vs avx2 {:.2e}",
+        k / 32,
+        x2.dim(0)?,
+        errs.vs_qmatmul,
+        errs.vs_exact,
+        errs.vs_f32,
+        errs.scalar_vs_avx2
+    );
+    // Tolerances near the measured maxima (relative to max |y|), on this file's cases:
+    // vs QMatMul and scalar vs AVX2 6.4e-7 (f32 summation order), vs the exact product
+    // 9.6e-4 (Q8_1 stores s = d·Σq in f16), vs the f32 product 7.2e-3 (Q8_1 rounding of x).
+    if let Some(e) = errs.vs_qmatmul {
+        assert!(e <= 1e-6, "{label}: {e} vs candle QMatMul");
+    }
+    assert!(
+        errs.vs_exact <= 1.5e-3,
+        "{label}: {} vs exact product",
+        errs.vs_exact
+    );
+    assert!(
+        errs.vs_f32 <= 1e-2,
+        "{label}: {} vs f32 product",
+        errs.vs_f32
+    );
+    assert!(
+        errs.scalar_vs_avx2 <= 1e-6,
+        "{label}: scalar vs avx2 {}",
+        errs.scalar_vs_avx2
+    );
+    Ok(errs)
+}
+
+fn random_q4_1(n: usize, k: usize, seed: u64) -> Result<QTensor> {
+    // Rows with an offset, as real weights have: Q4_1's m term matters.
+    let w = (seeded_uniform(&[n, k], seed, 0.08, &Device::Cpu)? + 0.01)?;
+    Ok(QTensor::quantize(&w, GgmlDType::Q4_1)?)
+}
+
+#[test]
+fn random_weights_even_and_odd_blocks() -> Result<()> {
+    let dev = Device::Cpu;
+    for &(n, k) in &[
+        (64usize, 576usize),
+        (37, 96),
+        (130, 32),
+        (9, 1536),
+        (576, 288),
+    ] {
+        let w = random_q4_1(n, k, n as u64 * 7 + k as u64)?;
+        for m in [1usize, 7] {
+            let x = seeded_uniform(&[m, k], (m * n) as u64, 1.0, &dev)?;
+            check(
+                QTensor::new(
+                    QStorage::from_data(w.data()?, &dev, GgmlDType::Q4_1)?,
+                    (n, k),
+                )?,
+                &x,
+                &format!("random [{n}, {k}] m={m}"),
+            )?;
+        }
+    }
+    // Leading batch dims: [2, 3, k] is 6 rows.
+    let w = random_q4_1(40, 160, 3)?;
+    let x = seeded_uniform(&[2, 3, 160], 11, 1.0, &dev)?;
+    check(w, &x, "random [40, 160] x [2, 3, 160]")?;
+    Ok(())
+}
+
+#[test]
+fn zero_and_constant_inputs() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = Arc::new(random_q4_1(16, 64, 5)?);
+    for kernel in kernels() {
+        let mm = QuantMatMul::with_kernel(w.clone(), kernel)?;
+        let y = mm.forward(&Tensor::zeros((3, 64), DType::F32, &dev)?)?;
+        assert_eq!(max_abs(&y)?, 0.0, "{kernel:?}: zero input");
+    }
+    // A constant input exercises the m·s term alone for each block's offset.
+    check(
+        random_q4_1(16, 64, 6)?,
+        &Tensor::ones((1, 64), DType::F32, &dev)?,
+        "constant x",
+    )?;
+    Ok(())
+}
+
+#[test]
+fn bad_shapes_are_errors_naming_them() -> Result<()> {
+    let dev = Device::Cpu;
+    let mm = QuantMatMul::new(random_q4_1(8, 64, 1)?)?;
+    let err = mm
+        .forward(&Tensor::zeros((2, 96), DType::F32, &dev)?)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("96") && err.contains("[8, 64]"), "{err}");
+    let w3 = QTensor::quantize(
+        &Tensor::zeros((2, 4, 64), DType::F32, &dev)?,
+        GgmlDType::Q4_1,
+    )?;
+    let err = QuantMatMul::new(w3).unwrap_err().to_string();
+    assert!(
+        err.contains("[2, 4, 64]") && err.contains("not a matrix"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = seeded_uniform(&[32, 64], 1, 1.0, &dev)?;
+    let x = seeded_uniform(&[3, 64], 2, 1.0, &dev)?;
+    for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q5_1] {
+        let q = Arc::new(QTensor::quantize(&w, dtype)?);
+        let mm = QuantMatMul::from_arc(q.clone())?;
+        assert_eq!(mm.kernel(), None);
+        let d = max_abs_diff(
+            &mm.forward(&x)?,
+            &QMatMul::from_arc(q)?.forward(&x)?,
+            "fallback",
+        )?;
+        assert_eq!(d, 0.0, "{dtype:?}");
+    }
+    Ok(())
+}
+
+/// Rows `0..n` of `w` ([n, k] Q4_1), blocks `b0..b1` of each: a row-parallel shard, built the
+/// way the GGUF loader builds one (a byte range per row, `QStorage::from_data`).
+fn block_range(w: &QTensor, b0: usize, b1: usize) -> Result<QTensor> {
+    let (n, k) = w.shape().dims2()?;
+    let kb = k / 32;
+    let data = w.data()?;
+    let mut bytes = Vec::with_capacity(n * (b1 - b0) * 20);
+    for r in 0..n {
+        bytes.extend_from_slice(&data[(r * kb + b0) * 20..(r * kb + b1) * 20]);
+    }
+    Ok(QTensor::new(
+        QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::Q4_1)?,
+        (n, (b1 - b0) * 32),
+    )?)
+}
+
+#[test]
+fn smollm2_gguf_tensors() -> Result<()> {
+    let path = candle_tp::models::models_dir()?.join(GGUF_NAME);
+    if !path.is_file() {
+        bail!(
+            "{} is missing: run scripts/fetch-models.sh first",
+            path.display()
+        );
+    }
+    let mut file = std::fs::File::open(&path)?;
+    let content =
+        gguf_file::Content::read(&mut file).with_context(|| path.display().to_string())?;
+    let dev = Device::Cpu;
+    for (checked, name) in [
+        "blk.0.attn_q.weight",    // [576, 576]: 18 blocks
+        "blk.0.ffn_up.weight",    // [1536, 576]
+        "blk.29.ffn_down.weight", // [576, 1536]: 48 blocks
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let w = content.tensor(&mut file, name, &dev)?;
+        if w.dtype() != GgmlDType::Q4_1 {
+            bail!("{name} is {:?}, expected Q4_1", w.dtype());
+        }
+        let (_, k) = w.shape().dims2()?;
+        for m in [1usize, 7] {
+            let x = seeded_uniform(&[m, k], (checked * 10 + m) as u64, 1.0, &dev)?;
+            let w_copy = block_range(&w, 0, k / 32)?;
+            check(w_copy, &x, &format!("{name} m={m}"))?;
+            // An odd block range, as rank 1 of 2 gets for 18 blocks cut 9 + 9.
+            let (b0, b1) = (k / 64, k / 32);
+            let shard = block_range(&w, b0, b1)?;
+            // A view with a start offset goes into the kernel as it is (for m = 1 the narrow
+            // stays contiguous); the references get a fresh tensor (candle 0.11.1's
+            // `QTensor::quantize` reads the whole storage from offset 0, ignoring the layout).
+            let view = x.narrow(1, b0 * 32, (b1 - b0) * 32)?;
+            let xs = Tensor::from_vec(view.flatten_all()?.to_vec1::<f32>()?, view.dims(), &dev)?;
+            let label = format!("{name}[:, blocks {b0}..{b1}] m={m}");
+            let shard = Arc::new(shard);
+            let (y_view, y_copy) = {
+                let mm = QuantMatMul::from_arc(shard.clone())?;
+                (mm.forward(&view)?, mm.forward(&xs)?)
+            };
+            assert_eq!(
+                max_abs_diff(&y_view, &y_copy, &label)?,
+                0.0,
+                "{label}: view vs copy"
+            );
+            check(shard, &xs, &label)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn any_thread_count_gives_the_same_bits() -> Result<()> {
+    // The rows are split over the rayon pool (on the caller with one thread): every split
+    // must compute each output the same way.
+    let w = Arc::new(random_q4_1(1000, 96, 9)?);
+    let x = seeded_uniform(&[7, 96], 4, 1.0, &Device::Cpu)?;
+    let mm = QuantMatMul::from_arc(w)?;
+    let run = |threads: usize| -> Result<Tensor> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()?;
+        Ok(pool.install(|| mm.forward(&x))?)
+    };
+    let one = run(1)?;
+    assert!(max_abs(&one)? > 0.1, "the output is not trivially zero");
+    for threads in [2, 3, 5] {
+        assert_eq!(
+            max_abs_diff(&one, &run(threads)?, "threads")?,
+            0.0,
+            "{threads} threads"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn empty_inner_dimension_gives_zeros() -> Result<()> {
+    // k = 0: every output is an empty sum. This panicked (chunks of zero blocks) before.
+    let mut dst = vec![f32::NAN; 6];
+    candle_tp::quant::matmul_q4_1(Kernel::detect(), (2, 0, 3), &[], &[], &mut dst)?;
+    assert_eq!(dst, vec![0.0; 6]);
+    Ok(())
+}
