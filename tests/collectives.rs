@@ -322,3 +322,40 @@ fn invalid_arguments_are_clear_errors() {
     })
     .unwrap();
 }
+
+/// `ReduceOp::Max` propagates NaN like PyTorch's `torch.maximum` and NCCL's max: a NaN on any
+/// rank makes that element NaN on every rank, whatever its position in the rank order.
+#[test]
+fn max_propagates_nan_from_any_rank() {
+    for world in 2..=3 {
+        for nan_rank in 0..world {
+            let out = run_threads_with(world, small_slots(), |pg| {
+                let mut a: Vec<f32> = (0..5000).map(|i| val(pg.rank(), i) as f32).collect();
+                let mut b: Vec<bf16> = (0..300)
+                    .map(|i| bf16::from_f64(val(pg.rank(), i)))
+                    .collect();
+                if pg.rank() == nan_rank {
+                    a[7] = f32::NAN;
+                    a[4999] = f32::NAN;
+                    b[5] = bf16::NAN;
+                }
+                pg.all_reduce_slice(&mut a, ReduceOp::Max)?;
+                pg.all_reduce_slice(&mut b, ReduceOp::Max)?;
+                Ok((a, b))
+            })
+            .unwrap();
+            for (r, (a, b)) in out.iter().enumerate() {
+                let at = format!("world {world}, NaN on rank {nan_rank}, seen by rank {r}");
+                assert!(
+                    a[7].is_nan() && a[4999].is_nan(),
+                    "f32: {at}: {} {}",
+                    a[7],
+                    a[4999]
+                );
+                assert!(b[5].is_nan(), "bf16: {at}: {}", b[5]);
+                let finite = a.iter().enumerate().filter(|(i, _)| *i != 7 && *i != 4999);
+                assert!(finite.clone().all(|(_, v)| v.is_finite()), "{at}");
+            }
+        }
+    }
+}

@@ -349,3 +349,49 @@ fn bad_shapes_are_clear_errors() {
     );
     assert!(e.contains("fewer units than ranks"), "{e}");
 }
+
+/// The comparison the whole suite relies on must not be blind to NaN: a NaN injected into one
+/// element of a parallel layer's weight reaches its output, and `max_abs_diff` against the
+/// dense output (NaN in the same place) must be an error, not a small number. Candle's CPU
+/// `max` skips NaN after the first element, so a max-based check alone passes.
+#[test]
+fn a_nan_in_a_layer_output_is_caught_by_the_comparison() {
+    let (inp, out) = (6, 10);
+    let mut wv = seeded(&[out, inp], 1)
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    wv[3 * inp + 2] = f32::NAN; // row 3: on rank 0 at world 2
+    let w = Tensor::from_vec(wv, (out, inp), &candle_core::Device::Cpu).unwrap();
+    let x = seeded(&[2, 3, inp], 3);
+    let errs = run_threads(2, |pg| {
+        let part = Partition::new(out, 2)?;
+        let dense = Linear::new(w.clone(), None).forward(&x)?;
+        let layer = ColumnParallelLinear::new(
+            narrow(&w, 0, &part, pg.rank())?,
+            None,
+            inp,
+            part,
+            pg.clone(),
+        )?
+        .with_gather_output(true);
+        let got = layer.forward(&x)?;
+        // Candle's own max of the difference misses the NaN (the reason for the check).
+        let blind = (&got - &dense)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        Ok((blind, max_abs_diff(&got, &dense).map_err(|e| e.to_string())))
+    })
+    .unwrap();
+    for (rank, (blind, checked)) in errs.into_iter().enumerate() {
+        assert!(
+            !blind.is_nan(),
+            "rank {rank}: candle's max now propagates NaN ({blind})"
+        );
+        let e = checked.expect_err("a NaN output must fail the comparison");
+        assert!(e.contains("non-finite"), "rank {rank}: {e}");
+    }
+}

@@ -7,12 +7,13 @@
 use candle_core::DType;
 use half::{bf16, f16};
 
-/// How values are combined by `all_reduce` and `reduce_scatter`.
+/// How values are combined by `all_reduce` and `reduce_scatter`. Floating-point `Max`
+/// propagates NaN (like PyTorch and NCCL): a NaN on any rank gives NaN on every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     /// Element-wise sum.
     Sum,
-    /// Element-wise maximum.
+    /// Element-wise maximum; NaN if any rank holds NaN.
     Max,
 }
 
@@ -22,6 +23,27 @@ impl ReduceOp {
             ReduceOp::Sum => 1,
             ReduceOp::Max => 2,
         }
+    }
+}
+
+/// The maximum that propagates NaN, as PyTorch's `torch.maximum` and NCCL's `ncclMax` do
+/// (`f32::max` returns the other operand, so a NaN on one rank would vanish).
+#[inline]
+fn nan_max_f32(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+/// [`nan_max_f32`] for `f64`.
+#[inline]
+fn nan_max_f64(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
     }
 }
 
@@ -76,8 +98,8 @@ macro_rules! native_element {
     };
 }
 
-native_element!(f32, DType::F32, 1, |a, b| a + b, |a: f32, b: f32| a.max(b));
-native_element!(f64, DType::F64, 2, |a, b| a + b, |a: f64, b: f64| a.max(b));
+native_element!(f32, DType::F32, 1, |a, b| a + b, nan_max_f32);
+native_element!(f64, DType::F64, 2, |a, b| a + b, nan_max_f64);
 native_element!(
     u8,
     DType::U8,
