@@ -419,8 +419,13 @@ impl ProcessGroup {
         });
         match self.engine() {
             None => Ok(()),
-            // SAFETY: src and dst are the same valid buffer of buf.len() elements.
-            Some(mut e) => unsafe { e.all_reduce(buf.as_ptr(), buf.as_mut_ptr(), buf.len(), op) },
+            Some(mut e) => {
+                // Both pointers from as_mut_ptr: a shared pointer from as_ptr would be
+                // invalidated by the later mutable borrow (Stacked Borrows).
+                let p = buf.as_mut_ptr();
+                // SAFETY: src and dst are the same valid buffer of buf.len() elements.
+                unsafe { e.all_reduce(p as *const T, p, buf.len(), op) }
+            }
         }
     }
 
