@@ -413,3 +413,53 @@ fn max_propagates_nan_from_any_rank() {
         }
     }
 }
+
+/// A watchdog thread can stop a rank that is stuck inside a collective: `abort` sets the abort
+/// word in shared memory without taking the group's lock (which the stuck collective holds),
+/// so the stuck call returns the watchdog's reason at once, and the late peer sees it too.
+#[test]
+fn a_watchdog_aborts_a_collective_in_progress_on_its_own_rank() {
+    let t0 = Instant::now();
+    let out = run_threads_with(
+        2,
+        GroupOptions {
+            timeout: Duration::from_secs(120),
+            slot_bytes: 4096,
+        },
+        |pg| {
+            if pg.rank() == 1 {
+                // A stalled peer: arrives long after the watchdog fires.
+                std::thread::sleep(Duration::from_millis(2500));
+                let mut v = [1f32; 4];
+                let e = pg.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap_err();
+                return Ok((e.to_string(), Duration::ZERO));
+            }
+            let watchdog = {
+                let pg = pg.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(300));
+                    pg.abort("watchdog: rank 1 made no progress");
+                })
+            };
+            let start = Instant::now();
+            let mut v = [1f32; 4];
+            let r = pg.all_reduce_slice(&mut v, ReduceOp::Sum);
+            let took = start.elapsed();
+            watchdog.join().unwrap();
+            Ok((
+                r.map(|_| "completed".to_string())
+                    .unwrap_or_else(|e| e.to_string()),
+                took,
+            ))
+        },
+    )
+    .unwrap();
+    let (e0, took) = &out[0];
+    assert!(e0.contains("watchdog: rank 1 made no progress"), "{e0}");
+    assert!(
+        *took < Duration::from_millis(1500),
+        "rank 0 stopped after {took:?}"
+    );
+    assert!(out[1].0.contains("watchdog"), "{}", out[1].0);
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use super::element::{Element, ReduceOp};
-use super::engine::{default_slot_bytes, region_layout, Engine, MAX_RANKS};
+use super::engine::{default_slot_bytes, region_layout, AbortHandle, Engine, MAX_RANKS};
 use super::error::{CommError, CommResult};
 use super::region::{self, RegionKind};
 use super::stats::CommStats;
@@ -42,6 +42,8 @@ struct Inner {
     /// World rank of each member, in group order.
     members: Vec<usize>,
     engine: Option<Mutex<Engine>>,
+    /// Aborts the engine's group without its lock (a collective may hold it, stuck).
+    abort_handle: Option<AbortHandle>,
     /// The NCCL backend, when the group was built on a CUDA device (then `engine` is `None`).
     #[cfg(feature = "nccl")]
     nccl: Option<super::nccl::NcclGroup>,
@@ -217,6 +219,7 @@ impl ProcessGroup {
                 rank,
                 size: members.len(),
                 members,
+                abort_handle: engine.as_ref().map(Engine::abort_handle),
                 engine: engine.map(Mutex::new),
                 #[cfg(feature = "nccl")]
                 nccl: None,
@@ -242,6 +245,7 @@ impl ProcessGroup {
                 size: members.len(),
                 members,
                 engine: None,
+                abort_handle: None,
                 nccl: Some(nccl),
                 ctx: Some(ctx),
                 children: Mutex::new(Vec::new()),
@@ -308,14 +312,10 @@ impl ProcessGroup {
             // pending work; peers see their own NCCL error (or timeout) instead.
             n.abort();
         }
-        if let Some(e) = &self.inner.engine {
-            // try_lock: the group may be locked by a collective stuck on this very thread's
-            // peer; the abort word lives in shared memory, so any handle can set it.
-            match e.try_lock() {
-                Ok(engine) => engine.abort(reason),
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().abort(reason),
-                Err(std::sync::TryLockError::WouldBlock) => {}
-            }
+        if let Some(h) = &self.inner.abort_handle {
+            // Without the group's lock: a collective of this rank, stuck on a peer, may hold
+            // it. The abort word lives in shared memory; the stuck wait sees it at once.
+            h.abort(reason);
         }
         for child in lock(&self.inner.children).iter().filter_map(Weak::upgrade) {
             ProcessGroup { inner: child }.abort(reason);

@@ -67,7 +67,8 @@ struct Record {
     seq: AtomicU32,
     waiters: AtomicU32,
     pid: AtomicU32,
-    _pad: AtomicU32,
+    /// Set (0 -> 1) by the first abort of this rank, which alone writes `reason`.
+    reason_claimed: AtomicU32,
     meta: [Meta; 2],
     reason: [AtomicU8; REASON_BYTES],
 }
@@ -345,24 +346,16 @@ impl Engine {
 
     /// Marks the group as failed, with a reason every peer will see, and wakes all waiters.
     pub(crate) fn abort(&self, reason: &str) {
-        let rec = self.record(self.rank);
-        let bytes = reason.as_bytes();
-        for (i, cell) in rec.reason.iter().enumerate() {
-            let b = if i + 1 < REASON_BYTES {
-                bytes.get(i).copied().unwrap_or(0)
-            } else {
-                0
-            };
-            cell.store(b, Ordering::Relaxed);
-        }
-        let _ = self.header().abort.compare_exchange(
-            0,
-            self.rank as u32 + 1,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
-        for r in 0..self.size {
-            futex_wake_all(&self.record(r).seq);
+        abort_region(&self.map, self.rank, self.size, reason);
+    }
+
+    /// A handle that aborts the group without this engine (nor its lock): what a watchdog
+    /// thread uses while a collective of this rank is stuck holding the lock.
+    pub(crate) fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            map: self.map.clone(),
+            rank: self.rank,
+            size: self.size,
         }
     }
 
@@ -457,6 +450,57 @@ impl Engine {
         self.stats
             .record(CollectiveKind::Barrier, 0, 0, 0, t0.elapsed());
         Ok(())
+    }
+}
+
+/// Aborts a group through its shared region alone: everything it touches is atomic, so any
+/// thread may call it at any time, also while a collective of the same rank runs.
+#[derive(Clone)]
+pub(crate) struct AbortHandle {
+    map: Arc<Mapping>,
+    rank: usize,
+    size: usize,
+}
+
+impl AbortHandle {
+    /// Marks the group as failed with `reason` and wakes every waiter.
+    pub(crate) fn abort(&self, reason: &str) {
+        abort_region(&self.map, self.rank, self.size, reason);
+    }
+}
+
+/// Writes this rank's abort reason (the first abort of the rank wins), sets the group's abort
+/// word (the first rank wins) and wakes all waiters. The reason is written before the word, so
+/// a peer that sees the word reads a complete reason.
+fn abort_region(map: &Mapping, rank: usize, size: usize, reason: &str) {
+    let record = |r: usize| {
+        // SAFETY: attach checked that the mapping holds the header and `size` records; they
+        // hold only atomics.
+        unsafe { &*(map.ptr().add(HEADER_BYTES + r * RECORD_BYTES) as *const Record) }
+    };
+    // SAFETY: as above, for the header.
+    let header = unsafe { &*(map.ptr() as *const Header) };
+    let rec = record(rank);
+    if rec
+        .reason_claimed
+        .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
+        let bytes = reason.as_bytes();
+        for (i, cell) in rec.reason.iter().enumerate() {
+            let b = if i + 1 < REASON_BYTES {
+                bytes.get(i).copied().unwrap_or(0)
+            } else {
+                0
+            };
+            cell.store(b, Ordering::Relaxed);
+        }
+    }
+    let _ = header
+        .abort
+        .compare_exchange(0, rank as u32 + 1, Ordering::AcqRel, Ordering::Acquire);
+    for r in 0..size {
+        futex_wake_all(&record(r).seq);
     }
 }
 
