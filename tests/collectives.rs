@@ -353,21 +353,26 @@ fn counters_record_what_each_collective_moved() {
 
 #[test]
 fn invalid_arguments_are_clear_errors() {
-    run_threads(2, |pg| {
+    // Each in its own job: an argument error aborts the group (see the next test).
+    let err_of = |f: fn(&candle_tp::ProcessGroup) -> candle_core::Result<()>| {
+        run_threads(2, |pg| Ok(f(&pg).unwrap_err().to_string())).unwrap()
+    };
+    for e in err_of(|pg| {
         let mut out = vec![0f32; 3];
-        let e = pg
-            .all_gather_slice(&[1f32, 2.0], &mut out)
-            .unwrap_err()
-            .to_string();
+        Ok(pg.all_gather_slice(&[1f32, 2.0], &mut out)?)
+    }) {
         assert!(
             e.contains("output has 3 elements but the sizes [2, 2] add up to 4"),
             "{e}"
         );
-        let e = pg.broadcast_slice(&mut out, 5).unwrap_err().to_string();
+    }
+    for e in err_of(|pg| Ok(pg.broadcast_slice(&mut [0f32; 3], 5)?)) {
         assert!(
             e.contains("root 5 is not a rank of this group of 2 ranks"),
             "{e}"
         );
+    }
+    run_threads(2, |pg| {
         let e = pg.new_group(&[0, 0]).unwrap_err().to_string();
         assert!(e.contains("listed twice"), "{e}");
         let e = pg.new_group(&[3]).unwrap_err().to_string();
@@ -462,4 +467,84 @@ fn a_watchdog_aborts_a_collective_in_progress_on_its_own_rank() {
     );
     assert!(out[1].0.contains("watchdog"), "{}", out[1].0);
     assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+/// An argument error on one rank leaves its peers waiting in a phase it never starts, so it
+/// aborts the group: the peers fail at once with the reason (not after CANDLE_TP_TIMEOUT).
+/// Checked for the slice API (a wrong output length, a bad root) and for the tensor
+/// collectives and mappings (a share that does not match the partition).
+#[test]
+fn an_argument_error_on_one_rank_fails_its_peers_at_once() {
+    use candle_core::{Device, Tensor};
+    type Bad = fn(&candle_tp::ProcessGroup) -> candle_core::Result<()>;
+    let cases: [(&str, Bad, &str); 4] = [
+        (
+            "all_gather_v_slice",
+            |pg| {
+                let mut out = vec![0f32; 5];
+                Ok(pg.all_gather_v_slice(&[1f32, 2.0], &mut out, &[2, 2, 2])?)
+            },
+            "output has 5 elements but the sizes [2, 2, 2] add up to 6",
+        ),
+        (
+            "broadcast_slice",
+            |pg| Ok(pg.broadcast_slice(&mut [0f32; 4], 7)?),
+            "root 7 is not a rank",
+        ),
+        (
+            "all_gather (tensor)",
+            |pg| {
+                let t = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu)?;
+                pg.all_gather(&t, 5).map(|_| ())
+            },
+            "has no dimension 5",
+        ),
+        (
+            "gather_from_sp",
+            |pg| {
+                let part = candle_tp::Partition::new(9, 3)?;
+                let t = Tensor::zeros((4, 2), candle_core::DType::F32, &Device::Cpu)?;
+                candle_tp::ops::gather_from_sp(&t, pg, &part, 0).map(|_| ())
+            },
+            "expected this rank's share of 3 along dim 0",
+        ),
+    ];
+    for (what, bad, reason) in cases {
+        let t0 = Instant::now();
+        let out = run_threads_with(
+            3,
+            GroupOptions {
+                timeout: Duration::from_secs(120),
+                slot_bytes: 4096,
+            },
+            |pg| {
+                if pg.rank() == 1 {
+                    // Arrive late, so the peers are already waiting in the collective.
+                    std::thread::sleep(Duration::from_millis(200));
+                    return Ok((bad(&pg).unwrap_err().to_string(), Duration::ZERO));
+                }
+                let start = Instant::now();
+                let mut v = vec![1f32; 6];
+                let e = pg.all_gather_v_slice(&[1f32, 2.0], &mut v, &[2, 2, 2]);
+                Ok((
+                    e.map(|_| "completed".into())
+                        .unwrap_or_else(|e| e.to_string()),
+                    start.elapsed(),
+                ))
+            },
+        )
+        .unwrap();
+        assert!(out[1].0.contains(reason), "{what}: rank 1: {}", out[1].0);
+        for r in [0, 2] {
+            let (e, waited) = &out[r];
+            assert!(e.contains("aborted by rank 1"), "{what}: rank {r}: {e}");
+            assert!(e.contains(reason), "{what}: rank {r}: {e}");
+            // 200 ms until rank 1 arrives, then one futex wake-up.
+            assert!(
+                *waited < Duration::from_secs(1),
+                "{what}: rank {r} failed after {waited:?}"
+            );
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20));
+    }
 }

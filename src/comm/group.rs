@@ -322,6 +322,31 @@ impl ProcessGroup {
         }
     }
 
+    /// An argument error on this rank alone (a wrong length, a bad root) returns before the
+    /// collective's first phase, so the peers would wait for it until the deadline: abort the
+    /// group with the error, so they fail at once with this reason. Errors every rank sees at
+    /// the same phase (a mismatch) leave the group usable and pass through.
+    fn abort_if_invalid<R>(&self, r: CommResult<R>) -> CommResult<R> {
+        if let Err(e @ CommError::InvalidArgument { .. }) = &r {
+            self.abort_with(&e.to_string());
+        }
+        r
+    }
+
+    /// Aborts the group (when it has peers) with `reason` prefixed by this rank's number and
+    /// returns `reason` as an error: for argument errors found above the slice API (tensor
+    /// shapes that do not match a partition).
+    pub(crate) fn refuse(&self, reason: String) -> candle_core::Error {
+        self.abort_with(&reason);
+        candle_core::Error::Msg(reason)
+    }
+
+    fn abort_with(&self, reason: &str) {
+        if self.size() > 1 {
+            self.abort(&format!("rank {}: {reason}", self.rank()));
+        }
+    }
+
     fn engine(&self) -> Option<MutexGuard<'_, Engine>> {
         self.inner.engine.as_ref().map(lock)
     }
@@ -437,14 +462,14 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> CommResult<()> {
         if src.len() != dst.len() {
-            return Err(CommError::invalid(
+            return self.abort_if_invalid(Err(CommError::invalid(
                 self.ctx_name("all_reduce"),
                 format!(
                     "input has {} elements but output has {}",
                     src.len(),
                     dst.len()
                 ),
-            ));
+            )));
         }
         on_nccl!(self, |n| n.host_all_reduce(src, dst, op));
         match self.engine() {
@@ -471,9 +496,14 @@ impl ProcessGroup {
         dst: &mut [T],
         counts: &[usize],
     ) -> CommResult<()> {
-        on_nccl!(self, |n| n.host_all_gather_v(src, dst, counts));
+        on_nccl!(self, |n| self
+            .abort_if_invalid(n.host_all_gather_v(src, dst, counts)));
         match self.engine() {
-            Some(mut e) => e.all_gather(src, dst, counts),
+            Some(mut e) => {
+                let r = e.all_gather(src, dst, counts);
+                drop(e);
+                self.abort_if_invalid(r)
+            }
             None => {
                 if counts != [src.len()] || dst.len() != src.len() {
                     return Err(CommError::invalid(
@@ -512,9 +542,14 @@ impl ProcessGroup {
         counts: &[usize],
         op: ReduceOp,
     ) -> CommResult<()> {
-        on_nccl!(self, |n| n.host_reduce_scatter_v(src, dst, counts, op));
+        on_nccl!(self, |n| self
+            .abort_if_invalid(n.host_reduce_scatter_v(src, dst, counts, op)));
         match self.engine() {
-            Some(mut e) => e.reduce_scatter(src, dst, counts, op),
+            Some(mut e) => {
+                let r = e.reduce_scatter(src, dst, counts, op);
+                drop(e);
+                self.abort_if_invalid(r)
+            }
             None => {
                 if counts != [dst.len()] || dst.len() != src.len() {
                     return Err(CommError::invalid(
@@ -534,9 +569,13 @@ impl ProcessGroup {
 
     /// Copies `root`'s `buf` into every rank's `buf` (all of the same length).
     pub fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
-        on_nccl!(self, |n| n.host_broadcast(buf, root));
+        on_nccl!(self, |n| self.abort_if_invalid(n.host_broadcast(buf, root)));
         match self.engine() {
-            Some(mut e) => e.broadcast(buf, root),
+            Some(mut e) => {
+                let r = e.broadcast(buf, root);
+                drop(e);
+                self.abort_if_invalid(r)
+            }
             None if root == 0 => Ok(()),
             None => Err(CommError::invalid(
                 self.ctx_name("broadcast"),

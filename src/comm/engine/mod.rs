@@ -38,8 +38,9 @@ use super::wait::{futex_wait, futex_wake_all, reached, spin_then_yield, Deadline
 
 const MAGIC: u64 = 0x7074_656c_646e_6163; // "candletp", little endian
 const HEADER_BYTES: usize = 256;
-const RECORD_BYTES: usize = 256;
-const REASON_BYTES: usize = 176;
+const RECORD_BYTES: usize = 512;
+/// Room for an abort reason (an error message naming the layer, the sizes and the rank).
+const REASON_BYTES: usize = 432;
 const PAGE: usize = 4096;
 /// Element alignment of the per-rank portions of a chunk (one cache line of f32).
 const PORTION_ALIGN: usize = 16;
