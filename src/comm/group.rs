@@ -58,6 +58,9 @@ pub(crate) struct Context {
     pub(crate) job: String,
     pub(crate) timeout: Duration,
     pub(crate) slot_bytes: usize,
+    /// Ranks of the job on this host: a sub-group of 2 on a 4-rank host still shares the
+    /// cores with the other ranks, so its wait policy looks at this, not its own size.
+    pub(crate) local_ranks: usize,
     /// How many groups of each name this rank created (sub-group keys stay unique).
     created: Mutex<HashMap<String, usize>>,
     /// Things that must live as long as the groups (the store server on rank 0).
@@ -70,6 +73,7 @@ impl Context {
         region: RegionKind,
         job: String,
         options: &GroupOptions,
+        local_ranks: usize,
         keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Arc<Self> {
         Arc::new(Self {
@@ -78,6 +82,7 @@ impl Context {
             job,
             timeout: options.timeout,
             slot_bytes: options.slot_bytes,
+            local_ranks,
             created: Mutex::new(HashMap::new()),
             _keep: Mutex::new(keep),
         })
@@ -152,7 +157,7 @@ pub(crate) fn rendezvous(
         ));
     }
     let key = format!("{name}/region");
-    let (_, len) = region_layout(size, ctx.slot_bytes);
+    let (_, len) = region_layout(size, ctx.slot_bytes)?;
     let mut engine = if rank == 0 {
         let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
         let map = region::create(ctx.region, &seg, len)?;
@@ -165,6 +170,7 @@ pub(crate) fn rendezvous(
             ctx.slot_bytes,
             ctx.timeout,
             true,
+            ctx.local_ranks,
         )?;
         ctx.store.set(&key, seg.as_bytes())?;
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
@@ -191,6 +197,7 @@ pub(crate) fn rendezvous(
             ctx.slot_bytes,
             ctx.timeout,
             false,
+            ctx.local_ranks,
         )?;
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
         engine

@@ -26,6 +26,8 @@
 //! Every rank reduces in rank order, so all ranks end with bit-identical values.
 
 mod algorithms;
+#[cfg(test)]
+mod tests;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -53,6 +55,10 @@ struct Header {
     size: AtomicU64,
     slot_bytes: AtomicU64,
     abort: AtomicU32,
+    _pad: AtomicU32,
+    /// Largest one-shot all-reduce in bytes: a protocol choice, so the creator's value (its
+    /// `CANDLE_TP_ONESHOT_BYTES`) holds for every rank.
+    one_shot_bytes: AtomicU64,
 }
 
 #[repr(C)]
@@ -86,10 +92,28 @@ struct MetaValue {
     aux: u64,
 }
 
-/// Bytes needed for a region of `size` ranks with `slot_bytes` slots, and the data offset.
-pub(crate) fn region_layout(size: usize, slot_bytes: usize) -> (usize, usize) {
-    let data = (HEADER_BYTES + size * RECORD_BYTES).div_ceil(PAGE) * PAGE;
-    (data, data + size * 2 * slot_bytes)
+/// The data offset and the bytes needed for a region of `size` ranks with `slot_bytes`
+/// slots, in checked arithmetic (the slot size comes from `CANDLE_TP_SLOT_BYTES`).
+pub(crate) fn region_layout(size: usize, slot_bytes: usize) -> CommResult<(usize, usize)> {
+    let data = size
+        .checked_mul(RECORD_BYTES)
+        .and_then(|r| r.checked_add(HEADER_BYTES))
+        .map(|b| b.div_ceil(PAGE))
+        .and_then(|p| p.checked_mul(PAGE));
+    let total = data.and_then(|d| {
+        size.checked_mul(2)
+            .and_then(|s| s.checked_mul(slot_bytes))
+            .and_then(|s| s.checked_add(d))
+    });
+    match (data, total) {
+        (Some(d), Some(t)) => Ok((d, t)),
+        _ => Err(CommError::invalid(
+            "shared memory",
+            format!(
+                "a region for {size} ranks with 2 slots of {slot_bytes} bytes each does not fit in the address space: lower CANDLE_TP_SLOT_BYTES"
+            ),
+        )),
+    }
 }
 
 /// One rank's view of a group's region.
@@ -141,8 +165,10 @@ pub(crate) fn default_slot_bytes() -> usize {
 }
 
 impl Engine {
-    /// Attaches to a mapped region. The creator (`init = true`) writes the header; the others
-    /// check it.
+    /// Attaches to a mapped region. The creator (`init = true`) writes the header, with the
+    /// protocol's tunables; the others check it and adopt them. `local_ranks` is how many
+    /// ranks of the job share this host (the wait policy's oversubscription test).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attach(
         map: Arc<Mapping>,
         group: String,
@@ -151,6 +177,7 @@ impl Engine {
         slot_bytes: usize,
         timeout: Duration,
         init: bool,
+        local_ranks: usize,
     ) -> CommResult<Self> {
         if slot_bytes < 1024 || slot_bytes % 64 != 0 {
             return Err(CommError::invalid(
@@ -160,7 +187,7 @@ impl Engine {
                 ),
             ));
         }
-        let (data_off, len) = region_layout(size, slot_bytes);
+        let (data_off, len) = region_layout(size, slot_bytes)?;
         if size == 0 || size > MAX_RANKS {
             return Err(CommError::invalid(
                 format!("group '{group}'"),
@@ -177,7 +204,7 @@ impl Engine {
         let one_shot_max = env_usize("CANDLE_TP_ONESHOT_BYTES")
             .unwrap_or(if size <= 2 { 64 << 10 } else { 128 << 10 })
             .min(slot_bytes);
-        let engine = Self {
+        let mut engine = Self {
             map,
             group,
             rank,
@@ -185,7 +212,7 @@ impl Engine {
             slot_bytes,
             data_off,
             phase: 0,
-            policy: WaitPolicy::for_ranks(size),
+            policy: WaitPolicy::for_ranks(local_ranks.max(size)),
             timeout,
             pid,
             one_shot_max,
@@ -195,6 +222,8 @@ impl Engine {
         if init {
             h.size.store(size as u64, Ordering::Relaxed);
             h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
+            h.one_shot_bytes
+                .store(one_shot_max as u64, Ordering::Relaxed);
             h.magic.store(MAGIC, Ordering::Release);
         } else {
             let (m, s, b) = (
@@ -211,6 +240,9 @@ impl Engine {
                     ),
                 ));
             }
+            // The creator's threshold, whatever this rank's CANDLE_TP_ONESHOT_BYTES says.
+            let adopted = h.one_shot_bytes.load(Ordering::Relaxed) as usize;
+            engine.one_shot_max = adopted.min(slot_bytes);
         }
         engine.record(rank).pid.store(pid, Ordering::Release);
         Ok(engine)
