@@ -548,3 +548,52 @@ fn an_argument_error_on_one_rank_fails_its_peers_at_once() {
         assert!(t0.elapsed() < Duration::from_secs(20));
     }
 }
+
+/// A /dev/shm too small for the group's region (Docker's default is 64 MiB) is an error at
+/// rendezvous naming /dev/shm, the bytes needed and the `--shm-size` fix, not a SIGBUS on
+/// first touch. The test re-runs itself in a private mount namespace (`unshare -m`, root)
+/// with a 1 MiB tmpfs on /dev/shm; rank 0 of a 2-rank shm job then creates the 16 MiB region.
+#[test]
+fn a_full_dev_shm_is_a_clear_error_not_a_sigbus() {
+    if std::env::var_os("CANDLE_TP_TEST_SMALL_SHM").is_some() {
+        let rv = candle_tp::comm::Rendezvous {
+            rank: 0,
+            world_size: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            token: String::new(),
+        };
+        let opts = GroupOptions {
+            timeout: Duration::from_secs(5),
+            slot_bytes: 4 << 20,
+        };
+        let e = candle_tp::comm::init_shm(&rv, opts)
+            .unwrap_err()
+            .to_string();
+        println!("ERROR: {e}");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let script = "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" --exact \
+                  a_full_dev_shm_is_a_clear_error_not_a_sigbus --nocapture --test-threads 1";
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", script])
+        .arg(&exe)
+        .env("CANDLE_TP_TEST_SMALL_SHM", "1")
+        .output()
+        .expect("run unshare (util-linux)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "child failed ({:?}; a SIGBUS is signal 7): {stdout}\n{stderr}",
+        out.status
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("ERROR: "))
+        .unwrap_or_else(|| panic!("no error line: {stdout}\n{stderr}"));
+    for want in ["/dev/shm", "16781312 bytes", "--shm-size"] {
+        assert!(line.contains(want), "missing '{want}': {line}");
+    }
+}
