@@ -395,3 +395,44 @@ fn a_nan_in_a_layer_output_is_caught_by_the_comparison() {
         assert!(e.contains("non-finite"), "rank {rank}: {e}");
     }
 }
+
+/// `RowParallelLinear` with `input_is_parallel = false` on an input without gradients splits
+/// it locally; the split must be a contiguous tensor, because Candle's CUDA and MKL matmuls
+/// reject the strided `narrow` view for more than one row (the default gemm backend accepts
+/// it, so the contiguity is asserted directly, and the layer is checked against dense).
+#[test]
+fn row_parallel_with_a_full_input_splits_it_contiguously() {
+    let (inp, out) = (10, 4);
+    let w = seeded(&[out, inp], 1);
+    let b = seeded(&[out], 2);
+    let x = seeded(&[3, 5, inp], 3); // 15 rows, no gradient
+    for world in 2..=3 {
+        run_threads(world, |pg| {
+            let part = Partition::new(inp, world)?;
+            let split = candle_tp::ops::scatter_to_tp(&x, &pg, &part)?;
+            assert!(
+                split.is_contiguous(),
+                "world {world}: split of shape {:?} is a strided view",
+                split.dims()
+            );
+            let layer = RowParallelLinear::new(
+                narrow(&w, 1, &part, pg.rank())?,
+                Some(b.clone()),
+                part,
+                out,
+                pg.clone(),
+            )?
+            .with_input_is_parallel(false);
+            let dense = Linear::new(w.clone(), Some(b.clone())).forward(&x)?;
+            assert_close(
+                "row full input",
+                world,
+                pg.rank(),
+                &layer.forward(&x)?,
+                &dense,
+            );
+            Ok(())
+        })
+        .unwrap();
+    }
+}

@@ -111,8 +111,10 @@ pub fn scatter_to_tp(x: &Tensor, pg: &ProcessGroup, part: &Partition) -> Result<
         return Ok(x.clone());
     }
     if !x.track_op() {
+        // A copy, not the strided `narrow` view: Candle's CUDA and MKL matmuls reject that
+        // stride for more than one row, and the split feeds a matmul (RowParallelLinear).
         let r = part.range(pg.rank());
-        return x.narrow(dim, r.start, r.len());
+        return x.narrow(dim, r.start, r.len())?.contiguous();
     }
     let sizes = part.sizes();
     CollectiveOp::apply(
