@@ -268,3 +268,57 @@ fn too_many_ranks_for_kv_heads_is_an_error() -> Result<()> {
     }
     Ok(())
 }
+
+/// Attention with more ranks than KV heads replicates KV heads; a backward through them would
+/// give each rank a partial gradient. With trainable weights the forward refuses with the
+/// sizes (on every rank, so no rank waits for another); with plain weights it runs.
+#[test]
+fn training_through_replicated_kv_heads_is_refused_with_the_sizes() -> Result<()> {
+    use candle_tp::{AttentionConfig, ParallelAttention, RotaryEmbedding};
+    let cfg = AttentionConfig {
+        hidden_size: 12,
+        num_heads: 6,
+        num_kv_heads: 2,
+        head_dim: 2,
+        qkv_bias: false,
+        o_bias: false,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        max_position_embeddings: 8,
+        sliding_window: None,
+    };
+    let names = [("q_proj", 12), ("k_proj", 4), ("v_proj", 4), ("o_proj", 12)];
+    let x = common::seeded(&[1, 3, 12], 9);
+    let out = run_threads(3, |pg| {
+        let mut run = |trainable: bool| -> Result<Option<String>> {
+            let map = names
+                .iter()
+                .enumerate()
+                .map(|(i, (n, rows))| {
+                    let w = common::seeded(&[*rows, 12], i as u64);
+                    let w = if trainable {
+                        common::var(&w).as_tensor().clone()
+                    } else {
+                        w
+                    };
+                    (format!("{n}.weight"), w)
+                })
+                .collect();
+            let vb = ShardedVarBuilder::from_tensors(map, DType::F32, &Device::Cpu, pg.clone());
+            let mut attn = ParallelAttention::load(&cfg, vb)?;
+            let rope = RotaryEmbedding::new(&cfg, DType::F32, &Device::Cpu)?;
+            Ok(attn.forward(&x, 0, &rope).err().map(|e| e.to_string()))
+        };
+        Ok((run(true)?, run(false)?))
+    })?;
+    for (rank, (trainable, plain)) in out.into_iter().enumerate() {
+        let e =
+            trainable.unwrap_or_else(|| panic!("rank {rank}: trainable replicated KV heads ran"));
+        assert!(
+            e.contains("replicated on several ranks") && e.contains("num_key_value_heads"),
+            "rank {rank}: {e}"
+        );
+        assert!(plain.is_none(), "rank {rank}: inference refused: {plain:?}");
+    }
+    Ok(())
+}
