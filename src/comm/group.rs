@@ -491,8 +491,14 @@ impl ProcessGroup {
 
     /// Concatenates every rank's `src` (all the same length) into `dst`, in rank order.
     pub fn all_gather_slice<T: Element>(&self, src: &[T], dst: &mut [T]) -> CommResult<()> {
-        let counts = [src.len(); MAX_RANKS];
-        self.all_gather_v_slice(src, dst, &counts[..self.size().min(MAX_RANKS)])
+        // The shared-memory engine serves at most MAX_RANKS (stack scratch, no allocation);
+        // an NCCL group may be larger, so its sizes are a Vec of the group's size.
+        if self.size() <= MAX_RANKS {
+            let counts = [src.len(); MAX_RANKS];
+            self.all_gather_v_slice(src, dst, &counts[..self.size()])
+        } else {
+            self.all_gather_v_slice(src, dst, &vec![src.len(); self.size()])
+        }
     }
 
     /// Concatenates every rank's `src` into `dst`, where rank `r` contributes `counts[r]`
@@ -536,8 +542,12 @@ impl ProcessGroup {
         dst: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
-        let counts = [dst.len(); MAX_RANKS];
-        self.reduce_scatter_v_slice(src, dst, &counts[..self.size().min(MAX_RANKS)], op)
+        if self.size() <= MAX_RANKS {
+            let counts = [dst.len(); MAX_RANKS];
+            self.reduce_scatter_v_slice(src, dst, &counts[..self.size()], op)
+        } else {
+            self.reduce_scatter_v_slice(src, dst, &vec![dst.len(); self.size()], op)
+        }
     }
 
     /// Reduces `src` (blocks of `counts[r]` elements, concatenated) across ranks and leaves
