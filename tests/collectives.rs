@@ -17,6 +17,15 @@ fn small_slots() -> GroupOptions {
     }
 }
 
+/// Small slots and a deadline far beyond what the test allows itself: a peer that fails
+/// fast must do so through an abort, not through the timeout.
+fn long_deadline() -> GroupOptions {
+    GroupOptions {
+        timeout: Duration::from_secs(120),
+        slot_bytes: 4096,
+    }
+}
+
 /// A value that depends on the rank and the index, not an integer (nor a short binary
 /// fraction), so float sums round and half-precision sums depend on the order.
 fn val(rank: usize, i: usize) -> f64 {
@@ -297,26 +306,19 @@ fn a_rank_that_never_arrives_gives_a_timeout_naming_it() {
 #[test]
 fn a_failing_rank_aborts_its_peers_at_once() {
     let t0 = Instant::now();
-    let err = run_threads_with(
-        3,
-        GroupOptions {
-            timeout: Duration::from_secs(120),
-            slot_bytes: 4096,
-        },
-        |pg| {
-            if pg.rank() == 1 {
-                candle_core::bail!("shape error in layer 3");
-            }
-            let mut v = [1f32; 4];
-            let e = pg
-                .all_reduce_slice(&mut v, ReduceOp::Sum)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains("aborted by rank 1"), "{e}");
-            assert!(e.contains("shape error in layer 3"), "{e}");
-            Ok(())
-        },
-    )
+    let err = run_threads_with(3, long_deadline(), |pg| {
+        if pg.rank() == 1 {
+            candle_core::bail!("shape error in layer 3");
+        }
+        let mut v = [1f32; 4];
+        let e = pg
+            .all_reduce_slice(&mut v, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("aborted by rank 1"), "{e}");
+        assert!(e.contains("shape error in layer 3"), "{e}");
+        Ok(())
+    })
     .unwrap_err()
     .to_string();
     assert!(err.contains("rank 1 of 3"), "{err}");
@@ -425,39 +427,32 @@ fn max_propagates_nan_from_any_rank() {
 #[test]
 fn a_watchdog_aborts_a_collective_in_progress_on_its_own_rank() {
     let t0 = Instant::now();
-    let out = run_threads_with(
-        2,
-        GroupOptions {
-            timeout: Duration::from_secs(120),
-            slot_bytes: 4096,
-        },
-        |pg| {
-            if pg.rank() == 1 {
-                // A stalled peer: arrives long after the watchdog fires.
-                std::thread::sleep(Duration::from_millis(2500));
-                let mut v = [1f32; 4];
-                let e = pg.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap_err();
-                return Ok((e.to_string(), Duration::ZERO));
-            }
-            let watchdog = {
-                let pg = pg.clone();
-                std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(300));
-                    pg.abort("watchdog: rank 1 made no progress");
-                })
-            };
-            let start = Instant::now();
+    let out = run_threads_with(2, long_deadline(), |pg| {
+        if pg.rank() == 1 {
+            // A stalled peer: arrives long after the watchdog fires.
+            std::thread::sleep(Duration::from_millis(2500));
             let mut v = [1f32; 4];
-            let r = pg.all_reduce_slice(&mut v, ReduceOp::Sum);
-            let took = start.elapsed();
-            watchdog.join().unwrap();
-            Ok((
-                r.map(|_| "completed".to_string())
-                    .unwrap_or_else(|e| e.to_string()),
-                took,
-            ))
-        },
-    )
+            let e = pg.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap_err();
+            return Ok((e.to_string(), Duration::ZERO));
+        }
+        let watchdog = {
+            let pg = pg.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                pg.abort("watchdog: rank 1 made no progress");
+            })
+        };
+        let start = Instant::now();
+        let mut v = [1f32; 4];
+        let r = pg.all_reduce_slice(&mut v, ReduceOp::Sum);
+        let took = start.elapsed();
+        watchdog.join().unwrap();
+        Ok((
+            r.map(|_| "completed".to_string())
+                .unwrap_or_else(|e| e.to_string()),
+            took,
+        ))
+    })
     .unwrap();
     let (e0, took) = &out[0];
     assert!(e0.contains("watchdog: rank 1 made no progress"), "{e0}");
@@ -511,28 +506,21 @@ fn an_argument_error_on_one_rank_fails_its_peers_at_once() {
     ];
     for (what, bad, reason) in cases {
         let t0 = Instant::now();
-        let out = run_threads_with(
-            3,
-            GroupOptions {
-                timeout: Duration::from_secs(120),
-                slot_bytes: 4096,
-            },
-            |pg| {
-                if pg.rank() == 1 {
-                    // Arrive late, so the peers are already waiting in the collective.
-                    std::thread::sleep(Duration::from_millis(200));
-                    return Ok((bad(&pg).unwrap_err().to_string(), Duration::ZERO));
-                }
-                let start = Instant::now();
-                let mut v = vec![1f32; 6];
-                let e = pg.all_gather_v_slice(&[1f32, 2.0], &mut v, &[2, 2, 2]);
-                Ok((
-                    e.map(|_| "completed".into())
-                        .unwrap_or_else(|e| e.to_string()),
-                    start.elapsed(),
-                ))
-            },
-        )
+        let out = run_threads_with(3, long_deadline(), |pg| {
+            if pg.rank() == 1 {
+                // Arrive late, so the peers are already waiting in the collective.
+                std::thread::sleep(Duration::from_millis(200));
+                return Ok((bad(&pg).unwrap_err().to_string(), Duration::ZERO));
+            }
+            let start = Instant::now();
+            let mut v = vec![1f32; 6];
+            let e = pg.all_gather_v_slice(&[1f32, 2.0], &mut v, &[2, 2, 2]);
+            Ok((
+                e.map(|_| "completed".into())
+                    .unwrap_or_else(|e| e.to_string()),
+                start.elapsed(),
+            ))
+        })
         .unwrap();
         assert!(out[1].0.contains(reason), "{what}: rank 1: {}", out[1].0);
         for r in [0, 2] {

@@ -290,7 +290,7 @@ fn training_through_replicated_kv_heads_is_refused_with_the_sizes() -> Result<()
     let names = [("q_proj", 12), ("k_proj", 4), ("v_proj", 4), ("o_proj", 12)];
     let x = common::seeded(&[1, 3, 12], 9);
     let out = run_threads(3, |pg| {
-        let mut run = |trainable: bool| -> Result<Option<String>> {
+        let run = |trainable: bool| -> Result<Option<String>> {
             let map = names
                 .iter()
                 .enumerate()
@@ -320,5 +320,44 @@ fn training_through_replicated_kv_heads_is_refused_with_the_sizes() -> Result<()
         );
         assert!(plain.is_none(), "rank {rank}: inference refused: {plain:?}");
     }
+    Ok(())
+}
+
+/// The trainer's vocabulary-parallel lookup zeroes foreign ids by selection: an Inf in a
+/// rank's local row 0 (a token no sequence uses) must not turn every other rank's rows into
+/// NaN through `Inf * 0` and the all-reduce (issue 14, item 8, trainer side).
+#[test]
+fn an_inf_in_an_unused_embedding_row_leaves_the_loss_finite() -> Result<()> {
+    let cfg = cfg(false);
+    let out = run_threads(2, |pg| {
+        let init = TrainInit::new(42);
+        cfg.declare(&init)?;
+        let model = TrainLlama::load(
+            &cfg,
+            init.var_builder(DType::F32, &Device::Cpu, pg.clone()),
+            false,
+        )?;
+        let range = model.vocab_partition().range(pg.rank());
+        let emb = init
+            .params()?
+            .into_iter()
+            .find(|p| p.name == "model.embed_tokens.weight")
+            .expect("embedding parameter");
+        // Row 0 of each rank's shard: global ids 0 and 19 (37 over 2 ranks), neither used.
+        let mut rows = emb.var.as_tensor().to_vec2::<f32>()?;
+        rows[0][1] = f32::INFINITY;
+        emb.var.set(&Tensor::new(rows, &Device::Cpu)?)?;
+        let ids: Vec<u32> = (0..14).map(|i| 1 + (i * 5) % 17).collect(); // 1..=17
+        assert!(!ids.contains(&(range.start as u32)));
+        let ids = Tensor::from_vec(ids, (2, 7), &Device::Cpu)?;
+        let tg = Tensor::from_vec((0..14u32).map(|i| 2 + i).collect(), 14, &Device::Cpu)?;
+        let logits = model.forward(&ids, &Dropout::off())?;
+        common::assert_finite("logits", &logits)?;
+        let loss =
+            vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), &pg, 0.0, None)?;
+        common::assert_finite("loss", &loss)?;
+        Ok(range.start)
+    })?;
+    assert_eq!(out, vec![0, 19]);
     Ok(())
 }

@@ -26,26 +26,22 @@ impl ReduceOp {
     }
 }
 
-/// The maximum that propagates NaN, as PyTorch's `torch.maximum` and NCCL's `ncclMax` do
-/// (`f32::max` returns the other operand, so a NaN on one rank would vanish).
-#[inline]
-fn nan_max_f32(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.max(b)
-    }
+macro_rules! nan_max {
+    ($name:ident, $t:ty) => {
+        /// The maximum that propagates NaN, as PyTorch's `torch.maximum` and NCCL's `ncclMax`
+        /// do (`max` returns the other operand, so a NaN on one rank would vanish).
+        #[inline]
+        fn $name(a: $t, b: $t) -> $t {
+            if a.is_nan() || b.is_nan() {
+                <$t>::NAN
+            } else {
+                a.max(b)
+            }
+        }
+    };
 }
-
-/// [`nan_max_f32`] for `f64`.
-#[inline]
-fn nan_max_f64(a: f64, b: f64) -> f64 {
-    if a.is_nan() || b.is_nan() {
-        f64::NAN
-    } else {
-        a.max(b)
-    }
-}
+nan_max!(nan_max_f32, f32);
+nan_max!(nan_max_f64, f64);
 
 /// Number of elements reduced at a time through the stack accumulator.
 const BLOCK: usize = 512;
