@@ -127,8 +127,10 @@ fn minilm_matches_candle_transformers_at_1_to_4_ranks() -> Result<()> {
             println!(
                 "world {world} rank {rank}: hidden {e_h:.2e} mean {e_m:.2e} normalized {e_n:.2e}"
             );
+            // Measured (f32, worlds 1-4): hidden <= 1.6e-5, mean <= 1.0e-6, normalized
+            // <= 1.8e-7 (0 at world 1). Tolerances a few times above that.
             assert!(
-                e_h <= 1e-3 && e_m <= 1e-3 && e_n <= 1e-3,
+                e_h <= 5e-5 && e_m <= 5e-6 && e_n <= 1e-6,
                 "world {world} rank {rank}: {e_h} {e_m} {e_n}"
             );
         }
@@ -261,8 +263,9 @@ fn tiny_uneven_bert_matches_candle_transformers() -> Result<()> {
             let e_h = max_abs_diff(hidden, &ref_hidden)?;
             let e_n = max_abs_diff(norm, &ref_norm)?;
             println!("tiny world {world} rank {rank}: hidden {e_h:.2e} normalized {e_n:.2e}");
+            // Measured: hidden <= 1.3e-6, normalized <= 1.2e-7.
             assert!(
-                e_h <= 1e-4 && e_n <= 1e-4,
+                e_h <= 5e-6 && e_n <= 1e-6,
                 "world {world} rank {rank}: {e_h} {e_n}"
             );
         }

@@ -1,5 +1,7 @@
 //! Collectives on the threads backend against values computed independently on one thread.
-//! Inputs are small integers, so float sums are exact and the comparison is exact.
+//! Inputs are not integers (so a half-precision sum depends on the order and on where it is
+//! rounded): the reference sums in rank order in the documented accumulation type (f32 for
+//! f32/f16/bf16, rounded once; f64 for f64), and the comparison is exact.
 
 use std::time::{Duration, Instant};
 
@@ -15,37 +17,81 @@ fn small_slots() -> GroupOptions {
     }
 }
 
-/// A value that depends on the rank and the index, exact in every dtype tested.
+/// Small slots and a deadline far beyond what the test allows itself: a peer that fails
+/// fast must do so through an abort, not through the timeout.
+fn long_deadline() -> GroupOptions {
+    GroupOptions {
+        timeout: Duration::from_secs(120),
+        slot_bytes: 4096,
+    }
+}
+
+/// A value that depends on the rank and the index, not an integer (nor a short binary
+/// fraction), so float sums round and half-precision sums depend on the order.
 fn val(rank: usize, i: usize) -> f64 {
-    ((rank * 7 + i * 3) % 23) as f64 - 11.0
+    (((rank * 7 + i * 3) % 23) as f64 - 11.0) * 0.7131 + 0.0173 * rank as f64
 }
 
 trait FromF64: Element + PartialEq + std::fmt::Debug {
     fn from(v: f64) -> Self;
+    /// The reduction of `vals` (in rank order) as the engine documents it.
+    fn reference(vals: &[Self], op: ReduceOp) -> Self;
 }
+
+/// Reduces in rank order in f32 (the accumulation type of f32, f16 and bf16).
+fn f32_reduce(vals: impl Iterator<Item = f32>, op: ReduceOp) -> f32 {
+    let mut it = vals;
+    let first = it.next().expect("at least one rank");
+    it.fold(first, |a, b| match op {
+        ReduceOp::Sum => a + b,
+        ReduceOp::Max => a.max(b),
+    })
+}
+
 impl FromF64 for f32 {
     fn from(v: f64) -> Self {
         v as f32
+    }
+    fn reference(vals: &[Self], op: ReduceOp) -> Self {
+        f32_reduce(vals.iter().copied(), op)
     }
 }
 impl FromF64 for f64 {
     fn from(v: f64) -> Self {
         v
     }
+    fn reference(vals: &[Self], op: ReduceOp) -> Self {
+        vals[1..].iter().fold(vals[0], |a, &b| match op {
+            ReduceOp::Sum => a + b,
+            ReduceOp::Max => a.max(b),
+        })
+    }
 }
 impl FromF64 for f16 {
     fn from(v: f64) -> Self {
         f16::from_f64(v)
+    }
+    fn reference(vals: &[Self], op: ReduceOp) -> Self {
+        f16::from_f32(f32_reduce(vals.iter().map(|v| v.to_f32()), op))
     }
 }
 impl FromF64 for bf16 {
     fn from(v: f64) -> Self {
         bf16::from_f64(v)
     }
+    fn reference(vals: &[Self], op: ReduceOp) -> Self {
+        bf16::from_f32(f32_reduce(vals.iter().map(|v| v.to_f32()), op))
+    }
 }
 impl FromF64 for i64 {
     fn from(v: f64) -> Self {
-        v as i64
+        (v * 1000.0).round() as i64
+    }
+    fn reference(vals: &[Self], op: ReduceOp) -> Self {
+        vals[1..].iter().fold(vals[0], |a, &b| match op {
+            ReduceOp::Sum => a.wrapping_add(b),
+            ReduceOp::Max => a.max(b),
+        })
     }
 }
 
@@ -63,16 +109,32 @@ fn check_all_reduce<T: FromF64>(world: usize, n: usize, op: ReduceOp, opts: Grou
     .unwrap();
     let expect: Vec<T> = (0..n)
         .map(|i| {
-            let vals = (0..world).map(|r| val(r, i));
-            T::from(match op {
-                ReduceOp::Sum => vals.sum(),
-                ReduceOp::Max => vals.fold(f64::MIN, f64::max),
-            })
+            let vals: Vec<T> = (0..world).map(|r| T::from(val(r, i))).collect();
+            T::reference(&vals, op)
         })
         .collect();
     for (r, got) in out.iter().enumerate() {
         assert_eq!(got, &expect, "rank {r}, world {world}, n {n}, {op:?}");
     }
+}
+
+/// The inputs are sensitive: summing bf16 with a rounding after every step (what a reduction
+/// in the native type does) gives a different answer than the engine's f32 accumulation for
+/// many elements, so the exact comparison above can tell the two apart.
+#[test]
+fn the_half_precision_inputs_are_order_and_rounding_sensitive() {
+    let n = 5000;
+    let differ = (0..n)
+        .filter(|&i| {
+            let vals: Vec<bf16> = (0..4).map(|r| bf16::from_f64(val(r, i))).collect();
+            let stepwise = vals[1..].iter().fold(vals[0], |a, &b| a + b);
+            stepwise != bf16::reference(&vals, ReduceOp::Sum)
+        })
+        .count();
+    assert!(
+        differ > n / 20,
+        "only {differ} of {n} elements are sensitive"
+    );
 }
 
 #[test]
@@ -86,6 +148,7 @@ fn all_reduce_every_dtype_world_and_path() {
         }
         check_all_reduce::<f64>(world, 3001, ReduceOp::Sum, small_slots());
         check_all_reduce::<f16>(world, 3001, ReduceOp::Sum, small_slots());
+        check_all_reduce::<f16>(world, 300, ReduceOp::Sum, GroupOptions::default());
         check_all_reduce::<i64>(world, 3001, ReduceOp::Max, small_slots());
     }
     // Default slots: one-shot and two-phase paths with large messages.
@@ -117,7 +180,7 @@ fn all_gather_and_reduce_scatter_with_unequal_sizes() {
             for (r, (g, m)) in out.iter().enumerate() {
                 assert_eq!(g, &expect_gather, "all_gather world {world} rank {r}");
                 let expect: Vec<f32> = (off..off + counts[r])
-                    .map(|i| (0..world).map(|q| val(q, i)).sum::<f64>() as f32)
+                    .map(|i| f32_reduce((0..world).map(|q| val(q, i) as f32), ReduceOp::Sum))
                     .collect();
                 assert_eq!(m, &expect, "reduce_scatter world {world} rank {r}");
                 off += counts[r];
@@ -243,26 +306,19 @@ fn a_rank_that_never_arrives_gives_a_timeout_naming_it() {
 #[test]
 fn a_failing_rank_aborts_its_peers_at_once() {
     let t0 = Instant::now();
-    let err = run_threads_with(
-        3,
-        GroupOptions {
-            timeout: Duration::from_secs(120),
-            slot_bytes: 4096,
-        },
-        |pg| {
-            if pg.rank() == 1 {
-                candle_core::bail!("shape error in layer 3");
-            }
-            let mut v = [1f32; 4];
-            let e = pg
-                .all_reduce_slice(&mut v, ReduceOp::Sum)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains("aborted by rank 1"), "{e}");
-            assert!(e.contains("shape error in layer 3"), "{e}");
-            Ok(())
-        },
-    )
+    let err = run_threads_with(3, long_deadline(), |pg| {
+        if pg.rank() == 1 {
+            candle_core::bail!("shape error in layer 3");
+        }
+        let mut v = [1f32; 4];
+        let e = pg
+            .all_reduce_slice(&mut v, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("aborted by rank 1"), "{e}");
+        assert!(e.contains("shape error in layer 3"), "{e}");
+        Ok(())
+    })
     .unwrap_err()
     .to_string();
     assert!(err.contains("rank 1 of 3"), "{err}");
@@ -299,21 +355,26 @@ fn counters_record_what_each_collective_moved() {
 
 #[test]
 fn invalid_arguments_are_clear_errors() {
-    run_threads(2, |pg| {
+    // Each in its own job: an argument error aborts the group (see the next test).
+    let err_of = |f: fn(&candle_tp::ProcessGroup) -> candle_core::Result<()>| {
+        run_threads(2, |pg| Ok(f(&pg).unwrap_err().to_string())).unwrap()
+    };
+    for e in err_of(|pg| {
         let mut out = vec![0f32; 3];
-        let e = pg
-            .all_gather_slice(&[1f32, 2.0], &mut out)
-            .unwrap_err()
-            .to_string();
+        Ok(pg.all_gather_slice(&[1f32, 2.0], &mut out)?)
+    }) {
         assert!(
             e.contains("output has 3 elements but the sizes [2, 2] add up to 4"),
             "{e}"
         );
-        let e = pg.broadcast_slice(&mut out, 5).unwrap_err().to_string();
+    }
+    for e in err_of(|pg| Ok(pg.broadcast_slice(&mut [0f32; 3], 5)?)) {
         assert!(
             e.contains("root 5 is not a rank of this group of 2 ranks"),
             "{e}"
         );
+    }
+    run_threads(2, |pg| {
         let e = pg.new_group(&[0, 0]).unwrap_err().to_string();
         assert!(e.contains("listed twice"), "{e}");
         let e = pg.new_group(&[3]).unwrap_err().to_string();
@@ -321,4 +382,206 @@ fn invalid_arguments_are_clear_errors() {
         Ok(())
     })
     .unwrap();
+}
+
+/// `ReduceOp::Max` propagates NaN like PyTorch's `torch.maximum` and NCCL's max: a NaN on any
+/// rank makes that element NaN on every rank, whatever its position in the rank order.
+#[test]
+fn max_propagates_nan_from_any_rank() {
+    for world in 2..=3 {
+        for nan_rank in 0..world {
+            let out = run_threads_with(world, small_slots(), |pg| {
+                let mut a: Vec<f32> = (0..5000).map(|i| val(pg.rank(), i) as f32).collect();
+                let mut b: Vec<bf16> = (0..300)
+                    .map(|i| bf16::from_f64(val(pg.rank(), i)))
+                    .collect();
+                if pg.rank() == nan_rank {
+                    a[7] = f32::NAN;
+                    a[4999] = f32::NAN;
+                    b[5] = bf16::NAN;
+                }
+                pg.all_reduce_slice(&mut a, ReduceOp::Max)?;
+                pg.all_reduce_slice(&mut b, ReduceOp::Max)?;
+                Ok((a, b))
+            })
+            .unwrap();
+            for (r, (a, b)) in out.iter().enumerate() {
+                let at = format!("world {world}, NaN on rank {nan_rank}, seen by rank {r}");
+                assert!(
+                    a[7].is_nan() && a[4999].is_nan(),
+                    "f32: {at}: {} {}",
+                    a[7],
+                    a[4999]
+                );
+                assert!(b[5].is_nan(), "bf16: {at}: {}", b[5]);
+                let finite = a.iter().enumerate().filter(|(i, _)| *i != 7 && *i != 4999);
+                assert!(finite.clone().all(|(_, v)| v.is_finite()), "{at}");
+            }
+        }
+    }
+}
+
+/// A watchdog thread can stop a rank that is stuck inside a collective: `abort` sets the abort
+/// word in shared memory without taking the group's lock (which the stuck collective holds),
+/// so the stuck call returns the watchdog's reason at once, and the late peer sees it too.
+#[test]
+fn a_watchdog_aborts_a_collective_in_progress_on_its_own_rank() {
+    let t0 = Instant::now();
+    let out = run_threads_with(2, long_deadline(), |pg| {
+        if pg.rank() == 1 {
+            // A stalled peer: arrives long after the watchdog fires.
+            std::thread::sleep(Duration::from_millis(2500));
+            let mut v = [1f32; 4];
+            let e = pg.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap_err();
+            return Ok((e.to_string(), Duration::ZERO));
+        }
+        let watchdog = {
+            let pg = pg.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                pg.abort("watchdog: rank 1 made no progress");
+            })
+        };
+        let start = Instant::now();
+        let mut v = [1f32; 4];
+        let r = pg.all_reduce_slice(&mut v, ReduceOp::Sum);
+        let took = start.elapsed();
+        watchdog.join().unwrap();
+        Ok((
+            r.map(|_| "completed".to_string())
+                .unwrap_or_else(|e| e.to_string()),
+            took,
+        ))
+    })
+    .unwrap();
+    let (e0, took) = &out[0];
+    assert!(e0.contains("watchdog: rank 1 made no progress"), "{e0}");
+    assert!(
+        *took < Duration::from_millis(1500),
+        "rank 0 stopped after {took:?}"
+    );
+    assert!(out[1].0.contains("watchdog"), "{}", out[1].0);
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+/// An argument error on one rank leaves its peers waiting in a phase it never starts, so it
+/// aborts the group: the peers fail at once with the reason (not after CANDLE_TP_TIMEOUT).
+/// Checked for the slice API (a wrong output length, a bad root) and for the tensor
+/// collectives and mappings (a share that does not match the partition).
+#[test]
+fn an_argument_error_on_one_rank_fails_its_peers_at_once() {
+    use candle_core::{Device, Tensor};
+    type Bad = fn(&candle_tp::ProcessGroup) -> candle_core::Result<()>;
+    let cases: [(&str, Bad, &str); 4] = [
+        (
+            "all_gather_v_slice",
+            |pg| {
+                let mut out = vec![0f32; 5];
+                Ok(pg.all_gather_v_slice(&[1f32, 2.0], &mut out, &[2, 2, 2])?)
+            },
+            "output has 5 elements but the sizes [2, 2, 2] add up to 6",
+        ),
+        (
+            "broadcast_slice",
+            |pg| Ok(pg.broadcast_slice(&mut [0f32; 4], 7)?),
+            "root 7 is not a rank",
+        ),
+        (
+            "all_gather (tensor)",
+            |pg| {
+                let t = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu)?;
+                pg.all_gather(&t, 5).map(|_| ())
+            },
+            "has no dimension 5",
+        ),
+        (
+            "gather_from_sp",
+            |pg| {
+                let part = candle_tp::Partition::new(9, 3)?;
+                let t = Tensor::zeros((4, 2), candle_core::DType::F32, &Device::Cpu)?;
+                candle_tp::ops::gather_from_sp(&t, pg, &part, 0).map(|_| ())
+            },
+            "expected this rank's share of 3 along dim 0",
+        ),
+    ];
+    for (what, bad, reason) in cases {
+        let t0 = Instant::now();
+        let out = run_threads_with(3, long_deadline(), |pg| {
+            if pg.rank() == 1 {
+                // Arrive late, so the peers are already waiting in the collective.
+                std::thread::sleep(Duration::from_millis(200));
+                return Ok((bad(&pg).unwrap_err().to_string(), Duration::ZERO));
+            }
+            let start = Instant::now();
+            let mut v = vec![1f32; 6];
+            let e = pg.all_gather_v_slice(&[1f32, 2.0], &mut v, &[2, 2, 2]);
+            Ok((
+                e.map(|_| "completed".into())
+                    .unwrap_or_else(|e| e.to_string()),
+                start.elapsed(),
+            ))
+        })
+        .unwrap();
+        assert!(out[1].0.contains(reason), "{what}: rank 1: {}", out[1].0);
+        for r in [0, 2] {
+            let (e, waited) = &out[r];
+            assert!(e.contains("aborted by rank 1"), "{what}: rank {r}: {e}");
+            assert!(e.contains(reason), "{what}: rank {r}: {e}");
+            // 200 ms until rank 1 arrives, then one futex wake-up.
+            assert!(
+                *waited < Duration::from_secs(1),
+                "{what}: rank {r} failed after {waited:?}"
+            );
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20));
+    }
+}
+
+/// A /dev/shm too small for the group's region (Docker's default is 64 MiB) is an error at
+/// rendezvous naming /dev/shm, the bytes needed and the `--shm-size` fix, not a SIGBUS on
+/// first touch. The test re-runs itself in a private mount namespace (`unshare -m`, root)
+/// with a 1 MiB tmpfs on /dev/shm; rank 0 of a 2-rank shm job then creates the 16 MiB region.
+#[test]
+fn a_full_dev_shm_is_a_clear_error_not_a_sigbus() {
+    if std::env::var_os("CANDLE_TP_TEST_SMALL_SHM").is_some() {
+        let rv = candle_tp::comm::Rendezvous {
+            rank: 0,
+            world_size: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            token: String::new(),
+        };
+        let opts = GroupOptions {
+            timeout: Duration::from_secs(5),
+            slot_bytes: 4 << 20,
+        };
+        let e = candle_tp::comm::init_shm(&rv, opts)
+            .unwrap_err()
+            .to_string();
+        println!("ERROR: {e}");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let script = "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" --exact \
+                  a_full_dev_shm_is_a_clear_error_not_a_sigbus --nocapture --test-threads 1";
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", script])
+        .arg(&exe)
+        .env("CANDLE_TP_TEST_SMALL_SHM", "1")
+        .output()
+        .expect("run unshare (util-linux)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "child failed ({:?}; a SIGBUS is signal 7): {stdout}\n{stderr}",
+        out.status
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("ERROR: "))
+        .unwrap_or_else(|| panic!("no error line: {stdout}\n{stderr}"));
+    for want in ["/dev/shm", "16781312 bytes", "--shm-size"] {
+        assert!(line.contains(want), "missing '{want}': {line}");
+    }
 }

@@ -5,6 +5,8 @@
 //!   its `quantized_llama` directly on the GGUF, which must agree.
 //!
 //! Needs the GGUF fetched by `scripts/fetch-models.sh`; fails (does not skip) without it.
+mod common;
+
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -357,11 +359,13 @@ fn dequantized_gguf() -> Result<quantized_llama::ModelWeights> {
 }
 
 fn mean_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    common::assert_finite("first", a)?;
+    common::assert_finite("second", b)?;
     Ok((a - b)?.abs()?.mean(0)?.to_scalar::<f32>()?)
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    Ok((a - b)?.abs()?.max(0)?.to_scalar::<f32>()?)
+    Ok(common::max_abs_diff(a, b)?)
 }
 
 #[test]

@@ -349,3 +349,90 @@ fn bad_shapes_are_clear_errors() {
     );
     assert!(e.contains("fewer units than ranks"), "{e}");
 }
+
+/// The comparison the whole suite relies on must not be blind to NaN: a NaN injected into one
+/// element of a parallel layer's weight reaches its output, and `max_abs_diff` against the
+/// dense output (NaN in the same place) must be an error, not a small number. Candle's CPU
+/// `max` skips NaN after the first element, so a max-based check alone passes.
+#[test]
+fn a_nan_in_a_layer_output_is_caught_by_the_comparison() {
+    let (inp, out) = (6, 10);
+    let mut wv = seeded(&[out, inp], 1)
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    wv[3 * inp + 2] = f32::NAN; // row 3: on rank 0 at world 2
+    let w = Tensor::from_vec(wv, (out, inp), &candle_core::Device::Cpu).unwrap();
+    let x = seeded(&[2, 3, inp], 3);
+    let errs = run_threads(2, |pg| {
+        let part = Partition::new(out, 2)?;
+        let dense = Linear::new(w.clone(), None).forward(&x)?;
+        let layer = ColumnParallelLinear::new(
+            narrow(&w, 0, &part, pg.rank())?,
+            None,
+            inp,
+            part,
+            pg.clone(),
+        )?
+        .with_gather_output(true);
+        let got = layer.forward(&x)?;
+        // Candle's own max of the difference misses the NaN (the reason for the check).
+        let blind = (&got - &dense)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        Ok((blind, max_abs_diff(&got, &dense).map_err(|e| e.to_string())))
+    })
+    .unwrap();
+    for (rank, (blind, checked)) in errs.into_iter().enumerate() {
+        assert!(
+            !blind.is_nan(),
+            "rank {rank}: candle's max now propagates NaN ({blind})"
+        );
+        let e = checked.expect_err("a NaN output must fail the comparison");
+        assert!(e.contains("non-finite"), "rank {rank}: {e}");
+    }
+}
+
+/// `RowParallelLinear` with `input_is_parallel = false` on an input without gradients splits
+/// it locally; the split must be a contiguous tensor, because Candle's CUDA and MKL matmuls
+/// reject the strided `narrow` view for more than one row (the default gemm backend accepts
+/// it, so the contiguity is asserted directly, and the layer is checked against dense).
+#[test]
+fn row_parallel_with_a_full_input_splits_it_contiguously() {
+    let (inp, out) = (10, 4);
+    let w = seeded(&[out, inp], 1);
+    let b = seeded(&[out], 2);
+    let x = seeded(&[3, 5, inp], 3); // 15 rows, no gradient
+    for world in 2..=3 {
+        run_threads(world, |pg| {
+            let part = Partition::new(inp, world)?;
+            let split = candle_tp::ops::scatter_to_tp(&x, &pg, &part)?;
+            assert!(
+                split.is_contiguous(),
+                "world {world}: split of shape {:?} is a strided view",
+                split.dims()
+            );
+            let layer = RowParallelLinear::new(
+                narrow(&w, 1, &part, pg.rank())?,
+                Some(b.clone()),
+                part,
+                out,
+                pg.clone(),
+            )?
+            .with_input_is_parallel(false);
+            let dense = Linear::new(w.clone(), Some(b.clone())).forward(&x)?;
+            assert_close(
+                "row full input",
+                world,
+                pg.rank(),
+                &layer.forward(&x)?,
+                &dense,
+            );
+            Ok(())
+        })
+        .unwrap();
+    }
+}

@@ -124,10 +124,36 @@ fn sequence_parallel_pair_on_dim_0_and_dim_1() {
             for (i, row) in got.iter().enumerate() {
                 assert_eq!(row[0], part.owner(i).unwrap() as f32 + 1.0, "row {i}");
             }
-            // Along dim 1 of a [2, seq, 3] batch-first activation.
+            // Along dim 1 of a [2, seq, 3] batch-first activation, forward and backward.
             let b = Tensor::stack(&[ramp(seq, 3, 0.0), ramp(seq, 3, 50.0)], 0)?;
-            let y = gather_from_sp(&b.narrow(1, rg.start, rg.len())?, &pg, &part, 1)?;
+            let xb = Var::from_tensor(&b.narrow(1, rg.start, rg.len())?)?;
+            let y = gather_from_sp(xb.as_tensor(), &pg, &part, 1)?;
             assert_eq!(y.to_vec3::<f32>()?, b.to_vec3::<f32>()?);
+            // Backward reduce-scatters along dim 1: rank r's upstream gradient is (r + 1) * b,
+            // so this rank gets tri * b at its sequence positions (position-dependent values
+            // catch a block taken from the wrong place or along the wrong dim).
+            let g = (y * (&b * (me as f64 + 1.0))?)?.sum_all()?.backward()?;
+            let want = (b.narrow(1, rg.start, rg.len())? * tri)?;
+            assert_eq!(
+                g.get(&xb).unwrap().to_vec3::<f32>()?,
+                want.to_vec3::<f32>()?
+            );
+            // reduce_scatter_to_sp along dim 1: forward sums, backward all-gathers.
+            let xf = Var::from_tensor(&(&b * (me as f64 + 1.0))?)?;
+            let y = reduce_scatter_to_sp(xf.as_tensor(), &pg, &part, 1)?;
+            assert_eq!(
+                y.to_vec3::<f32>()?,
+                (b.narrow(1, rg.start, rg.len())? * tri)?.to_vec3::<f32>()?
+            );
+            let probe = (Tensor::ones(y.dims(), DType::F32, &Device::Cpu)? * (me as f64 + 1.0))?;
+            let g = (y * probe)?.sum_all()?.backward()?;
+            let got = g.get(&xf).unwrap().to_vec3::<f32>()?;
+            for (k, batch) in got.iter().enumerate() {
+                for (i, row) in batch.iter().enumerate() {
+                    let owner = part.owner(i).unwrap() as f32 + 1.0;
+                    assert_eq!(row, &vec![owner; 3], "batch {k} position {i}");
+                }
+            }
             Ok(())
         })
         .unwrap();

@@ -268,3 +268,96 @@ fn too_many_ranks_for_kv_heads_is_an_error() -> Result<()> {
     }
     Ok(())
 }
+
+/// Attention with more ranks than KV heads replicates KV heads; a backward through them would
+/// give each rank a partial gradient. With trainable weights the forward refuses with the
+/// sizes (on every rank, so no rank waits for another); with plain weights it runs.
+#[test]
+fn training_through_replicated_kv_heads_is_refused_with_the_sizes() -> Result<()> {
+    use candle_tp::{AttentionConfig, ParallelAttention, RotaryEmbedding};
+    let cfg = AttentionConfig {
+        hidden_size: 12,
+        num_heads: 6,
+        num_kv_heads: 2,
+        head_dim: 2,
+        qkv_bias: false,
+        o_bias: false,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        max_position_embeddings: 8,
+        sliding_window: None,
+    };
+    let names = [("q_proj", 12), ("k_proj", 4), ("v_proj", 4), ("o_proj", 12)];
+    let x = common::seeded(&[1, 3, 12], 9);
+    let out = run_threads(3, |pg| {
+        let run = |trainable: bool| -> Result<Option<String>> {
+            let map = names
+                .iter()
+                .enumerate()
+                .map(|(i, (n, rows))| {
+                    let w = common::seeded(&[*rows, 12], i as u64);
+                    let w = if trainable {
+                        common::var(&w).as_tensor().clone()
+                    } else {
+                        w
+                    };
+                    (format!("{n}.weight"), w)
+                })
+                .collect();
+            let vb = ShardedVarBuilder::from_tensors(map, DType::F32, &Device::Cpu, pg.clone());
+            let mut attn = ParallelAttention::load(&cfg, vb)?;
+            let rope = RotaryEmbedding::new(&cfg, DType::F32, &Device::Cpu)?;
+            Ok(attn.forward(&x, 0, &rope).err().map(|e| e.to_string()))
+        };
+        Ok((run(true)?, run(false)?))
+    })?;
+    for (rank, (trainable, plain)) in out.into_iter().enumerate() {
+        let e =
+            trainable.unwrap_or_else(|| panic!("rank {rank}: trainable replicated KV heads ran"));
+        assert!(
+            e.contains("replicated on several ranks") && e.contains("num_key_value_heads"),
+            "rank {rank}: {e}"
+        );
+        assert!(plain.is_none(), "rank {rank}: inference refused: {plain:?}");
+    }
+    Ok(())
+}
+
+/// The trainer's vocabulary-parallel lookup zeroes foreign ids by selection: an Inf in a
+/// rank's local row 0 (a token no sequence uses) must not turn every other rank's rows into
+/// NaN through `Inf * 0` and the all-reduce (issue 14, item 8, trainer side).
+#[test]
+fn an_inf_in_an_unused_embedding_row_leaves_the_loss_finite() -> Result<()> {
+    let cfg = cfg(false);
+    let out = run_threads(2, |pg| {
+        let init = TrainInit::new(42);
+        cfg.declare(&init)?;
+        let model = TrainLlama::load(
+            &cfg,
+            init.var_builder(DType::F32, &Device::Cpu, pg.clone()),
+            false,
+        )?;
+        let range = model.vocab_partition().range(pg.rank());
+        let emb = init
+            .params()?
+            .into_iter()
+            .find(|p| p.name == "model.embed_tokens.weight")
+            .expect("embedding parameter");
+        // Row 0 of each rank's shard: global ids 0 and 19 (37 over 2 ranks), neither used.
+        let mut rows = emb.var.as_tensor().to_vec2::<f32>()?;
+        rows[0][1] = f32::INFINITY;
+        emb.var.set(&Tensor::new(rows, &Device::Cpu)?)?;
+        let ids: Vec<u32> = (0..14).map(|i| 1 + (i * 5) % 17).collect(); // 1..=17
+        assert!(!ids.contains(&(range.start as u32)));
+        let ids = Tensor::from_vec(ids, (2, 7), &Device::Cpu)?;
+        let tg = Tensor::from_vec((0..14u32).map(|i| 2 + i).collect(), 14, &Device::Cpu)?;
+        let logits = model.forward(&ids, &Dropout::off())?;
+        common::assert_finite("logits", &logits)?;
+        let loss =
+            vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), &pg, 0.0, None)?;
+        common::assert_finite("loss", &loss)?;
+        Ok(range.start)
+    })?;
+    assert_eq!(out, vec![0, 19]);
+    Ok(())
+}

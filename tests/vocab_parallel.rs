@@ -75,3 +75,40 @@ fn out_of_vocabulary_ids_are_a_clear_error() {
         "{e}"
     );
 }
+
+/// A non-finite value in a local row 0 must not leak into other ranks' tokens: foreign ids
+/// are zeroed by selection, not by multiplying row 0 by zero (`Inf * 0 = NaN`, which the
+/// all-reduce then spreads to every rank). Only the token whose own row holds the Inf may be
+/// non-finite, exactly as in the dense embedding; its gradient is checked too.
+#[test]
+fn an_inf_in_a_local_row_0_stays_in_its_own_token() {
+    let (vocab, hidden) = (11, 6);
+    let mut data = seeded(&[vocab, hidden], 1)
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    // Local row 0 of a rank: row 6 at world 2 (6 + 5) and 4 (3 + 3 + 3 + 2), row 8 at world
+    // 3 (4 + 4 + 3). Neither id is looked up below.
+    for row in [6usize, 8] {
+        data[row * hidden + 2] = f32::INFINITY;
+    }
+    let table = Tensor::from_vec(data, (vocab, hidden), &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[0u32, 10, 3, 3], [7, 1, 5, 9]], &Device::Cpu).unwrap();
+    for world in 2..=4 {
+        run_threads(world, |pg| {
+            let part = Partition::new(vocab, world)?;
+            let r = part.range(pg.rank());
+            let dense = Embedding::new(table.clone(), hidden).forward(&ids)?;
+            let wp = var(&table.narrow(0, r.start, r.len())?);
+            let e = VocabParallelEmbedding::new(wp.as_tensor().clone(), part, pg.clone())?;
+            let got = e.forward(&ids)?;
+            let err = max_abs_diff(&got, &dense)?; // errors on any NaN/Inf
+            assert!(err <= 1e-6, "world {world}: {err}");
+            let g = got.sum_all()?.backward()?;
+            common::assert_finite("embedding gradient", g.get(&wp).unwrap())?;
+            Ok(())
+        })
+        .unwrap();
+    }
+}

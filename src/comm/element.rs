@@ -7,12 +7,13 @@
 use candle_core::DType;
 use half::{bf16, f16};
 
-/// How values are combined by `all_reduce` and `reduce_scatter`.
+/// How values are combined by `all_reduce` and `reduce_scatter`. Floating-point `Max`
+/// propagates NaN (like PyTorch and NCCL): a NaN on any rank gives NaN on every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     /// Element-wise sum.
     Sum,
-    /// Element-wise maximum.
+    /// Element-wise maximum; NaN if any rank holds NaN.
     Max,
 }
 
@@ -24,6 +25,23 @@ impl ReduceOp {
         }
     }
 }
+
+macro_rules! nan_max {
+    ($name:ident, $t:ty) => {
+        /// The maximum that propagates NaN, as PyTorch's `torch.maximum` and NCCL's `ncclMax`
+        /// do (`max` returns the other operand, so a NaN on one rank would vanish).
+        #[inline]
+        fn $name(a: $t, b: $t) -> $t {
+            if a.is_nan() || b.is_nan() {
+                <$t>::NAN
+            } else {
+                a.max(b)
+            }
+        }
+    };
+}
+nan_max!(nan_max_f32, f32);
+nan_max!(nan_max_f64, f64);
 
 /// Number of elements reduced at a time through the stack accumulator.
 const BLOCK: usize = 512;
@@ -76,8 +94,8 @@ macro_rules! native_element {
     };
 }
 
-native_element!(f32, DType::F32, 1, |a, b| a + b, |a: f32, b: f32| a.max(b));
-native_element!(f64, DType::F64, 2, |a, b| a + b, |a: f64, b: f64| a.max(b));
+native_element!(f32, DType::F32, 1, |a, b| a + b, nan_max_f32);
+native_element!(f64, DType::F64, 2, |a, b| a + b, nan_max_f64);
 native_element!(
     u8,
     DType::U8,

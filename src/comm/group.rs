@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use super::element::{Element, ReduceOp};
-use super::engine::{default_slot_bytes, region_layout, Engine, MAX_RANKS};
+use super::engine::{default_slot_bytes, region_layout, AbortHandle, Engine, MAX_RANKS};
 use super::error::{CommError, CommResult};
 use super::region::{self, RegionKind};
 use super::stats::CommStats;
@@ -42,6 +42,8 @@ struct Inner {
     /// World rank of each member, in group order.
     members: Vec<usize>,
     engine: Option<Mutex<Engine>>,
+    /// Aborts the engine's group without its lock (a collective may hold it, stuck).
+    abort_handle: Option<AbortHandle>,
     /// The NCCL backend, when the group was built on a CUDA device (then `engine` is `None`).
     #[cfg(feature = "nccl")]
     nccl: Option<super::nccl::NcclGroup>,
@@ -56,6 +58,9 @@ pub(crate) struct Context {
     pub(crate) job: String,
     pub(crate) timeout: Duration,
     pub(crate) slot_bytes: usize,
+    /// Ranks of the job on this host: a sub-group of 2 on a 4-rank host still shares the
+    /// cores with the other ranks, so its wait policy looks at this, not its own size.
+    pub(crate) local_ranks: usize,
     /// How many groups of each name this rank created (sub-group keys stay unique).
     created: Mutex<HashMap<String, usize>>,
     /// Things that must live as long as the groups (the store server on rank 0).
@@ -68,6 +73,7 @@ impl Context {
         region: RegionKind,
         job: String,
         options: &GroupOptions,
+        local_ranks: usize,
         keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Arc<Self> {
         Arc::new(Self {
@@ -76,6 +82,7 @@ impl Context {
             job,
             timeout: options.timeout,
             slot_bytes: options.slot_bytes,
+            local_ranks,
             created: Mutex::new(HashMap::new()),
             _keep: Mutex::new(keep),
         })
@@ -150,7 +157,7 @@ pub(crate) fn rendezvous(
         ));
     }
     let key = format!("{name}/region");
-    let (_, len) = region_layout(size, ctx.slot_bytes);
+    let (_, len) = region_layout(size, ctx.slot_bytes)?;
     let mut engine = if rank == 0 {
         let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
         let map = region::create(ctx.region, &seg, len)?;
@@ -163,6 +170,7 @@ pub(crate) fn rendezvous(
             ctx.slot_bytes,
             ctx.timeout,
             true,
+            ctx.local_ranks,
         )?;
         ctx.store.set(&key, seg.as_bytes())?;
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
@@ -189,6 +197,7 @@ pub(crate) fn rendezvous(
             ctx.slot_bytes,
             ctx.timeout,
             false,
+            ctx.local_ranks,
         )?;
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
         engine
@@ -217,6 +226,7 @@ impl ProcessGroup {
                 rank,
                 size: members.len(),
                 members,
+                abort_handle: engine.as_ref().map(Engine::abort_handle),
                 engine: engine.map(Mutex::new),
                 #[cfg(feature = "nccl")]
                 nccl: None,
@@ -242,6 +252,7 @@ impl ProcessGroup {
                 size: members.len(),
                 members,
                 engine: None,
+                abort_handle: None,
                 nccl: Some(nccl),
                 ctx: Some(ctx),
                 children: Mutex::new(Vec::new()),
@@ -308,17 +319,38 @@ impl ProcessGroup {
             // pending work; peers see their own NCCL error (or timeout) instead.
             n.abort();
         }
-        if let Some(e) = &self.inner.engine {
-            // try_lock: the group may be locked by a collective stuck on this very thread's
-            // peer; the abort word lives in shared memory, so any handle can set it.
-            match e.try_lock() {
-                Ok(engine) => engine.abort(reason),
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().abort(reason),
-                Err(std::sync::TryLockError::WouldBlock) => {}
-            }
+        if let Some(h) = &self.inner.abort_handle {
+            // Without the group's lock: a collective of this rank, stuck on a peer, may hold
+            // it. The abort word lives in shared memory; the stuck wait sees it at once.
+            h.abort(reason);
         }
         for child in lock(&self.inner.children).iter().filter_map(Weak::upgrade) {
             ProcessGroup { inner: child }.abort(reason);
+        }
+    }
+
+    /// An argument error on this rank alone (a wrong length, a bad root) returns before the
+    /// collective's first phase, so the peers would wait for it until the deadline: abort the
+    /// group with the error, so they fail at once with this reason. Errors every rank sees at
+    /// the same phase (a mismatch) leave the group usable and pass through.
+    fn abort_if_invalid<R>(&self, r: CommResult<R>) -> CommResult<R> {
+        if let Err(e @ CommError::InvalidArgument { .. }) = &r {
+            self.abort_with(&e.to_string());
+        }
+        r
+    }
+
+    /// Aborts the group (when it has peers) with `reason` prefixed by this rank's number and
+    /// returns `reason` as an error: for argument errors found above the slice API (tensor
+    /// shapes that do not match a partition).
+    pub(crate) fn refuse(&self, reason: String) -> candle_core::Error {
+        self.abort_with(&reason);
+        candle_core::Error::Msg(reason)
+    }
+
+    fn abort_with(&self, reason: &str) {
+        if self.size() > 1 {
+            self.abort(&format!("rank {}: {reason}", self.rank()));
         }
     }
 
@@ -419,8 +451,13 @@ impl ProcessGroup {
         });
         match self.engine() {
             None => Ok(()),
-            // SAFETY: src and dst are the same valid buffer of buf.len() elements.
-            Some(mut e) => unsafe { e.all_reduce(buf.as_ptr(), buf.as_mut_ptr(), buf.len(), op) },
+            Some(mut e) => {
+                // Both pointers from as_mut_ptr: a shared pointer from as_ptr would be
+                // invalidated by the later mutable borrow (Stacked Borrows).
+                let p = buf.as_mut_ptr();
+                // SAFETY: src and dst are the same valid buffer of buf.len() elements.
+                unsafe { e.all_reduce(p as *const T, p, buf.len(), op) }
+            }
         }
     }
 
@@ -432,14 +469,14 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> CommResult<()> {
         if src.len() != dst.len() {
-            return Err(CommError::invalid(
+            return self.abort_if_invalid(Err(CommError::invalid(
                 self.ctx_name("all_reduce"),
                 format!(
                     "input has {} elements but output has {}",
                     src.len(),
                     dst.len()
                 ),
-            ));
+            )));
         }
         on_nccl!(self, |n| n.host_all_reduce(src, dst, op));
         match self.engine() {
@@ -454,8 +491,14 @@ impl ProcessGroup {
 
     /// Concatenates every rank's `src` (all the same length) into `dst`, in rank order.
     pub fn all_gather_slice<T: Element>(&self, src: &[T], dst: &mut [T]) -> CommResult<()> {
-        let counts = [src.len(); MAX_RANKS];
-        self.all_gather_v_slice(src, dst, &counts[..self.size().min(MAX_RANKS)])
+        // The shared-memory engine serves at most MAX_RANKS (stack scratch, no allocation);
+        // an NCCL group may be larger, so its sizes are a Vec of the group's size.
+        if self.size() <= MAX_RANKS {
+            let counts = [src.len(); MAX_RANKS];
+            self.all_gather_v_slice(src, dst, &counts[..self.size()])
+        } else {
+            self.all_gather_v_slice(src, dst, &vec![src.len(); self.size()])
+        }
     }
 
     /// Concatenates every rank's `src` into `dst`, where rank `r` contributes `counts[r]`
@@ -466,9 +509,14 @@ impl ProcessGroup {
         dst: &mut [T],
         counts: &[usize],
     ) -> CommResult<()> {
-        on_nccl!(self, |n| n.host_all_gather_v(src, dst, counts));
+        on_nccl!(self, |n| self
+            .abort_if_invalid(n.host_all_gather_v(src, dst, counts)));
         match self.engine() {
-            Some(mut e) => e.all_gather(src, dst, counts),
+            Some(mut e) => {
+                let r = e.all_gather(src, dst, counts);
+                drop(e);
+                self.abort_if_invalid(r)
+            }
             None => {
                 if counts != [src.len()] || dst.len() != src.len() {
                     return Err(CommError::invalid(
@@ -494,8 +542,12 @@ impl ProcessGroup {
         dst: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
-        let counts = [dst.len(); MAX_RANKS];
-        self.reduce_scatter_v_slice(src, dst, &counts[..self.size().min(MAX_RANKS)], op)
+        if self.size() <= MAX_RANKS {
+            let counts = [dst.len(); MAX_RANKS];
+            self.reduce_scatter_v_slice(src, dst, &counts[..self.size()], op)
+        } else {
+            self.reduce_scatter_v_slice(src, dst, &vec![dst.len(); self.size()], op)
+        }
     }
 
     /// Reduces `src` (blocks of `counts[r]` elements, concatenated) across ranks and leaves
@@ -507,9 +559,14 @@ impl ProcessGroup {
         counts: &[usize],
         op: ReduceOp,
     ) -> CommResult<()> {
-        on_nccl!(self, |n| n.host_reduce_scatter_v(src, dst, counts, op));
+        on_nccl!(self, |n| self
+            .abort_if_invalid(n.host_reduce_scatter_v(src, dst, counts, op)));
         match self.engine() {
-            Some(mut e) => e.reduce_scatter(src, dst, counts, op),
+            Some(mut e) => {
+                let r = e.reduce_scatter(src, dst, counts, op);
+                drop(e);
+                self.abort_if_invalid(r)
+            }
             None => {
                 if counts != [dst.len()] || dst.len() != src.len() {
                     return Err(CommError::invalid(
@@ -529,9 +586,13 @@ impl ProcessGroup {
 
     /// Copies `root`'s `buf` into every rank's `buf` (all of the same length).
     pub fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
-        on_nccl!(self, |n| n.host_broadcast(buf, root));
+        on_nccl!(self, |n| self.abort_if_invalid(n.host_broadcast(buf, root)));
         match self.engine() {
-            Some(mut e) => e.broadcast(buf, root),
+            Some(mut e) => {
+                let r = e.broadcast(buf, root);
+                drop(e);
+                self.abort_if_invalid(r)
+            }
             None if root == 0 => Ok(()),
             None => Err(CommError::invalid(
                 self.ctx_name("broadcast"),

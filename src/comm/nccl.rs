@@ -134,7 +134,14 @@ pub fn init_nccl(
         TcpStore::connect(&rv.master_addr, rv.master_port, &rv.token, options.timeout)?
     };
     let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
-    let ctx = Context::new(Arc::new(store), RegionKind::Shm, job, &options, keep);
+    let ctx = Context::new(
+        Arc::new(store),
+        RegionKind::Shm,
+        job,
+        &options,
+        rv.world_size,
+        keep,
+    );
     rendezvous(
         &ctx,
         "world".into(),

@@ -132,6 +132,29 @@ pub(crate) fn create(kind: RegionKind, name: &str, len: usize) -> CommResult<Arc
                 unlink(kind, name);
                 return Err(e);
             }
+            // Reserve the pages now, as NCCL does: ftruncate only sets the size of a sparse
+            // file, and a full tmpfs then kills the rank with SIGBUS on first touch.
+            // SAFETY: fd is valid; posix_fallocate returns an error number, not -1.
+            let rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+            if rc != 0 {
+                let e = if rc == libc::ENOSPC {
+                    CommError::io(
+                        format!(
+                            "reserving {len} bytes of /dev/shm for segment {name}: /dev/shm is too small or full (see `df -h /dev/shm`); \
+                             in Docker, start the container with a larger --shm-size (e.g. \
+                             --shm-size=1g), or lower CANDLE_TP_SLOT_BYTES (two slots per rank per group)"
+                        ),
+                        std::io::Error::from_raw_os_error(rc),
+                    )
+                } else {
+                    CommError::io(
+                        format!("reserving {len} bytes of /dev/shm for segment {name}"),
+                        std::io::Error::from_raw_os_error(rc),
+                    )
+                };
+                unlink(kind, name);
+                return Err(e);
+            }
             let map = Mapping::map(guard.0, len, name);
             if map.is_err() {
                 unlink(kind, name);

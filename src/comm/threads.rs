@@ -57,8 +57,14 @@ where
                 std::thread::Builder::new()
                     .name(format!("candle-tp-rank-{rank}"))
                     .spawn_scoped(s, move || {
-                        let ctx =
-                            Context::new(store, RegionKind::InProcess, job, &options, Vec::new());
+                        let ctx = Context::new(
+                            store,
+                            RegionKind::InProcess,
+                            job,
+                            &options,
+                            world_size,
+                            Vec::new(),
+                        );
                         let pg = rendezvous(&ctx, "world".into(), rank, (0..world_size).collect())
                             .map_err(|e| (Instant::now(), e.to_string()))?;
                         let out =

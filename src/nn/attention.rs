@@ -249,6 +249,27 @@ impl KvProj {
             Self::Replicated(l) => l.forward(x),
         }
     }
+
+    /// Replicated KV heads would get a partial gradient on each rank that holds them (only
+    /// its own query heads' share), so a backward through trainable replicated weights is
+    /// refused with the sizes instead of silently training on partial gradients.
+    fn refuse_training(&self, heads: &HeadAssignment, pg: &ProcessGroup, what: &str) -> Result<()> {
+        let Self::Replicated(l) = self else {
+            return Ok(());
+        };
+        if l.weight().track_op() || l.bias().is_some_and(|b| b.track_op()) {
+            candle_core::bail!(
+                "attention {what} on rank {} of {}: KV heads {:?} are replicated on several ranks \
+                 (the world exceeds the number of KV heads), so their gradients would be partial \
+                 on each rank; training through replicated KV heads is not supported: use a \
+                 tensor-parallel size <= num_key_value_heads (or detach the weights for inference)",
+                pg.rank(),
+                pg.size(),
+                heads.kv_heads
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Causal self-attention with heads split across the ranks of a group, and a KV cache.
@@ -360,6 +381,10 @@ impl ParallelAttention {
                 self.cached_len()
             );
         }
+        self.k_proj
+            .refuse_training(&self.heads, &self.pg, "k_proj")?;
+        self.v_proj
+            .refuse_training(&self.heads, &self.pg, "v_proj")?;
         let hd = self.head_dim;
         let nq = self.heads.q_heads.len();
         let nkv = self.heads.kv_heads.len();

@@ -112,21 +112,24 @@ impl Module for VocabParallelEmbedding {
             return self.weight.index_select(&idx, 0)?.reshape(out_dims);
         }
         let range = self.part.range(self.pg.rank());
-        let (local, mask): (Vec<u32>, Vec<f32>) = flat
+        let (local, mask): (Vec<u32>, Vec<u8>) = flat
             .iter()
             .map(|&i| {
                 let i = i as usize;
                 if range.contains(&i) {
-                    ((i - range.start) as u32, 1.0)
+                    ((i - range.start) as u32, 1)
                 } else {
-                    (0, 0.0)
+                    (0, 0)
                 }
             })
             .unzip();
         let n = local.len();
         let idx = Tensor::from_vec(local, n, dev)?;
-        let mask = Tensor::from_vec(mask, (n, 1), dev)?.to_dtype(self.weight.dtype())?;
-        let rows = self.weight.index_select(&idx, 0)?.broadcast_mul(&mask)?;
+        // Foreign ids are zeroed by selection, not by multiplying row 0 by zero: Inf * 0 is
+        // NaN, and the all-reduce would spread it to every rank.
+        let rows = self.weight.index_select(&idx, 0)?;
+        let keep = Tensor::from_vec(mask, (n, 1), dev)?.broadcast_as(rows.shape())?;
+        let rows = keep.where_cond(&rows, &rows.zeros_like()?)?;
         reduce_from_tp(&rows.reshape(out_dims)?, &self.pg)
     }
 }

@@ -92,20 +92,25 @@ pub(crate) fn run_kind<T: Element>(
             pg.size()
         )
     };
+    // Argument errors abort the group (`refuse`): the peers are already waiting in the
+    // collective this rank will not start.
     let check_dim = |dim: usize| -> Result<()> {
         if dim >= dims.len() {
-            candle_core::bail!("{}: tensor of shape {dims:?} has no dimension {dim}", who());
+            return Err(pg.refuse(format!(
+                "{}: tensor of shape {dims:?} has no dimension {dim}",
+                who()
+            )));
         }
         Ok(())
     };
     let check_sizes = |sizes: &[usize]| -> Result<()> {
         if sizes.len() != pg.size() {
-            candle_core::bail!(
+            return Err(pg.refuse(format!(
                 "{}: {} per-rank sizes for {} ranks",
                 who(),
                 sizes.len(),
                 pg.size()
-            );
+            )));
         }
         Ok(())
     };
@@ -128,10 +133,10 @@ pub(crate) fn run_kind<T: Element>(
             check_sizes(sizes)?;
             let (dim, me) = (*dim, pg.rank());
             if dims[dim] != sizes[me] {
-                candle_core::bail!(
+                return Err(pg.refuse(format!(
                     "{}: this rank's tensor has {} along dim {dim} (shape {dims:?}) but its share is {} (shares {sizes:?})",
                     who(), dims[dim], sizes[me]
-                );
+                )));
             }
             let (outer, inner) = (prod(&dims[..dim]), prod(&dims[dim + 1..]));
             let counts: Vec<usize> = sizes.iter().map(|s| s * outer * inner).collect();
@@ -164,7 +169,7 @@ pub(crate) fn run_kind<T: Element>(
             let dim = *dim;
             let total: usize = sizes.iter().sum();
             if dims[dim] != total {
-                candle_core::bail!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim]);
+                return Err(pg.refuse(format!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim])));
             }
             let (outer, inner) = (prod(&dims[..dim]), prod(&dims[dim + 1..]));
             let start: usize = sizes[..pg.rank()].iter().sum::<usize>() * inner;
@@ -184,7 +189,7 @@ pub(crate) fn run_kind<T: Element>(
             let dim = *dim;
             let total: usize = sizes.iter().sum();
             if dims[dim] != total {
-                candle_core::bail!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim]);
+                return Err(pg.refuse(format!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim])));
             }
             let (outer, inner) = (prod(&dims[..dim]), prod(&dims[dim + 1..]));
             let counts: Vec<usize> = sizes.iter().map(|s| s * outer * inner).collect();

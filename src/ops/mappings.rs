@@ -27,13 +27,15 @@ fn check_partition(
     what: &str,
     local: bool,
 ) -> Result<()> {
+    // Errors abort the group (`refuse`): peers would otherwise wait for this rank until the
+    // deadline.
     if part.parts() != pg.size() {
-        candle_core::bail!(
+        return Err(pg.refuse(format!(
             "{what}: the partition has {} parts but group '{}' has {} ranks",
             part.parts(),
             pg.name(),
             pg.size()
-        );
+        )));
     }
     let have = x.dims().get(dim).copied();
     let want = if local {
@@ -42,20 +44,22 @@ fn check_partition(
         part.total()
     };
     if have != Some(want) {
-        candle_core::bail!(
+        return Err(pg.refuse(format!(
             "{what} on rank {} of group '{}': expected {} {want} along dim {dim}, got a tensor of shape {:?}",
             pg.rank(),
             pg.name(),
             if local { "this rank's share of" } else { "the full size" },
             x.dims()
-        );
+        )));
     }
     Ok(())
 }
 
-fn last_dim(x: &Tensor, what: &str) -> Result<usize> {
+fn last_dim(x: &Tensor, pg: &ProcessGroup, what: &str) -> Result<usize> {
     match x.rank() {
-        0 => candle_core::bail!("{what}: a scalar has no dimension to split or gather"),
+        0 => Err(pg.refuse(format!(
+            "{what}: a scalar has no dimension to split or gather"
+        ))),
         r => Ok(r - 1),
     }
 }
@@ -81,7 +85,7 @@ pub fn reduce_from_tp(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
 /// Gathers the last dimension, split as `part` across the group: all-gather forward, this
 /// rank's slice of the gradient backward.
 pub fn gather_from_tp(x: &Tensor, pg: &ProcessGroup, part: &Partition) -> Result<Tensor> {
-    let dim = last_dim(x, "gather_from_tp")?;
+    let dim = last_dim(x, pg, "gather_from_tp")?;
     check_partition(x, pg, part, dim, "gather_from_tp", true)?;
     if pg.size() == 1 {
         return Ok(x.clone());
@@ -101,14 +105,16 @@ pub fn gather_from_tp(x: &Tensor, pg: &ProcessGroup, part: &Partition) -> Result
 /// Keeps this rank's slice of the last dimension (split as `part`): split forward, all-gather
 /// of the gradient backward.
 pub fn scatter_to_tp(x: &Tensor, pg: &ProcessGroup, part: &Partition) -> Result<Tensor> {
-    let dim = last_dim(x, "scatter_to_tp")?;
+    let dim = last_dim(x, pg, "scatter_to_tp")?;
     check_partition(x, pg, part, dim, "scatter_to_tp", false)?;
     if pg.size() == 1 {
         return Ok(x.clone());
     }
     if !x.track_op() {
+        // A copy, not the strided `narrow` view: Candle's CUDA and MKL matmuls reject that
+        // stride for more than one row, and the split feeds a matmul (RowParallelLinear).
         let r = part.range(pg.rank());
-        return x.narrow(dim, r.start, r.len());
+        return x.narrow(dim, r.start, r.len())?.contiguous();
     }
     let sizes = part.sizes();
     CollectiveOp::apply(

@@ -9,12 +9,13 @@ use crate::Partition;
 
 fn check_dim(pg: &ProcessGroup, t: &Tensor, dim: usize, op: &str) -> Result<()> {
     if dim >= t.rank() {
-        candle_core::bail!(
+        // Aborts the group: the peers are waiting in the collective this rank will not start.
+        return Err(pg.refuse(format!(
             "{op} on group '{}' (rank {}): tensor of shape {:?} has no dimension {dim}",
             pg.name(),
             pg.rank(),
             t.dims()
-        );
+        )));
     }
     Ok(())
 }

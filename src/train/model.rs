@@ -346,23 +346,23 @@ impl TrainLlama {
                 self.vocab.total()
             );
         }
-        let (idx, mask): (Vec<u32>, Vec<f32>) = flat
+        let (idx, mask): (Vec<u32>, Vec<u8>) = flat
             .iter()
             .map(|&i| match r.contains(&(i as usize)) {
-                true => (i - r.start as u32, 1.0),
-                false => (0, 0.0),
+                true => (i - r.start as u32, 1),
+                false => (0, 0),
             })
             .unzip();
         let n = idx.len();
         let dev = self.embed.device();
         let idx = Tensor::from_vec(idx, n, dev)?;
-        let mask = Tensor::from_vec(mask, (n, 1), dev)?.to_dtype(self.embed.dtype())?;
         let mut dims = ids.dims().to_vec();
         dims.push(self.cfg.hidden_size);
-        self.embed
-            .index_select(&idx, 0)?
-            .broadcast_mul(&mask)?
-            .reshape(dims)
+        // Zero foreign ids by selection: multiplying row 0 by zero turns an Inf into NaN,
+        // which the all-reduce then spreads to every rank.
+        let rows = self.embed.index_select(&idx, 0)?;
+        let keep = Tensor::from_vec(mask, (n, 1), dev)?.broadcast_as(rows.shape())?;
+        keep.where_cond(&rows, &rows.zeros_like()?)?.reshape(dims)
     }
 
     fn attention(&self, layer: &Layer, x: &Tensor, drop: &Dropout, l: usize) -> Result<Tensor> {

@@ -9,15 +9,37 @@ pub fn seeded(shape: &[usize], seed: u64) -> Tensor {
     candle_tp::rng::seeded_uniform(shape, seed, 1.0, &Device::Cpu).expect("shape matches data")
 }
 
-/// Largest absolute difference of two tensors of the same shape.
+/// Largest absolute difference of two tensors of the same shape, and an error if either holds
+/// a non-finite value (NaN or ±Inf).
+///
+/// Finiteness is checked explicitly, on the host: Candle's CPU `max` skips NaN after the first
+/// element, so `max(|a - b|) <= tol` alone passes on NaN output.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    a.to_dtype(DType::F32)?
-        .sub(&b.to_dtype(DType::F32)?)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f32>()
+    let host = |t: &Tensor, which: &str| -> Result<Vec<f32>> {
+        let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if let Some((i, x)) = v.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+            candle_core::bail!(
+                "non-finite value {x} at flat index {i} of the {which} tensor (shape {:?})",
+                t.dims()
+            );
+        }
+        Ok(v)
+    };
+    let (a, b) = (host(a, "first")?, host(b, "second")?);
+    Ok(a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max))
+}
+
+/// Errors if `t` holds a non-finite value (NaN or ±Inf), naming `what`.
+pub fn assert_finite(what: &str, t: &Tensor) -> Result<()> {
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    match v.iter().position(|x| !x.is_finite()) {
+        Some(i) => candle_core::bail!("{what}: non-finite value {} at flat index {i}", v[i]),
+        None => Ok(()),
+    }
 }
 
 /// A trainable copy of `t`.

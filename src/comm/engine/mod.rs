@@ -26,6 +26,8 @@
 //! Every rank reduces in rank order, so all ranks end with bit-identical values.
 
 mod algorithms;
+#[cfg(test)]
+mod tests;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -38,8 +40,9 @@ use super::wait::{futex_wait, futex_wake_all, reached, spin_then_yield, Deadline
 
 const MAGIC: u64 = 0x7074_656c_646e_6163; // "candletp", little endian
 const HEADER_BYTES: usize = 256;
-const RECORD_BYTES: usize = 256;
-const REASON_BYTES: usize = 176;
+const RECORD_BYTES: usize = 512;
+/// Room for an abort reason (an error message naming the layer, the sizes and the rank).
+const REASON_BYTES: usize = 432;
 const PAGE: usize = 4096;
 /// Element alignment of the per-rank portions of a chunk (one cache line of f32).
 const PORTION_ALIGN: usize = 16;
@@ -52,6 +55,10 @@ struct Header {
     size: AtomicU64,
     slot_bytes: AtomicU64,
     abort: AtomicU32,
+    _pad: AtomicU32,
+    /// Largest one-shot all-reduce in bytes: a protocol choice, so the creator's value (its
+    /// `CANDLE_TP_ONESHOT_BYTES`) holds for every rank.
+    one_shot_bytes: AtomicU64,
 }
 
 #[repr(C)]
@@ -67,7 +74,8 @@ struct Record {
     seq: AtomicU32,
     waiters: AtomicU32,
     pid: AtomicU32,
-    _pad: AtomicU32,
+    /// Set (0 -> 1) by the first abort of this rank, which alone writes `reason`.
+    reason_claimed: AtomicU32,
     meta: [Meta; 2],
     reason: [AtomicU8; REASON_BYTES],
 }
@@ -84,10 +92,28 @@ struct MetaValue {
     aux: u64,
 }
 
-/// Bytes needed for a region of `size` ranks with `slot_bytes` slots, and the data offset.
-pub(crate) fn region_layout(size: usize, slot_bytes: usize) -> (usize, usize) {
-    let data = (HEADER_BYTES + size * RECORD_BYTES).div_ceil(PAGE) * PAGE;
-    (data, data + size * 2 * slot_bytes)
+/// The data offset and the bytes needed for a region of `size` ranks with `slot_bytes`
+/// slots, in checked arithmetic (the slot size comes from `CANDLE_TP_SLOT_BYTES`).
+pub(crate) fn region_layout(size: usize, slot_bytes: usize) -> CommResult<(usize, usize)> {
+    let data = size
+        .checked_mul(RECORD_BYTES)
+        .and_then(|r| r.checked_add(HEADER_BYTES))
+        .map(|b| b.div_ceil(PAGE))
+        .and_then(|p| p.checked_mul(PAGE));
+    let total = data.and_then(|d| {
+        size.checked_mul(2)
+            .and_then(|s| s.checked_mul(slot_bytes))
+            .and_then(|s| s.checked_add(d))
+    });
+    match (data, total) {
+        (Some(d), Some(t)) => Ok((d, t)),
+        _ => Err(CommError::invalid(
+            "shared memory",
+            format!(
+                "a region for {size} ranks with 2 slots of {slot_bytes} bytes each does not fit in the address space: lower CANDLE_TP_SLOT_BYTES"
+            ),
+        )),
+    }
 }
 
 /// One rank's view of a group's region.
@@ -139,8 +165,10 @@ pub(crate) fn default_slot_bytes() -> usize {
 }
 
 impl Engine {
-    /// Attaches to a mapped region. The creator (`init = true`) writes the header; the others
-    /// check it.
+    /// Attaches to a mapped region. The creator (`init = true`) writes the header, with the
+    /// protocol's tunables; the others check it and adopt them. `local_ranks` is how many
+    /// ranks of the job share this host (the wait policy's oversubscription test).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attach(
         map: Arc<Mapping>,
         group: String,
@@ -149,6 +177,7 @@ impl Engine {
         slot_bytes: usize,
         timeout: Duration,
         init: bool,
+        local_ranks: usize,
     ) -> CommResult<Self> {
         if slot_bytes < 1024 || slot_bytes % 64 != 0 {
             return Err(CommError::invalid(
@@ -158,7 +187,7 @@ impl Engine {
                 ),
             ));
         }
-        let (data_off, len) = region_layout(size, slot_bytes);
+        let (data_off, len) = region_layout(size, slot_bytes)?;
         if size == 0 || size > MAX_RANKS {
             return Err(CommError::invalid(
                 format!("group '{group}'"),
@@ -175,7 +204,7 @@ impl Engine {
         let one_shot_max = env_usize("CANDLE_TP_ONESHOT_BYTES")
             .unwrap_or(if size <= 2 { 64 << 10 } else { 128 << 10 })
             .min(slot_bytes);
-        let engine = Self {
+        let mut engine = Self {
             map,
             group,
             rank,
@@ -183,7 +212,7 @@ impl Engine {
             slot_bytes,
             data_off,
             phase: 0,
-            policy: WaitPolicy::for_ranks(size),
+            policy: WaitPolicy::for_ranks(local_ranks.max(size)),
             timeout,
             pid,
             one_shot_max,
@@ -193,6 +222,8 @@ impl Engine {
         if init {
             h.size.store(size as u64, Ordering::Relaxed);
             h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
+            h.one_shot_bytes
+                .store(one_shot_max as u64, Ordering::Relaxed);
             h.magic.store(MAGIC, Ordering::Release);
         } else {
             let (m, s, b) = (
@@ -209,6 +240,9 @@ impl Engine {
                     ),
                 ));
             }
+            // The creator's threshold, whatever this rank's CANDLE_TP_ONESHOT_BYTES says.
+            let adopted = h.one_shot_bytes.load(Ordering::Relaxed) as usize;
+            engine.one_shot_max = adopted.min(slot_bytes);
         }
         engine.record(rank).pid.store(pid, Ordering::Release);
         Ok(engine)
@@ -345,24 +379,16 @@ impl Engine {
 
     /// Marks the group as failed, with a reason every peer will see, and wakes all waiters.
     pub(crate) fn abort(&self, reason: &str) {
-        let rec = self.record(self.rank);
-        let bytes = reason.as_bytes();
-        for (i, cell) in rec.reason.iter().enumerate() {
-            let b = if i + 1 < REASON_BYTES {
-                bytes.get(i).copied().unwrap_or(0)
-            } else {
-                0
-            };
-            cell.store(b, Ordering::Relaxed);
-        }
-        let _ = self.header().abort.compare_exchange(
-            0,
-            self.rank as u32 + 1,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
-        for r in 0..self.size {
-            futex_wake_all(&self.record(r).seq);
+        abort_region(&self.map, self.rank, self.size, reason);
+    }
+
+    /// A handle that aborts the group without this engine (nor its lock): what a watchdog
+    /// thread uses while a collective of this rank is stuck holding the lock.
+    pub(crate) fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            map: self.map.clone(),
+            rank: self.rank,
+            size: self.size,
         }
     }
 
@@ -457,6 +483,57 @@ impl Engine {
         self.stats
             .record(CollectiveKind::Barrier, 0, 0, 0, t0.elapsed());
         Ok(())
+    }
+}
+
+/// Aborts a group through its shared region alone: everything it touches is atomic, so any
+/// thread may call it at any time, also while a collective of the same rank runs.
+#[derive(Clone)]
+pub(crate) struct AbortHandle {
+    map: Arc<Mapping>,
+    rank: usize,
+    size: usize,
+}
+
+impl AbortHandle {
+    /// Marks the group as failed with `reason` and wakes every waiter.
+    pub(crate) fn abort(&self, reason: &str) {
+        abort_region(&self.map, self.rank, self.size, reason);
+    }
+}
+
+/// Writes this rank's abort reason (the first abort of the rank wins), sets the group's abort
+/// word (the first rank wins) and wakes all waiters. The reason is written before the word, so
+/// a peer that sees the word reads a complete reason.
+fn abort_region(map: &Mapping, rank: usize, size: usize, reason: &str) {
+    let record = |r: usize| {
+        // SAFETY: attach checked that the mapping holds the header and `size` records; they
+        // hold only atomics.
+        unsafe { &*(map.ptr().add(HEADER_BYTES + r * RECORD_BYTES) as *const Record) }
+    };
+    // SAFETY: as above, for the header.
+    let header = unsafe { &*(map.ptr() as *const Header) };
+    let rec = record(rank);
+    if rec
+        .reason_claimed
+        .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
+        let bytes = reason.as_bytes();
+        for (i, cell) in rec.reason.iter().enumerate() {
+            let b = if i + 1 < REASON_BYTES {
+                bytes.get(i).copied().unwrap_or(0)
+            } else {
+                0
+            };
+            cell.store(b, Ordering::Relaxed);
+        }
+    }
+    let _ = header
+        .abort
+        .compare_exchange(0, rank as u32 + 1, Ordering::AcqRel, Ordering::Acquire);
+    for r in 0..size {
+        futex_wake_all(&record(r).seq);
     }
 }
 
