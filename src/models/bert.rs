@@ -278,7 +278,10 @@ impl BertAttention {
         let k = self.heads(&self.key.forward_local(&xp)?)?;
         let v = self.heads(&self.value.forward_local(&xp)?)?;
         let scores = (q.matmul(&k.t()?)? / (self.head_dim as f64).sqrt())?;
-        let probs = candle_nn::ops::softmax(&scores.broadcast_add(mask)?, D::Minus1)?;
+        // Softmax in f32 (as Hugging Face's Llama does; a bf16 sum over the keys loses digits).
+        let scores = scores.broadcast_add(mask)?;
+        let probs = candle_nn::ops::softmax(&scores.to_dtype(DType::F32)?, D::Minus1)?
+            .to_dtype(scores.dtype())?;
         let ctx = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((
             b,
             s,
@@ -434,8 +437,14 @@ impl BertModel {
             Some(m) => m.to_dtype(dtype)?,
             None => Tensor::ones((b, s), dtype, &self.device)?,
         };
-        // (1 - mask) * finfo.min, as Hugging Face and candle-transformers do.
-        let min = Tensor::new(f32::MIN, &self.device)?.to_dtype(dtype)?;
+        // (1 - mask) * finfo(dtype).min, as Hugging Face does. The minimum of the model's
+        // dtype, not f32's: f32::MIN rounds to -inf in bf16 and f16, and 0 * -inf is NaN.
+        let min = match dtype {
+            DType::F16 => half::f16::MIN.to_f32(),
+            DType::BF16 => half::bf16::MIN.to_f32(),
+            _ => f32::MIN,
+        };
+        let min = Tensor::new(min, &self.device)?.to_dtype(dtype)?;
         let mask = (mask.ones_like()? - &mask)?
             .broadcast_mul(&min)?
             .reshape((b, 1, 1, s))?;
