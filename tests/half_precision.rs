@@ -127,16 +127,21 @@ fn smollm2_world_1_bf16_f16_match_candle_transformers_llama() -> Result<()> {
     let dir = model_dir("smollm2-135m-instruct")?;
     let prompt = tokenize(&dir, PROMPTS[0], false)?;
     let n = 8;
+    let exact = parallel_llama(&dir, DType::F32, 1, &prompt, 1)?.remove(0).0;
     for dtype in [DType::BF16, DType::F16] {
         let (want, want_ids) = reference_llama(&dir, dtype, &prompt, n)?;
         let got = parallel_llama(&dir, dtype, 1, &prompt, n)?;
         let (logits, ids, _) = &got[0];
         let err = max_abs_diff(logits, &want)?;
         let scale = max_abs_diff(&want, &want.zeros_like()?)?;
-        println!("{dtype:?}: max |logits - candle-transformers| = {err:.3e} (max |logit| {scale:.1}); ids {ids:?} vs {want_ids:?}");
+        let (ours, theirs) = (max_abs_diff(logits, &exact)?, max_abs_diff(&want, &exact)?);
+        println!("{dtype:?}: max |logits - candle-transformers| = {err:.3e} (max |logit| {scale:.1}); against f32: ours {ours:.3e}, reference {theirs:.3e}; ids {ids:?} vs {want_ids:?}");
         assert_eq!(ids, &want_ids, "{dtype:?}: greedy tokens differ");
         // Measured: 0 in both dtypes (the same ops in the same order: RMSNorm with f32
-        // statistics, RoPE tables computed in f32, attention and softmax in f32).
+        // statistics, RoPE tables computed in f32, attention and softmax in f32). Against f32
+        // logits: bf16 3.4e-1, f16 4.1e-2. Normalising in f32 and rounding once (Hugging
+        // Face's RMSNorm) was tried and measured no closer to f32 (bf16 4.2e-1), so candle-nn's
+        // fused RMSNorm (f32 statistics) stays.
         let tol = 0.0;
         assert!(err <= tol, "{dtype:?}: logits differ by {err} > {tol}");
     }
