@@ -12,33 +12,10 @@ use candle_tp::train::{
 };
 use candle_tp::{run_threads, DeviceMesh, ProcessGroup, ShardedVarBuilder};
 use common::max_abs_diff;
-
-fn cfg(tie: bool) -> TrainConfig {
-    TrainConfig {
-        vocab_size: 37,
-        hidden_size: 24,
-        intermediate_size: 40,
-        num_hidden_layers: 2,
-        num_attention_heads: 6,
-        num_key_value_heads: 3,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        max_position_embeddings: 32,
-        tie_word_embeddings: tie,
-        initializer_range: 0.2,
-    }
-}
-
-fn batch(b: usize, s: usize) -> (Vec<u32>, Vec<u32>) {
-    let ids: Vec<u32> = (0..b * s).map(|i| ((i * 7 + 3) % 37) as u32).collect();
-    let tg: Vec<u32> = (0..b * s).map(|i| ((i * 11 + 5) % 37) as u32).collect();
-    (ids, tg)
-}
+use common::train::{batch, cfg, synced_grads, Grads};
 
 /// (name, split, gradient) of every parameter after one forward/backward of rows `rows` of
 /// the batch, with the gradients synchronised as the trainer does.
-type Grads = Vec<(String, Option<(usize, std::ops::Range<usize>)>, Tensor)>;
-
 fn grads(
     cfg: &TrainConfig,
     tp: &ProcessGroup,
@@ -62,29 +39,7 @@ fn grads(
         .flatten_all()?;
     let logits = model.forward(&ids, &drop)?;
     let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), tp, 0.0, None)?;
-    let mut g = loss.backward()?;
-    let params = init.params()?;
-    if sp {
-        let names = model.sequence_parallel_params();
-        let vars: Vec<_> = params
-            .iter()
-            .filter(|p| names.contains(&p.name))
-            .map(|p| p.var.clone())
-            .collect();
-        all_reduce_grads(&mut g, &vars, tp, false)?;
-    }
-    if let Some(dp) = dp {
-        let vars: Vec<_> = params.iter().map(|p| p.var.clone()).collect();
-        all_reduce_grads(&mut g, &vars, dp, true)?;
-    }
-    let mut out = Vec::new();
-    for p in params {
-        let grad = match g.get(p.var.as_tensor()) {
-            Some(t) => t.clone(),
-            None => candle_core::bail!("no gradient for {}", p.name),
-        };
-        out.push((p.name, p.split, grad));
-    }
+    let out = synced_grads(&init, &model, loss.backward()?, tp, dp)?;
     Ok((loss.to_scalar()?, out))
 }
 

@@ -12,37 +12,17 @@ mod common;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
-use candle_tp::train::{
-    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama,
-};
+use candle_tp::train::{vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama};
 use candle_tp::{run_threads, ProcessGroup};
+use common::train::{cfg, synced_grads, Grads};
 use common::{assert_finite, max_abs_diff};
 
 const SEED: u64 = 17;
 const B: usize = 2;
 const S: usize = 7;
 
-/// Uneven at TP = 2 and 3: vocabulary 37, intermediate 40, 3 KV heads over 2 ranks, a sequence
-/// of 7 under sequence parallelism.
-fn cfg(tie: bool) -> TrainConfig {
-    TrainConfig {
-        vocab_size: 37,
-        hidden_size: 24,
-        intermediate_size: 40,
-        num_hidden_layers: 2,
-        num_attention_heads: 6,
-        num_key_value_heads: 3,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        max_position_embeddings: 32,
-        tie_word_embeddings: tie,
-        initializer_range: 0.2,
-    }
-}
-
 fn batch() -> Result<(Tensor, Tensor)> {
-    let ids: Vec<u32> = (0..B * S).map(|i| ((i * 7 + 3) % 37) as u32).collect();
-    let tg: Vec<u32> = (0..B * S).map(|i| ((i * 11 + 5) % 37) as u32).collect();
+    let (ids, tg) = common::train::batch(B, S);
     Ok((
         Tensor::from_vec(ids, (B, S), &Device::Cpu)?,
         Tensor::from_vec(tg, B * S, &Device::Cpu)?,
@@ -159,11 +139,7 @@ fn dense(cfg: &TrainConfig, causal: bool) -> Result<Dense> {
 
 /// What one TP rank computes: the gathered full logits, the loss and (name, split, gradient)
 /// of every parameter it holds.
-type RankOut = (
-    Tensor,
-    f32,
-    Vec<(String, Option<(usize, std::ops::Range<usize>)>, Tensor)>,
-);
+type RankOut = (Tensor, f32, Grads);
 
 fn tp_rank(cfg: &TrainConfig, pg: &ProcessGroup, sp: bool) -> Result<RankOut> {
     let init = TrainInit::new(SEED);
@@ -176,24 +152,7 @@ fn tp_rank(cfg: &TrainConfig, pg: &ProcessGroup, sp: bool) -> Result<RankOut> {
     let (ids, tg) = batch()?;
     let local = model.forward(&ids, &Dropout::off())?;
     let loss = vocab_parallel_cross_entropy(&local, &tg, model.vocab_partition(), pg, 0.0, None)?;
-    let mut g = loss.backward()?;
-    let params = init.params()?;
-    if sp {
-        let names = model.sequence_parallel_params();
-        let vars: Vec<_> = params
-            .iter()
-            .filter(|p| names.contains(&p.name))
-            .map(|p| p.var.clone())
-            .collect();
-        all_reduce_grads(&mut g, &vars, pg, false)?;
-    }
-    let mut out = Vec::new();
-    for p in params {
-        match g.get(p.var.as_tensor()) {
-            Some(t) => out.push((p.name, p.split, t.clone())),
-            None => candle_core::bail!("rank {}: no gradient for {}", pg.rank(), p.name),
-        }
-    }
+    let out = synced_grads(&init, &model, loss.backward()?, pg, None)?;
     let full = pg.all_gather(&local, 1)?;
     Ok((full, loss.to_scalar()?, out))
 }
