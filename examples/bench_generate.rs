@@ -116,23 +116,28 @@ fn run_quantized_llama(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, 
         .dims()[0];
     let mut model = ModelWeights::from_gguf(content, &mut f, &device)?;
     let ids = prompt(args.prompt_len, vocab);
+    single_process_greedy(args, &ids, |x, pos| model.forward(x, pos))
+}
+
+/// Prefill `ids`, then greedy decode with `forward(input, index_pos)` (full logits
+/// `[1, vocab]`), timing both: the loop of the single-process references.
+fn single_process_greedy(
+    args: &Args,
+    ids: &[u32],
+    mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
+) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
+    let device = Device::Cpu;
+    let mut argmax = |x: &Tensor, pos: usize| -> Result<u32> {
+        Ok(forward(x, pos)?.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?)
+    };
     let t0 = Instant::now();
-    let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-    let mut next = model
-        .forward(&input, 0)?
-        .squeeze(0)?
-        .argmax(0)?
-        .to_scalar::<u32>()?;
+    let mut next = argmax(&Tensor::new(ids, &device)?.unsqueeze(0)?, 0)?;
     let prefill = t0.elapsed().as_secs_f64();
     let mut out = vec![next];
     let t1 = Instant::now();
     for step in 1..args.new_tokens {
         let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
-        next = model
-            .forward(&input, args.prompt_len + step - 1)?
-            .squeeze(0)?
-            .argmax(0)?
-            .to_scalar::<u32>()?;
+        next = argmax(&input, args.prompt_len + step - 1)?;
         out.push(next);
     }
     Ok((1, prefill, t1.elapsed().as_secs_f64(), out, true, None))
@@ -153,26 +158,7 @@ fn run_candle_transformers(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bo
     let model = ct::Llama::load(vb, &cfg)?;
     let mut cache = ct::Cache::new(true, DType::F32, &cfg, &device)?;
     let ids = prompt(args.prompt_len, cfg.vocab_size);
-    let t0 = Instant::now();
-    let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-    let mut next = model
-        .forward(&input, 0, &mut cache)?
-        .squeeze(0)?
-        .argmax(0)?
-        .to_scalar::<u32>()?;
-    let prefill = t0.elapsed().as_secs_f64();
-    let mut out = vec![next];
-    let t1 = Instant::now();
-    for step in 1..args.new_tokens {
-        let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
-        next = model
-            .forward(&input, args.prompt_len + step - 1, &mut cache)?
-            .squeeze(0)?
-            .argmax(0)?
-            .to_scalar::<u32>()?;
-        out.push(next);
-    }
-    Ok((1, prefill, t1.elapsed().as_secs_f64(), out, true, None))
+    single_process_greedy(args, &ids, |x, pos| model.forward(x, pos, &mut cache))
 }
 
 fn main() -> Result<()> {

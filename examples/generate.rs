@@ -179,8 +179,8 @@ fn render_chat(
     let ctx = serde_json::json!({
         "messages": [{"role": "user", "content": prompt}],
         "add_generation_prompt": true,
-        "bos_token": special_token(&cfg, "bos_token").unwrap_or_default(),
-        "eos_token": special_token(&cfg, "eos_token").unwrap_or_default(),
+        "bos_token": special_token(cfg, "bos_token").unwrap_or_default(),
+        "eos_token": special_token(cfg, "eos_token").unwrap_or_default(),
     });
     env.get_template("chat")?
         .render(ctx)

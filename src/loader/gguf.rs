@@ -162,7 +162,7 @@ impl TensorSource for GgufSource {
 
     fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         let n = self.entry(name)?.tensor.dims[0];
-        self.load_ranges(name, 0, &[0..n], dtype, device)
+        self.load_ranges(name, 0, std::slice::from_ref(&(0..n)), dtype, device)
     }
 
     fn load_ranges(

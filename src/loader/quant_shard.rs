@@ -321,7 +321,7 @@ mod tests {
                 (rows, cols),
                 &RowOrder::Identity,
                 1,
-                &[64..128],
+                std::slice::from_ref(&(64..128)),
                 &Device::Cpu,
             )?;
             let WeightShard::Quantized(s) = s else {
@@ -360,7 +360,7 @@ mod tests {
             (rows, cols),
             &RowOrder::Identity,
             1,
-            &[192..448],
+            std::slice::from_ref(&(192..448)),
             &Device::Cpu,
         )?;
         let WeightShard::Quantized(s) = s else {
@@ -381,7 +381,7 @@ mod tests {
             (rows, cols),
             &RowOrder::Identity,
             1,
-            &[10..30],
+            std::slice::from_ref(&(10..30)),
             &Device::Cpu,
         )?;
         let WeightShard::Dense(s) = s else {
@@ -397,7 +397,7 @@ mod tests {
             (rows, cols),
             &RowOrder::Identity,
             1,
-            &[0..96],
+            std::slice::from_ref(&(0..96)),
             &Device::Cpu,
         )?;
         let WeightShard::Quantized(s) = s else {
@@ -417,7 +417,7 @@ mod tests {
             (4, 64),
             &RowOrder::Identity,
             1,
-            &[0..65],
+            std::slice::from_ref(&(0..65)),
             &Device::Cpu,
         )
         .unwrap_err()
@@ -433,7 +433,7 @@ mod tests {
             (4, 64),
             &RowOrder::Identity,
             0,
-            &[0..1],
+            std::slice::from_ref(&(0..1)),
             &Device::Cpu,
         )
         .unwrap_err()

@@ -182,16 +182,8 @@ impl ShardedVarBuilder {
         dim: usize,
         part: &Partition,
     ) -> Result<Tensor> {
-        let shape = full_shape.into();
-        let full = self.full_name(name);
-        if shape.dims().get(dim) != Some(&part.total()) {
-            candle_core::bail!(
-                "tensor '{full}': a partition of {} elements does not fit dim {dim} of shape {:?}",
-                part.total(),
-                shape.dims()
-            );
-        }
-        self.get_ranges(shape, name, dim, &[part.range(self.pg.rank())])
+        let (shape, range) = self.rank_range(full_shape.into(), name, dim, part)?;
+        self.get_ranges(shape, name, dim, &[range])
     }
 
     /// Loads the elements of `name` whose index along `dim` lies in `ranges`, concatenated
@@ -220,16 +212,27 @@ impl ShardedVarBuilder {
         dim: usize,
         part: &Partition,
     ) -> Result<WeightShard> {
-        let shape = full_shape.into();
-        let full = self.full_name(name);
+        let (shape, range) = self.rank_range(full_shape.into(), name, dim, part)?;
+        self.get_weight_ranges(shape, name, dim, &[range])
+    }
+
+    /// This rank's range of `part`, checked against dim `dim` of `shape`.
+    fn rank_range(
+        &self,
+        shape: Shape,
+        name: &str,
+        dim: usize,
+        part: &Partition,
+    ) -> Result<(Shape, Range<usize>)> {
         if shape.dims().get(dim) != Some(&part.total()) {
             candle_core::bail!(
-                "tensor '{full}': a partition of {} elements does not fit dim {dim} of shape {:?}",
+                "tensor '{}': a partition of {} elements does not fit dim {dim} of shape {:?}",
+                self.full_name(name),
                 part.total(),
                 shape.dims()
             );
         }
-        self.get_weight_ranges(shape, name, dim, &[part.range(self.pg.rank())])
+        Ok((shape, part.range(self.pg.rank())))
     }
 
     /// Loads the pieces `ranges` along `dim` of the 2-D weight `name` as the source holds it.
