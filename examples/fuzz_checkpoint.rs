@@ -160,11 +160,20 @@ fn seeds(scratch: &Path) -> Result<Vec<Input>> {
     });
     let gguf = {
         let path = scratch.join("seed.gguf");
+        // A tensor of its own for each: Candle's quantize reads a view's whole storage.
         let w = Tensor::arange(0f32, 256.0, &cpu)?.affine(0.01, -1.0)?;
         let q8 = QTensor::quantize(&w.reshape((4, 64))?, GgmlDType::Q8_0)?;
-        let q41 = QTensor::quantize(&w.narrow(0, 0, 128)?.reshape((2, 64))?, GgmlDType::Q4_1)?;
+        let q41 = QTensor::quantize(
+            &Tensor::arange(0f32, 128.0, &cpu)?
+                .affine(0.02, -1.0)?
+                .reshape((2, 64))?,
+            GgmlDType::Q4_1,
+        )?;
         let qk = QTensor::quantize(&w.reshape((1, 256))?, GgmlDType::Q4K)?;
-        let norm = QTensor::quantize(&w.narrow(0, 0, 8)?, GgmlDType::F32)?;
+        let norm = QTensor::quantize(
+            &Tensor::arange(0f32, 8.0, &cpu)?.affine(0.5, 0.0)?,
+            GgmlDType::F32,
+        )?;
         let (arch, heads) = (
             gguf_file::Value::String("llama".into()),
             gguf_file::Value::U32(2),

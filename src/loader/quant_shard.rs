@@ -217,7 +217,14 @@ pub fn shard(
         let d = q.dequantize(device)?;
         parts.push(d.narrow(1, r.start - cover.start, r.len())?);
     }
-    let dense = Tensor::cat(&parts, 1)?.contiguous()?;
+    // A tensor with storage of its own: Candle's `QTensor::quantize` reads a view's whole
+    // storage, whatever its layout.
+    let dense = Tensor::cat(&parts, 1)?;
+    let dense = Tensor::from_vec(
+        dense.flatten_all()?.to_vec1::<f32>()?,
+        (rows, width),
+        device,
+    )?;
     let requantize = width % GgmlDType::Q8_0.block_size() == 0;
     if let Ok(mut set) = logged().lock() {
         if set.insert(format!("{}:{name}", what.file.display())) {
