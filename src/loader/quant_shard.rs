@@ -292,6 +292,25 @@ mod tests {
             .reshape((rows, cols))
     }
 
+    fn cut(
+        bytes: &[u8],
+        dtype: GgmlDType,
+        shape: (usize, usize),
+        dim: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<WeightShard> {
+        shard(
+            &named(),
+            bytes,
+            dtype,
+            shape,
+            &RowOrder::Identity,
+            dim,
+            ranges,
+            &Device::Cpu,
+        )
+    }
+
     fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(d.is_finite(), "non-finite difference");
@@ -306,30 +325,18 @@ mod tests {
             let q = QTensor::quantize(&w, dtype)?;
             let full = q.dequantize(&Device::Cpu)?;
             let bytes = q.data()?;
-            let s = shard(
-                &named(),
-                &bytes,
-                dtype,
-                (rows, cols),
-                &RowOrder::Identity,
-                0,
-                &[1..3, 4..6],
-                &Device::Cpu,
-            )?;
+            let s = cut(&bytes, dtype, (rows, cols), 0, &[1..3, 4..6])?;
             let WeightShard::Quantized(s) = s else {
                 panic!("dense")
             };
             let want = Tensor::cat(&[full.narrow(0, 1, 2)?, full.narrow(0, 4, 2)?], 0)?;
             assert_eq!(max_diff(&s.dequantize(&Device::Cpu)?, &want)?, 0.0);
-            let s = shard(
-                &named(),
+            let s = cut(
                 &bytes,
                 dtype,
                 (rows, cols),
-                &RowOrder::Identity,
                 1,
                 std::slice::from_ref(&(64..128)),
-                &Device::Cpu,
             )?;
             let WeightShard::Quantized(s) = s else {
                 panic!("dense")
@@ -360,15 +367,12 @@ mod tests {
         let q = QTensor::quantize(&w, GgmlDType::Q4K)?;
         let full = q.dequantize(&Device::Cpu)?;
         let bytes = q.data()?;
-        let s = shard(
-            &named(),
+        let s = cut(
             &bytes,
             GgmlDType::Q4K,
             (rows, cols),
-            &RowOrder::Identity,
             1,
             std::slice::from_ref(&(192..448)),
-            &Device::Cpu,
         )?;
         let WeightShard::Quantized(s) = s else {
             panic!("dense")
@@ -381,15 +385,12 @@ mod tests {
             .iter()
             .any(|n| n.ends_with("blk.0.ffn_down.weight")));
         // A width that is not a multiple of 32 stays in f32, exactly.
-        let s = shard(
-            &named(),
+        let s = cut(
             &bytes,
             GgmlDType::Q4K,
             (rows, cols),
-            &RowOrder::Identity,
             1,
             std::slice::from_ref(&(10..30)),
-            &Device::Cpu,
         )?;
         let WeightShard::Dense(s) = s else {
             panic!("quantized")
@@ -397,15 +398,12 @@ mod tests {
         assert_eq!(max_diff(&s, &full.narrow(1, 10, 20)?)?, 0.0);
         // Q4_1 with an odd number of blocks per row (Candle's kernel asserts even): Q8_0.
         let q = QTensor::quantize(&w, GgmlDType::Q4_1)?;
-        let s = shard(
-            &named(),
+        let s = cut(
             &q.data()?,
             GgmlDType::Q4_1,
             (rows, cols),
-            &RowOrder::Identity,
             1,
             std::slice::from_ref(&(0..96)),
-            &Device::Cpu,
         )?;
         let WeightShard::Quantized(s) = s else {
             panic!("dense")
@@ -417,15 +415,12 @@ mod tests {
     #[test]
     fn bad_ranges_name_the_tensor() {
         let bytes = vec![0u8; 4 * 2 * 34];
-        let e = shard(
-            &named(),
+        let e = cut(
             &bytes,
             GgmlDType::Q8_0,
             (4, 64),
-            &RowOrder::Identity,
             1,
             std::slice::from_ref(&(0..65)),
-            &Device::Cpu,
         )
         .unwrap_err()
         .to_string();
@@ -433,15 +428,12 @@ mod tests {
             e.contains("blk.0.ffn_down.weight") && e.contains("out of bounds"),
             "{e}"
         );
-        let e = shard(
-            &named(),
+        let e = cut(
             &bytes[1..],
             GgmlDType::Q8_0,
             (4, 64),
-            &RowOrder::Identity,
             0,
             std::slice::from_ref(&(0..1)),
-            &Device::Cpu,
         )
         .unwrap_err()
         .to_string();
