@@ -123,6 +123,36 @@ impl Llama {
         Self::load(&cfg, vb)
     }
 
+    /// Loads a llama.cpp GGUF file (configuration from its metadata): each rank copies only
+    /// the quantized blocks of its shards out of the memory-mapped file and keeps them
+    /// quantized; norms are dequantized to f32. Activations are f32.
+    pub fn from_gguf(path: impl AsRef<Path>, device: &Device, pg: ProcessGroup) -> Result<Self> {
+        let path = path.as_ref();
+        let source = crate::loader::GgufSource::open(path)?;
+        let cfg = source.config().to_hf_config(source.tokenizer())?;
+        let cfg = LlamaConfig::from_json(&cfg.to_string(), &path.display().to_string())?;
+        let vb = ShardedVarBuilder::new(std::sync::Arc::new(source), DType::F32, device, pg);
+        Self::load(&cfg, vb)
+    }
+
+    /// [`Llama::from_gguf`] for a `.gguf` file, [`Llama::from_dir`] (in `dtype`) otherwise.
+    pub fn from_path(
+        path: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
+        let path = path.as_ref();
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            Self::from_gguf(path, device, pg)
+        } else {
+            Self::from_dir(path, dtype, device, pg)
+        }
+    }
+
     /// The hidden state after the final norm at the last position, `[batch, hidden]`,
     /// running `ids` `[batch, seq]` at positions `index_pos..` and extending the KV caches.
     pub fn forward_hidden(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {

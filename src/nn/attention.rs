@@ -13,11 +13,10 @@ use std::f32::consts::PI;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::Linear;
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
-use crate::nn::{ColumnParallelLinear, RowParallelLinear};
+use crate::nn::{ColumnParallelLinear, ParallelWeight, RowParallelLinear};
 use crate::ops::copy_to_tp;
 use crate::Partition;
 
@@ -217,7 +216,7 @@ impl HeadAssignment {
 #[derive(Debug, Clone)]
 enum KvProj {
     Split(ColumnParallelLinear),
-    Replicated(Linear),
+    Replicated(ParallelWeight),
 }
 
 impl KvProj {
@@ -234,13 +233,13 @@ impl KvProj {
             )?));
         }
         let rows = heads.kv_heads.start * hd..heads.kv_heads.end * hd;
-        let w = vb.get_ranges((out, h), "weight", 0, std::slice::from_ref(&rows))?;
+        let w = vb.get_weight_ranges((out, h), "weight", 0, std::slice::from_ref(&rows))?;
         let b = if cfg.qkv_bias {
             Some(vb.get_ranges(out, "bias", 0, std::slice::from_ref(&rows))?)
         } else {
             None
         };
-        Ok(Self::Replicated(Linear::new(w, b)))
+        Ok(Self::Replicated(ParallelWeight::from_shard(w, b)?))
     }
 
     fn forward_local(&self, x: &Tensor) -> Result<Tensor> {
@@ -257,7 +256,9 @@ impl KvProj {
         let Self::Replicated(l) = self else {
             return Ok(());
         };
-        if l.weight().track_op() || l.bias().is_some_and(|b| b.track_op()) {
+        // A quantized weight never tracks gradients; only a dense one can.
+        let weight_trains = l.dense_weight().is_ok_and(|w| w.track_op());
+        if weight_trains || l.bias().is_some_and(|b| b.track_op()) {
             candle_core::bail!(
                 "attention {what} on rank {} of {}: KV heads {:?} are replicated on several ranks \
                  (the world exceeds the number of KV heads), so their gradients would be partial \

@@ -104,9 +104,18 @@ impl GatedMlp {
         act: Activation,
         vb: ShardedVarBuilder,
     ) -> Result<Self> {
-        let gate = ColumnParallelLinear::load(hidden, intermediate, false, 1, vb.pp("gate_proj"))?;
-        let up = ColumnParallelLinear::load(hidden, intermediate, false, 1, vb.pp("up_proj"))?;
-        let down = RowParallelLinear::load(intermediate, hidden, false, 1, vb.pp("down_proj"))?;
+        // Split the intermediate size on down_proj's quantization blocks where it can be
+        // (1 for dense weights), so that no rank's shard cuts a block.
+        let unit = vb.pp("down_proj").split_unit("weight", 1);
+        let unit = if crate::Partition::with_unit(intermediate, vb.pg().size(), unit).is_ok() {
+            unit
+        } else {
+            1
+        };
+        let gate =
+            ColumnParallelLinear::load(hidden, intermediate, false, unit, vb.pp("gate_proj"))?;
+        let up = ColumnParallelLinear::load(hidden, intermediate, false, unit, vb.pp("up_proj"))?;
+        let down = RowParallelLinear::load(intermediate, hidden, false, unit, vb.pp("down_proj"))?;
         Self::new(gate, up, down, act)
     }
 

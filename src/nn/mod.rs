@@ -6,6 +6,7 @@ pub mod mlp;
 pub mod parallel_2d;
 pub mod parallel_3d;
 pub mod parallel_load;
+pub mod weight;
 
 pub use attention::{
     AttentionConfig, HeadAssignment, Llama3RopeScaling, ParallelAttention, RotaryEmbedding,
@@ -18,3 +19,4 @@ pub use linear::{
 pub use mlp::{gated_mlp, mlp, GatedMlp, Mlp};
 pub use parallel_2d::{LayerNorm2d, Linear2d, Mlp2d};
 pub use parallel_3d::{LayerNorm3d, Layout3d, Linear3d, Mlp3d};
+pub use weight::{matmul_time, set_matmul_timing, ParallelWeight, QuantizedWeight};
