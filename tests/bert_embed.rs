@@ -1,5 +1,6 @@
 //! `examples/embed` as real processes: 2 ranks under `tprun` print the same sentences, token
-//! ids and embeddings as 1 rank, and standard input gives the same as `--text`.
+//! ids and embeddings as 1 rank, and standard input gives the same as `--text`, also when it
+//! is piped through `tprun` (which hands it to rank 0).
 
 mod common;
 
@@ -125,5 +126,42 @@ fn standard_input_gives_the_same_as_text() {
         assert_eq!(a["text"], b["text"]);
         assert_eq!(a["token_ids"], b["token_ids"]);
         assert_eq!(max_diff(&embedding(a), &embedding(b)), 0.0);
+    }
+}
+
+#[test]
+fn standard_input_through_tprun_reaches_rank_0() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tprun"))
+        .args(["--standalone", "--nproc-per-node", "2"])
+        .arg(example("embed"))
+        .arg("--normalize")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tprun");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin
+        .write_all(format!("{}\n", TEXTS.join("\n")).as_bytes())
+        .expect("write stdin");
+    // Closing the pipe is the end of file that must reach rank 0 through tprun.
+    drop(stdin);
+    let piped = json_lines(&child.wait_with_output().expect("wait"), true);
+    let mut cmd = Command::new(example("embed"));
+    cmd.arg("--normalize");
+    for t in TEXTS {
+        cmd.args(["--text", t]);
+    }
+    let one_rank = json_lines(&cmd.output().expect("run embed"), false);
+    assert_eq!(piped.len(), TEXTS.len(), "{piped:?}");
+    for (a, b) in piped.iter().zip(&one_rank) {
+        assert_eq!(a["text"], b["text"]);
+        assert_eq!(a["token_ids"], b["token_ids"]);
+        let d = max_diff(&embedding(a), &embedding(b));
+        assert!(
+            d <= 1e-5,
+            "{}: 2 ranks (stdin) vs 1 rank differ by {d}",
+            a["text"]
+        );
     }
 }
