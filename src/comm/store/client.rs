@@ -31,7 +31,8 @@ enum Conn {
     Broken(String),
 }
 
-fn io_reason(e: &io::Error, waited: Duration) -> String {
+/// Why an I/O operation on a store connection failed, in words.
+pub(super) fn io_reason(e: &io::Error, waited: Duration) -> String {
     match e.kind() {
         ErrorKind::UnexpectedEof
         | ErrorKind::ConnectionReset
@@ -45,6 +46,7 @@ fn io_reason(e: &io::Error, waited: Duration) -> String {
     }
 }
 
+/// Connects to the first address `addr:port` resolves to that accepts within `within`.
 fn connect_any(addr: &str, port: u16, within: Duration) -> io::Result<TcpStream> {
     let mut last = io::Error::new(ErrorKind::NotFound, "the address resolves to nothing");
     for sa in (addr, port).to_socket_addrs()? {
@@ -54,6 +56,38 @@ fn connect_any(addr: &str, port: u16, within: Duration) -> io::Result<TcpStream>
         }
     }
     Err(last)
+}
+
+/// Connects to `addr:port`, retrying with a short backoff while nothing listens yet (the
+/// store's host may not have started), until `timeout`; `hint` ends the error message.
+pub(super) fn connect_retrying(
+    addr: &str,
+    port: u16,
+    timeout: Duration,
+    hint: &str,
+) -> CommResult<TcpStream> {
+    let start = Instant::now();
+    let deadline = start + timeout;
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let err = match connect_any(addr, port, left) {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(store_err(
+                &host_port(addr, port),
+                format!(
+                    "could not connect within {:.1} s: {err} ({hint})",
+                    start.elapsed().as_secs_f64()
+                ),
+            ));
+        }
+        thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
 }
 
 impl TcpStore {
@@ -72,29 +106,12 @@ impl TcpStore {
             ));
         }
         let timeout = timeout.min(MAX_WAIT);
-        let start = Instant::now();
-        let deadline = start + timeout;
-        let mut backoff = Duration::from_millis(10);
-        let mut stream = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let err = match connect_any(addr, port, left) {
-                Ok(s) => break s,
-                Err(e) => e,
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(store_err(
-                    &desc,
-                    format!(
-                        "could not connect within {:.1} s: {err} (is rank 0 running and \
-                         listening on this address?)",
-                        start.elapsed().as_secs_f64()
-                    ),
-                ));
-            }
-            thread::sleep(backoff.min(left));
-            backoff = (backoff * 2).min(Duration::from_millis(500));
-        };
+        let mut stream = connect_retrying(
+            addr,
+            port,
+            timeout,
+            "is rank 0 running and listening on this address?",
+        )?;
         let io_timeout = timeout.max(Duration::from_secs(1));
         let hello = Enc(Vec::new()).bytes(MAGIC).bytes(token.as_bytes()).0;
         let reply = stream
