@@ -7,8 +7,8 @@
 #   2. examples/generate on 2 ranks (SmolLM2, greedy): the same token ids as under tprun.
 #
 # torch comes from PyPI (pinned: TORCH_VERSION) into a venv under $CANDLE_TP_HOME, made once
-# and reused (about 3 GB with the CUDA libraries its Linux wheel links and needs to import,
-# even on a CPU-only machine). Where it cannot be installed (no network, no space) the script
+# and reused: 4.4 GB with the CUDA libraries its Linux wheel links and needs to import, even on
+# a CPU-only machine (5.3 GB with Triton, which a plain `pip install torch` adds). Where it cannot be installed (no network, no space) the script
 # says so and exits 0 with "SKIPPED"; any other failure exits non-zero.
 #
 #   scripts/test-torchrun.sh            # debug binaries from target/ (built if missing)
@@ -28,11 +28,25 @@ fi
 target_dir="${CARGO_TARGET_DIR:-target}"
 bin="$target_dir/$profile"
 
+install_torch() {
+  # torch itself without its dependencies, then every dependency of this version but Triton
+  # (1 GB, a GPU kernel compiler torchrun never loads). The nvidia-* wheels stay: the Linux
+  # wheel links the CUDA libraries and `import torch` loads them even without a GPU.
+  python3 -m venv "$venv" &&
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "torch==$TORCH_VERSION" &&
+    "$venv/bin/python" - >"$venv/torch-requirements.txt" <<'PY' &&
+import importlib.metadata as m
+for r in m.requires("torch"):
+    req, _, marker = r.partition(";")
+    if "extra ==" not in marker and not req.strip().startswith("triton"):
+        print(req.strip().replace(" ", ""))
+PY
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$venv/torch-requirements.txt"
+}
 if [ ! -f "$venv/.complete" ]; then
-  echo "==> installing torch==$TORCH_VERSION from PyPI into $venv (once; about 3 GB)"
+  echo "==> installing torch==$TORCH_VERSION from PyPI into $venv (once; about 4.4 GB)"
   rm -rf "$venv"
-  if ! { python3 -m venv "$venv" &&
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==$TORCH_VERSION"; }; then
+  if ! install_torch; then
     rm -rf "$venv"
     echo "SKIPPED: torch==$TORCH_VERSION could not be installed from PyPI (no network or no space?)"
     exit 0

@@ -26,9 +26,23 @@ pub struct TcpStore {
     conn: Mutex<Conn>,
 }
 
-enum Conn {
+/// A store connection, or why it can no longer be used.
+pub(super) enum Conn {
     Ready(TcpStream),
     Broken(String),
+}
+
+impl Conn {
+    /// The stream, or the error of an `op` on `key` at `addr` after an earlier failure.
+    pub(super) fn stream(&mut self, addr: &str, op: &str, key: &str) -> CommResult<&mut TcpStream> {
+        match self {
+            Conn::Ready(s) => Ok(s),
+            Conn::Broken(why) => Err(store_err(
+                addr,
+                format!("{op} of key '{key}': connection unusable after an earlier failure: {why}"),
+            )),
+        }
+    }
 }
 
 /// Why an I/O operation on a store connection failed, in words.
@@ -160,17 +174,7 @@ impl TcpStore {
             ));
         }
         let mut conn = lock(&self.conn);
-        let stream = match &mut *conn {
-            Conn::Ready(s) => s,
-            Conn::Broken(why) => {
-                return Err(store_err(
-                    &self.addr,
-                    format!(
-                        "{op} of key '{key}': connection unusable after an earlier failure: {why}"
-                    ),
-                ))
-            }
-        };
+        let stream = conn.stream(&self.addr, op, key)?;
         let start = Instant::now();
         let result = stream
             .set_read_timeout(Some(wait))

@@ -30,7 +30,7 @@ use std::net::TcpStream;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::client::{connect_retrying, io_reason};
+use super::client::{connect_retrying, io_reason, Conn};
 use super::{get_timeout_err, host_port, lock, store_err, Store, MAX_FRAME_BYTES, MAX_WAIT};
 use crate::comm::error::{CommError, CommResult};
 
@@ -62,11 +62,6 @@ pub struct TorchTcpStore {
     prefix: String,
     io_timeout: Duration,
     conn: Mutex<Conn>,
-}
-
-enum Conn {
-    Ready(TcpStream),
-    Broken(String),
 }
 
 /// Builds one request: the query type, then its fields.
@@ -209,17 +204,7 @@ impl TorchTcpStore {
         f: impl FnOnce(&mut TcpStream) -> Result<T, Failure>,
     ) -> CommResult<T> {
         let mut conn = lock(&self.conn);
-        let stream = match &mut *conn {
-            Conn::Ready(s) => s,
-            Conn::Broken(why) => {
-                return Err(store_err(
-                    &self.addr,
-                    format!(
-                        "{op} of key '{key}': connection unusable after an earlier failure: {why}"
-                    ),
-                ))
-            }
-        };
+        let stream = conn.stream(&self.addr, op, key)?;
         let start = Instant::now();
         match f(stream) {
             Ok(v) => Ok(v),
