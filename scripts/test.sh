@@ -130,6 +130,6 @@ PY' sh "$target_dir" "$n"
   done
 fi
 
-echo "==> $binaries test binaries and checks in $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
+echo "==> $binaries test binaries (and the checks after them) in $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
 echo "total: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" = 0 ]
