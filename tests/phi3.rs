@@ -74,16 +74,27 @@ fn phi3_unsupported_options_are_named() -> Result<()> {
     assert!(e.contains("partial_rotary_factor"), "{e}");
 
     let mut c = config();
-    c["rope_scaling"] = serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]});
+    c["rope_scaling"] =
+        serde_json::json!({"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]});
     let dir = write_checkpoint(&c, &weights()?)?;
     let e = load_err(dir.path(), 1);
-    assert!(e.contains("rope_scaling") && e.contains("Phi3ForCausalLM"), "{e}");
+    assert!(
+        e.contains("rope_scaling") && e.contains("Phi3ForCausalLM"),
+        "{e}"
+    );
 
     // A fused tensor of the wrong size names the tensor.
     let mut w = weights()?;
-    w.linear("model.layers.1.self_attn.qkv_proj", HEADS * HEAD_DIM, HIDDEN)?;
+    w.linear(
+        "model.layers.1.self_attn.qkv_proj",
+        HEADS * HEAD_DIM,
+        HIDDEN,
+    )?;
     let dir = write_checkpoint(&config(), &w)?;
     let e = load_err(dir.path(), 2);
-    assert!(e.contains("model.layers.1.self_attn.qkv_proj.weight"), "{e}");
+    assert!(
+        e.contains("model.layers.1.self_attn.qkv_proj.weight"),
+        "{e}"
+    );
     Ok(())
 }
