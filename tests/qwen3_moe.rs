@@ -1,0 +1,134 @@
+//! Qwen3-MoE under tensor parallelism against candle-transformers' `qwen3_moe`: a random
+//! checkpoint with q/k norms, 6 heads and 3 KV heads of width 8 on a model width of 40,
+//! sparse layers every second layer (`decoder_sparse_step` 2: layers 0 and 2 dense, layer 1
+//! with 5 experts, top-2, weights not renormalised), expert width 22 and dense width 36 (both
+//! split unevenly at 3 and 4 ranks), and a vocabulary of 101.
+
+mod common;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use candle_transformers::models::qwen3_moe as reference;
+use common::families::{
+    check_worlds, load_err, reference as run_reference, reference_vb, write_checkpoint, Weights,
+};
+
+const HIDDEN: usize = 40;
+const HEADS: usize = 6;
+const KV_HEADS: usize = 3;
+const HEAD_DIM: usize = 8;
+const LAYERS: usize = 3;
+const VOCAB: usize = 101;
+const INTER: usize = 36;
+const MOE_INTER: usize = 22;
+const EXPERTS: usize = 5;
+
+fn config() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": HIDDEN, "intermediate_size": INTER, "vocab_size": VOCAB,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "attention_bias": false,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 64,
+        "sliding_window": null, "max_window_layers": LAYERS, "use_sliding_window": false,
+        "tie_word_embeddings": true, "hidden_act": "silu",
+        "decoder_sparse_step": 2, "moe_intermediate_size": MOE_INTER,
+        "num_experts_per_tok": 2, "num_experts": EXPERTS, "norm_topk_prob": false,
+        "mlp_only_layers": [],
+    })
+}
+
+fn weights() -> Result<Weights> {
+    let mut w = Weights::new(900);
+    w.add("model.embed_tokens.weight", &[VOCAB, HIDDEN], 0.5, 0.0)?;
+    w.norm("model.norm", HIDDEN, 1.0)?;
+    for l in 0..LAYERS {
+        let p = format!("model.layers.{l}");
+        w.linear(&format!("{p}.self_attn.q_proj"), HEADS * HEAD_DIM, HIDDEN)?;
+        w.linear(
+            &format!("{p}.self_attn.k_proj"),
+            KV_HEADS * HEAD_DIM,
+            HIDDEN,
+        )?;
+        w.linear(
+            &format!("{p}.self_attn.v_proj"),
+            KV_HEADS * HEAD_DIM,
+            HIDDEN,
+        )?;
+        w.linear(&format!("{p}.self_attn.o_proj"), HIDDEN, HEADS * HEAD_DIM)?;
+        w.add(
+            &format!("{p}.self_attn.q_norm.weight"),
+            &[HEAD_DIM],
+            0.8,
+            1.0,
+        )?;
+        w.add(
+            &format!("{p}.self_attn.k_norm.weight"),
+            &[HEAD_DIM],
+            0.8,
+            1.0,
+        )?;
+        if (l + 1) % 2 == 0 {
+            w.linear(&format!("{p}.mlp.gate"), EXPERTS, HIDDEN)?;
+            for e in 0..EXPERTS {
+                let x = format!("{p}.mlp.experts.{e}");
+                w.linear(&format!("{x}.gate_proj"), MOE_INTER, HIDDEN)?;
+                w.linear(&format!("{x}.up_proj"), MOE_INTER, HIDDEN)?;
+                w.linear(&format!("{x}.down_proj"), HIDDEN, MOE_INTER)?;
+            }
+        } else {
+            w.linear(&format!("{p}.mlp.gate_proj"), INTER, HIDDEN)?;
+            w.linear(&format!("{p}.mlp.up_proj"), INTER, HIDDEN)?;
+            w.linear(&format!("{p}.mlp.down_proj"), HIDDEN, INTER)?;
+        }
+        w.norm(&format!("{p}.input_layernorm"), HIDDEN, 1.0)?;
+        w.norm(&format!("{p}.post_attention_layernorm"), HIDDEN, 1.0)?;
+    }
+    Ok(w)
+}
+
+#[test]
+fn qwen3_moe_matches_candle_transformers_at_worlds_1_to_4() -> Result<()> {
+    let cfg = config();
+    let dir = write_checkpoint(&cfg, &weights()?)?;
+    let ref_cfg: reference::Config = serde_json::from_value(cfg)?;
+    let expected = run_reference(|ids| {
+        let mut m = reference::ModelForCausalLM::new(&ref_cfg, reference_vb(dir.path())?)?;
+        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
+        Ok(m.forward(&x, 0)?.flatten_all()?)
+    })?;
+    check_worlds(dir.path(), &expected, &[1, 2, 3, 4], 1e-5)?;
+    Ok(())
+}
+
+#[test]
+fn qwen3_moe_bad_input_gives_clear_errors() -> Result<()> {
+    let mut w = weights()?;
+    w.map
+        .remove("model.layers.1.mlp.experts.4.down_proj.weight");
+    let dir = write_checkpoint(&config(), &w)?;
+    let e = load_err(dir.path(), 3);
+    assert!(
+        e.contains("model.layers.1.mlp.experts.4.down_proj.weight"),
+        "{e}"
+    );
+
+    let mut c = config();
+    c["num_experts_per_tok"] = 6.into();
+    let dir = write_checkpoint(&c, &weights()?)?;
+    let e = load_err(dir.path(), 1);
+    assert!(
+        e.contains("num_experts_per_tok = 6") && e.contains("5"),
+        "{e}"
+    );
+
+    let mut c = config();
+    c.as_object_mut().map(|o| o.remove("moe_intermediate_size"));
+    let dir = write_checkpoint(&c, &weights()?)?;
+    let e = load_err(dir.path(), 1);
+    assert!(
+        e.contains("moe_intermediate_size") && e.contains("config.json"),
+        "{e}"
+    );
+    Ok(())
+}
