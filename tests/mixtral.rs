@@ -11,10 +11,7 @@ use candle_core::{Device, Module, Tensor};
 use candle_tp::comm::CollectiveKind;
 use candle_tp::{run_threads, MoeConfig, SparseMoe};
 use candle_transformers::models::mixtral as reference;
-use common::families::{
-    assert_finite, check_worlds, reference as run_reference, reference_vb, write_checkpoint,
-    Weights,
-};
+use common::families::{assert_finite, compare_family, ids_tensor, Shape, Weights, NORMS};
 use common::{builder_from, max_abs_diff, seeded};
 
 const HIDDEN: usize = 48;
@@ -41,47 +38,50 @@ fn config() -> serde_json::Value {
 
 fn weights() -> Result<Weights> {
     let mut w = Weights::new(700);
-    w.add("model.embed_tokens.weight", &[VOCAB, HIDDEN], 0.5, 0.0)?;
-    w.norm("model.norm", HIDDEN, 1.0)?;
-    w.add("lm_head.weight", &[VOCAB, HIDDEN], 0.2, 0.0)?;
+    let shape = Shape {
+        hidden: HIDDEN,
+        heads: HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+    };
+    w.embeddings(VOCAB, HIDDEN, 1.0, false)?;
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
-        w.linear(&format!("{p}.self_attn.q_proj"), HEADS * HEAD_DIM, HIDDEN)?;
-        w.linear(
-            &format!("{p}.self_attn.k_proj"),
-            KV_HEADS * HEAD_DIM,
-            HIDDEN,
+        w.attention(&p, shape)?;
+        experts(
+            &mut w,
+            &format!("{p}.block_sparse_moe"),
+            2.0 / (HIDDEN as f64).sqrt(),
         )?;
-        w.linear(
-            &format!("{p}.self_attn.v_proj"),
-            KV_HEADS * HEAD_DIM,
-            HIDDEN,
-        )?;
-        w.linear(&format!("{p}.self_attn.o_proj"), HIDDEN, HEADS * HEAD_DIM)?;
-        let m = format!("{p}.block_sparse_moe");
-        w.linear(&format!("{m}.gate"), EXPERTS, HIDDEN)?;
-        for e in 0..EXPERTS {
-            w.linear(&format!("{m}.experts.{e}.w1"), INTER, HIDDEN)?;
-            w.linear(&format!("{m}.experts.{e}.w3"), INTER, HIDDEN)?;
-            w.linear(&format!("{m}.experts.{e}.w2"), HIDDEN, INTER)?;
-        }
-        w.norm(&format!("{p}.input_layernorm"), HIDDEN, 1.0)?;
-        w.norm(&format!("{p}.post_attention_layernorm"), HIDDEN, 1.0)?;
+        w.layer_norms(&p, &NORMS, HIDDEN, 1.0)?;
     }
     Ok(w)
 }
 
+/// A Mixtral MoE block under `prefix`: router `gate` (uniform of `router_scale`) and experts.
+fn experts(w: &mut Weights, prefix: &str, router_scale: f64) -> Result<()> {
+    w.add(
+        &format!("{prefix}.gate.weight"),
+        &[EXPERTS, HIDDEN],
+        router_scale,
+        0.0,
+    )?;
+    for e in 0..EXPERTS {
+        w.gated_mlp(
+            &format!("{prefix}.experts.{e}"),
+            ["w1", "w3", "w2"],
+            INTER,
+            HIDDEN,
+        )?;
+    }
+    Ok(())
+}
+
 #[test]
 fn mixtral_matches_candle_transformers_at_worlds_1_to_4() -> Result<()> {
-    let cfg = config();
-    let dir = write_checkpoint(&cfg, &weights()?)?;
-    let ref_cfg: reference::Config = serde_json::from_value(cfg)?;
-    let expected = run_reference(|ids| {
-        let mut m = reference::Model::new(&ref_cfg, reference_vb(dir.path())?)?;
-        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
-        Ok(m.forward(&x, 0)?.flatten_all()?)
+    compare_family(config(), &weights()?, 1e-5, |c, vb, ids| {
+        reference::Model::new(c, vb)?.forward(&ids_tensor(ids)?, 0)
     })?;
-    check_worlds(dir.path(), &expected, &[1, 2, 3, 4], 1e-5)?;
     Ok(())
 }
 
@@ -112,12 +112,7 @@ fn dense_moe(w: &Weights, x: &Tensor) -> Result<Tensor> {
 fn moe_layer_matches_dense_with_one_all_reduce() -> Result<()> {
     let mut w = Weights::new(800);
     // A router this large makes the top-2 choice decisive, not a near tie.
-    w.add("moe.gate.weight", &[EXPERTS, HIDDEN], 1.0, 0.0)?;
-    for e in 0..EXPERTS {
-        w.linear(&format!("moe.experts.{e}.w1"), INTER, HIDDEN)?;
-        w.linear(&format!("moe.experts.{e}.w3"), INTER, HIDDEN)?;
-        w.linear(&format!("moe.experts.{e}.w2"), HIDDEN, INTER)?;
-    }
+    experts(&mut w, "moe", 1.0)?;
     let tokens = 9;
     let x = seeded(&[tokens, HIDDEN], 801);
     let expected = dense_moe(&w, &x)?;

@@ -7,11 +7,10 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
 use candle_transformers::models::phi3 as reference;
-use common::families::{
-    check_worlds, load_err, reference as run_reference, reference_vb, write_checkpoint, Weights,
-};
+use common::families::{compare_family, ids_tensor, load_err, write_checkpoint, Weights, NORMS};
 
 const HIDDEN: usize = 48;
 const HEADS: usize = 6;
@@ -35,9 +34,7 @@ fn config() -> serde_json::Value {
 
 fn weights() -> Result<Weights> {
     let mut w = Weights::new(600);
-    w.add("model.embed_tokens.weight", &[VOCAB, HIDDEN], 0.5, 0.0)?;
-    w.norm("model.norm", HIDDEN, 1.0)?;
-    w.add("lm_head.weight", &[VOCAB, HIDDEN], 0.2, 0.0)?;
+    w.embeddings(VOCAB, HIDDEN, 1.0, false)?;
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
         let qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM;
@@ -45,33 +42,45 @@ fn weights() -> Result<Weights> {
         w.linear(&format!("{p}.self_attn.o_proj"), HIDDEN, HEADS * HEAD_DIM)?;
         w.linear(&format!("{p}.mlp.gate_up_proj"), 2 * INTER, HIDDEN)?;
         w.linear(&format!("{p}.mlp.down_proj"), HIDDEN, INTER)?;
-        w.norm(&format!("{p}.input_layernorm"), HIDDEN, 1.0)?;
-        w.norm(&format!("{p}.post_attention_layernorm"), HIDDEN, 1.0)?;
+        w.layer_norms(&p, &NORMS, HIDDEN, 1.0)?;
     }
     Ok(w)
 }
 
+fn phi3_reference(
+    c: &reference::Config,
+    vb: VarBuilder,
+    ids: &[u32],
+) -> candle_core::Result<Tensor> {
+    reference::Model::new(c, vb)?.forward(&ids_tensor(ids)?, 0)
+}
+
 #[test]
 fn phi3_fused_projections_match_candle_transformers_at_worlds_1_to_4() -> Result<()> {
-    let cfg = config();
-    let dir = write_checkpoint(&cfg, &weights()?)?;
-    let ref_cfg: reference::Config = serde_json::from_value(cfg)?;
-    let expected = run_reference(|ids| {
-        let mut m = reference::Model::new(&ref_cfg, reference_vb(dir.path())?)?;
-        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
-        Ok(m.forward(&x, 0)?.flatten_all()?)
-    })?;
-    check_worlds(dir.path(), &expected, &[1, 2, 3, 4], 1e-5)?;
+    compare_family(config(), &weights()?, 1e-5, phi3_reference)?;
+    Ok(())
+}
+
+/// Phi-4-mini's variant of the architecture: partial RoPE (`partial_rotary_factor` 0.75: 6
+/// of each head's 8 features rotated) and the LM head tied to the embedding.
+#[test]
+fn phi4_mini_partial_rope_tied_matches_candle_transformers_at_worlds_1_to_4() -> Result<()> {
+    let mut cfg = config();
+    cfg["partial_rotary_factor"] = 0.75.into();
+    cfg["tie_word_embeddings"] = true.into();
+    let mut w = weights()?;
+    w.map.remove("lm_head.weight");
+    compare_family(cfg, &w, 1e-5, phi3_reference)?;
     Ok(())
 }
 
 #[test]
 fn phi3_unsupported_options_are_named() -> Result<()> {
     let mut c = config();
-    c["partial_rotary_factor"] = 0.75.into();
+    c["partial_rotary_factor"] = 0.1.into();
     let dir = write_checkpoint(&c, &weights()?)?;
     let e = load_err(dir.path(), 1);
-    assert!(e.contains("partial_rotary_factor"), "{e}");
+    assert!(e.contains("partial_rotary_factor = 0.1"), "{e}");
 
     let mut c = config();
     c["rope_scaling"] =

@@ -7,10 +7,9 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
 use candle_transformers::models::qwen3_moe as reference;
 use common::families::{
-    check_worlds, load_err, reference as run_reference, reference_vb, write_checkpoint, Weights,
+    compare_family, ids_tensor, load_err, write_checkpoint, Shape, Weights, MLP, NORMS,
 };
 
 const HIDDEN: usize = 40;
@@ -40,64 +39,35 @@ fn config() -> serde_json::Value {
 
 fn weights() -> Result<Weights> {
     let mut w = Weights::new(900);
-    w.add("model.embed_tokens.weight", &[VOCAB, HIDDEN], 0.5, 0.0)?;
-    w.norm("model.norm", HIDDEN, 1.0)?;
+    let shape = Shape {
+        hidden: HIDDEN,
+        heads: HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+    };
+    w.embeddings(VOCAB, HIDDEN, 1.0, true)?;
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
-        w.linear(&format!("{p}.self_attn.q_proj"), HEADS * HEAD_DIM, HIDDEN)?;
-        w.linear(
-            &format!("{p}.self_attn.k_proj"),
-            KV_HEADS * HEAD_DIM,
-            HIDDEN,
-        )?;
-        w.linear(
-            &format!("{p}.self_attn.v_proj"),
-            KV_HEADS * HEAD_DIM,
-            HIDDEN,
-        )?;
-        w.linear(&format!("{p}.self_attn.o_proj"), HIDDEN, HEADS * HEAD_DIM)?;
-        w.add(
-            &format!("{p}.self_attn.q_norm.weight"),
-            &[HEAD_DIM],
-            0.8,
-            1.0,
-        )?;
-        w.add(
-            &format!("{p}.self_attn.k_norm.weight"),
-            &[HEAD_DIM],
-            0.8,
-            1.0,
-        )?;
+        w.attention(&p, shape)?;
+        w.qk_norms(&p, HEAD_DIM, 1.0)?;
         if (l + 1) % 2 == 0 {
             w.linear(&format!("{p}.mlp.gate"), EXPERTS, HIDDEN)?;
             for e in 0..EXPERTS {
-                let x = format!("{p}.mlp.experts.{e}");
-                w.linear(&format!("{x}.gate_proj"), MOE_INTER, HIDDEN)?;
-                w.linear(&format!("{x}.up_proj"), MOE_INTER, HIDDEN)?;
-                w.linear(&format!("{x}.down_proj"), HIDDEN, MOE_INTER)?;
+                w.gated_mlp(&format!("{p}.mlp.experts.{e}"), MLP, MOE_INTER, HIDDEN)?;
             }
         } else {
-            w.linear(&format!("{p}.mlp.gate_proj"), INTER, HIDDEN)?;
-            w.linear(&format!("{p}.mlp.up_proj"), INTER, HIDDEN)?;
-            w.linear(&format!("{p}.mlp.down_proj"), HIDDEN, INTER)?;
+            w.gated_mlp(&format!("{p}.mlp"), MLP, INTER, HIDDEN)?;
         }
-        w.norm(&format!("{p}.input_layernorm"), HIDDEN, 1.0)?;
-        w.norm(&format!("{p}.post_attention_layernorm"), HIDDEN, 1.0)?;
+        w.layer_norms(&p, &NORMS, HIDDEN, 1.0)?;
     }
     Ok(w)
 }
 
 #[test]
 fn qwen3_moe_matches_candle_transformers_at_worlds_1_to_4() -> Result<()> {
-    let cfg = config();
-    let dir = write_checkpoint(&cfg, &weights()?)?;
-    let ref_cfg: reference::Config = serde_json::from_value(cfg)?;
-    let expected = run_reference(|ids| {
-        let mut m = reference::ModelForCausalLM::new(&ref_cfg, reference_vb(dir.path())?)?;
-        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
-        Ok(m.forward(&x, 0)?.flatten_all()?)
+    compare_family(config(), &weights()?, 1e-5, |c, vb, ids| {
+        reference::ModelForCausalLM::new(c, vb)?.forward(&ids_tensor(ids)?, 0)
     })?;
-    check_worlds(dir.path(), &expected, &[1, 2, 3, 4], 1e-5)?;
     Ok(())
 }
 

@@ -176,6 +176,7 @@ impl DecoderLayer {
 /// Whether two layers can share rotary tables.
 fn same_rope(a: &AttentionConfig, b: &AttentionConfig) -> bool {
     a.head_dim == b.head_dim
+        && a.rotary_dim == b.rotary_dim
         && a.rope_theta == b.rope_theta
         && a.rope_scaling == b.rope_scaling
         && a.max_position_embeddings == b.max_position_embeddings

@@ -209,6 +209,7 @@ impl Base {
             softmax_scale: None,
             logit_softcapping: None,
             fused_qkv: false,
+            rotary_dim: None,
         }
     }
 

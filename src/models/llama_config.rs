@@ -284,6 +284,7 @@ impl LlamaConfig {
             softmax_scale: None,
             logit_softcapping: None,
             fused_qkv: false,
+            rotary_dim: None,
         }
     }
 

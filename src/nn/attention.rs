@@ -71,6 +71,9 @@ pub struct AttentionConfig {
     /// q, k and v are one fused `qkv_proj` tensor `[(heads + 2 kv_heads) * head_dim, hidden]`
     /// (Phi-3): each rank reads its q, k and v row ranges out of it.
     pub fused_qkv: bool,
+    /// Partial RoPE (Phi-4-mini's `partial_rotary_factor`): only the first `rotary_dim`
+    /// features of each head are rotated. `None`: the whole head.
+    pub rotary_dim: Option<usize>,
 }
 
 /// Precomputed rotary tables `cos`/`sin`, `[max_positions, head_dim / 2]` (shared by all
@@ -84,9 +87,12 @@ pub struct RotaryEmbedding {
 impl RotaryEmbedding {
     /// Tables for `cfg` in `dtype` on `device`.
     pub fn new(cfg: &AttentionConfig, dtype: DType, device: &Device) -> Result<Self> {
-        let hd = cfg.head_dim;
-        if hd == 0 || hd % 2 != 0 {
-            candle_core::bail!("rotary embedding: head_dim {hd} must be even and positive");
+        let hd = cfg.rotary_dim.unwrap_or(cfg.head_dim);
+        if hd == 0 || hd % 2 != 0 || hd > cfg.head_dim {
+            candle_core::bail!(
+                "rotary embedding: the rotated width {hd} must be even, positive and at most head_dim = {}",
+                cfg.head_dim
+            );
         }
         let base: Vec<f32> = (0..hd)
             .step_by(2)
@@ -144,7 +150,14 @@ impl RotaryEmbedding {
         }
         let cos = self.cos.narrow(0, index_pos, seq_len)?;
         let sin = self.sin.narrow(0, index_pos, seq_len)?;
-        candle_nn::rotary_emb::rope(x, &cos, &sin)
+        let rot = 2 * self.cos.dims()[1];
+        let hd = x.dims()[3];
+        if rot == hd {
+            return candle_nn::rotary_emb::rope(x, &cos, &sin);
+        }
+        // Partial RoPE: rotate the first `rot` features, pass the rest through.
+        let rotated = candle_nn::rotary_emb::rope(&x.narrow(3, 0, rot)?.contiguous()?, &cos, &sin)?;
+        Tensor::cat(&[&rotated, &x.narrow(3, rot, hd - rot)?], 3)?.contiguous()
     }
 }
 

@@ -142,7 +142,10 @@ impl GatedMlp {
         let r = part.range(pg.rank());
         let fused = vb.pp("gate_up_proj");
         let shape = (2 * intermediate, hidden);
-        let rows = |off: usize| fused.get_ranges(shape, "weight", 0, &[off + r.start..off + r.end]);
+        let rows = |off: usize| {
+            let range = off + r.start..off + r.end;
+            fused.get_ranges(shape, "weight", 0, std::slice::from_ref(&range))
+        };
         let gate = ColumnParallelLinear::new(rows(0)?, None, hidden, part, pg.clone())?;
         let up = ColumnParallelLinear::new(rows(intermediate)?, None, hidden, part, pg)?;
         Self::new(gate, up, down, act)

@@ -16,6 +16,12 @@ use super::{max_abs_diff, seeded};
 /// The prompt of every family test (7 tokens).
 pub const PROMPT: [u32; 7] = [3, 17, 42, 90, 5, 64, 23];
 
+/// Llama's MLP projection names.
+pub const MLP: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// The two norms of every decoder layer.
+pub const NORMS: [&str; 2] = ["input_layernorm", "post_attention_layernorm"];
+
 /// Greedy tokens generated after the prompt.
 pub const NEW_TOKENS: usize = 16;
 
@@ -55,6 +61,102 @@ impl Weights {
     pub fn norm(&mut self, name: &str, size: usize, offset: f64) -> Result<()> {
         self.add(&format!("{name}.weight"), &[size], 0.1, offset)
     }
+
+    /// `model.embed_tokens`, `model.norm` (around `norm_offset`) and, unless tied, `lm_head`.
+    pub fn embeddings(
+        &mut self,
+        vocab: usize,
+        hidden: usize,
+        norm_offset: f64,
+        tied: bool,
+    ) -> Result<()> {
+        self.add("model.embed_tokens.weight", &[vocab, hidden], 0.5, 0.0)?;
+        self.add("model.norm.weight", &[hidden], 0.3, norm_offset)?;
+        if !tied {
+            self.add("lm_head.weight", &[vocab, hidden], 0.2, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Separate `q_proj`, `k_proj`, `v_proj`, `o_proj` under `{layer}.self_attn`.
+    pub fn attention(&mut self, layer: &str, s: Shape) -> Result<()> {
+        let a = format!("{layer}.self_attn");
+        self.linear(&format!("{a}.q_proj"), s.heads * s.head_dim, s.hidden)?;
+        self.linear(&format!("{a}.k_proj"), s.kv_heads * s.head_dim, s.hidden)?;
+        self.linear(&format!("{a}.v_proj"), s.kv_heads * s.head_dim, s.hidden)?;
+        self.linear(&format!("{a}.o_proj"), s.hidden, s.heads * s.head_dim)
+    }
+
+    /// Per-head `q_norm`, `k_norm` (`[head_dim]`, far from uniform around `offset`).
+    pub fn qk_norms(&mut self, layer: &str, head_dim: usize, offset: f64) -> Result<()> {
+        for n in ["q_norm", "k_norm"] {
+            self.add(
+                &format!("{layer}.self_attn.{n}.weight"),
+                &[head_dim],
+                0.8,
+                offset,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// A gated MLP `[gate, up, down]` named under `prefix`.
+    pub fn gated_mlp(
+        &mut self,
+        prefix: &str,
+        [gate, up, down]: [&str; 3],
+        inter: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        self.linear(&format!("{prefix}.{gate}"), inter, hidden)?;
+        self.linear(&format!("{prefix}.{up}"), inter, hidden)?;
+        self.linear(&format!("{prefix}.{down}"), hidden, inter)
+    }
+
+    /// RmsNorm weights `{layer}.{name}` around `offset`.
+    pub fn layer_norms(
+        &mut self,
+        layer: &str,
+        names: &[&str],
+        size: usize,
+        offset: f64,
+    ) -> Result<()> {
+        for n in names {
+            self.norm(&format!("{layer}.{n}"), size, offset)?;
+        }
+        Ok(())
+    }
+}
+
+/// Attention shapes of a test checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// `ids` as a `[1, len]` tensor.
+pub fn ids_tensor(ids: &[u32]) -> candle_core::Result<Tensor> {
+    Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)
+}
+
+/// The whole comparison of a family: writes `config` and `weights`, runs the reference
+/// (`last(&reference_config, var_builder, ids)`: a fresh candle-transformers model's
+/// last-position logits over `ids`) and checks the tensor-parallel model at worlds 1-4
+/// within `tol`. Returns the largest error.
+pub fn compare_family<C: serde::de::DeserializeOwned>(
+    config: serde_json::Value,
+    weights: &Weights,
+    tol: f32,
+    last: impl Fn(&C, VarBuilder<'static>, &[u32]) -> candle_core::Result<Tensor>,
+) -> Result<f32> {
+    let dir = write_checkpoint(&config, weights)?;
+    let ref_cfg: C = serde_json::from_value(config)?;
+    let expected =
+        reference(|ids| Ok(last(&ref_cfg, reference_vb(dir.path())?, ids)?.flatten_all()?))?;
+    check_worlds(dir.path(), &expected, &[1, 2, 3, 4], tol)
 }
 
 /// Writes `config.json` and `model.safetensors` into a new temporary directory.
