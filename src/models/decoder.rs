@@ -261,10 +261,8 @@ impl CausalLm {
         device: &Device,
         pg: ProcessGroup,
     ) -> Result<Self> {
-        let dir = dir.as_ref();
-        let cfg = DecoderConfig::from_file(config_path(dir)?)?;
-        let vb = ShardedVarBuilder::from_safetensors_dir(dir, dtype, device, pg)?;
-        Self::load(&cfg, vb)
+        let (config, vb) = open_dir(dir.as_ref(), dtype, device, pg)?;
+        Self::load(&DecoderConfig::from_file(config)?, vb)
     }
 
     /// The hidden states after the final norm, `[batch, seq, hidden]`, running `ids`
@@ -364,8 +362,14 @@ impl CausalLm {
     }
 }
 
-/// `dir/config.json`, or an error naming the directory when it is missing.
-pub(crate) fn config_path(dir: &Path) -> Result<std::path::PathBuf> {
+/// A model directory's `config.json` path (an error naming the directory when it is
+/// missing) and a builder over its safetensors.
+pub(crate) fn open_dir(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    pg: ProcessGroup,
+) -> Result<(std::path::PathBuf, ShardedVarBuilder)> {
     let path = dir.join("config.json");
     if !path.is_file() {
         candle_core::bail!(
@@ -374,5 +378,8 @@ pub(crate) fn config_path(dir: &Path) -> Result<std::path::PathBuf> {
             path.display()
         );
     }
-    Ok(path)
+    Ok((
+        path,
+        ShardedVarBuilder::from_safetensors_dir(dir, dtype, device, pg)?,
+    ))
 }

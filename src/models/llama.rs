@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
-use crate::models::decoder::config_path;
+use crate::models::decoder::open_dir;
 use crate::models::{CausalLm, LlamaConfig};
 use crate::nn::{ParallelAttention, ParallelLmHead};
 
@@ -40,10 +40,8 @@ impl Llama {
         device: &Device,
         pg: ProcessGroup,
     ) -> Result<Self> {
-        let dir = dir.as_ref();
-        let cfg = LlamaConfig::from_file(config_path(dir)?)?;
-        let vb = ShardedVarBuilder::from_safetensors_dir(dir, dtype, device, pg)?;
-        Self::load(&cfg, vb)
+        let (config, vb) = open_dir(dir.as_ref(), dtype, device, pg)?;
+        Self::load(&LlamaConfig::from_file(config)?, vb)
     }
 
     /// The hidden state after the final norm at the last position, `[batch, hidden]`,
