@@ -2,9 +2,9 @@
 //! `qwen3_moe`: random checkpoints with per-head q/k norms, head_dim * heads != hidden_size,
 //! GQA (6 heads, 3 KV heads, so worlds 2 and 3 split whole KV groups, 2 + 1 and 1 + 1 + 1,
 //! and world 4 replicates KV heads) and a vocabulary of 101 (split unevenly at every world
-//! > 1). Qwen3-MoE: sparse layers every second layer (`decoder_sparse_step` 2: layers 0 and 2
-//! dense, layer 1 with 5 experts, top-2, weights not renormalised), expert width 22 (split
-//! unevenly at 3 and 4 ranks), tied head.
+//! above 1). Qwen3-MoE: sparse layers every second layer (`decoder_sparse_step` 2: layers 0
+//! and 2 dense, layer 1 with 5 experts, top-2, weights not renormalised), expert width 22
+//! (split unevenly at 3 and 4 ranks), tied head.
 
 mod common;
 
