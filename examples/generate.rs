@@ -1,5 +1,6 @@
-//! Text generation with a tensor-parallel Llama-family model (SmolLM2-135M-Instruct by
-//! default).
+//! Text generation with a tensor-parallel decoder of any supported family (Llama, Mistral,
+//! Qwen2/3, Qwen3-MoE, Gemma 2/3, Phi-3, Mixtral: `config.json` `architectures` picks it;
+//! SmolLM2-135M-Instruct by default).
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "The capital of France is"
@@ -23,14 +24,16 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
-use candle_tp::models::Llama;
+use candle_tp::models::CausalLm;
 use candle_tp::ops::gather_from_tp;
 use candle_tp::ProcessGroup;
 use clap::Parser;
 use tokenizers::Tokenizer;
 
 #[derive(Parser, Debug)]
-#[command(about = "Text generation with a tensor-parallel Llama-family model")]
+#[command(
+    about = "Text generation with a tensor-parallel decoder (Llama, Qwen, Gemma, Phi-3, Mixtral families)"
+)]
 struct Args {
     /// Model directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json),
     /// or a llama.cpp `.gguf` file (quantized weights kept quantized, tokenizer and chat
@@ -188,7 +191,7 @@ fn render_chat(
 }
 
 /// Rank 0's prompt ids and end-of-sequence ids.
-fn prepare(args: &Args, dir: &Path, model: &Llama) -> Result<(Tokenizer, Vec<u32>, Vec<u32>)> {
+fn prepare(args: &Args, dir: &Path, model: &CausalLm) -> Result<(Tokenizer, Vec<u32>, Vec<u32>)> {
     let (tok, cfg, jinja) = load_tokenizer(dir)?;
     let (text, add_special) = if args.chat {
         (render_chat(&cfg, &jinja, dir, &args.prompt)?, false)
@@ -270,7 +273,7 @@ fn main() -> Result<()> {
         None => default_model_dir()?,
     };
     let t0 = Instant::now();
-    let mut model = Llama::from_path(&dir, dtype, &device, pg.clone()).with_context(|| {
+    let mut model = CausalLm::from_path(&dir, dtype, &device, pg.clone()).with_context(|| {
         format!(
             "loading {} on rank {} of {}",
             dir.display(),

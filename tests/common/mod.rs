@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod families;
+
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 /// A tensor of deterministic pseudo-random values in [-1, 1), the same on every rank and
