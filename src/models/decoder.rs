@@ -272,7 +272,10 @@ impl CausalLm {
     pub fn from_gguf(path: impl AsRef<Path>, device: &Device, pg: ProcessGroup) -> Result<Self> {
         let (config, vb) = open_gguf(path.as_ref(), device, pg)?;
         let origin = path.as_ref().display().to_string();
-        Self::load(&crate::models::family::config_from_json(&config, &origin)?, vb)
+        Self::load(
+            &crate::models::family::config_from_json(&config, &origin)?,
+            vb,
+        )
     }
 
     /// [`CausalLm::from_gguf`] for a `.gguf` file, [`CausalLm::from_dir`] (in `dtype`)
@@ -424,7 +427,10 @@ pub(crate) fn open_gguf(
     pg: ProcessGroup,
 ) -> Result<(String, ShardedVarBuilder)> {
     let source = crate::loader::GgufSource::open(path)?;
-    let config = source.config().to_hf_config(source.tokenizer())?.to_string();
+    let config = source
+        .config()
+        .to_hf_config(source.tokenizer())?
+        .to_string();
     let vb = ShardedVarBuilder::new(std::sync::Arc::new(source), DType::F32, device, pg);
     Ok((config, vb))
 }

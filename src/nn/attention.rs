@@ -277,7 +277,13 @@ impl KvProj {
             )?));
         }
         let rows = offset + heads.kv_heads.start * hd..offset + heads.kv_heads.end * hd;
-        Ok(Self::Replicated(load_rows(vb, total, h, rows, cfg.qkv_bias)?))
+        Ok(Self::Replicated(load_rows(
+            vb,
+            total,
+            h,
+            rows,
+            cfg.qkv_bias,
+        )?))
     }
 
     fn forward_local(&self, x: &Tensor) -> Result<Tensor> {
