@@ -83,7 +83,7 @@ impl DecoderConfig {
 
 #[derive(Debug, Clone)]
 enum FeedForwardLayer {
-    Gated(GatedMlp),
+    Gated(Box<GatedMlp>),
     Moe(SparseMoe),
 }
 
@@ -94,12 +94,22 @@ impl FeedForwardLayer {
                 intermediate_size,
                 act,
                 fused: false,
-            } => Self::Gated(GatedMlp::load(hidden, *intermediate_size, *act, vb)?),
+            } => Self::Gated(Box::new(GatedMlp::load(
+                hidden,
+                *intermediate_size,
+                *act,
+                vb,
+            )?)),
             FeedForward::Gated {
                 intermediate_size,
                 act,
                 fused: true,
-            } => Self::Gated(GatedMlp::load_fused(hidden, *intermediate_size, *act, vb)?),
+            } => Self::Gated(Box::new(GatedMlp::load_fused(
+                hidden,
+                *intermediate_size,
+                *act,
+                vb,
+            )?)),
             FeedForward::Moe(m) => Self::Moe(SparseMoe::load(m, vb)?),
         })
     }
