@@ -1,4 +1,4 @@
-"""Tables, CSV and SVG for scripts/bench-mlp.sh (no plotting library needed)."""
+"""Tables, CSV and the TP-efficiency points (plotted by benches/mlp_plot.py) for scripts/bench-mlp.sh."""
 import csv, json, sys
 
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
@@ -95,27 +95,12 @@ try:
 except (OSError, ValueError, KeyError):
     pass
 
-# TP efficiency T(1 rank, 1 thread) / (R * T(R ranks)) against d_model, one line per R.
-W, H, L, B = 720, 420, 70, 50
-svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H * max(1, len(set((k[0], k[1], k[2]) for k in eff)))}" font-family="sans-serif" font-size="12">']
-colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
-panels = sorted(set((k[0], k[1], k[2]) for k in eff))
-for p, (backend, pas, s) in enumerate(panels):
-    oy = p * H
-    svg.append(f'<text x="{W/2}" y="{oy+20}" text-anchor="middle">TP efficiency vs d_model ({backend}, {pas}, S={s}; 1 = perfect scaling)</text>')
-    svg.append(f'<line x1="{L}" y1="{oy+H-B}" x2="{W-20}" y2="{oy+H-B}" stroke="black"/><line x1="{L}" y1="{oy+40}" x2="{L}" y2="{oy+H-B}" stroke="black"/>')
-    ds = sorted({d for k, v in eff.items() if k[:3] == (backend, pas, s) for d, _ in v})
-    xs = {d: L + (i + 0.5) * (W - L - 20) / max(1, len(ds)) for i, d in enumerate(ds)}
-    y = lambda e: oy + H - B - min(max(e, 0), 1.2) / 1.2 * (H - B - 40)
-    for t in [0, 0.25, 0.5, 0.75, 1.0]:
-        svg.append(f'<text x="{L-8}" y="{y(t)+4}" text-anchor="end">{t}</text><line x1="{L}" y1="{y(t)}" x2="{W-20}" y2="{y(t)}" stroke="#ddd"/>')
-    for d, x in xs.items():
-        svg.append(f'<text x="{x}" y="{oy+H-B+18}" text-anchor="middle">{d}</text>')
-    for i, ((b2, p2, s2, n), pts) in enumerate(sorted((k, v) for k, v in eff.items() if k[:3] == (backend, pas, s))):
-        c = colors[i % len(colors)]
-        pts = sorted(pts)
-        svg.append('<polyline fill="none" stroke="%s" stroke-width="2" points="%s"/>' % (c, " ".join(f"{xs[d]},{y(e)}" for d, e in pts)))
-        svg.append(f'<text x="{W-30}" y="{oy+50+16*i}" fill="{c}" text-anchor="end">R = {n}</text>')
-svg.append("</svg>")
-open(f"{out}/tp_efficiency.svg", "w").write("\n".join(svg))
-print(f"\nwrote {out}/results.csv and {out}/tp_efficiency.svg")
+# TP efficiency T(1 rank, 1 thread) / (R * T(R ranks)) against d_model, for benches/mlp_plot.py.
+points = [
+    {"backend": b, "pass": pas, "seq_len": s, "ranks": n, "d_model": d, "efficiency": e}
+    for (b, pas, s, n), v in sorted(eff.items())
+    for d, e in v
+    if e == e  # not NaN
+]
+json.dump(points, open(f"{out}/tp_efficiency.json", "w"), indent=1)
+print(f"\nwrote {out}/results.csv and {out}/tp_efficiency.json")

@@ -6,7 +6,15 @@
 //! RAYON_NUM_THREADS=2 target/release/examples/bench_generate --impl candle-tp --model DIR
 //! target/release/tprun --standalone --nproc-per-node 2 target/release/examples/bench_generate --model DIR
 //! scripts/bench-generate.sh      # SmolLM2 and a synthetic 2048-wide Llama, ratios in one run
+//! RAYON_NUM_THREADS=2 target/release/examples/bench_generate --impl quantized_llama --model F.gguf
+//! target/release/tprun --standalone --nproc-per-node 2 target/release/examples/bench_generate --model F.gguf --profile
+//! scripts/bench-generate.sh --gguf [--llama-cpp]   # quantized: candle-tp, quantized_llama, f32, llama.cpp
 //! ```
+//!
+//! `--model` is a checkpoint directory or a `.gguf` file (candle-tp keeps its blocks quantized;
+//! `--impl quantized_llama` is candle-transformers' quantized Llama on the same file).
+//! `--profile` adds the decode step's split: time in matmuls (every `ParallelWeight`), in
+//! collectives (the process group's counters) and the rest, per token, on rank 0.
 //!
 //! Greedy decoding from a fixed prompt of token ids (no tokenizer involved), prefill then
 //! `--new-tokens` steps with the KV cache. Rank 0 prints one JSON line: `impl`, `world_size`,
@@ -25,10 +33,11 @@ use clap::Parser;
 #[derive(Parser, Debug)]
 #[command(about = "Decode tokens/s: candle-tp's TP Llama vs candle-transformers' llama")]
 struct Args {
-    /// Checkpoint directory (config.json + model.safetensors).
+    /// Checkpoint directory (config.json + model.safetensors) or a `.gguf` file.
     #[arg(long)]
     model: PathBuf,
-    /// `candle-tp` (any world size, under tprun) or `candle-transformers` (one process).
+    /// `candle-tp` (any world size, under tprun), `candle-transformers` (one process, a
+    /// directory) or `quantized_llama` (candle-transformers, one process, a `.gguf` file).
     #[arg(long = "impl", default_value = "candle-tp")]
     implementation: String,
     /// Prompt length in tokens.
@@ -37,7 +46,13 @@ struct Args {
     /// Tokens to decode.
     #[arg(long, default_value_t = 32)]
     new_tokens: usize,
+    /// Report the decode step's time in matmuls, collectives and the rest (candle-tp).
+    #[arg(long)]
+    profile: bool,
 }
+
+/// Per decode token on this rank: matmul, collective and total milliseconds.
+type Profile = Option<(f64, f64, f64)>;
 
 fn prompt(len: usize, vocab: usize) -> Vec<u32> {
     (0..len)
@@ -53,10 +68,10 @@ fn backend() -> &'static str {
     }
 }
 
-fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool)> {
+fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
     let device = Device::Cpu;
     let pg = candle_tp::init_from_env(&device)?;
-    let mut model = Llama::from_dir(&args.model, DType::F32, &device, pg.clone())?;
+    let mut model = Llama::from_path(&args.model, DType::F32, &device, pg.clone())?;
     let vocab = model.config().vocab_size;
     let ids = prompt(args.prompt_len, vocab);
     let mut sampler = DistributedSampler::new(SamplingParams::greedy());
@@ -67,6 +82,8 @@ fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool)> {
     let prefill = t0.elapsed().as_secs_f64();
     let mut out = vec![next];
     pg.barrier()?;
+    candle_tp::set_matmul_timing(args.profile);
+    let (mm0, comm0) = (candle_tp::matmul_time(), pg.stats());
     let t1 = Instant::now();
     for step in 1..args.new_tokens {
         let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
@@ -75,10 +92,58 @@ fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool)> {
         out.push(next);
     }
     let decode = t1.elapsed().as_secs_f64();
-    Ok((pg.size(), prefill, decode, out, pg.rank() == 0))
+    candle_tp::set_matmul_timing(false);
+    let steps = (args.new_tokens - 1) as f64;
+    let profile = args.profile.then(|| {
+        let mm = (candle_tp::matmul_time() - mm0).as_secs_f64();
+        let comm = pg.stats().since(&comm0).total().time.as_secs_f64();
+        (mm / steps * 1e3, comm / steps * 1e3, decode / steps * 1e3)
+    });
+    Ok((pg.size(), prefill, decode, out, pg.rank() == 0, profile))
 }
 
-fn run_candle_transformers(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool)> {
+fn run_quantized_llama(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
+    use candle_transformers::models::quantized_llama::ModelWeights;
+    let device = Device::Cpu;
+    let mut f = std::fs::File::open(&args.model)
+        .with_context(|| format!("opening {}", args.model.display()))?;
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f)?;
+    let vocab = content
+        .tensor_infos
+        .get("token_embd.weight")
+        .context("no token_embd.weight")?
+        .shape
+        .dims()[0];
+    let mut model = ModelWeights::from_gguf(content, &mut f, &device)?;
+    let ids = prompt(args.prompt_len, vocab);
+    single_process_greedy(args, &ids, |x, pos| model.forward(x, pos))
+}
+
+/// Prefill `ids`, then greedy decode with `forward(input, index_pos)` (full logits
+/// `[1, vocab]`), timing both: the loop of the single-process references.
+fn single_process_greedy(
+    args: &Args,
+    ids: &[u32],
+    mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
+) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
+    let device = Device::Cpu;
+    let mut argmax = |x: &Tensor, pos: usize| -> Result<u32> {
+        Ok(forward(x, pos)?.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?)
+    };
+    let t0 = Instant::now();
+    let mut next = argmax(&Tensor::new(ids, &device)?.unsqueeze(0)?, 0)?;
+    let prefill = t0.elapsed().as_secs_f64();
+    let mut out = vec![next];
+    let t1 = Instant::now();
+    for step in 1..args.new_tokens {
+        let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
+        next = argmax(&input, args.prompt_len + step - 1)?;
+        out.push(next);
+    }
+    Ok((1, prefill, t1.elapsed().as_secs_f64(), out, true, None))
+}
+
+fn run_candle_transformers(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
     use candle_transformers::models::llama as ct;
     let device = Device::Cpu;
     let text = std::fs::read_to_string(args.model.join("config.json")).context("config.json")?;
@@ -93,26 +158,7 @@ fn run_candle_transformers(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bo
     let model = ct::Llama::load(vb, &cfg)?;
     let mut cache = ct::Cache::new(true, DType::F32, &cfg, &device)?;
     let ids = prompt(args.prompt_len, cfg.vocab_size);
-    let t0 = Instant::now();
-    let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-    let mut next = model
-        .forward(&input, 0, &mut cache)?
-        .squeeze(0)?
-        .argmax(0)?
-        .to_scalar::<u32>()?;
-    let prefill = t0.elapsed().as_secs_f64();
-    let mut out = vec![next];
-    let t1 = Instant::now();
-    for step in 1..args.new_tokens {
-        let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
-        next = model
-            .forward(&input, args.prompt_len + step - 1, &mut cache)?
-            .squeeze(0)?
-            .argmax(0)?
-            .to_scalar::<u32>()?;
-        out.push(next);
-    }
-    Ok((1, prefill, t1.elapsed().as_secs_f64(), out, true))
+    single_process_greedy(args, &ids, |x, pos| model.forward(x, pos, &mut cache))
 }
 
 fn main() -> Result<()> {
@@ -120,15 +166,16 @@ fn main() -> Result<()> {
     if args.new_tokens < 2 {
         bail!("--new-tokens must be at least 2 (the first token comes from the prefill)");
     }
-    let (world, prefill, decode, ids, print) = match args.implementation.as_str() {
+    let (world, prefill, decode, ids, print, profile) = match args.implementation.as_str() {
         "candle-tp" => run_candle_tp(&args)?,
         "candle-transformers" => run_candle_transformers(&args)?,
-        other => bail!("--impl {other}: expected candle-tp or candle-transformers"),
+        "quantized_llama" => run_quantized_llama(&args)?,
+        other => {
+            bail!("--impl {other}: expected candle-tp, candle-transformers or quantized_llama")
+        }
     };
     if print {
-        println!(
-            "{}",
-            serde_json::json!({
+        let mut report = serde_json::json!({
                 "impl": args.implementation,
                 "model": args.model.file_name().map(|s| s.to_string_lossy().into_owned()),
                 "world_size": world,
@@ -139,8 +186,16 @@ fn main() -> Result<()> {
                 "prefill_ms": prefill * 1e3,
                 "tokens_per_s": (args.new_tokens - 1) as f64 / decode,
                 "token_ids": ids,
-            })
-        );
+        });
+        if let Some((mm, comm, total)) = profile {
+            report["profile_ms_per_token"] = serde_json::json!({
+                "matmul": mm,
+                "collectives": comm,
+                "rest": total - mm - comm,
+                "total": total,
+            });
+        }
+        println!("{report}");
     }
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! A bounded-time mutation fuzzer for the safetensors header and index parsers
-//! (`SafetensorsSource::from_files` / `from_dir`) and the tensor loads behind them.
+//! (`SafetensorsSource::from_files` / `from_dir`), the GGUF header and tensor-info parser
+//! (`loader::gguf_header::scan`, then Candle's metadata reader as `GgufSource` calls it) and
+//! the tensor loads behind them (quantized shards by rows and by blocks).
 //!
 //! ```text
 //! cargo run --release --example fuzz_checkpoint -- --seconds 60
@@ -7,7 +9,8 @@
 //!
 //! It starts from valid single files and sharded checkpoints (an index and two shards), mutates
 //! them (bit flips, byte writes, truncation, extension, the header length field, and edits of
-//! the JSON: offsets, shapes, dtypes, names, shard paths), writes them to a scratch directory,
+//! the JSON: offsets, shapes, dtypes, names, shard paths; for the GGUF seed, edge values written
+//! over its counts, lengths, dims, type ids and offsets), writes them to a scratch directory,
 //! opens them and loads every tensor they claim to hold (whole and a slice). A case fails when
 //! it panics (caught with `catch_unwind`), runs longer than `--case-limit-ms` (the process
 //! stops), or asks for one allocation over `--max-alloc-mb` (the process aborts). Each failure
@@ -24,7 +27,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
+use candle_tp::loader::gguf_header;
+use candle_tp::loader::quant_shard::{self, Named, RowOrder};
 use candle_tp::loader::{SafetensorsSource, TensorSource};
 use clap::Parser;
 use serde_json::{json, Value};
@@ -152,7 +158,50 @@ fn seeds(scratch: &Path) -> Result<Vec<Input>> {
         "metadata": {"total_size": 176},
         "weight_map": {"x.weight": SHARDS[0], "y.weight": SHARDS[1], "z.bias": SHARDS[1]}
     });
+    let gguf = {
+        let path = scratch.join("seed.gguf");
+        // A tensor of its own for each: Candle's quantize reads a view's whole storage.
+        let w = Tensor::arange(0f32, 256.0, &cpu)?.affine(0.01, -1.0)?;
+        let q8 = QTensor::quantize(&w.reshape((4, 64))?, GgmlDType::Q8_0)?;
+        let q41 = QTensor::quantize(
+            &Tensor::arange(0f32, 128.0, &cpu)?
+                .affine(0.02, -1.0)?
+                .reshape((2, 64))?,
+            GgmlDType::Q4_1,
+        )?;
+        let qk = QTensor::quantize(&w.reshape((1, 256))?, GgmlDType::Q4K)?;
+        let norm = QTensor::quantize(
+            &Tensor::arange(0f32, 8.0, &cpu)?.affine(0.5, 0.0)?,
+            GgmlDType::F32,
+        )?;
+        let (arch, heads) = (
+            gguf_file::Value::String("llama".into()),
+            gguf_file::Value::U32(2),
+        );
+        let toks = gguf_file::Value::Array(vec![
+            gguf_file::Value::String("a".into()),
+            gguf_file::Value::String("b".into()),
+        ]);
+        let mut f = std::fs::File::create(&path)?;
+        gguf_file::write(
+            &mut f,
+            &[
+                ("general.architecture", &arch),
+                ("llama.attention.head_count", &heads),
+                ("tokenizer.ggml.tokens", &toks),
+            ],
+            &[
+                ("blk.0.attn_q.weight", &q8),
+                ("blk.0.ffn_up.weight", &q41),
+                ("blk.0.ffn_down.weight", &qk),
+                ("output_norm.weight", &norm),
+            ],
+        )?;
+        drop(f);
+        std::fs::read(&path)?
+    };
     Ok(vec![
+        vec![("model.gguf".into(), gguf)],
         vec![("model.safetensors".into(), single)],
         vec![
             (INDEX.into(), serde_json::to_vec_pretty(&index)?),
@@ -306,6 +355,16 @@ fn mutate(input: &mut Input, rng: &mut Rng) {
             }
             2 => bytes.truncate(rng.below(len + 1)),
             3 => bytes.extend((0..1 + rng.below(64)).map(|_| rng.next() as u8)),
+            4 | 5 if len >= 8 && name.ends_with(".gguf") => {
+                // Counts, lengths, dims, type ids and offsets live in the header.
+                let at = rng.below(len.min(512) - 7);
+                let v = interesting(rng, len);
+                if rng.below(2) == 0 {
+                    bytes[at..at + 4].copy_from_slice(&(v as u32).to_le_bytes());
+                } else {
+                    bytes[at..at + 8].copy_from_slice(&v.to_le_bytes());
+                }
+            }
             4 if len >= 8 && name.ends_with(".safetensors") => {
                 let v = interesting(rng, len);
                 bytes[..8].copy_from_slice(&v.to_le_bytes());
@@ -343,6 +402,9 @@ fn write_input(dir: &Path, input: &Input) -> Result<()> {
 
 /// Opens the input and loads everything it claims to hold; `Ok(true)` if it was accepted.
 fn exercise(dir: &Path, input: &Input) -> candle_core::Result<bool> {
+    if let Some((name, bytes)) = input.iter().find(|(n, _)| n.ends_with(".gguf")) {
+        return exercise_gguf(dir, name, bytes);
+    }
     let src = if input.iter().any(|(n, _)| n == INDEX) {
         SafetensorsSource::from_dir(dir)?
     } else {
@@ -368,6 +430,58 @@ fn exercise(dir: &Path, input: &Input) -> candle_core::Result<bool> {
                 0,
                 std::slice::from_ref(&(rows..rows + 1)),
                 DType::F32,
+                &cpu,
+            );
+        }
+    }
+    Ok(true)
+}
+
+/// The GGUF path of `GgufSource::open` (header walk, then Candle's metadata reader) and
+/// the shard cuts of every tensor it accepts: rows (plain and rotary order) and block ranges.
+fn exercise_gguf(dir: &Path, name: &str, bytes: &[u8]) -> candle_core::Result<bool> {
+    let path = dir.join(name);
+    let header = gguf_header::scan(bytes, name)?;
+    gguf_file::Content::read(&mut std::io::Cursor::new(bytes))?;
+    let cpu = Device::Cpu;
+    for t in &header.tensors {
+        let (rows, cols) = match t.dims.as_slice() {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            _ => continue,
+        };
+        let what = Named {
+            file: &path,
+            tensor: &t.name,
+            hf: &t.name,
+        };
+        let data = &bytes[t.start..t.start + t.len];
+        let orders = [
+            RowOrder::Identity,
+            RowOrder::rotary(rows, 1).unwrap_or(RowOrder::Identity),
+        ];
+        for order in &orders {
+            let _ = quant_shard::shard(
+                &what,
+                data,
+                t.dtype,
+                (rows, cols),
+                order,
+                0,
+                std::slice::from_ref(&(0..rows.div_ceil(2))),
+                &cpu,
+            );
+        }
+        let half = cols / 2;
+        for r in [0..half.max(1), half..cols, 1..cols, cols..cols + 1] {
+            let _ = quant_shard::shard(
+                &what,
+                data,
+                t.dtype,
+                (rows, cols),
+                &RowOrder::Identity,
+                1,
+                std::slice::from_ref(&r),
                 &cpu,
             );
         }

@@ -1,5 +1,6 @@
-//! Text generation with a tensor-parallel Llama-family model (SmolLM2-135M-Instruct by
-//! default).
+//! Text generation with a tensor-parallel decoder of any supported family (Llama, Mistral,
+//! Qwen2/3, Qwen3-MoE, Gemma 2/3, Phi-3, Mixtral: `config.json` `architectures` picks it;
+//! SmolLM2-135M-Instruct by default).
 //!
 //! ```text
 //! cargo run --release --example generate -- --prompt "The capital of France is"
@@ -23,17 +24,20 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
-use candle_tp::models::Llama;
+use candle_tp::models::CausalLm;
 use candle_tp::ops::gather_from_tp;
 use candle_tp::ProcessGroup;
 use clap::Parser;
 use tokenizers::Tokenizer;
 
 #[derive(Parser, Debug)]
-#[command(about = "Text generation with a tensor-parallel Llama-family model")]
+#[command(
+    about = "Text generation with a tensor-parallel decoder (Llama, Qwen, Gemma, Phi-3, Mixtral families)"
+)]
 struct Args {
-    /// Model directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
-    /// Default: $CANDLE_TP_HOME/models/smollm2-135m-instruct ($CANDLE_TP_HOME defaults to
+    /// Model directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json),
+    /// or a llama.cpp `.gguf` file (quantized weights kept quantized, tokenizer and chat
+    /// template from its metadata). Default: $CANDLE_TP_HOME/models/smollm2-135m-instruct ($CANDLE_TP_HOME defaults to
     /// ~/.cache/candle-tp).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -110,10 +114,43 @@ fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
     }
 }
 
+/// The tokenizer, the `tokenizer_config.json` settings (special tokens, chat template) and a
+/// `chat_template.jinja` to fall back on: from a model directory's files, or built from a
+/// GGUF file's metadata.
+fn load_tokenizer(model: &Path) -> Result<(Tokenizer, serde_json::Value, PathBuf)> {
+    if model
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        let src = candle_tp::loader::GgufSource::open(model)?;
+        let json = serde_json::to_vec(&src.tokenizer().tokenizer_json()?)?;
+        let tok = Tokenizer::from_bytes(json)
+            .map_err(|e| anyhow!("{}: building the tokenizer: {e}", model.display()))?;
+        let cfg = src
+            .tokenizer()
+            .tokenizer_config_json(src.config().max_position_embeddings);
+        return Ok((tok, cfg, model.with_extension("jinja")));
+    }
+    let tok_path = model.join("tokenizer.json");
+    let tok = Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow!("loading {}: {e}", tok_path.display()))?;
+    let tc = model.join("tokenizer_config.json");
+    let cfg = if tc.is_file() {
+        read_json(&tc)?
+    } else {
+        serde_json::Value::Null
+    };
+    Ok((tok, cfg, model.join("chat_template.jinja")))
+}
+
 /// The checkpoint's chat template applied to one user message, with the generation prompt.
-fn render_chat(dir: &Path, prompt: &str) -> Result<String> {
-    let cfg_path = dir.join("tokenizer_config.json");
-    let cfg = read_json(&cfg_path)?;
+fn render_chat(
+    cfg: &serde_json::Value,
+    jinja: &Path,
+    model: &Path,
+    prompt: &str,
+) -> Result<String> {
+    let cfg_path = model.join("tokenizer_config.json");
     let template = match &cfg["chat_template"] {
         serde_json::Value::String(s) => s.clone(),
         serde_json::Value::Array(list) => list
@@ -122,16 +159,13 @@ fn render_chat(dir: &Path, prompt: &str) -> Result<String> {
             .and_then(|t| t["template"].as_str())
             .map(String::from)
             .with_context(|| format!("{}: no 'default' chat template", cfg_path.display()))?,
-        _ => {
-            let jinja = dir.join("chat_template.jinja");
-            std::fs::read_to_string(&jinja).with_context(|| {
-                format!(
-                    "--chat: neither {} has a chat_template nor does {} exist",
-                    cfg_path.display(),
-                    jinja.display()
-                )
-            })?
-        }
+        _ => std::fs::read_to_string(jinja).with_context(|| {
+            format!(
+                "--chat: neither {} has a chat_template nor does {} exist",
+                cfg_path.display(),
+                jinja.display()
+            )
+        })?,
     };
     let mut env = minijinja::Environment::new();
     env.add_function(
@@ -148,8 +182,8 @@ fn render_chat(dir: &Path, prompt: &str) -> Result<String> {
     let ctx = serde_json::json!({
         "messages": [{"role": "user", "content": prompt}],
         "add_generation_prompt": true,
-        "bos_token": special_token(&cfg, "bos_token").unwrap_or_default(),
-        "eos_token": special_token(&cfg, "eos_token").unwrap_or_default(),
+        "bos_token": special_token(cfg, "bos_token").unwrap_or_default(),
+        "eos_token": special_token(cfg, "eos_token").unwrap_or_default(),
     });
     env.get_template("chat")?
         .render(ctx)
@@ -157,12 +191,10 @@ fn render_chat(dir: &Path, prompt: &str) -> Result<String> {
 }
 
 /// Rank 0's prompt ids and end-of-sequence ids.
-fn prepare(args: &Args, dir: &Path, model: &Llama) -> Result<(Tokenizer, Vec<u32>, Vec<u32>)> {
-    let tok_path = dir.join("tokenizer.json");
-    let tok = Tokenizer::from_file(&tok_path)
-        .map_err(|e| anyhow!("loading {}: {e}", tok_path.display()))?;
+fn prepare(args: &Args, dir: &Path, model: &CausalLm) -> Result<(Tokenizer, Vec<u32>, Vec<u32>)> {
+    let (tok, cfg, jinja) = load_tokenizer(dir)?;
     let (text, add_special) = if args.chat {
-        (render_chat(dir, &args.prompt)?, false)
+        (render_chat(&cfg, &jinja, dir, &args.prompt)?, false)
     } else {
         (args.prompt.clone(), true)
     };
@@ -175,14 +207,9 @@ fn prepare(args: &Args, dir: &Path, model: &Llama) -> Result<(Tokenizer, Vec<u32
         bail!("the prompt {:?} has no tokens", args.prompt);
     }
     let mut eos = model.config().eos_token_ids.clone();
-    let tc = dir.join("tokenizer_config.json");
-    if tc.is_file() {
-        if let Some(id) =
-            special_token(&read_json(&tc)?, "eos_token").and_then(|t| tok.token_to_id(&t))
-        {
-            if !eos.contains(&id) {
-                eos.push(id);
-            }
+    if let Some(id) = special_token(&cfg, "eos_token").and_then(|t| tok.token_to_id(&t)) {
+        if !eos.contains(&id) {
+            eos.push(id);
         }
     }
     Ok((tok, ids, eos))
@@ -246,7 +273,7 @@ fn main() -> Result<()> {
         None => default_model_dir()?,
     };
     let t0 = Instant::now();
-    let mut model = Llama::from_dir(&dir, dtype, &device, pg.clone()).with_context(|| {
+    let mut model = CausalLm::from_path(&dir, dtype, &device, pg.clone()).with_context(|| {
         format!(
             "loading {} on rank {} of {}",
             dir.display(),

@@ -113,14 +113,14 @@ fn main() -> Result<()> {
         "rank {rank}/{world}: fc1 weight (in x out) [{}, {}] (candle layout {}), fc1 bias {}",
         d,
         part.size(rank),
-        dims(fc1.weight()),
+        dims(fc1.weight()?),
         dims(fc1.bias().expect("bias"))
     );
     println!(
         "rank {rank}/{world}: fc2 weight (in x out) [{}, {}] (candle layout {}), fc2 bias {} (replicated)",
         part.size(rank),
         d,
-        dims(fc2.weight()),
+        dims(fc2.weight()?),
         dims(fc2.bias().expect("bias"))
     );
     println!(

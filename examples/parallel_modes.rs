@@ -172,9 +172,9 @@ fn run_1d(pg: &ProcessGroup, d: &Dense) -> Result<Measured> {
     let (part, inp) = (*c.out_partition(), d.w1.dims()[1]);
     let params = vec![
         d.x.clone(),
-        c.weight().clone(),
+        c.weight()?.clone(),
         c.bias().cloned().unwrap_or(d.b1.clone()),
-        r.weight().clone(),
+        r.weight()?.clone(),
         r.bias().cloned().unwrap_or(d.b2.clone()),
     ];
     let pg2 = pg.clone();

@@ -16,11 +16,11 @@
 //!   offsets drawn from `--seed` and `i`; DP rank `d` takes its `batch / dp` of them, so every
 //!   layout sees the same global batch and logs the same loss as one process.
 //! - Output (rank 0): one JSON line per step `{"step","loss","tokens_per_s"}` on stdout, a
-//!   progress bar on stderr, then `{"activation_bytes_per_rank": {...}}`: bytes of the
+//!   progress bar on stderr (indicatif; drawn only when stderr is a terminal, so not under
+//!   tprun, whose ranks write to pipes), then `{"activation_bytes_per_rank": {...}}`: bytes of the
 //!   tensors the autograd graph keeps for backward after one forward, with and without
 //!   sequence parallelism, for every rank.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -33,6 +33,7 @@ use candle_tp::train::{
 };
 use candle_tp::{DeviceMesh, ReduceOp};
 use clap::Parser;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 const CORPUS: [&str; 3] = [
     include_str!("../README.md"),
@@ -222,6 +223,15 @@ fn main() -> Result<()> {
     let d = mesh.coord()[0];
     let rows = d * local_b..(d + 1) * local_b;
     let n_local = local_b * args.seq;
+    let bar = if lead && !args.quiet {
+        ProgressBar::with_draw_target(Some(args.steps as u64), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} step {pos}/{len}  {msg}  {elapsed} (eta {eta})")
+            .map_err(|e| anyhow::anyhow!("progress bar template: {e}"))?,
+    );
     for step in 0..args.steps {
         let t0 = Instant::now();
         let (x, y) = global_batch(&corpus, &args, step)?;
@@ -265,23 +275,11 @@ fn main() -> Result<()> {
                 "{}",
                 serde_json::json!({"step": step, "loss": loss, "tokens_per_s": tps})
             );
-            if !args.quiet {
-                let w = 30;
-                let done = (step + 1) * w / args.steps.max(1);
-                eprint!(
-                    "\r[{}{}] {}/{} loss {loss:.4} {tps:.0} tok/s",
-                    "#".repeat(done),
-                    ".".repeat(w - done),
-                    step + 1,
-                    args.steps
-                );
-                if step + 1 == args.steps {
-                    eprintln!();
-                }
-                std::io::stderr().flush().ok();
-            }
+            bar.set_message(format!("loss {loss:.4}, {tps:.0} tok/s"));
+            bar.inc(1);
         }
     }
+    bar.finish();
     // Activation memory of one forward (what backward would keep), both layouts.
     let (x, _) = global_batch(&corpus, &args, 0)?;
     let x = Tensor::from_vec(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The seeds' study in one run: the MLP (d -> 4d -> d, batch 1) with one process x 1 thread,
 # one process x all cores, and R = 2, 3, 4 ranks x (cores / R) threads under tprun; then the
-# ratio table, a CSV and an SVG plot of TP efficiency against d_model for each R.
+# ratio table, a CSV and a plot of TP efficiency against d_model for each R (matplotlib, PNG and
+# SVG; matplotlib is installed once into a venv under $CANDLE_TP_HOME).
 #
 #   scripts/bench-mlp.sh                                  # everything, 3 rounds (~15 min)
 #   scripts/bench-mlp.sh --d-model 1024,2048 --seq-len 128 --pass fwd --ranks "2"
@@ -82,3 +83,20 @@ for round in $(seq "$rounds"); do
 done
 
 python3 benches/mlp_report.py "$out/results.jsonl" "$out" "$cores"
+
+# The plot: matplotlib (pinned) in its own venv, made once.
+MATPLOTLIB_VERSION=3.11.2
+plot_venv="${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}/venv-plot-$MATPLOTLIB_VERSION"
+if [ ! -f "$plot_venv/.complete" ]; then
+  echo "==> installing matplotlib==$MATPLOTLIB_VERSION into $plot_venv (once)" >&2
+  rm -rf "$plot_venv"
+  if python3 -m venv "$plot_venv" &&
+    "$plot_venv/bin/pip" install --quiet --disable-pip-version-check "matplotlib==$MATPLOTLIB_VERSION" >&2; then
+    touch "$plot_venv/.complete"
+  fi
+fi
+if [ -f "$plot_venv/.complete" ]; then
+  "$plot_venv/bin/python" benches/mlp_plot.py "$out"
+else
+  echo "no plot: matplotlib could not be installed (the table and CSV above are complete)" >&2
+fi

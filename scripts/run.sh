@@ -7,6 +7,8 @@
 #   scripts/run.sh --nproc-per-node 3 --prompt "Write a haiku about GPUs."
 #   scripts/run.sh --model DIR --max-new-tokens 64 --temperature 0.7 --top-p 0.9
 #   scripts/run.sh --mkl                             # Candle's matmuls on Intel MKL (scripts/setup-mkl.sh)
+#   scripts/run.sh --gguf                            # straight from the shipped Q4_1 GGUF, kept quantized
+#   scripts/run.sh --gguf FILE.gguf                  # any Llama GGUF (Q4_0..Q8_0, Q2_K..Q6_K, F16, F32)
 #
 # Arguments other than --nproc-per-node and --mkl go to examples/generate.rs.
 set -euo pipefail
@@ -22,6 +24,14 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --nproc-per-node|--nproc_per_node) nproc="$2"; shift 2 ;;
     --mkl) mkl=1; shift ;;
+    --gguf)
+      have_model=1
+      if [ $# -ge 2 ] && [[ "$2" == *.gguf ]]; then
+        gen_args+=(--model "$2"); shift 2
+      else
+        gen_args+=(--model "${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}/models/smollm2-135m-instruct.Q4_1.gguf"); shift
+        [ -f "${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}/models/smollm2-135m-instruct.Q4_1.gguf" ] || scripts/fetch-models.sh >&2
+      fi ;;
     --prompt) have_prompt=1; gen_args+=("$1" "$2"); shift 2 ;;
     --max-new-tokens) have_max=1; gen_args+=("$1" "$2"); shift 2 ;;
     --model) have_model=1; gen_args+=("$1" "$2"); shift 2 ;;

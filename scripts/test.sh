@@ -1,65 +1,135 @@
 #!/usr/bin/env bash
-# Runs every test: unit, integration (threads backend, real processes through tprun, real
-# checkpoints), doc tests, then the README's multi-process acceptance run of the MLP example.
+# Runs the tests and prints one line per test binary (its tests passed / failed / ignored and
+# its time), then a summary. The full run is the default and what CI runs: unit, integration
+# (threads backend, real processes through tprun, real checkpoints), doc tests, and the
+# examples under PyTorch's torchrun (scripts/test-torchrun.sh).
 #
 #   scripts/test.sh                # everything, default build (Candle's gemm)
+#   scripts/test.sh --quick        # day-to-day: unit tests and the fast integration tests (< 5 min)
 #   scripts/test.sh --mkl          # the layer and model tests on the MKL build (scripts/setup-mkl.sh)
 #   CANDLE_TP_MKL=1 scripts/test.sh   # the same
 #   scripts/test.sh --release      # also the release acceptance run (mlp under tprun, 2/3/4 ranks)
 #   scripts/test.sh -- ARGS        # extra arguments for cargo test
+#
+# cargo's full output goes to $CARGO_TARGET_DIR/test-logs/cargo-test.log (target/ by default);
+# the output of a failing binary is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mkl="${CANDLE_TP_MKL:-0}"
 release=0
+quick=0
 cargo_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --mkl) mkl=1; shift ;;
     --release) release=1; shift ;;
+    --quick) quick=1; shift ;;
     --) shift; cargo_args=("$@"); break ;;
     *) cargo_args+=("$1"); shift ;;
   esac
 done
 
+start=$SECONDS
 if [ -x scripts/fetch-models.sh ]; then
   echo "==> fetching the demo models (idempotent)"
   CANDLE_TP_CONVERT_PROFILE="${CANDLE_TP_CONVERT_PROFILE:-dev}" scripts/fetch-models.sh
 fi
 
+targets=()
 if [ "$mkl" = 1 ]; then
   # shellcheck disable=SC1091
   . scripts/setup-mkl.sh
   export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/mkl"
   echo "==> cargo test --features mkl (layers, mappings, vocabulary, Llama and BERT against candle-transformers)"
-  cargo test --no-fail-fast --features mkl --test layers --test mappings --test vocab_parallel \
-    --test llama --test bert --test sampling "${cargo_args[@]}"
-  echo "==> all MKL tests passed"
-  exit 0
+  targets=(--features mkl --test layers --test mappings --test vocab_parallel --test llama --test bert
+    --test sampling)
+elif [ "$quick" = 1 ]; then
+  # The slow ones left out: real checkpoints (convert_smollm2, llama_generate, bert_embed),
+  # the Llama family against candle-transformers (llama: 155 s) and sampling (48 s), fault
+  # injection (chaos), multi-process training, 8-rank 3D layers, doc tests, torchrun.
+  echo "==> cargo test, quick selection (scripts/test.sh without --quick runs everything)"
+  targets=(--lib --bins --test layers --test mappings --test collectives --test vocab_parallel
+    --test tprun --test hostile_headers --test loader_safetensors --test bert --test multiprocess
+    --test train_ce --test two_jobs --test parallel_2d --test quickstart)
+else
+  echo "==> cargo test (every test binary, then the doc tests)"
 fi
-
-echo "==> cargo test"
-cargo test --no-fail-fast "${cargo_args[@]}"
-
-if [ "$release" = 0 ]; then
-  # tests/multiprocess.rs already ran the same check on debug binaries (2, 3 and 4 ranks).
-  echo "==> all tests passed"
-  exit 0
-fi
-echo "==> acceptance: the MLP example under tprun (release), 2, 3 and 4 ranks"
-cargo build --release --quiet --bin tprun --example mlp
 target_dir="${CARGO_TARGET_DIR:-target}"
-for n in 2 3 4; do
-  out=$("$target_dir/release/tprun" --standalone --nproc-per-node "$n" "$target_dir/release/examples/mlp")
-  json=$(printf '%s\n' "$out" | sed -n 's/^\[rank 0\] \({.*}\)$/\1/p' | tail -n 1)
-  python3 - "$n" "$json" <<'PY'
+logs="$target_dir/test-logs"
+mkdir -p "$logs"
+log="$logs/cargo-test.log"
+
+# One line per binary as it finishes: cargo prints "Running <source> (<binary>)" or
+# "Doc-tests <crate>" before a binary's tests and "test result: ..." after them.
+set +e
+cargo test --no-fail-fast "${targets[@]}" "${cargo_args[@]}" 2>&1 | tee "$log" | awk '
+  /^ *Running (unittests )?[^ ]+ \(/ { name = $2; if (name == "unittests") name = $3; next }
+  /^ *Doc-tests / { name = "doc tests (" $2 ")"; next }
+  /^test result: / {
+    gsub(/;/, "")
+    passed = $4; failed = $6; ignored = $8; secs = $NF; sub(/s$/, "", secs)
+    printf "   %-34s %4d passed %3d failed %3d ignored %8.1f s\n", name, passed, failed, ignored, secs
+    fflush()
+  }
+  /^error(\[E[0-9]+\])?: / && !/test failed/ { print "   " $0; fflush() }'
+cargo_rc=${PIPESTATUS[0]}
+set -e
+
+read -r passed failed ignored <<<"$(awk '/^test result: / { gsub(/;/, ""); p += $4; f += $6; i += $8 }
+  END { print p + 0, f + 0, i + 0 }' "$log")"
+skipped=$ignored
+binaries=$(grep -c '^test result: ' "$log" || true)
+if [ "$cargo_rc" != 0 ] && [ "$failed" = 0 ]; then
+  # A build error or a crashed test binary: no test result line says it.
+  echo "==> cargo test failed (exit $cargo_rc) before reporting every test; the end of $log:"
+  tail -n 40 "$log"
+  failed=$((failed + 1))
+elif [ "$failed" != 0 ]; then
+  echo "==> failing tests (details in $log):"
+  grep -E '^test .* FAILED$|^---- .* stdout ----$' "$log" | sed 's/^/   /' || true
+fi
+
+extra() {  # runs a checking script; counts it as one test: passed, failed or skipped
+  local what="$1"; shift
+  local out t0=$SECONDS
+  if out=$("$@" 2>&1); then
+    printf '%s\n' "$out" | sed 's/^/   /'
+    if printf '%s\n' "$out" | grep -q '^SKIPPED'; then
+      skipped=$((skipped + 1)); printf '   %-34s skipped %25.1f s\n' "$what" $((SECONDS - t0))
+    else
+      passed=$((passed + 1)); printf '   %-34s passed %26.1f s\n' "$what" $((SECONDS - t0))
+    fi
+  else
+    printf '%s\n' "$out" | sed 's/^/   /'
+    failed=$((failed + 1)); printf '   %-34s FAILED %26.1f s\n' "$what" $((SECONDS - t0))
+  fi
+}
+
+if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
+  echo "==> the examples under PyTorch's torchrun (scripts/test-torchrun.sh)"
+  extra "torchrun (mlp, generate)" scripts/test-torchrun.sh
+fi
+
+if [ "$release" = 1 ]; then
+  echo "==> acceptance: the MLP example under tprun (release), 2, 3 and 4 ranks"
+  cargo build --release --quiet --bin tprun --example mlp
+  for n in 2 3 4; do
+    extra "release mlp, $n ranks" sh -c '
+      out=$("$1/release/tprun" --standalone --nproc-per-node "$2" "$1/release/examples/mlp") || exit 1
+      json=$(printf "%s\n" "$out" | sed -n "s/^\[rank 0\] \({.*}\)$/\1/p" | tail -n 1)
+      python3 - "$2" "$json" <<'"'PY'"'
 import json, sys
 n, v = int(sys.argv[1]), json.loads(sys.argv[2])
 keys = ["max_abs_err_out", "max_abs_err_grad_input", "max_abs_err_grad_weight", "max_abs_err_grad_bias"]
 bad = [k for k in keys if not v[k] <= 1e-5]
 assert v["world_size"] == n, v
-print(f"   {n} ranks: " + ", ".join(f"{k}={v[k]:.2e}" for k in keys))
+print(", ".join(f"{k}={v[k]:.2e}" for k in keys))
 sys.exit(1 if bad else 0)
-PY
-done
-echo "==> all tests passed"
+PY' sh "$target_dir" "$n"
+  done
+fi
+
+echo "==> $binaries test binaries (and the checks after them) in $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
+echo "total: $passed passed, $failed failed, $skipped skipped"
+[ "$failed" = 0 ]

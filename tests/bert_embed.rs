@@ -1,5 +1,6 @@
 //! `examples/embed` as real processes: 2 ranks under `tprun` print the same sentences, token
-//! ids and embeddings as 1 rank, and standard input gives the same as `--text`.
+//! ids and embeddings as 1 rank, and standard input gives the same as `--text`, also when it
+//! is piped through `tprun` (which hands it to rank 0).
 
 mod common;
 
@@ -99,31 +100,64 @@ fn two_ranks_under_tprun_match_one_rank() {
     }
 }
 
-#[test]
-fn standard_input_gives_the_same_as_text() {
-    let mut child = Command::new(example("embed"))
-        .arg("--normalize")
+/// Runs `cmd` with [`TEXTS`] on its standard input, one a line, then end of file.
+fn with_texts_on_stdin(mut cmd: Command) -> Output {
+    let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("run embed");
+        .expect("run");
     let mut stdin = child.stdin.take().expect("stdin");
     stdin
         .write_all(format!("{}\n", TEXTS.join("\n")).as_bytes())
         .expect("write stdin");
+    // Closing the pipe is the end of file that must reach rank 0 (through tprun too).
     drop(stdin);
-    let from_stdin = json_lines(&child.wait_with_output().expect("wait"), false);
+    child.wait_with_output().expect("wait")
+}
+
+/// The JSON lines of `embed --normalize --text ...` as one process.
+fn one_rank_with_text_args() -> Vec<Value> {
     let mut cmd = Command::new(example("embed"));
     cmd.arg("--normalize");
     for t in TEXTS {
         cmd.args(["--text", t]);
     }
-    let from_args = json_lines(&cmd.output().expect("run embed"), false);
+    json_lines(&cmd.output().expect("run embed"), false)
+}
+
+#[test]
+fn standard_input_gives_the_same_as_text() {
+    let mut cmd = Command::new(example("embed"));
+    cmd.arg("--normalize");
+    let from_stdin = json_lines(&with_texts_on_stdin(cmd), false);
+    let from_args = one_rank_with_text_args();
     assert_eq!(from_stdin.len(), TEXTS.len());
     for (a, b) in from_stdin.iter().zip(&from_args) {
         assert_eq!(a["text"], b["text"]);
         assert_eq!(a["token_ids"], b["token_ids"]);
         assert_eq!(max_diff(&embedding(a), &embedding(b)), 0.0);
+    }
+}
+
+#[test]
+fn standard_input_through_tprun_reaches_rank_0() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tprun"));
+    cmd.args(["--standalone", "--nproc-per-node", "2"])
+        .arg(example("embed"))
+        .arg("--normalize");
+    let piped = json_lines(&with_texts_on_stdin(cmd), true);
+    let one_rank = one_rank_with_text_args();
+    assert_eq!(piped.len(), TEXTS.len(), "{piped:?}");
+    for (a, b) in piped.iter().zip(&one_rank) {
+        assert_eq!(a["text"], b["text"]);
+        assert_eq!(a["token_ids"], b["token_ids"]);
+        let d = max_diff(&embedding(a), &embedding(b));
+        assert!(
+            d <= 1e-5,
+            "{}: 2 ranks (stdin) vs 1 rank differ by {d}",
+            a["text"]
+        );
     }
 }

@@ -1,6 +1,6 @@
 //! The SmolLM2 GGUF → Hugging Face conversion, checked against independent references:
 //! - `config.json` and the tokenizer files against what Hugging Face transformers wrote from
-//!   the same GGUF (`../shared/reference/smollm2/`, test fixtures only);
+//!   the same GGUF (`tests/data/smollm2/`, see its README for how they were made);
 //! - the weights by running candle-transformers' f32 `llama` on the converted checkpoint and
 //!   its `quantized_llama` directly on the GGUF, which must agree.
 //!
@@ -33,11 +33,9 @@ fn gguf_path() -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The reference files live in the repository: nothing here reads outside the checkout.
 fn reference_dir() -> PathBuf {
-    std::env::var_os("CANDLE_TP_REFERENCE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/reference"))
-        .join("smollm2")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/smollm2")
 }
 
 fn read_reference(name: &str) -> Result<String> {

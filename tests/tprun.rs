@@ -555,7 +555,7 @@ fn standalone_picks_a_free_port() -> Result<()> {
 
 #[test]
 fn bad_arguments_exit_2_naming_the_flag() -> Result<()> {
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["--nproc-per-node", "0", "true"], "--nproc-per-node"),
         (&["--nnodes", "0", "true"], "--nnodes"),
         (
@@ -577,6 +577,11 @@ fn bad_arguments_exit_2_naming_the_flag() -> Result<()> {
         ),
         (&["--grace-period", "-1", "true"], "--grace-period"),
         (&["--no-such-flag", "true"], "--no-such-flag"),
+        (
+            &["--nproc-per-node", "2", "--stdin-rank", "2", "true"],
+            "--stdin-rank",
+        ),
+        (&["--stdin-rank", "first", "true"], "--stdin-rank"),
     ];
     for (args, flag) in cases {
         let out = run(tprun(args))?;
@@ -610,5 +615,81 @@ fn missing_program_fails_cleanly() -> Result<()> {
         "stderr: {}",
         out.stderr
     );
+    Ok(())
+}
+
+/// What each rank prints of its standard input: the lines joined by spaces. `cat` ends only
+/// at end of file, so a rank whose input never ends would hang (bounded by LIMIT).
+const ECHO_STDIN: &str = "printf 'read=%s|\\n' \"$(cat | tr '\\n' ' ')\"";
+
+/// Runs a 3-rank job of `sh -c script`, whose ranks each print `read=...|` from standard
+/// input, feeding tprun `input` on a pipe that is then closed; returns what each rank
+/// printed, by rank.
+fn stdin_by_rank(extra: &[&str], script: &str, input: &str) -> Result<BTreeMap<usize, String>> {
+    let mut args = vec!["--nproc-per-node", "3"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["sh", "-c", script]);
+    let mut command = tprun(&args);
+    command.stdin(Stdio::piped());
+    let started = Instant::now();
+    let mut child = command.spawn()?;
+    {
+        let mut stdin = child.stdin.take().context("stdin not piped")?;
+        std::io::Write::write_all(&mut stdin, input.as_bytes())?;
+    }
+    let out = finish(child, started)?;
+    ensure!(out.code == Some(0), "exit {:?}: {}", out.code, out.stderr);
+    let mut read = BTreeMap::new();
+    for line in out.stdout.lines() {
+        let rest = line.strip_prefix("[rank ").context("unprefixed line")?;
+        let (rank, text) = rest.split_once("] read=").context("no read=")?;
+        read.insert(rank.parse()?, text.trim_end_matches('|').to_string());
+    }
+    ensure!(read.len() == 3, "not every rank reported: {}", out.stdout);
+    Ok(read)
+}
+
+#[test]
+fn stdin_goes_to_rank_0_and_the_others_read_dev_null() -> Result<()> {
+    let read = stdin_by_rank(&[], ECHO_STDIN, "one\ntwo\n")?;
+    assert_eq!(read[&0], "one two ");
+    assert_eq!(read[&1], "");
+    assert_eq!(read[&2], "");
+    Ok(())
+}
+
+#[test]
+fn stdin_rank_picks_another_rank_or_none() -> Result<()> {
+    let read = stdin_by_rank(&["--stdin-rank", "2"], ECHO_STDIN, "hello\n")?;
+    assert_eq!(
+        (read[&0].as_str(), read[&1].as_str(), read[&2].as_str()),
+        ("", "", "hello ")
+    );
+    let read = stdin_by_rank(&["--stdin-rank", "none"], ECHO_STDIN, "hello\n")?;
+    assert!(read.values().all(|r| r.is_empty()), "{read:?}");
+    Ok(())
+}
+
+#[test]
+fn large_stdin_arrives_whole() -> Result<()> {
+    // More than a pipe buffer (64 KiB), so the forwarding must stream, not buffer once.
+    let line = "0123456789abcdef".repeat(8);
+    let input: String = (0..2000).map(|_| format!("{line}\n")).collect();
+    let script = "printf 'read=%s|\\n' \"$(cksum)\"";
+    let read = stdin_by_rank(&[], script, &input)?;
+    // The reference: the same bytes through `cksum` directly.
+    let mut direct = Command::new("cksum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    std::io::Write::write_all(&mut direct.stdin.take().context("stdin")?, input.as_bytes())?;
+    let want = String::from_utf8(direct.wait_with_output()?.stdout)?;
+    let want = want.trim();
+    ensure!(
+        want.ends_with(&format!(" {}", input.len())),
+        "cksum: {want}"
+    );
+    assert_eq!(read[&0], want);
+    assert_eq!(read[&1], "4294967295 0", "cksum of nothing");
     Ok(())
 }

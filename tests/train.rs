@@ -241,6 +241,11 @@ fn training_through_replicated_kv_heads_is_refused_with_the_sizes() -> Result<()
         rope_scaling: None,
         max_position_embeddings: 8,
         sliding_window: None,
+        qk_norm: None,
+        softmax_scale: None,
+        logit_softcapping: None,
+        fused_qkv: false,
+        rotary_dim: None,
     };
     let names = [("q_proj", 12), ("k_proj", 4), ("v_proj", 4), ("o_proj", 12)];
     let x = common::seeded(&[1, 3, 12], 9);

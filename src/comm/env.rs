@@ -78,8 +78,33 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
     })
 }
 
+/// Whether this process runs under torchrun with its agent's store
+/// (`TORCHELASTIC_USE_AGENT_STORE=True`, as torchrun sets it): then the agent hosts a PyTorch
+/// `TCPStore` at `MASTER_ADDR:MASTER_PORT` and every rank must join it rather than start one.
+/// Returns the prefix for this job's keys there, `candle-tp/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/`,
+/// so that a restarted job never reads the keys of the attempt before it.
+pub(crate) fn torch_agent_store() -> CommResult<Option<String>> {
+    const VAR: &str = "TORCHELASTIC_USE_AGENT_STORE";
+    match var(VAR).as_deref().map(str::trim) {
+        None => return Ok(None),
+        Some(v) if v.eq_ignore_ascii_case("false") || v == "0" => return Ok(None),
+        Some(v) if v.eq_ignore_ascii_case("true") || v == "1" => {}
+        Some(v) => {
+            return Err(CommError::env(
+                VAR,
+                format!("'{v}' is neither True nor False"),
+            ))
+        }
+    }
+    let run = var("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into());
+    let restart = var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+    Ok(Some(format!("candle-tp/{run}/{restart}/")))
+}
+
 /// Joins the job this process was started in (by `tprun` or `torchrun`) and returns its world
-/// group, on the backend that suits `device`: shared memory between processes on CPU, NCCL
+/// group, on the backend that suits `device`. The ranks meet through rank 0's store, or under
+/// torchrun through its agent's PyTorch `TCPStore` (`TORCHELASTIC_USE_AGENT_STORE=True`);
+/// then they talk over shared memory between processes on CPU, NCCL
 /// on a CUDA device (feature `nccl`; one GPU per rank, normally `cuda:LOCAL_RANK`, see
 /// [`crate::device_from_arg`]). A job of one rank needs no backend and gets
 /// [`ProcessGroup::single`].

@@ -35,7 +35,7 @@ use super::group::{Context, GroupOptions, ProcessGroup};
 use super::region::{random_hex, RegionKind};
 use super::shm::Rendezvous;
 use super::stats::{CollectiveKind, CommStats};
-use super::store::{Store, TcpStore, TcpStoreServer};
+use super::store::connect_job_store;
 
 mod host;
 
@@ -123,19 +123,13 @@ pub fn init_nccl(
             format!("the nccl backend needs a CUDA device, got {device:?}"),
         ));
     };
-    let mut keep: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
-    let store = if rv.rank == 0 {
-        let server = TcpStoreServer::bind(&rv.master_addr, rv.master_port, &rv.token)?;
-        let client = TcpStore::connect(&rv.master_addr, server.port(), &rv.token, options.timeout)?;
-        keep.push(Box::new(server));
-        client.set("job", random_hex().as_bytes())?;
-        client
-    } else {
-        TcpStore::connect(&rv.master_addr, rv.master_port, &rv.token, options.timeout)?
-    };
+    let (store, keep) = connect_job_store(rv, options.timeout)?;
+    if rv.rank == 0 {
+        store.set("job", random_hex().as_bytes())?;
+    }
     let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
     let ctx = Context::new(
-        Arc::new(store),
+        Arc::from(store),
         RegionKind::Shm,
         job,
         &options,

@@ -1,7 +1,7 @@
 //! The `shm` backend: ranks are processes on one host.
 //!
 //! Rank 0 hosts the rendezvous store at `MASTER_ADDR:MASTER_PORT`; every rank connects to it
-//! with the job token. Rank 0 draws a random job id that names the job's shared-memory
+//! with the job token (under torchrun, every rank joins the agent's store there instead). Rank 0 draws a random job id that names the job's shared-memory
 //! segments (`/dev/shm/candle-tp-<job>-<group>`), created with `O_EXCL` and mode 0600 and
 //! unlinked as soon as every rank has mapped them. Tensors never go through the socket.
 
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::error::{CommError, CommResult};
 use super::group::{rendezvous, Context, GroupOptions, ProcessGroup};
 use super::region::{random_hex, RegionKind};
-use super::store::{Store, TcpStore, TcpStoreServer};
+use super::store::connect_job_store;
 
 /// Environment variable with a tag that `tprun` puts at the start of the job id (so of every
 /// segment name, `/dev/shm/candle-tp-<tag>…`): after the job, tprun removes what a rank killed
@@ -58,19 +58,13 @@ pub fn init_shm(rv: &Rendezvous, options: GroupOptions) -> CommResult<ProcessGro
     if rv.world_size == 1 {
         return Ok(ProcessGroup::single());
     }
-    let mut keep: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
-    let store = if rv.rank == 0 {
-        let server = TcpStoreServer::bind(&rv.master_addr, rv.master_port, &rv.token)?;
-        let client = TcpStore::connect(&rv.master_addr, server.port(), &rv.token, options.timeout)?;
-        keep.push(Box::new(server));
-        client.set("job", job_id()?.as_bytes())?;
-        client
-    } else {
-        TcpStore::connect(&rv.master_addr, rv.master_port, &rv.token, options.timeout)?
-    };
+    let (store, keep) = connect_job_store(rv, options.timeout)?;
+    if rv.rank == 0 {
+        store.set("job", job_id()?.as_bytes())?;
+    }
     let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
     let ctx = Context::new(
-        Arc::new(store),
+        Arc::from(store),
         RegionKind::Shm,
         job,
         &options,

@@ -30,6 +30,7 @@
 //!
 //! The converter reads only the GGUF file; it never looks at any other model files.
 pub mod gguf;
+pub mod quantize;
 pub mod tokenizer;
 
 use std::collections::HashMap;
@@ -41,6 +42,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::{Error, Result};
 
 pub use gguf::{convert_weights, hf_tensor_name, unpermute_rotary, LlamaGgufConfig};
+pub use quantize::{parse_ggml_dtype, requantize_gguf, smollm2_gguf};
 pub use tokenizer::GgufTokenizer;
 
 /// What [`convert_gguf`] wrote.

@@ -1,7 +1,11 @@
 //! Loading weights: tensor sources and the sharded var builder.
+pub mod gguf;
+pub mod gguf_header;
+pub mod quant_shard;
 pub mod safetensors;
+pub use gguf::GgufSource;
 pub mod source;
 pub use safetensors::SafetensorsSource;
-pub use source::{slice_ranges, TensorMapSource, TensorSource, VarBuilderSource};
+pub use source::{slice_ranges, TensorMapSource, TensorSource, VarBuilderSource, WeightShard};
 pub mod var_builder;
 pub use var_builder::ShardedVarBuilder;

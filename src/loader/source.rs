@@ -7,7 +7,28 @@
 
 use std::ops::Range;
 
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Shape, Tensor};
+
+/// A weight as a source holds it: dense (a `Tensor` in the model dtype) or quantized (GGUF
+/// blocks in a `QTensor`, multiplied with Candle's `QMatMul`).
+#[derive(Debug)]
+pub enum WeightShard {
+    /// A dense tensor.
+    Dense(Tensor),
+    /// GGUF blocks, `[rows, cols]` with whole blocks along the columns.
+    Quantized(QTensor),
+}
+
+impl WeightShard {
+    /// The shape of the weight.
+    pub fn dims(&self) -> &[usize] {
+        match self {
+            Self::Dense(t) => t.dims(),
+            Self::Quantized(q) => q.shape().dims(),
+        }
+    }
+}
 
 /// A named collection of tensors that can be read whole or by slices along one dimension.
 ///
@@ -37,6 +58,29 @@ pub trait TensorSource: Send + Sync {
     ) -> Result<Tensor> {
         let full = self.load(name, dtype, device)?;
         slice_ranges(&full, name, dim, ranges)
+    }
+
+    /// Loads the elements of the 2-D weight `name` whose index along `dim` lies in `ranges`
+    /// as the source stores them: quantized blocks where the source holds a quantized tensor
+    /// (a GGUF file), otherwise a dense tensor as [`TensorSource::load_ranges`] gives it.
+    fn load_weight(
+        &self,
+        name: &str,
+        dim: usize,
+        ranges: &[Range<usize>],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<WeightShard> {
+        Ok(WeightShard::Dense(
+            self.load_ranges(name, dim, ranges, dtype, device)?,
+        ))
+    }
+
+    /// The number of columns that a split of `name` along `dim` should keep together so that
+    /// it falls on whole quantization blocks (1 for dense tensors).
+    fn split_unit(&self, name: &str, dim: usize) -> Result<usize> {
+        let _ = (name, dim);
+        Ok(1)
     }
 }
 

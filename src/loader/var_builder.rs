@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Shape, Tensor};
 
+use super::gguf::GgufSource;
 use super::safetensors::SafetensorsSource;
-use super::source::{TensorMapSource, TensorSource, VarBuilderSource};
+use super::source::{TensorMapSource, TensorSource, VarBuilderSource, WeightShard};
 use crate::comm::ProcessGroup;
 use crate::Partition;
 
@@ -78,6 +79,22 @@ impl ShardedVarBuilder {
     ) -> Result<Self> {
         Ok(Self::new(
             Arc::new(SafetensorsSource::from_dir(dir)?),
+            dtype,
+            device,
+            pg,
+        ))
+    }
+
+    /// A builder over a GGUF file, memory-mapped: 2-D weights are served quantized (each rank
+    /// copies only the blocks of its shard), vectors dequantized to `dtype`.
+    pub fn from_gguf(
+        path: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
+        Ok(Self::new(
+            Arc::new(GgufSource::open(path)?),
             dtype,
             device,
             pg,
@@ -165,16 +182,8 @@ impl ShardedVarBuilder {
         dim: usize,
         part: &Partition,
     ) -> Result<Tensor> {
-        let shape = full_shape.into();
-        let full = self.full_name(name);
-        if shape.dims().get(dim) != Some(&part.total()) {
-            candle_core::bail!(
-                "tensor '{full}': a partition of {} elements does not fit dim {dim} of shape {:?}",
-                part.total(),
-                shape.dims()
-            );
-        }
-        self.get_ranges(shape, name, dim, &[part.range(self.pg.rank())])
+        let (shape, range) = self.rank_range(full_shape.into(), name, dim, part)?;
+        self.get_ranges(shape, name, dim, &[range])
     }
 
     /// Loads the elements of `name` whose index along `dim` lies in `ranges`, concatenated
@@ -190,6 +199,71 @@ impl ShardedVarBuilder {
         let full = self.checked_shape(name, &shape)?;
         self.source
             .load_ranges(&full, dim, ranges, self.dtype, &self.device)
+    }
+}
+
+impl ShardedVarBuilder {
+    /// Loads the rank's part of the 2-D weight `name` along `dim` as the source holds it:
+    /// quantized blocks from a GGUF file, a dense tensor otherwise.
+    pub fn get_weight_sharded<S: Into<Shape>>(
+        &self,
+        full_shape: S,
+        name: &str,
+        dim: usize,
+        part: &Partition,
+    ) -> Result<WeightShard> {
+        let (shape, range) = self.rank_range(full_shape.into(), name, dim, part)?;
+        self.get_weight_ranges(shape, name, dim, &[range])
+    }
+
+    /// This rank's range of `part`, checked against dim `dim` of `shape`.
+    fn rank_range(
+        &self,
+        shape: Shape,
+        name: &str,
+        dim: usize,
+        part: &Partition,
+    ) -> Result<(Shape, Range<usize>)> {
+        if shape.dims().get(dim) != Some(&part.total()) {
+            candle_core::bail!(
+                "tensor '{}': a partition of {} elements does not fit dim {dim} of shape {:?}",
+                self.full_name(name),
+                part.total(),
+                shape.dims()
+            );
+        }
+        Ok((shape, part.range(self.pg.rank())))
+    }
+
+    /// Loads the pieces `ranges` along `dim` of the 2-D weight `name` as the source holds it.
+    pub fn get_weight_ranges<S: Into<Shape>>(
+        &self,
+        full_shape: S,
+        name: &str,
+        dim: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<WeightShard> {
+        let shape = full_shape.into();
+        let full = self.checked_shape(name, &shape)?;
+        self.source
+            .load_weight(&full, dim, ranges, self.dtype, &self.device)
+            .map_err(|e| {
+                candle_core::Error::msg(format!(
+                    "{e} (rank {} of group '{}')",
+                    self.pg.rank(),
+                    self.pg.name()
+                ))
+            })
+    }
+
+    /// The number of elements along `dim` that a split of `name` should keep together so
+    /// that every shard is whole quantization blocks (1 for dense weights or a missing tensor).
+    pub fn split_unit(&self, name: &str, dim: usize) -> usize {
+        let full = self.full_name(name);
+        match self.source.shape(&full) {
+            Ok(Some(_)) => self.source.split_unit(&full, dim).unwrap_or(1),
+            _ => 1,
+        }
     }
 }
 

@@ -1,51 +1,16 @@
-//! Tensor-parallel Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2), following
-//! candle-transformers' `models/llama.rs` with parallel layers: vocabulary-parallel embedding
-//! and LM head, head-parallel attention, intermediate-parallel gated MLP; RmsNorms replicated.
+//! Tensor-parallel Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2): the shared
+//! [`CausalLm`] with Llama's settings ([`LlamaConfig::decoder`]), keeping the typed
+//! [`LlamaConfig`] at hand.
 
 use std::path::Path;
 
-use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
-use candle_nn::RmsNorm;
+use candle_core::{DType, Device, Result, Tensor};
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
-use crate::models::LlamaConfig;
-use crate::nn::{
-    gated_mlp, GatedMlp, ParallelAttention, ParallelLmHead, RotaryEmbedding, VocabParallelEmbedding,
-};
-
-fn rms_norm(cfg: &LlamaConfig, vb: &ShardedVarBuilder) -> Result<RmsNorm> {
-    Ok(RmsNorm::new(
-        vb.get(cfg.hidden_size, "weight")?,
-        cfg.rms_norm_eps,
-    ))
-}
-
-#[derive(Debug, Clone)]
-struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    self_attn: ParallelAttention,
-    post_attention_layernorm: RmsNorm,
-    mlp: GatedMlp,
-}
-
-impl DecoderLayer {
-    fn load(cfg: &LlamaConfig, vb: ShardedVarBuilder) -> Result<Self> {
-        Ok(Self {
-            input_layernorm: rms_norm(cfg, &vb.pp("input_layernorm"))?,
-            self_attn: ParallelAttention::load(&cfg.attention(), vb.pp("self_attn"))?,
-            post_attention_layernorm: rms_norm(cfg, &vb.pp("post_attention_layernorm"))?,
-            mlp: gated_mlp(cfg.hidden_size, cfg.intermediate_size, vb.pp("mlp"))?,
-        })
-    }
-
-    fn forward(&mut self, x: &Tensor, index_pos: usize, rope: &RotaryEmbedding) -> Result<Tensor> {
-        let h = self.input_layernorm.forward(x)?;
-        let x = (self.self_attn.forward(&h, index_pos, rope)? + x)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        self.mlp.forward(&h)? + x
-    }
-}
+use crate::models::decoder::{is_gguf, open_dir, open_gguf};
+use crate::models::{CausalLm, LlamaConfig};
+use crate::nn::{ParallelAttention, ParallelLmHead};
 
 /// A Llama-family causal LM whose weights are split across the ranks of a group.
 ///
@@ -53,51 +18,17 @@ impl DecoderLayer {
 /// the vocabulary's logits (or, with [`Llama::forward_gathered`], the full logits).
 #[derive(Debug, Clone)]
 pub struct Llama {
-    embed_tokens: VocabParallelEmbedding,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: ParallelLmHead,
-    rope: RotaryEmbedding,
+    inner: CausalLm,
     config: LlamaConfig,
-    pg: ProcessGroup,
 }
 
 impl Llama {
     /// Builds the model from `vb` (the checkpoint root: `model.embed_tokens`, `model.layers.N`,
     /// `model.norm`, `lm_head`), splitting over `vb.pg()`.
     pub fn load(cfg: &LlamaConfig, vb: ShardedVarBuilder) -> Result<Self> {
-        let pg = vb.pg().clone();
-        if pg.size() > cfg.num_attention_heads {
-            candle_core::bail!(
-                "{}: world size {} is larger than num_attention_heads = {} (num_key_value_heads = {}): at most {} ranks",
-                cfg.architecture,
-                pg.size(),
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.num_attention_heads
-            );
-        }
-        let m = vb.pp("model");
-        let embed_tokens =
-            VocabParallelEmbedding::load(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::load(cfg, m.pp("layers").pp(i)))
-            .collect::<Result<Vec<_>>>()?;
-        let norm = rms_norm(cfg, &m.pp("norm"))?;
-        let lm_head = if cfg.tie_word_embeddings {
-            ParallelLmHead::tied(&embed_tokens)
-        } else {
-            ParallelLmHead::load(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
-        };
-        let rope = RotaryEmbedding::new(&cfg.attention(), vb.dtype(), vb.device())?;
         Ok(Self {
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            rope,
+            inner: CausalLm::load(&cfg.decoder(), vb)?,
             config: cfg.clone(),
-            pg,
         })
     }
 
@@ -109,62 +40,66 @@ impl Llama {
         device: &Device,
         pg: ProcessGroup,
     ) -> Result<Self> {
-        let dir = dir.as_ref();
-        let config_path = dir.join("config.json");
-        if !config_path.is_file() {
-            candle_core::bail!(
-                "model directory {}: config.json is missing ({})",
-                dir.display(),
-                config_path.display()
-            );
+        let (config, vb) = open_dir(dir.as_ref(), dtype, device, pg)?;
+        Self::load(&LlamaConfig::from_file(config)?, vb)
+    }
+
+    /// Loads a llama.cpp GGUF file (configuration from its metadata): each rank copies only
+    /// the quantized blocks of its shards out of the memory-mapped file and keeps them
+    /// quantized; norms are dequantized to f32. Activations are f32.
+    pub fn from_gguf(path: impl AsRef<Path>, device: &Device, pg: ProcessGroup) -> Result<Self> {
+        let path = path.as_ref();
+        let (config, vb) = open_gguf(path, device, pg)?;
+        Self::load(
+            &LlamaConfig::from_json(&config, &path.display().to_string())?,
+            vb,
+        )
+    }
+
+    /// [`Llama::from_gguf`] for a `.gguf` file, [`Llama::from_dir`] (in `dtype`) otherwise.
+    pub fn from_path(
+        path: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
+        let path = path.as_ref();
+        if is_gguf(path) {
+            Self::from_gguf(path, device, pg)
+        } else {
+            Self::from_dir(path, dtype, device, pg)
         }
-        let cfg = LlamaConfig::from_file(&config_path)?;
-        let vb = ShardedVarBuilder::from_safetensors_dir(dir, dtype, device, pg)?;
-        Self::load(&cfg, vb)
     }
 
     /// The hidden state after the final norm at the last position, `[batch, hidden]`,
     /// running `ids` `[batch, seq]` at positions `index_pos..` and extending the KV caches.
     pub fn forward_hidden(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
-        let (_, seq_len) = ids.dims2()?;
-        if seq_len == 0 {
-            candle_core::bail!("Llama::forward: empty input (no tokens)");
-        }
-        let mut x = self.embed_tokens.forward(ids)?;
-        for layer in &mut self.layers {
-            x = layer.forward(&x, index_pos, &self.rope)?;
-        }
-        let x = self.norm.forward(&x)?;
-        x.i((.., seq_len - 1, ..))?.contiguous()
+        self.inner.forward_hidden(ids, index_pos)
     }
 
     /// This rank's slice of the last position's logits, `[batch, vocab_part]`, in f32.
     pub fn forward(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
-        let h = self.forward_hidden(ids, index_pos)?;
-        self.lm_head.forward(&h)?.to_dtype(DType::F32)
+        self.inner.forward(ids, index_pos)
     }
 
     /// The last position's full logits `[batch, vocab]` (all-gathered), in f32.
     pub fn forward_gathered(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
-        let h = self.forward_hidden(ids, index_pos)?;
-        self.lm_head.forward_gathered(&h)?.to_dtype(DType::F32)
+        self.inner.forward_gathered(ids, index_pos)
     }
 
     /// Empties every layer's KV cache (a new sequence starts at position 0).
     pub fn clear_kv_cache(&mut self) {
-        for l in &mut self.layers {
-            l.self_attn.clear_kv_cache();
-        }
+        self.inner.clear_kv_cache()
     }
 
     /// The LM head (its vocabulary partition is the one of [`Llama::forward`]'s output).
     pub fn lm_head(&self) -> &ParallelLmHead {
-        &self.lm_head
+        self.inner.lm_head()
     }
 
     /// The attention layer of decoder layer `i`, if it exists.
     pub fn attention(&self, i: usize) -> Option<&ParallelAttention> {
-        self.layers.get(i).map(|l| &l.self_attn)
+        self.inner.attention(i)
     }
 
     /// The model's configuration.
@@ -174,6 +109,11 @@ impl Llama {
 
     /// The group the model is split over.
     pub fn pg(&self) -> &ProcessGroup {
-        &self.pg
+        self.inner.pg()
+    }
+
+    /// The shared decoder underneath.
+    pub fn decoder(&self) -> &CausalLm {
+        &self.inner
     }
 }

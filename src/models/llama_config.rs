@@ -7,15 +7,17 @@ use std::path::Path;
 use candle_core::Result;
 use serde::Deserialize;
 
-use crate::nn::{AttentionConfig, Llama3RopeScaling};
+use crate::models::{DecoderConfig, FeedForward, LayerConfig};
+use crate::nn::{AttentionConfig, Llama3RopeScaling, RmsNormSpec};
 
-/// Architectures (`config.json` `architectures`) this model implements.
-pub const SUPPORTED_ARCHITECTURES: [&str; 3] =
+/// Architectures (`config.json` `architectures`) of the Llama family ([`crate::models::Llama`]);
+/// [`crate::models::SUPPORTED_ARCHITECTURES`] lists every family's.
+pub const LLAMA_ARCHITECTURES: [&str; 3] =
     ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
 /// Most values one RoPE table may hold (`max_position_embeddings` x `head_dim`): 2^30, so
 /// 4 GiB in f32; Llama 3.1's 131072 positions x 128 need 2^24.
-const MAX_ROPE_ELEMENTS: usize = 1 << 30;
+pub(crate) const MAX_ROPE_ELEMENTS: usize = 1 << 30;
 
 #[derive(Debug, Deserialize)]
 struct RawRope {
@@ -30,7 +32,7 @@ struct RawRope {
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-enum TokenIds {
+pub(crate) enum TokenIds {
     One(u32),
     Many(Vec<u32>),
 }
@@ -131,10 +133,12 @@ impl LlamaConfig {
             ))
             }
         };
-        if !SUPPORTED_ARCHITECTURES.contains(&architecture.as_str()) {
+        if !LLAMA_ARCHITECTURES.contains(&architecture.as_str()) {
             return bail(format!(
-                "unsupported architecture '{architecture}' (supported: {})",
-                SUPPORTED_ARCHITECTURES.join(", ")
+                "architecture '{architecture}' is not of the Llama family ({}); every family \
+                 loads with CausalLm, which supports {}",
+                LLAMA_ARCHITECTURES.join(", "),
+                crate::models::SUPPORTED_ARCHITECTURES.join(", ")
             ));
         }
         if let Some(act) = raw.hidden_act.as_deref() {
@@ -276,6 +280,38 @@ impl LlamaConfig {
             rope_scaling: self.rope_scaling,
             max_position_embeddings: self.max_position_embeddings,
             sliding_window: self.sliding_window,
+            qk_norm: None,
+            softmax_scale: None,
+            logit_softcapping: None,
+            fused_qkv: false,
+            rotary_dim: None,
+        }
+    }
+
+    /// The shared decoder's settings: every layer alike, SiLU gated MLP, plain RmsNorm.
+    pub fn decoder(&self) -> DecoderConfig {
+        let layer = LayerConfig {
+            attention: self.attention(),
+            feed_forward: FeedForward::Gated {
+                intermediate_size: self.intermediate_size,
+                act: candle_nn::Activation::Silu,
+                fused: false,
+            },
+        };
+        DecoderConfig {
+            architecture: self.architecture.clone(),
+            hidden_size: self.hidden_size,
+            vocab_size: self.vocab_size,
+            max_position_embeddings: self.max_position_embeddings,
+            norm: RmsNormSpec::plain(self.rms_norm_eps),
+            layers: vec![layer; self.num_hidden_layers],
+            tie_word_embeddings: self.tie_word_embeddings,
+            embedding_multiplier: None,
+            final_logit_softcapping: None,
+            sandwich_norms: false,
+            feed_forward_name: "mlp".into(),
+            bos_token_id: self.bos_token_id,
+            eos_token_ids: self.eos_token_ids.clone(),
         }
     }
 }

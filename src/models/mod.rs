@@ -1,10 +1,21 @@
 //! Tensor-parallel models built from the parallel layers, read from Hugging Face checkpoints.
+//!
+//! Decoder-only families share one decoder ([`CausalLm`]); a family is a config parser that
+//! sets the decoder's hooks, picked by `config.json` `architectures` ([`family`]).
 pub mod bert;
+pub mod decoder;
+pub mod family;
+pub mod gemma;
 pub mod llama;
 pub mod llama_config;
+pub mod mixtral;
+pub mod phi3;
+pub mod qwen3;
 
+pub use decoder::{CausalLm, DecoderConfig, FeedForward, LayerConfig};
+pub use family::SUPPORTED_ARCHITECTURES;
 pub use llama::Llama;
-pub use llama_config::{LlamaConfig, SUPPORTED_ARCHITECTURES};
+pub use llama_config::{LlamaConfig, LLAMA_ARCHITECTURES};
 
 /// Where the project keeps its demo models: `$CANDLE_TP_HOME/models`, by default
 /// `~/.cache/candle-tp/models` (filled by `scripts/fetch-models.sh`).

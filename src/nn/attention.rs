@@ -13,11 +13,13 @@ use std::f32::consts::PI;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::Linear;
+use candle_nn::RmsNorm;
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
-use crate::nn::{ColumnParallelLinear, RowParallelLinear};
+use crate::nn::{
+    load_rms_norm, ColumnParallelLinear, ParallelWeight, RmsNormSpec, RowParallelLinear,
+};
 use crate::ops::copy_to_tp;
 use crate::Partition;
 
@@ -59,6 +61,21 @@ pub struct AttentionConfig {
     /// `p - w + 1 ..= p` only, `w` keys including its own, as Hugging Face transformers masks
     /// it. `None`: every earlier position.
     pub sliding_window: Option<usize>,
+    /// Per-head RmsNorm of queries and keys before RoPE (Qwen3, Gemma 3): `q_norm.weight` and
+    /// `k_norm.weight` (`[head_dim]`) are replicated and applied to each local head.
+    pub qk_norm: Option<RmsNormSpec>,
+    /// Scale of the attention scores; `None` is `1 / sqrt(head_dim)` (Gemma sets
+    /// `query_pre_attn_scalar^-1/2`).
+    pub softmax_scale: Option<f64>,
+    /// Attention-logit soft-capping `c` (Gemma 2): the scaled scores become
+    /// `c * tanh(scores / c)` before the mask.
+    pub logit_softcapping: Option<f64>,
+    /// q, k and v are one fused `qkv_proj` tensor `[(heads + 2 kv_heads) * head_dim, hidden]`
+    /// (Phi-3): each rank reads its q, k and v row ranges out of it.
+    pub fused_qkv: bool,
+    /// Partial RoPE (Phi-4-mini's `partial_rotary_factor`): only the first `rotary_dim`
+    /// features of each head are rotated. `None`: the whole head.
+    pub rotary_dim: Option<usize>,
 }
 
 /// Precomputed rotary tables `cos`/`sin`, `[max_positions, head_dim / 2]` (shared by all
@@ -72,9 +89,12 @@ pub struct RotaryEmbedding {
 impl RotaryEmbedding {
     /// Tables for `cfg` in `dtype` on `device`.
     pub fn new(cfg: &AttentionConfig, dtype: DType, device: &Device) -> Result<Self> {
-        let hd = cfg.head_dim;
-        if hd == 0 || hd % 2 != 0 {
-            candle_core::bail!("rotary embedding: head_dim {hd} must be even and positive");
+        let hd = cfg.rotary_dim.unwrap_or(cfg.head_dim);
+        if hd == 0 || hd % 2 != 0 || hd > cfg.head_dim {
+            candle_core::bail!(
+                "rotary embedding: the rotated width {hd} must be even, positive and at most head_dim = {}",
+                cfg.head_dim
+            );
         }
         let base: Vec<f32> = (0..hd)
             .step_by(2)
@@ -132,7 +152,14 @@ impl RotaryEmbedding {
         }
         let cos = self.cos.narrow(0, index_pos, seq_len)?;
         let sin = self.sin.narrow(0, index_pos, seq_len)?;
-        candle_nn::rotary_emb::rope(x, &cos, &sin)
+        let rot = 2 * self.cos.dims()[1];
+        let hd = x.dims()[3];
+        if rot == hd {
+            return candle_nn::rotary_emb::rope(x, &cos, &sin);
+        }
+        // Partial RoPE: rotate the first `rot` features, pass the rest through.
+        let rotated = candle_nn::rotary_emb::rope(&x.narrow(3, 0, rot)?.contiguous()?, &cos, &sin)?;
+        Tensor::cat(&[&rotated, &x.narrow(3, rot, hd - rot)?], 3)?.contiguous()
     }
 }
 
@@ -217,30 +244,46 @@ impl HeadAssignment {
 #[derive(Debug, Clone)]
 enum KvProj {
     Split(ColumnParallelLinear),
-    Replicated(Linear),
+    Replicated(ParallelWeight),
 }
 
 impl KvProj {
-    fn load(cfg: &AttentionConfig, heads: &HeadAssignment, vb: ShardedVarBuilder) -> Result<Self> {
+    /// The k or v projection: rows `offset..offset + num_kv_heads * head_dim` of the tensor
+    /// under `vb` (`k_proj`/`v_proj` with offset 0, or the fused `qkv_proj` of `total` rows).
+    fn load(
+        cfg: &AttentionConfig,
+        heads: &HeadAssignment,
+        vb: &ShardedVarBuilder,
+        offset: usize,
+        total: usize,
+    ) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let out = cfg.num_kv_heads * hd;
         if heads.kv_split {
-            return Ok(Self::Split(ColumnParallelLinear::load(
+            let part = Partition::with_unit(out, vb.pg().size(), hd).map_err(|e| {
+                candle_core::Error::msg(format!(
+                    "'{}': cannot split {out} key/value features over {} ranks: {e}",
+                    vb.prefix(),
+                    vb.pg().size()
+                ))
+            })?;
+            let r = part.range(vb.pg().rank());
+            let w = load_rows(vb, total, h, offset + r.start..offset + r.end, cfg.qkv_bias)?;
+            return Ok(Self::Split(ColumnParallelLinear::from_weight(
+                w,
                 h,
-                out,
-                cfg.qkv_bias,
-                hd,
-                vb,
+                part,
+                vb.pg().clone(),
             )?));
         }
-        let rows = heads.kv_heads.start * hd..heads.kv_heads.end * hd;
-        let w = vb.get_ranges((out, h), "weight", 0, std::slice::from_ref(&rows))?;
-        let b = if cfg.qkv_bias {
-            Some(vb.get_ranges(out, "bias", 0, std::slice::from_ref(&rows))?)
-        } else {
-            None
-        };
-        Ok(Self::Replicated(Linear::new(w, b)))
+        let rows = offset + heads.kv_heads.start * hd..offset + heads.kv_heads.end * hd;
+        Ok(Self::Replicated(load_rows(
+            vb,
+            total,
+            h,
+            rows,
+            cfg.qkv_bias,
+        )?))
     }
 
     fn forward_local(&self, x: &Tensor) -> Result<Tensor> {
@@ -257,7 +300,9 @@ impl KvProj {
         let Self::Replicated(l) = self else {
             return Ok(());
         };
-        if l.weight().track_op() || l.bias().is_some_and(|b| b.track_op()) {
+        // A quantized weight never tracks gradients; only a dense one can.
+        let weight_trains = l.dense_weight().is_ok_and(|w| w.track_op());
+        if weight_trains || l.bias().is_some_and(|b| b.track_op()) {
             candle_core::bail!(
                 "attention {what} on rank {} of {}: KV heads {:?} are replicated on several ranks \
                  (the world exceeds the number of KV heads), so their gradients would be partial \
@@ -270,6 +315,24 @@ impl KvProj {
         }
         Ok(())
     }
+}
+
+/// Rows `rows` of `weight` (`[total, in_features]`) and, with `bias`, of `bias` under `vb`.
+fn load_rows(
+    vb: &ShardedVarBuilder,
+    total: usize,
+    in_features: usize,
+    rows: Range<usize>,
+    bias: bool,
+) -> Result<ParallelWeight> {
+    let ranges = std::slice::from_ref(&rows);
+    let w = vb.get_weight_ranges((total, in_features), "weight", 0, ranges)?;
+    let b = if bias {
+        Some(vb.get_ranges(total, "bias", 0, ranges)?)
+    } else {
+        None
+    };
+    ParallelWeight::from_shard(w, b)
 }
 
 /// Causal self-attention with heads split across the ranks of a group, and a KV cache.
@@ -287,6 +350,9 @@ pub struct ParallelAttention {
     kv_index: Option<Tensor>,
     head_dim: usize,
     sliding_window: Option<usize>,
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    scale: Option<f64>,
+    softcap: Option<f64>,
     pg: ProcessGroup,
     kv_cache: Option<(Tensor, Tensor)>,
 }
@@ -309,9 +375,29 @@ impl ParallelAttention {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let q_out = cfg.num_heads * hd;
         let unit = heads.q_part.unit();
-        let q_proj = ColumnParallelLinear::load(h, q_out, cfg.qkv_bias, unit, vb.pp("q_proj"))?;
-        let k_proj = KvProj::load(cfg, &heads, vb.pp("k_proj"))?;
-        let v_proj = KvProj::load(cfg, &heads, vb.pp("v_proj"))?;
+        let kv_out = cfg.num_kv_heads * hd;
+        let (q_proj, k_proj, v_proj) = if cfg.fused_qkv {
+            let qkv = vb.pp("qkv_proj");
+            let total = q_out + 2 * kv_out;
+            let r = heads.q_part.range(pg.rank());
+            let w = load_rows(&qkv, total, h, r, cfg.qkv_bias)?;
+            let q = ColumnParallelLinear::from_weight(w, h, heads.q_part, pg.clone())?;
+            let k = KvProj::load(cfg, &heads, &qkv, q_out, total)?;
+            let v = KvProj::load(cfg, &heads, &qkv, q_out + kv_out, total)?;
+            (q, k, v)
+        } else {
+            let q = ColumnParallelLinear::load(h, q_out, cfg.qkv_bias, unit, vb.pp("q_proj"))?;
+            let k = KvProj::load(cfg, &heads, &vb.pp("k_proj"), 0, kv_out)?;
+            let v = KvProj::load(cfg, &heads, &vb.pp("v_proj"), 0, kv_out)?;
+            (q, k, v)
+        };
+        let qk_norm = match cfg.qk_norm {
+            None => None,
+            Some(spec) => Some((
+                load_rms_norm(hd, spec, &vb.pp("q_norm"))?,
+                load_rms_norm(hd, spec, &vb.pp("k_norm"))?,
+            )),
+        };
         let o_proj = RowParallelLinear::load(q_out, h, cfg.o_bias, unit, vb.pp("o_proj"))?;
         let n_rep = cfg.num_heads / cfg.num_kv_heads;
         let kv_index = if n_rep == 1 {
@@ -330,6 +416,9 @@ impl ParallelAttention {
             kv_index,
             head_dim: hd,
             sliding_window: cfg.sliding_window,
+            qk_norm,
+            scale: cfg.softmax_scale,
+            softcap: cfg.logit_softcapping,
             pg,
             kv_cache: None,
         })
@@ -392,14 +481,15 @@ impl ParallelAttention {
         let q = self.q_proj.forward_local(&x)?;
         let k = self.k_proj.forward_local(&x)?;
         let v = self.v_proj.forward_local(&x)?;
-        let q = q
-            .reshape((b, seq_len, nq, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let k = k
-            .reshape((b, seq_len, nkv, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let mut q = q.reshape((b, seq_len, nq, hd))?;
+        let mut k = k.reshape((b, seq_len, nkv, hd))?;
+        if let Some((q_norm, k_norm)) = &self.qk_norm {
+            // The replicated [head_dim] weight normalises each local head.
+            q = q_norm.forward(&q)?;
+            k = k_norm.forward(&k)?;
+        }
+        let q = q.transpose(1, 2)?.contiguous()?;
+        let k = k.transpose(1, 2)?.contiguous()?;
         let v = v.reshape((b, seq_len, nkv, hd))?.transpose(1, 2)?;
         let q = rope.apply(&q, index_pos)?;
         let mut k = rope.apply(&k, index_pos)?;
@@ -418,7 +508,14 @@ impl ParallelAttention {
         let q = q.to_dtype(DType::F32)?;
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
-        let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+        let att = match self.scale {
+            None => (q.matmul(&k.t()?)? / (hd as f64).sqrt())?,
+            Some(s) => (q.matmul(&k.t()?)? * s)?,
+        };
+        let att = match self.softcap {
+            None => att,
+            Some(c) => ((att / c)?.tanh()? * c)?,
+        };
         let att = match attention_mask(seq_len, index_pos, self.sliding_window, att.device())? {
             None => att,
             Some(mask) => {

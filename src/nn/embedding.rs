@@ -3,19 +3,23 @@
 //! The vocabulary rows are split across ranks (unevenly when needed). The embedding looks up
 //! the ids that fall in this rank's rows, zeroes the others, and all-reduces; the LM head
 //! produces this rank's slice of the logits, which samplers reduce without ever gathering the
-//! full vocabulary.
+//! full vocabulary. Both hold a [`ParallelWeight`]: from a GGUF file the rank's rows stay
+//! quantized, the embedding dequantizes only the rows it looks up and a tied head multiplies
+//! the same blocks.
 
 use candle_core::{DType, Module, Result, Tensor};
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
+use crate::nn::ParallelWeight;
 use crate::ops::{copy_to_tp, gather_from_tp, reduce_from_tp};
 use crate::Partition;
 
 /// An embedding table whose rows (token ids) are split across ranks.
 #[derive(Debug, Clone)]
 pub struct VocabParallelEmbedding {
-    weight: Tensor,
+    weight: ParallelWeight,
+    dtype: DType,
     part: Partition,
     hidden: usize,
     pg: ProcessGroup,
@@ -25,7 +29,19 @@ pub struct VocabParallelEmbedding {
 impl VocabParallelEmbedding {
     /// From this rank's rows `[part.size(rank), hidden]` of the table.
     pub fn new(weight: Tensor, part: Partition, pg: ProcessGroup) -> Result<Self> {
-        let (rows, hidden) = weight.dims2()?;
+        let dtype = weight.dtype();
+        Self::from_weight(ParallelWeight::dense(weight, None), dtype, part, pg)
+    }
+
+    /// From this rank's rows as a dense or quantized [`ParallelWeight`]; lookups come out
+    /// in `dtype`.
+    pub fn from_weight(
+        weight: ParallelWeight,
+        dtype: DType,
+        part: Partition,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
+        let (rows, hidden) = weight.dims()?;
         if part.parts() != pg.size() || rows != part.size(pg.rank()) {
             candle_core::bail!(
                 "VocabParallelEmbedding: rank {} holds {rows} rows but its share of the vocabulary {} over {} ranks is {}",
@@ -37,6 +53,7 @@ impl VocabParallelEmbedding {
         }
         Ok(Self {
             weight,
+            dtype,
             part,
             hidden,
             pg,
@@ -57,14 +74,20 @@ impl VocabParallelEmbedding {
         let pg = vb.pg().clone();
         let name = vb.full_name("weight");
         let part = vocab_partition(&format!("VocabParallelEmbedding '{name}'"), vocab, &pg)?;
-        let w = vb.get_sharded((vocab, hidden), "weight", 0, &part)?;
-        let mut e = Self::new(w, part, pg)?;
+        let w = vb.get_weight_sharded((vocab, hidden), "weight", 0, &part)?;
+        let mut e = Self::from_weight(ParallelWeight::from_shard(w, None)?, vb.dtype(), part, pg)?;
         e.name = name;
         Ok(e)
     }
 
-    /// This rank's rows of the table.
-    pub fn weight(&self) -> &Tensor {
+    /// This rank's rows of the table, dense (an error for a quantized table: see
+    /// [`VocabParallelEmbedding::parallel_weight`]).
+    pub fn weight(&self) -> Result<&Tensor> {
+        self.weight.dense_weight()
+    }
+
+    /// This rank's rows of the table, dense or quantized.
+    pub fn parallel_weight(&self) -> &ParallelWeight {
         &self.weight
     }
 
@@ -105,11 +128,11 @@ impl Module for VocabParallelEmbedding {
                 self.name
             );
         }
-        let dev = self.weight.device();
+        let dev = &self.weight.device();
         if self.pg.size() == 1 {
             // Exactly candle_nn::Embedding.
             let idx = Tensor::from_vec(flat, ids.elem_count(), dev)?;
-            return self.weight.index_select(&idx, 0)?.reshape(out_dims);
+            return self.weight.rows(&idx, self.dtype)?.reshape(out_dims);
         }
         let range = self.part.range(self.pg.rank());
         let (local, mask): (Vec<u32>, Vec<u8>) = flat
@@ -127,7 +150,7 @@ impl Module for VocabParallelEmbedding {
         let idx = Tensor::from_vec(local, n, dev)?;
         // Foreign ids are zeroed by selection, not by multiplying row 0 by zero: Inf * 0 is
         // NaN, and the all-reduce would spread it to every rank.
-        let rows = self.weight.index_select(&idx, 0)?;
+        let rows = self.weight.rows(&idx, self.dtype)?;
         let keep = Tensor::from_vec(mask, (n, 1), dev)?.broadcast_as(rows.shape())?;
         let rows = keep.where_cond(&rows, &rows.zeros_like()?)?;
         reduce_from_tp(&rows.reshape(out_dims)?, &self.pg)
@@ -139,7 +162,7 @@ impl Module for VocabParallelEmbedding {
 /// the logits; [`ParallelLmHead::forward_gathered`] the full logits.
 #[derive(Debug, Clone)]
 pub struct ParallelLmHead {
-    weight: Tensor,
+    weight: ParallelWeight,
     part: Partition,
     pg: ProcessGroup,
 }
@@ -147,7 +170,12 @@ pub struct ParallelLmHead {
 impl ParallelLmHead {
     /// From this rank's rows `[part.size(rank), hidden]`.
     pub fn new(weight: Tensor, part: Partition, pg: ProcessGroup) -> Result<Self> {
-        let (rows, _) = weight.dims2()?;
+        Self::from_weight(ParallelWeight::dense(weight, None), part, pg)
+    }
+
+    /// From this rank's rows as a dense or quantized [`ParallelWeight`].
+    pub fn from_weight(weight: ParallelWeight, part: Partition, pg: ProcessGroup) -> Result<Self> {
+        let (rows, _) = weight.dims()?;
         if part.parts() != pg.size() || rows != part.size(pg.rank()) {
             candle_core::bail!(
                 "ParallelLmHead: rank {} holds {rows} rows, its share of the vocabulary of {} is {}",
@@ -176,8 +204,8 @@ impl ParallelLmHead {
             vocab,
             &pg,
         )?;
-        let w = vb.get_sharded((vocab, hidden), "weight", 0, &part)?;
-        Self::new(w, part, pg)
+        let w = vb.get_weight_sharded((vocab, hidden), "weight", 0, &part)?;
+        Self::from_weight(ParallelWeight::from_shard(w, None)?, part, pg)
     }
 
     /// How the vocabulary is split.
@@ -200,6 +228,6 @@ impl Module for ParallelLmHead {
     /// This rank's slice of the logits, `[..., part.size(rank)]`.
     fn forward(&self, h: &Tensor) -> Result<Tensor> {
         let h = copy_to_tp(h, &self.pg)?;
-        candle_nn::Linear::new(self.weight.clone(), None).forward(&h)
+        self.weight.forward(&h)
     }
 }

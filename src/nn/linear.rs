@@ -2,13 +2,16 @@
 //!
 //! All three wrap `candle_nn::Linear` for the local matmul, so with one rank they give
 //! bit-identical results to the dense layer they replace. Weights keep candle's and Hugging
-//! Face's `[out_features, in_features]` layout and names (`weight`, `bias`).
+//! Face's `[out_features, in_features]` layout and names (`weight`, `bias`). The column- and
+//! row-parallel layers hold a [`ParallelWeight`]: loaded from a GGUF file, their shard is
+//! quantized blocks multiplied by Candle's `QMatMul`, with the same layer code.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::Linear;
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
+use crate::nn::ParallelWeight;
 use crate::ops::{copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp};
 use crate::Partition;
 
@@ -40,6 +43,18 @@ fn check_input(layer: &str, x: &Tensor, expected: usize, pg: &ProcessGroup) -> R
     }
 }
 
+fn check_dims(
+    layer: &str,
+    what: &str,
+    got: (usize, usize),
+    expected: (usize, usize),
+) -> Result<()> {
+    if got != expected {
+        candle_core::bail!("{layer}: {what} has shape {got:?}, expected {expected:?}");
+    }
+    Ok(())
+}
+
 fn check_shape(layer: &str, what: &str, t: &Tensor, expected: &[usize]) -> Result<()> {
     if t.dims() != expected {
         candle_core::bail!(
@@ -57,7 +72,7 @@ fn check_shape(layer: &str, what: &str, t: &Tensor, expected: &[usize]) -> Resul
 /// otherwise the output stays split, ready for a [`RowParallelLinear`].
 #[derive(Debug, Clone)]
 pub struct ColumnParallelLinear {
-    inner: Linear,
+    inner: ParallelWeight,
     pg: ProcessGroup,
     in_features: usize,
     out_part: Partition,
@@ -74,6 +89,27 @@ impl ColumnParallelLinear {
         out_part: Partition,
         pg: ProcessGroup,
     ) -> Result<Self> {
+        // Contiguous shards: a view of a dense weight (`from_dense`, in-memory sources) would
+        // keep the whole tensor alive, and Candle's MKL matmul refuses its strides.
+        let (weight, bias) = (
+            weight.contiguous()?,
+            bias.map(|b| b.contiguous()).transpose()?,
+        );
+        Self::from_weight(
+            ParallelWeight::dense(weight, bias),
+            in_features,
+            out_part,
+            pg,
+        )
+    }
+
+    /// A layer from this rank's shard as a dense or quantized [`ParallelWeight`].
+    pub fn from_weight(
+        weight: ParallelWeight,
+        in_features: usize,
+        out_part: Partition,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
         let name = "ColumnParallelLinear";
         if out_part.parts() != pg.size() {
             candle_core::bail!(
@@ -83,18 +119,17 @@ impl ColumnParallelLinear {
             );
         }
         let local = out_part.size(pg.rank());
-        check_shape(name, "the weight shard", &weight, &[local, in_features])?;
-        if let Some(b) = &bias {
+        check_dims(
+            name,
+            "the weight shard",
+            weight.dims()?,
+            (local, in_features),
+        )?;
+        if let Some(b) = weight.bias() {
             check_shape(name, "the bias shard", b, &[local])?;
         }
-        // Contiguous shards: a view of a dense weight (`from_dense`, in-memory sources) would
-        // keep the whole tensor alive, and Candle's MKL matmul refuses its strides.
-        let (weight, bias) = (
-            weight.contiguous()?,
-            bias.map(|b| b.contiguous()).transpose()?,
-        );
         Ok(Self {
-            inner: Linear::new(weight, bias),
+            inner: weight,
             pg,
             in_features,
             out_part,
@@ -125,13 +160,13 @@ impl ColumnParallelLinear {
         let pg = vb.pg().clone();
         let layer = format!("ColumnParallelLinear '{}'", vb.prefix());
         let part = partition(&layer, "out_features", out_features, &pg, unit)?;
-        let w = vb.get_sharded((out_features, in_features), "weight", 0, &part)?;
+        let w = vb.get_weight_sharded((out_features, in_features), "weight", 0, &part)?;
         let b = if bias {
             Some(vb.get_sharded(out_features, "bias", 0, &part)?)
         } else {
             None
         };
-        Self::new(w, b, in_features, part, pg)
+        Self::from_weight(ParallelWeight::from_shard(w, b)?, in_features, part, pg)
     }
 
     /// Sets whether the forward pass all-gathers the output features.
@@ -140,9 +175,15 @@ impl ColumnParallelLinear {
         self
     }
 
-    /// This rank's weight shard, `[local_out, in]`.
-    pub fn weight(&self) -> &Tensor {
-        self.inner.weight()
+    /// This rank's dense weight shard, `[local_out, in]` (an error for a quantized weight:
+    /// see [`ColumnParallelLinear::parallel_weight`]).
+    pub fn weight(&self) -> Result<&Tensor> {
+        self.inner.dense_weight()
+    }
+
+    /// This rank's weight shard, dense or quantized.
+    pub fn parallel_weight(&self) -> &ParallelWeight {
+        &self.inner
     }
 
     /// This rank's bias shard.
@@ -194,7 +235,7 @@ impl Module for ColumnParallelLinear {
 /// [`ColumnParallelLinear`]); otherwise each rank takes its slice of a replicated input.
 #[derive(Debug, Clone)]
 pub struct RowParallelLinear {
-    inner: Linear,
+    inner: ParallelWeight,
     bias: Option<Tensor>,
     pg: ProcessGroup,
     in_part: Partition,
@@ -212,6 +253,28 @@ impl RowParallelLinear {
         out_features: usize,
         pg: ProcessGroup,
     ) -> Result<Self> {
+        // Contiguous shard: a column slice of a dense weight (`from_dense`, in-memory sources)
+        // is a strided view, which Candle's MKL matmul refuses and which keeps the whole
+        // tensor alive.
+        let weight = weight.contiguous()?;
+        Self::from_weight(
+            ParallelWeight::dense(weight, None),
+            bias,
+            in_part,
+            out_features,
+            pg,
+        )
+    }
+
+    /// A layer from this rank's shard as a dense or quantized [`ParallelWeight`] (without
+    /// bias) and the full, replicated `bias`.
+    pub fn from_weight(
+        weight: ParallelWeight,
+        bias: Option<Tensor>,
+        in_part: Partition,
+        out_features: usize,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
         let name = "RowParallelLinear";
         if in_part.parts() != pg.size() {
             candle_core::bail!(
@@ -220,21 +283,17 @@ impl RowParallelLinear {
                 pg.size()
             );
         }
-        check_shape(
+        check_dims(
             name,
             "the weight shard",
-            &weight,
-            &[out_features, in_part.size(pg.rank())],
+            weight.dims()?,
+            (out_features, in_part.size(pg.rank())),
         )?;
         if let Some(b) = &bias {
             check_shape(name, "the bias", b, &[out_features])?;
         }
-        // Contiguous shard: a column slice of a dense weight (`from_dense`, in-memory sources)
-        // is a strided view, which Candle's MKL matmul refuses and which keeps the whole
-        // tensor alive.
-        let weight = weight.contiguous()?;
         Ok(Self {
-            inner: Linear::new(weight, None),
+            inner: weight.without_bias(),
             bias,
             pg,
             in_part,
@@ -265,13 +324,19 @@ impl RowParallelLinear {
         let pg = vb.pg().clone();
         let layer = format!("RowParallelLinear '{}'", vb.prefix());
         let part = partition(&layer, "in_features", in_features, &pg, unit)?;
-        let w = vb.get_sharded((out_features, in_features), "weight", 1, &part)?;
+        let w = vb.get_weight_sharded((out_features, in_features), "weight", 1, &part)?;
         let b = if bias {
             Some(vb.get(out_features, "bias")?)
         } else {
             None
         };
-        Self::new(w, b, part, out_features, pg)
+        Self::from_weight(
+            ParallelWeight::from_shard(w, None)?,
+            b,
+            part,
+            out_features,
+            pg,
+        )
     }
 
     /// Sets whether the input is already split across ranks (default) or replicated.
@@ -280,9 +345,15 @@ impl RowParallelLinear {
         self
     }
 
-    /// This rank's weight shard, `[out, local_in]`.
-    pub fn weight(&self) -> &Tensor {
-        self.inner.weight()
+    /// This rank's dense weight shard, `[out, local_in]` (an error for a quantized weight:
+    /// see [`RowParallelLinear::parallel_weight`]).
+    pub fn weight(&self) -> Result<&Tensor> {
+        self.inner.dense_weight()
+    }
+
+    /// This rank's weight shard, dense or quantized.
+    pub fn parallel_weight(&self) -> &ParallelWeight {
+        &self.inner
     }
 
     /// The (replicated) bias.

@@ -6,7 +6,7 @@ use candle_nn::Activation;
 
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use crate::loader::ShardedVarBuilder;
-use crate::ops::copy_to_tp;
+use crate::ops::{copy_to_tp, reduce_from_tp};
 
 /// The two-layer MLP `fc2(act(fc1(x)))` (the seeds' d → 4d → d block with GELU, BERT's
 /// feed-forward, GPT-2's MLP).
@@ -104,9 +104,58 @@ impl GatedMlp {
         act: Activation,
         vb: ShardedVarBuilder,
     ) -> Result<Self> {
-        let gate = ColumnParallelLinear::load(hidden, intermediate, false, 1, vb.pp("gate_proj"))?;
-        let up = ColumnParallelLinear::load(hidden, intermediate, false, 1, vb.pp("up_proj"))?;
+        Self::load_named(
+            hidden,
+            intermediate,
+            act,
+            ["gate_proj", "up_proj", "down_proj"],
+            vb,
+        )
+    }
+
+    /// [`GatedMlp::load`] with the checkpoint's names of the gate, up and down projections
+    /// (Mixtral's experts: `w1`, `w3`, `w2`).
+    pub fn load_named(
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+        [gate, up, down]: [&str; 3],
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        // Split the intermediate size on down_proj's quantization blocks where it can be
+        // (1 for dense weights), so that no rank's shard cuts a block.
+        let unit = vb.pp(down).split_unit("weight", 1);
+        let unit = if crate::Partition::with_unit(intermediate, vb.pg().size(), unit).is_ok() {
+            unit
+        } else {
+            1
+        };
+        let gate = ColumnParallelLinear::load(hidden, intermediate, false, unit, vb.pp(gate))?;
+        let up = ColumnParallelLinear::load(hidden, intermediate, false, unit, vb.pp(up))?;
+        let down = RowParallelLinear::load(intermediate, hidden, false, unit, vb.pp(down))?;
+        Self::new(gate, up, down, act)
+    }
+
+    /// Loads the fused `gate_up_proj` (`[2 * intermediate, hidden]`, gate rows first, Phi-3)
+    /// and `down_proj`: each rank reads its gate rows and its up rows out of the one tensor.
+    pub fn load_fused(
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        let pg = vb.pg().clone();
         let down = RowParallelLinear::load(intermediate, hidden, false, 1, vb.pp("down_proj"))?;
+        let part = *down.in_partition();
+        let r = part.range(pg.rank());
+        let fused = vb.pp("gate_up_proj");
+        let shape = (2 * intermediate, hidden);
+        let rows = |off: usize| {
+            let range = off + r.start..off + r.end;
+            fused.get_ranges(shape, "weight", 0, std::slice::from_ref(&range))
+        };
+        let gate = ColumnParallelLinear::new(rows(0)?, None, hidden, part, pg.clone())?;
+        let up = ColumnParallelLinear::new(rows(intermediate)?, None, hidden, part, pg)?;
         Self::new(gate, up, down, act)
     }
 
@@ -126,12 +175,22 @@ impl GatedMlp {
     }
 }
 
+impl GatedMlp {
+    /// This rank's partial output, before the all-reduce: `x` is already in the
+    /// tensor-parallel region (after a `copy_to_tp`). A mixture-of-experts layer sums its
+    /// experts' partial outputs and reduces once.
+    pub fn forward_partial(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.act.forward(&self.gate_proj.forward_local(x)?)?;
+        let up = self.up_proj.forward_local(x)?;
+        self.down_proj.forward_partial(&(gate * up)?)
+    }
+}
+
 impl Module for GatedMlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = copy_to_tp(x, self.gate_proj.pg())?;
-        let gate = self.act.forward(&self.gate_proj.forward_local(&x)?)?;
-        let up = self.up_proj.forward_local(&x)?;
-        self.down_proj.forward(&(gate * up)?)
+        let pg = self.gate_proj.pg();
+        let y = reduce_from_tp(&self.forward_partial(&copy_to_tp(x, pg)?)?, pg)?;
+        self.down_proj.add_bias(&y)
     }
 }
 

@@ -3,9 +3,12 @@ pub mod attention;
 pub mod embedding;
 pub mod linear;
 pub mod mlp;
+pub mod moe;
+pub mod norm;
 pub mod parallel_2d;
 pub mod parallel_3d;
 pub mod parallel_load;
+pub mod weight;
 
 pub use attention::{
     AttentionConfig, HeadAssignment, Llama3RopeScaling, ParallelAttention, RotaryEmbedding,
@@ -16,5 +19,8 @@ pub use linear::{
     row_linear_no_bias, ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
 };
 pub use mlp::{gated_mlp, mlp, GatedMlp, Mlp};
+pub use moe::{MoeConfig, SparseMoe};
+pub use norm::{load_rms_norm, RmsNormSpec};
 pub use parallel_2d::{LayerNorm2d, Linear2d, Mlp2d};
 pub use parallel_3d::{LayerNorm3d, Layout3d, Linear3d, Mlp3d};
+pub use weight::{matmul_time, set_matmul_timing, ParallelWeight, QuantizedWeight};

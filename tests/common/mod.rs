@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod families;
 pub mod train;
 
 use candle_core::{DType, Device, Result, Tensor, Var};

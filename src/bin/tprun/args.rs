@@ -99,6 +99,16 @@ pub struct Cli {
     )]
     pub grace_period: Duration,
 
+    /// Global rank that receives tprun's standard input ('none': no rank); every other rank
+    /// reads /dev/null, as with mpirun. End of file reaches the rank when tprun's input ends.
+    #[arg(
+        long = "stdin-rank",
+        alias = "stdin_rank",
+        value_name = "RANK|none",
+        default_value = "0"
+    )]
+    pub stdin_rank: String,
+
     /// Job id given to the workers as TORCHELASTIC_RUN_ID (default: random).
     #[arg(long = "rdzv-id", alias = "rdzv_id", value_name = "ID")]
     pub rdzv_id: Option<String>,
@@ -133,6 +143,8 @@ pub struct Config {
     pub console_ranks: Option<Vec<usize>>,
     /// Time between SIGTERM and SIGKILL on teardown.
     pub grace_period: Duration,
+    /// Global rank whose standard input is tprun's (`None`: every rank reads /dev/null).
+    pub stdin_rank: Option<usize>,
     /// Job id requested on the command line, if any.
     pub run_id: Option<String>,
     /// Program run by every worker.
@@ -198,6 +210,7 @@ impl Config {
             None => None,
             Some(text) => Some(parse_filter(text, nproc_per_node)?),
         };
+        let stdin_rank = parse_stdin_rank(&cli.stdin_rank, nnodes * nproc_per_node)?;
         if let Some(id) = &cli.rdzv_id {
             if id.is_empty() || id.chars().any(|c| c.is_control() || c == '/') {
                 return Err(usage_error(
@@ -237,6 +250,7 @@ impl Config {
             log_dir: cli.log_dir,
             console_ranks,
             grace_period: cli.grace_period,
+            stdin_rank,
             run_id: cli.rdzv_id,
             program,
             args: command.collect(),
@@ -259,6 +273,30 @@ fn parse_seconds(text: &str) -> Result<Duration, String> {
         return Err(format!("{text:?} must be a finite number of seconds >= 0"));
     }
     Duration::try_from_secs_f64(secs).map_err(|e| format!("{text:?}: {e}"))
+}
+
+/// Parses `--stdin-rank`: `none`, or a global rank below the world size.
+fn parse_stdin_rank(text: &str, world: usize) -> Result<Option<usize>, clap::Error> {
+    let text = text.trim();
+    if text.eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    let rank: usize = text.parse().map_err(|_| {
+        usage_error(
+            ErrorKind::ValueValidation,
+            format!("--stdin-rank {text:?} is neither a global rank number nor 'none'"),
+        )
+    })?;
+    if rank >= world {
+        return Err(usage_error(
+            ErrorKind::ValueValidation,
+            format!(
+                "--stdin-rank {rank} does not exist: the world size is {world} \
+                 (global ranks are 0..{world})"
+            ),
+        ));
+    }
+    Ok(Some(rank))
 }
 
 /// Parses `--local-ranks-filter` ("0,2"): each entry a local rank below `nproc_per_node`.

@@ -21,6 +21,10 @@
 //! tprun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 8 ./prog
 //! ```
 //!
+//! tprun's standard input goes to global rank 0 (`--stdin-rank N` for another, `none` for
+//! no rank), the other ranks read /dev/null, as with `mpirun`:
+//! `echo "The cat sat on the mat." | tprun --nproc-per-node 2 target/release/examples/embed`.
+//!
 //! Each output line of a worker is printed as `[rank N] line` (stdout to
 //! stdout, stderr to stderr). When a worker exits non-zero or is killed, the
 //! others get SIGTERM (and SIGCONT, so a stopped one handles it), then SIGKILL
@@ -38,6 +42,7 @@ macro_rules! say {
 }
 
 mod args;
+mod input;
 mod job;
 mod output;
 mod signals;

@@ -18,6 +18,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::args::Config;
+use crate::input;
 use crate::job::Job;
 use crate::output::{self, Pump, Stream, Tail, TAIL_LINES};
 use crate::signals;
@@ -214,11 +215,16 @@ fn spawn_worker(
         )),
         None => None,
     };
+    let reads_stdin = config.stdin_rank == Some(rank);
     let mut command = Command::new(&config.program);
     command
         .args(&config.args)
         .envs(job.worker_env(config, local_rank))
-        .stdin(Stdio::null())
+        .stdin(if reads_stdin {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
@@ -229,6 +235,7 @@ fn spawn_worker(
             Path::new(&config.program).display()
         )
     })?;
+    let stdin = child.stdin.take();
     let stdout = child.stdout.take();
     let stderr = child.stderr.take();
     let tail = Arc::new(Mutex::new(Tail::new(TAIL_LINES)));
@@ -243,6 +250,11 @@ fn spawn_worker(
     let console = config.shows_on_console(local_rank);
     let (log_out, log_err) = logs.map_or((None, None), |(o, e)| (Some(o), Some(e)));
     let started = |e: io::Error| format!("cannot start the output thread of rank {rank}: {e}");
+    if let Some(stdin) = stdin {
+        input::forward_stdin(rank, stdin).map_err(|e| {
+            format!("cannot start the thread forwarding standard input to rank {rank}: {e}")
+        })?;
+    }
     if let Some(stdout) = stdout {
         let pump = Pump {
             rank,

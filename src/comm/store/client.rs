@@ -26,12 +26,27 @@ pub struct TcpStore {
     conn: Mutex<Conn>,
 }
 
-enum Conn {
+/// A store connection, or why it can no longer be used.
+pub(super) enum Conn {
     Ready(TcpStream),
     Broken(String),
 }
 
-fn io_reason(e: &io::Error, waited: Duration) -> String {
+impl Conn {
+    /// The stream, or the error of an `op` on `key` at `addr` after an earlier failure.
+    pub(super) fn stream(&mut self, addr: &str, op: &str, key: &str) -> CommResult<&mut TcpStream> {
+        match self {
+            Conn::Ready(s) => Ok(s),
+            Conn::Broken(why) => Err(store_err(
+                addr,
+                format!("{op} of key '{key}': connection unusable after an earlier failure: {why}"),
+            )),
+        }
+    }
+}
+
+/// Why an I/O operation on a store connection failed, in words.
+pub(super) fn io_reason(e: &io::Error, waited: Duration) -> String {
     match e.kind() {
         ErrorKind::UnexpectedEof
         | ErrorKind::ConnectionReset
@@ -45,6 +60,7 @@ fn io_reason(e: &io::Error, waited: Duration) -> String {
     }
 }
 
+/// Connects to the first address `addr:port` resolves to that accepts within `within`.
 fn connect_any(addr: &str, port: u16, within: Duration) -> io::Result<TcpStream> {
     let mut last = io::Error::new(ErrorKind::NotFound, "the address resolves to nothing");
     for sa in (addr, port).to_socket_addrs()? {
@@ -54,6 +70,38 @@ fn connect_any(addr: &str, port: u16, within: Duration) -> io::Result<TcpStream>
         }
     }
     Err(last)
+}
+
+/// Connects to `addr:port`, retrying with a short backoff while nothing listens yet (the
+/// store's host may not have started), until `timeout`; `hint` ends the error message.
+pub(super) fn connect_retrying(
+    addr: &str,
+    port: u16,
+    timeout: Duration,
+    hint: &str,
+) -> CommResult<TcpStream> {
+    let start = Instant::now();
+    let deadline = start + timeout;
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let err = match connect_any(addr, port, left) {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(store_err(
+                &host_port(addr, port),
+                format!(
+                    "could not connect within {:.1} s: {err} ({hint})",
+                    start.elapsed().as_secs_f64()
+                ),
+            ));
+        }
+        thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
 }
 
 impl TcpStore {
@@ -72,29 +120,12 @@ impl TcpStore {
             ));
         }
         let timeout = timeout.min(MAX_WAIT);
-        let start = Instant::now();
-        let deadline = start + timeout;
-        let mut backoff = Duration::from_millis(10);
-        let mut stream = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let err = match connect_any(addr, port, left) {
-                Ok(s) => break s,
-                Err(e) => e,
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(store_err(
-                    &desc,
-                    format!(
-                        "could not connect within {:.1} s: {err} (is rank 0 running and \
-                         listening on this address?)",
-                        start.elapsed().as_secs_f64()
-                    ),
-                ));
-            }
-            thread::sleep(backoff.min(left));
-            backoff = (backoff * 2).min(Duration::from_millis(500));
-        };
+        let mut stream = connect_retrying(
+            addr,
+            port,
+            timeout,
+            "is rank 0 running and listening on this address?",
+        )?;
         let io_timeout = timeout.max(Duration::from_secs(1));
         let hello = Enc(Vec::new()).bytes(MAGIC).bytes(token.as_bytes()).0;
         let reply = stream
@@ -143,17 +174,7 @@ impl TcpStore {
             ));
         }
         let mut conn = lock(&self.conn);
-        let stream = match &mut *conn {
-            Conn::Ready(s) => s,
-            Conn::Broken(why) => {
-                return Err(store_err(
-                    &self.addr,
-                    format!(
-                        "{op} of key '{key}': connection unusable after an earlier failure: {why}"
-                    ),
-                ))
-            }
-        };
+        let stream = conn.stream(&self.addr, op, key)?;
         let start = Instant::now();
         let result = stream
             .set_read_timeout(Some(wait))

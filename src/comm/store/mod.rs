@@ -2,7 +2,9 @@
 //!
 //! Rank 0 hosts a [`TcpStoreServer`] at `MASTER_ADDR:MASTER_PORT` and every rank (rank 0
 //! included) talks to it through a [`TcpStore`]; the threads backend uses a [`MemStore`]
-//! shared by its rank threads. The store carries only small rendezvous data (segment names,
+//! shared by its rank threads. Under PyTorch's `torchrun`, whose agent already hosts a
+//! `TCPStore` there (`TORCHELASTIC_USE_AGENT_STORE=True`), every rank joins that one through a
+//! [`TorchTcpStore`] instead ([`connect_job_store`] chooses). The store carries only small rendezvous data (segment names,
 //! pids, ids), never tensors. Semantics follow PyTorch's `TCPStore`: `get` blocks until the key
 //! is set, `add` is an atomic counter stored as a decimal string.
 //!
@@ -13,7 +15,7 @@
 //!
 //! Layout: [`Store`] and the helpers shared by the stores live here; `mem` holds the blocking
 //! map and [`MemStore`], `wire` the framing and message encoding, `server` the
-//! [`TcpStoreServer`], `client` the [`TcpStore`].
+//! [`TcpStoreServer`], `client` the [`TcpStore`], `torch` the [`TorchTcpStore`].
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -25,12 +27,42 @@ mod mem;
 mod server;
 #[cfg(test)]
 mod tests;
+mod torch;
+#[cfg(test)]
+mod torch_tests;
 mod wire;
 
 pub use client::TcpStore;
 pub use mem::MemStore;
 pub use server::TcpStoreServer;
+pub use torch::TorchTcpStore;
 pub use wire::MAX_FRAME_BYTES;
+
+/// What a process keeps alive for as long as its group lives (rank 0's store server).
+pub(crate) type Keep = Vec<Box<dyn std::any::Any + Send + Sync>>;
+
+/// Connects this rank to its job's rendezvous store: under torchrun with
+/// `TORCHELASTIC_USE_AGENT_STORE=True`, the agent's PyTorch `TCPStore` at
+/// `MASTER_ADDR:MASTER_PORT` (keys under a per-job, per-restart prefix); otherwise rank 0
+/// hosts a [`TcpStoreServer`] there and every rank connects with the job token. Returns the
+/// store and what must be kept alive with the group.
+pub(crate) fn connect_job_store(
+    rv: &crate::comm::Rendezvous,
+    timeout: Duration,
+) -> CommResult<(Box<dyn Store>, Keep)> {
+    if let Some(prefix) = crate::comm::env::torch_agent_store()? {
+        let store = TorchTcpStore::connect(&rv.master_addr, rv.master_port, &prefix, timeout)?;
+        return Ok((Box::new(store), Vec::new()));
+    }
+    if rv.rank == 0 {
+        let server = TcpStoreServer::bind(&rv.master_addr, rv.master_port, &rv.token)?;
+        let client = TcpStore::connect(&rv.master_addr, server.port(), &rv.token, timeout)?;
+        Ok((Box::new(client), vec![Box::new(server)]))
+    } else {
+        let client = TcpStore::connect(&rv.master_addr, rv.master_port, &rv.token, timeout)?;
+        Ok((Box::new(client), Vec::new()))
+    }
+}
 
 /// Cap on any wait, so that deadlines never overflow `Instant`.
 const MAX_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);

@@ -1,0 +1,260 @@
+//! A memory-mapped GGUF file as a [`TensorSource`] that serves quantized shards.
+//!
+//! Tensors are served under their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`)
+//! with the Hugging Face row order, so the same model code loads a GGUF file or a safetensors
+//! checkpoint. Each rank copies only the blocks of its shard out of the mapping
+//! ([`super::quant_shard`]): whole rows for a column-parallel split, a range of blocks of every
+//! row for a row-parallel split. The q/k rows that llama.cpp stores in its rotary order are put
+//! back by copying rows, never by dequantizing.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Result, Shape, Tensor};
+use memmap2::Mmap;
+
+use super::gguf_header::{scan, GgufTensorEntry};
+use super::quant_shard::{self, RowOrder};
+use super::source::{TensorSource, WeightShard};
+use crate::convert::{hf_tensor_name, GgufTokenizer, LlamaGgufConfig, Metadata};
+
+/// Where a Hugging Face tensor lives in the GGUF file.
+#[derive(Debug, Clone)]
+struct Entry {
+    tensor: GgufTensorEntry,
+    /// Number of heads whose rows llama.cpp permuted (q: attention heads, k: KV heads).
+    rotary_heads: Option<usize>,
+}
+
+/// A GGUF file, memory-mapped, whose tensors are read by shards under Hugging Face names.
+pub struct GgufSource {
+    path: PathBuf,
+    mmap: Mmap,
+    entries: HashMap<String, Entry>,
+    config: LlamaGgufConfig,
+    tokenizer: GgufTokenizer,
+}
+
+impl GgufSource {
+    /// Maps `path`, checks its header and tensor table, and reads the Llama configuration and
+    /// tokenizer from its metadata. Errors name the file and the tensor or key at fault.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let file_name = path.display().to_string();
+        let file = std::fs::File::open(&path).map_err(|e| {
+            candle_core::Error::msg(format!("cannot open GGUF file {file_name}: {e}"))
+        })?;
+        // SAFETY: the mapping is read-only; like every loader of memory-mapped checkpoints we
+        // rely on the file not being truncated while the model loads.
+        let mmap = unsafe { Mmap::map(&file) }
+            .map_err(|e| candle_core::Error::msg(format!("cannot map {file_name}: {e}")))?;
+        let header = scan(&mmap, &file_name)?;
+        let content = Content::read(&mut std::io::Cursor::new(&mmap[..])).map_err(|e| {
+            candle_core::Error::msg(format!("{file_name}: not a readable GGUF file: {e}"))
+        })?;
+        let meta = Metadata::new(&content.metadata, &path);
+        let config = LlamaGgufConfig::from_metadata(&meta, &content.tensor_infos)?;
+        let tokenizer = GgufTokenizer::from_metadata(&meta)?;
+        let mut entries = HashMap::new();
+        for t in header.tensors {
+            let Some(hf) = hf_tensor_name(&t.name) else {
+                candle_core::bail!(
+                    "{file_name}: tensor {} (shape {:?}) has no Hugging Face Llama equivalent",
+                    t.name,
+                    t.dims
+                );
+            };
+            let expected = config.expected_shape(&hf).ok_or_else(|| {
+                candle_core::Error::msg(format!(
+                    "{file_name}: tensor {} ({hf}) is not expected in this model",
+                    t.name
+                ))
+            })?;
+            if t.dims != expected {
+                candle_core::bail!(
+                    "{file_name}: tensor {} ({hf}) has shape {:?}, expected {expected:?} from the metadata",
+                    t.name,
+                    t.dims
+                );
+            }
+            let rotary_heads = if hf.contains(".self_attn.q_proj.") {
+                Some(config.num_attention_heads)
+            } else if hf.contains(".self_attn.k_proj.") {
+                Some(config.num_key_value_heads)
+            } else {
+                None
+            };
+            entries.insert(
+                hf,
+                Entry {
+                    tensor: t,
+                    rotary_heads,
+                },
+            );
+        }
+        for req in config.required_tensors() {
+            if !entries.contains_key(&req) {
+                candle_core::bail!("{file_name}: no tensor maps to the required {req}");
+            }
+        }
+        Ok(Self {
+            path,
+            mmap,
+            entries,
+            config,
+            tokenizer,
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The Llama configuration of the metadata.
+    pub fn config(&self) -> &LlamaGgufConfig {
+        &self.config
+    }
+
+    /// The tokenizer (vocabulary, merges, special ids, chat template) of the metadata.
+    pub fn tokenizer(&self) -> &GgufTokenizer {
+        &self.tokenizer
+    }
+
+    /// The ggml type of the Hugging Face tensor `name`.
+    pub fn dtype_of(&self, name: &str) -> Option<GgmlDType> {
+        self.entries.get(name).map(|e| e.tensor.dtype)
+    }
+
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.entries.get(name).ok_or_else(|| {
+            candle_core::Error::msg(format!(
+                "tensor '{name}' is not in the GGUF file {}",
+                self.path.display()
+            ))
+        })
+    }
+
+    fn order(&self, e: &Entry, rows: usize) -> Result<RowOrder> {
+        match e.rotary_heads {
+            Some(heads) => RowOrder::rotary(rows, heads).map_err(|m| {
+                candle_core::Error::msg(format!(
+                    "{}: tensor {}: {m}",
+                    self.path.display(),
+                    e.tensor.name
+                ))
+            }),
+            None => Ok(RowOrder::Identity),
+        }
+    }
+}
+
+impl TensorSource for GgufSource {
+    fn shape(&self, name: &str) -> Result<Option<Shape>> {
+        Ok(self
+            .entries
+            .get(name)
+            .map(|e| Shape::from(e.tensor.dims.clone())))
+    }
+
+    fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        let n = self.entry(name)?.tensor.dims[0];
+        self.load_ranges(name, 0, std::slice::from_ref(&(0..n)), dtype, device)
+    }
+
+    fn load_ranges(
+        &self,
+        name: &str,
+        dim: usize,
+        ranges: &[Range<usize>],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        match self.load_weight(name, dim, ranges, dtype, device)? {
+            WeightShard::Dense(t) => Ok(t),
+            WeightShard::Quantized(q) => q.dequantize(device)?.to_dtype(dtype),
+        }
+    }
+
+    fn load_weight(
+        &self,
+        name: &str,
+        dim: usize,
+        ranges: &[Range<usize>],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<WeightShard> {
+        let e = self.entry(name)?;
+        let t = &e.tensor;
+        // Vectors (norms, biases) are matrices of one row here.
+        let (rows, cols, dim) = match t.dims.as_slice() {
+            [n] => (1, *n, 1),
+            [r, c] => (*r, *c, dim),
+            d => candle_core::bail!(
+                "{}: tensor {} has shape {d:?}; only vectors and matrices are loaded",
+                self.path.display(),
+                t.name
+            ),
+        };
+        let bytes = &self.mmap[t.start..t.start + t.len];
+        let what = quant_shard::Named {
+            file: &self.path,
+            tensor: &t.name,
+            hf: name,
+        };
+        let order = self.order(e, rows)?;
+        let shard = quant_shard::shard(
+            &what,
+            bytes,
+            t.dtype,
+            (rows, cols),
+            &order,
+            dim,
+            ranges,
+            device,
+        )?;
+        let vector = t.dims.len() == 1;
+        match shard {
+            WeightShard::Quantized(q) if !is_dense_type(q.dtype()) && !vector => {
+                Ok(WeightShard::Quantized(q))
+            }
+            WeightShard::Quantized(q) => {
+                let d = q.dequantize(device)?.to_dtype(dtype)?;
+                Ok(WeightShard::Dense(if vector {
+                    d.flatten_all()?
+                } else {
+                    d
+                }))
+            }
+            WeightShard::Dense(d) => Ok(WeightShard::Dense(if vector {
+                d.flatten_all()?.to_dtype(dtype)?
+            } else {
+                d.to_dtype(dtype)?
+            })),
+        }
+    }
+
+    fn split_unit(&self, name: &str, dim: usize) -> Result<usize> {
+        let e = self.entry(name)?;
+        if dim == 0 || e.tensor.dims.len() != 2 {
+            return Ok(1);
+        }
+        Ok(quant_shard::kernel_unit(e.tensor.dtype))
+    }
+}
+
+fn is_dense_type(d: GgmlDType) -> bool {
+    matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
+impl std::fmt::Debug for GgufSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufSource")
+            .field("path", &self.path)
+            .field("tensors", &self.entries.len())
+            .finish()
+    }
+}

@@ -1,0 +1,446 @@
+//! The decoder every causal-LM family shares: vocabulary-parallel embedding, decoder layers
+//! (replicated RmsNorms, head-parallel [`ParallelAttention`], a gated MLP or a sparse MoE
+//! split across the ranks), final norm and vocabulary-parallel LM head. A family is a
+//! [`DecoderConfig`] (its `config.json` resolved into these hooks) and nothing else.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
+use candle_nn::{Activation, RmsNorm};
+
+use crate::comm::ProcessGroup;
+use crate::loader::ShardedVarBuilder;
+use crate::nn::{
+    load_rms_norm, AttentionConfig, GatedMlp, MoeConfig, ParallelAttention, ParallelLmHead,
+    RmsNormSpec, RotaryEmbedding, SparseMoe, VocabParallelEmbedding,
+};
+
+/// The feed-forward block of a decoder layer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FeedForward {
+    /// A gated MLP split over the intermediate features: `gate_proj`, `up_proj`, `down_proj`,
+    /// or with `fused` one `gate_up_proj` (Phi-3) and `down_proj`.
+    Gated {
+        /// Intermediate width.
+        intermediate_size: usize,
+        /// Activation of the gate.
+        act: Activation,
+        /// Gate and up projections fused in one `gate_up_proj` tensor.
+        fused: bool,
+    },
+    /// A sparse mixture of experts (Mixtral, Qwen3-MoE).
+    Moe(MoeConfig),
+}
+
+/// One decoder layer's settings (families whose layers differ, such as Gemma's alternating
+/// local and global attention or Qwen3-MoE's dense layers, give each its own).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerConfig {
+    /// The attention block.
+    pub attention: AttentionConfig,
+    /// The feed-forward block.
+    pub feed_forward: FeedForward,
+}
+
+/// A decoder-only model's settings, resolved from a family's `config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderConfig {
+    /// The `architectures` entry (e.g. `Qwen3ForCausalLM`).
+    pub architecture: String,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+    /// Every RmsNorm of the model (Gemma: `1 + w`).
+    pub norm: RmsNormSpec,
+    /// The layers, in order.
+    pub layers: Vec<LayerConfig>,
+    /// Whether the LM head shares the embedding table.
+    pub tie_word_embeddings: bool,
+    /// Factor applied to the embeddings (Gemma: `sqrt(hidden_size)`).
+    pub embedding_multiplier: Option<f64>,
+    /// Final-logit soft-capping `c` (Gemma 2): logits become `c * tanh(logits / c)`.
+    pub final_logit_softcapping: Option<f64>,
+    /// Gemma's sandwich norms: `post_attention_layernorm` normalises the attention output,
+    /// `pre_feedforward_layernorm` and `post_feedforward_layernorm` surround the MLP.
+    pub sandwich_norms: bool,
+    /// Name of the feed-forward block under a layer (`mlp`, Mixtral's `block_sparse_moe`).
+    pub feed_forward_name: String,
+    /// `bos_token_id`.
+    pub bos_token_id: Option<u32>,
+    /// `eos_token_id` (one or several).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl DecoderConfig {
+    /// Reads `path` (a `config.json`) with the family its `architectures` names.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        crate::models::family::config_from_file(path)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum FeedForwardLayer {
+    Gated(Box<GatedMlp>),
+    Moe(SparseMoe),
+}
+
+impl FeedForwardLayer {
+    fn load(cfg: &FeedForward, hidden: usize, vb: ShardedVarBuilder) -> Result<Self> {
+        Ok(match cfg {
+            FeedForward::Gated {
+                intermediate_size,
+                act,
+                fused: false,
+            } => Self::Gated(Box::new(GatedMlp::load(
+                hidden,
+                *intermediate_size,
+                *act,
+                vb,
+            )?)),
+            FeedForward::Gated {
+                intermediate_size,
+                act,
+                fused: true,
+            } => Self::Gated(Box::new(GatedMlp::load_fused(
+                hidden,
+                *intermediate_size,
+                *act,
+                vb,
+            )?)),
+            FeedForward::Moe(m) => Self::Moe(SparseMoe::load(m, vb)?),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Gated(m) => m.forward(x),
+            Self::Moe(m) => m.forward(x),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: ParallelAttention,
+    post_attention_layernorm: RmsNorm,
+    /// Gemma's `pre_feedforward_layernorm` and `post_feedforward_layernorm`.
+    sandwich: Option<(RmsNorm, RmsNorm)>,
+    feed_forward: FeedForwardLayer,
+    /// Index of this layer's rotary tables in `CausalLm::ropes`.
+    rope: usize,
+}
+
+impl DecoderLayer {
+    fn load(cfg: &DecoderConfig, i: usize, rope: usize, vb: ShardedVarBuilder) -> Result<Self> {
+        let (h, spec) = (cfg.hidden_size, cfg.norm);
+        let layer = &cfg.layers[i];
+        let sandwich = if cfg.sandwich_norms {
+            Some((
+                load_rms_norm(h, spec, &vb.pp("pre_feedforward_layernorm"))?,
+                load_rms_norm(h, spec, &vb.pp("post_feedforward_layernorm"))?,
+            ))
+        } else {
+            None
+        };
+        Ok(Self {
+            input_layernorm: load_rms_norm(h, spec, &vb.pp("input_layernorm"))?,
+            self_attn: ParallelAttention::load(&layer.attention, vb.pp("self_attn"))?,
+            post_attention_layernorm: load_rms_norm(h, spec, &vb.pp("post_attention_layernorm"))?,
+            sandwich,
+            feed_forward: FeedForwardLayer::load(
+                &layer.feed_forward,
+                h,
+                vb.pp(&cfg.feed_forward_name),
+            )?,
+            rope,
+        })
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        index_pos: usize,
+        ropes: &[RotaryEmbedding],
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let a = self.self_attn.forward(&h, index_pos, &ropes[self.rope])?;
+        match &self.sandwich {
+            None => {
+                let x = (a + x)?;
+                let h = self.post_attention_layernorm.forward(&x)?;
+                self.feed_forward.forward(&h)? + x
+            }
+            Some((pre, post)) => {
+                let x = (self.post_attention_layernorm.forward(&a)? + x)?;
+                let h = pre.forward(&x)?;
+                post.forward(&self.feed_forward.forward(&h)?)? + x
+            }
+        }
+    }
+}
+
+/// Whether two layers can share rotary tables.
+fn same_rope(a: &AttentionConfig, b: &AttentionConfig) -> bool {
+    a.head_dim == b.head_dim
+        && a.rotary_dim == b.rotary_dim
+        && a.rope_theta == b.rope_theta
+        && a.rope_scaling == b.rope_scaling
+        && a.max_position_embeddings == b.max_position_embeddings
+}
+
+/// A decoder-only causal LM of any supported family, its weights split across the ranks of
+/// a group.
+///
+/// Every rank calls the forward methods with the same ids; each gets its slice of the
+/// vocabulary's logits (or, with the `_gathered` methods, the full logits).
+#[derive(Debug, Clone)]
+pub struct CausalLm {
+    embed_tokens: VocabParallelEmbedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: ParallelLmHead,
+    ropes: Vec<RotaryEmbedding>,
+    config: DecoderConfig,
+    pg: ProcessGroup,
+}
+
+impl CausalLm {
+    /// Builds the model from `vb` (the checkpoint root: `model.embed_tokens`,
+    /// `model.layers.N`, `model.norm`, `lm_head`), splitting over `vb.pg()`.
+    pub fn load(cfg: &DecoderConfig, vb: ShardedVarBuilder) -> Result<Self> {
+        let pg = vb.pg().clone();
+        if cfg.layers.is_empty() {
+            candle_core::bail!("{}: the model has no layers", cfg.architecture);
+        }
+        for a in cfg.layers.iter().map(|l| &l.attention) {
+            if pg.size() > a.num_heads {
+                candle_core::bail!(
+                    "{}: world size {} is larger than num_attention_heads = {} (num_key_value_heads = {}): at most {} ranks",
+                    cfg.architecture,
+                    pg.size(),
+                    a.num_heads,
+                    a.num_kv_heads,
+                    a.num_heads
+                );
+            }
+        }
+        let m = vb.pp("model");
+        let embed_tokens =
+            VocabParallelEmbedding::load(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
+        let mut ropes: Vec<RotaryEmbedding> = Vec::new();
+        let mut rope_cfgs: Vec<&AttentionConfig> = Vec::new();
+        let mut layers = Vec::with_capacity(cfg.layers.len());
+        for (i, l) in cfg.layers.iter().enumerate() {
+            let rope = match rope_cfgs.iter().position(|c| same_rope(c, &l.attention)) {
+                Some(r) => r,
+                None => {
+                    ropes.push(RotaryEmbedding::new(&l.attention, vb.dtype(), vb.device())?);
+                    rope_cfgs.push(&l.attention);
+                    ropes.len() - 1
+                }
+            };
+            layers.push(DecoderLayer::load(cfg, i, rope, m.pp("layers").pp(i))?);
+        }
+        let norm = load_rms_norm(cfg.hidden_size, cfg.norm, &m.pp("norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            ParallelLmHead::tied(&embed_tokens)
+        } else {
+            ParallelLmHead::load(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            ropes,
+            config: cfg.clone(),
+            pg,
+        })
+    }
+
+    /// Loads a Hugging Face model directory (`config.json`, whose `architectures` picks the
+    /// family, and `model.safetensors` or its index and shards); each rank reads only its
+    /// slices.
+    pub fn from_dir(
+        dir: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
+        let (config, vb) = open_dir(dir.as_ref(), dtype, device, pg)?;
+        Self::load(&DecoderConfig::from_file(config)?, vb)
+    }
+
+    /// Loads a llama.cpp GGUF file: the configuration comes from its metadata (as a Hugging
+    /// Face `config.json`, so the family dispatch is the same), and each rank copies only the
+    /// quantized blocks of its shards out of the memory-mapped file and keeps them quantized.
+    /// Activations are f32.
+    pub fn from_gguf(path: impl AsRef<Path>, device: &Device, pg: ProcessGroup) -> Result<Self> {
+        let (config, vb) = open_gguf(path.as_ref(), device, pg)?;
+        let origin = path.as_ref().display().to_string();
+        Self::load(
+            &crate::models::family::config_from_json(&config, &origin)?,
+            vb,
+        )
+    }
+
+    /// [`CausalLm::from_gguf`] for a `.gguf` file, [`CausalLm::from_dir`] (in `dtype`)
+    /// otherwise.
+    pub fn from_path(
+        path: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+    ) -> Result<Self> {
+        let path = path.as_ref();
+        if is_gguf(path) {
+            Self::from_gguf(path, device, pg)
+        } else {
+            Self::from_dir(path, dtype, device, pg)
+        }
+    }
+
+    /// The hidden states after the final norm, `[batch, seq, hidden]`, running `ids`
+    /// `[batch, seq]` at positions `index_pos..` and extending the KV caches.
+    pub fn forward_hidden_all(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let (_, seq_len) = ids.dims2()?;
+        if seq_len == 0 {
+            candle_core::bail!("{}: empty input (no tokens)", self.config.architecture);
+        }
+        let mut x = self.embed_tokens.forward(ids)?;
+        if let Some(m) = self.config.embedding_multiplier {
+            x = (x * m)?;
+        }
+        for layer in &mut self.layers {
+            x = layer.forward(&x, index_pos, &self.ropes)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// The hidden state after the final norm at the last position, `[batch, hidden]`.
+    pub fn forward_hidden(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let h = self.forward_hidden_all(ids, index_pos)?;
+        let seq_len = h.dims()[1];
+        h.i((.., seq_len - 1, ..))?.contiguous()
+    }
+
+    fn logits(&self, h: &Tensor, gathered: bool) -> Result<Tensor> {
+        let logits = if gathered {
+            self.lm_head.forward_gathered(h)?
+        } else {
+            self.lm_head.forward(h)?
+        }
+        .to_dtype(DType::F32)?;
+        match self.config.final_logit_softcapping {
+            None => Ok(logits),
+            Some(c) => (logits / c)?.tanh()? * c,
+        }
+    }
+
+    /// This rank's slice of the last position's logits, `[batch, vocab_part]`, in f32.
+    pub fn forward(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let h = self.forward_hidden(ids, index_pos)?;
+        self.logits(&h, false)
+    }
+
+    /// The last position's full logits `[batch, vocab]` (all-gathered), in f32.
+    pub fn forward_gathered(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let h = self.forward_hidden(ids, index_pos)?;
+        self.logits(&h, true)
+    }
+
+    /// This rank's slice of every position's logits, `[batch, seq, vocab_part]`, in f32.
+    pub fn forward_all(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let h = self.forward_hidden_all(ids, index_pos)?;
+        self.logits(&h, false)
+    }
+
+    /// Every position's full logits `[batch, seq, vocab]` (all-gathered), in f32.
+    pub fn forward_all_gathered(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
+        let h = self.forward_hidden_all(ids, index_pos)?;
+        self.logits(&h, true)
+    }
+
+    /// Empties every layer's KV cache (a new sequence starts at position 0).
+    pub fn clear_kv_cache(&mut self) {
+        for l in &mut self.layers {
+            l.self_attn.clear_kv_cache();
+        }
+    }
+
+    /// The LM head (its vocabulary partition is the one of [`CausalLm::forward`]'s output).
+    pub fn lm_head(&self) -> &ParallelLmHead {
+        &self.lm_head
+    }
+
+    /// The attention layer of decoder layer `i`, if it exists.
+    pub fn attention(&self, i: usize) -> Option<&ParallelAttention> {
+        self.layers.get(i).map(|l| &l.self_attn)
+    }
+
+    /// The MoE layer of decoder layer `i`, if that layer has one.
+    pub fn moe(&self, i: usize) -> Option<&SparseMoe> {
+        match self.layers.get(i).map(|l| &l.feed_forward) {
+            Some(FeedForwardLayer::Moe(m)) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.config
+    }
+
+    /// The group the model is split over.
+    pub fn pg(&self) -> &ProcessGroup {
+        &self.pg
+    }
+}
+
+/// A model directory's `config.json` path (an error naming the directory when it is
+/// missing) and a builder over its safetensors.
+pub(crate) fn open_dir(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    pg: ProcessGroup,
+) -> Result<(std::path::PathBuf, ShardedVarBuilder)> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        candle_core::bail!(
+            "model directory {}: config.json is missing ({})",
+            dir.display(),
+            path.display()
+        );
+    }
+    Ok((
+        path,
+        ShardedVarBuilder::from_safetensors_dir(dir, dtype, device, pg)?,
+    ))
+}
+
+/// Whether `path` names a GGUF file (by its extension).
+pub(crate) fn is_gguf(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// A GGUF file's configuration, written as a Hugging Face `config.json` text from its
+/// metadata, and a builder over its memory-mapped blocks.
+pub(crate) fn open_gguf(
+    path: &Path,
+    device: &Device,
+    pg: ProcessGroup,
+) -> Result<(String, ShardedVarBuilder)> {
+    let source = crate::loader::GgufSource::open(path)?;
+    let config = source
+        .config()
+        .to_hf_config(source.tokenizer())?
+        .to_string();
+    let vb = ShardedVarBuilder::new(std::sync::Arc::new(source), DType::F32, device, pg);
+    Ok((config, vb))
+}

@@ -1,0 +1,240 @@
+//! Which family a checkpoint belongs to (`config.json` `architectures`) and the fields every
+//! family's `config.json` shares, read and checked once: missing values that would change
+//! the results (`rope_theta`, `head_dim` where it cannot be derived) are errors naming the
+//! file and key, never silent defaults.
+
+use std::path::Path;
+
+use candle_core::Result;
+use candle_nn::Activation;
+use serde::Deserialize;
+
+use crate::models::llama_config::{TokenIds, MAX_ROPE_ELEMENTS};
+use crate::models::{gemma, mixtral, phi3, qwen3, DecoderConfig, LlamaConfig};
+use crate::nn::AttentionConfig;
+
+/// Every architecture (`config.json` `architectures`) [`crate::models::CausalLm`] loads.
+pub const SUPPORTED_ARCHITECTURES: [&str; 9] = [
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+];
+
+/// Reads `path` (a `config.json`) with its family's parser.
+pub fn config_from_file(path: impl AsRef<Path>) -> Result<DecoderConfig> {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        candle_core::Error::msg(format!("cannot read model config {}: {e}", path.display()))
+    })?;
+    config_from_json(&text, &path.display().to_string())
+}
+
+#[derive(Deserialize)]
+struct Architectures {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+}
+
+/// Parses the JSON text of a `config.json` with the family its `architectures` (or, without
+/// it, `model_type`) names; `origin` names the file in errors.
+pub fn config_from_json(text: &str, origin: &str) -> Result<DecoderConfig> {
+    let a: Architectures = serde_json::from_str(text)
+        .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))?;
+    let arch = match (a.architectures.as_deref(), a.model_type.as_deref()) {
+        (Some([first, ..]), _) => first.clone(),
+        (_, Some(t)) => format!("model_type '{t}'"),
+        _ => String::from("<none>"),
+    };
+    match arch.as_str() {
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
+            Ok(LlamaConfig::from_json(text, origin)?.decoder())
+        }
+        _ if a.architectures.is_none()
+            && matches!(a.model_type.as_deref(), Some("llama" | "mistral" | "qwen2")) =>
+        {
+            Ok(LlamaConfig::from_json(text, origin)?.decoder())
+        }
+        "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM" => qwen3::config(text, origin, &arch),
+        "Gemma2ForCausalLM" | "Gemma3ForCausalLM" => gemma::config(text, origin, &arch),
+        "Phi3ForCausalLM" => phi3::config(text, origin),
+        "MixtralForCausalLM" => mixtral::config(text, origin),
+        other => Err(candle_core::Error::msg(format!(
+            "{origin}: unsupported architecture '{other}' (supported: {})",
+            SUPPORTED_ARCHITECTURES.join(", ")
+        ))),
+    }
+}
+
+/// The `config.json` fields the families share.
+#[derive(Debug, Deserialize)]
+pub(crate) struct Common {
+    pub hidden_size: usize,
+    pub intermediate_size: Option<usize>,
+    pub vocab_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub rms_norm_eps: f64,
+    pub rope_theta: Option<f64>,
+    pub rope_scaling: Option<serde_json::Value>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: Option<bool>,
+    pub attention_bias: Option<bool>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<TokenIds>,
+    pub hidden_act: Option<serde_json::Value>,
+    pub hidden_activation: Option<serde_json::Value>,
+    pub sliding_window: Option<usize>,
+}
+
+/// The shared fields, checked.
+#[derive(Debug)]
+pub(crate) struct Base {
+    pub raw: Common,
+    pub origin: String,
+    pub architecture: String,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Base {
+    /// Parses and checks the shared fields of `text`.
+    pub fn parse(text: &str, origin: &str, architecture: &str) -> Result<Self> {
+        let raw: Common = serde_json::from_str(text)
+            .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))?;
+        let err = |m: String| candle_core::Error::msg(format!("{origin}: {m}"));
+        let heads = raw.num_attention_heads;
+        let num_kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        if heads == 0 || num_kv_heads == 0 || heads % num_kv_heads != 0 {
+            return Err(err(format!(
+                "num_attention_heads = {heads} must be a positive multiple of num_key_value_heads = {num_kv_heads}"
+            )));
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
+            None => {
+                return Err(err(format!(
+                    "hidden_size = {} is not a multiple of num_attention_heads = {heads} and there is no head_dim",
+                    raw.hidden_size
+                )))
+            }
+        };
+        let rope_theta = raw
+            .rope_theta
+            .ok_or_else(|| err("'rope_theta' is not set (no default is assumed)".into()))?;
+        if let Some(s) = raw.rope_scaling.as_ref().filter(|s| !s.is_null()) {
+            return Err(err(format!(
+                "rope_scaling {s} is not supported for {architecture} (only none)"
+            )));
+        }
+        let rope_elems = raw.max_position_embeddings.checked_mul(head_dim);
+        if raw.max_position_embeddings == 0 || rope_elems.is_none_or(|n| n > MAX_ROPE_ELEMENTS) {
+            return Err(err(format!(
+                "max_position_embeddings = {} with head_dim = {head_dim} is out of range: the \
+                 RoPE tables would hold more than {MAX_ROPE_ELEMENTS} values each",
+                raw.max_position_embeddings
+            )));
+        }
+        if raw.sliding_window == Some(0) {
+            return Err(err(
+                "sliding_window = 0: a query must see at least itself".into()
+            ));
+        }
+        let eos_token_ids = match &raw.eos_token_id {
+            None => Vec::new(),
+            Some(TokenIds::One(t)) => vec![*t],
+            Some(TokenIds::Many(v)) => v.clone(),
+        };
+        Ok(Self {
+            raw,
+            origin: origin.to_string(),
+            architecture: architecture.to_string(),
+            num_kv_heads,
+            head_dim,
+            rope_theta,
+            eos_token_ids,
+        })
+    }
+
+    /// An error about this config.
+    pub fn error(&self, msg: impl std::fmt::Display) -> candle_core::Error {
+        candle_core::Error::msg(format!("{}: {msg}", self.origin))
+    }
+
+    /// `intermediate_size`, required.
+    pub fn intermediate_size(&self) -> Result<usize> {
+        self.raw
+            .intermediate_size
+            .ok_or_else(|| self.error("'intermediate_size' is not set"))
+    }
+
+    /// The activation named by `hidden_activation` or `hidden_act` (candle-nn's names);
+    /// `default` when neither is set.
+    pub fn activation(&self, default: Option<Activation>) -> Result<Activation> {
+        let (key, v) = match (&self.raw.hidden_activation, &self.raw.hidden_act) {
+            (Some(v), _) if !v.is_null() => ("hidden_activation", v),
+            (_, Some(v)) if !v.is_null() => ("hidden_act", v),
+            _ => return default.ok_or_else(|| self.error("'hidden_act' is not set")),
+        };
+        serde_json::from_value(v.clone())
+            .map_err(|e| self.error(format!("{key} {v} is not supported: {e}")))
+    }
+
+    /// Attention settings common to the families: no bias unless `attention_bias`, full
+    /// RoPE with `rope_theta`, no window; families set their hooks on top.
+    pub fn attention(&self) -> AttentionConfig {
+        let bias = self.raw.attention_bias.unwrap_or(false);
+        AttentionConfig {
+            hidden_size: self.raw.hidden_size,
+            num_heads: self.raw.num_attention_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            qkv_bias: bias,
+            o_bias: bias,
+            rope_theta: self.rope_theta as f32,
+            rope_scaling: None,
+            max_position_embeddings: self.raw.max_position_embeddings,
+            sliding_window: None,
+            qk_norm: None,
+            softmax_scale: None,
+            logit_softcapping: None,
+            fused_qkv: false,
+            rotary_dim: None,
+        }
+    }
+
+    /// A decoder config with these shared values and the given layers and norm; families
+    /// adjust the rest.
+    pub fn decoder(
+        &self,
+        layers: Vec<crate::models::LayerConfig>,
+        norm: crate::nn::RmsNormSpec,
+        tie_default: bool,
+    ) -> DecoderConfig {
+        DecoderConfig {
+            architecture: self.architecture.clone(),
+            hidden_size: self.raw.hidden_size,
+            vocab_size: self.raw.vocab_size,
+            max_position_embeddings: self.raw.max_position_embeddings,
+            norm,
+            layers,
+            tie_word_embeddings: self.raw.tie_word_embeddings.unwrap_or(tie_default),
+            embedding_multiplier: None,
+            final_logit_softcapping: None,
+            sandwich_norms: false,
+            feed_forward_name: "mlp".into(),
+            bos_token_id: self.raw.bos_token_id,
+            eos_token_ids: self.eos_token_ids.clone(),
+        }
+    }
+}

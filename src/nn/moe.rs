@@ -1,0 +1,164 @@
+//! Tensor-parallel sparse mixture of experts (Mixtral, Qwen3-MoE), Megatron style: the router
+//! is replicated, every expert's gated MLP is split column/row across the ranks like a dense
+//! [`GatedMlp`], and the layer all-reduces once, not once per expert.
+//!
+//! Routing must pick the same experts on every rank, or the ranks would compute partial sums
+//! of different experts: it is computed from the replicated hidden state with the replicated
+//! router weight, and that hidden state is bit-identical on every rank (the all-reduces every
+//! rank runs reduce in rank order). Each rank then runs its slice of every selected expert on
+//! the tokens routed to it, scales by the routing weight, sums into one partial output, and
+//! the ranks reduce that once.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::Activation;
+
+use crate::comm::ProcessGroup;
+use crate::loader::ShardedVarBuilder;
+use crate::nn::{GatedMlp, ReplicatedLinear};
+use crate::ops::{copy_to_tp, reduce_from_tp};
+
+/// Shape and routing of a sparse MoE layer, and the checkpoint's tensor names.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// Width of one expert's gated MLP.
+    pub intermediate_size: usize,
+    /// Experts in the layer.
+    pub num_experts: usize,
+    /// Experts each token is routed to (top-k).
+    pub num_experts_per_tok: usize,
+    /// Whether the top-k routing weights are renormalised to sum to 1 (Mixtral always,
+    /// Qwen3-MoE's `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// The experts' activation.
+    pub act: Activation,
+    /// The router's name under the layer (`gate`).
+    pub router: String,
+    /// The names of an expert's gate, up and down projections (`w1`, `w3`, `w2` in Mixtral;
+    /// `gate_proj`, `up_proj`, `down_proj` in Qwen3-MoE), under `experts.N`.
+    pub expert_names: [String; 3],
+}
+
+/// A sparse MoE layer with every expert split across the ranks of a group.
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    router: ReplicatedLinear,
+    experts: Vec<GatedMlp>,
+    top_k: usize,
+    norm_topk_prob: bool,
+    pg: ProcessGroup,
+}
+
+impl SparseMoe {
+    /// Loads the router (replicated) and this rank's slice of every expert from `vb` (the
+    /// layer's prefix, e.g. `model.layers.0.block_sparse_moe`).
+    pub fn load(cfg: &MoeConfig, vb: ShardedVarBuilder) -> Result<Self> {
+        if cfg.num_experts == 0 || cfg.num_experts_per_tok == 0 {
+            candle_core::bail!(
+                "'{}': a MoE layer needs experts and top-k > 0 (num_experts = {}, num_experts_per_tok = {})",
+                vb.prefix(),
+                cfg.num_experts,
+                cfg.num_experts_per_tok
+            );
+        }
+        if cfg.num_experts_per_tok > cfg.num_experts {
+            candle_core::bail!(
+                "'{}': num_experts_per_tok = {} is more than num_experts = {}",
+                vb.prefix(),
+                cfg.num_experts_per_tok,
+                cfg.num_experts
+            );
+        }
+        let router =
+            ReplicatedLinear::load(cfg.hidden_size, cfg.num_experts, false, vb.pp(&cfg.router))?;
+        let [g, u, d] = &cfg.expert_names;
+        let names = [g.as_str(), u.as_str(), d.as_str()];
+        let experts = (0..cfg.num_experts)
+            .map(|e| {
+                GatedMlp::load_named(
+                    cfg.hidden_size,
+                    cfg.intermediate_size,
+                    cfg.act,
+                    names,
+                    vb.pp("experts").pp(e),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            router,
+            experts,
+            top_k: cfg.num_experts_per_tok,
+            norm_topk_prob: cfg.norm_topk_prob,
+            pg: vb.pg().clone(),
+        })
+    }
+
+    /// The experts (this rank's slices).
+    pub fn experts(&self) -> &[GatedMlp] {
+        &self.experts
+    }
+
+    /// The group the experts are split over.
+    pub fn pg(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// For every token (row of `x` `[tokens, hidden]`), its top-k experts and their weights:
+    /// softmax over the router logits in f32, the k largest (ties to the lower expert index),
+    /// renormalised if `norm_topk_prob`. Per expert: (token rows, weights).
+    pub fn route(&self, x: &Tensor) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
+        let logits = self.router.forward(x)?.to_dtype(DType::F32)?;
+        let probs: Vec<Vec<f32>> = candle_nn::ops::softmax_last_dim(&logits)?.to_vec2()?;
+        let mut per_expert = vec![(Vec::new(), Vec::new()); self.experts.len()];
+        let mut order: Vec<usize> = Vec::with_capacity(self.experts.len());
+        for (row, p) in probs.iter().enumerate() {
+            if let Some(bad) = p.iter().find(|v| !v.is_finite()) {
+                candle_core::bail!(
+                    "SparseMoe on rank {}: router probability {bad} for token {row} (non-finite hidden state)",
+                    self.pg.rank()
+                );
+            }
+            order.clear();
+            order.extend(0..p.len());
+            // Stable: equal probabilities keep the lower expert first.
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+            let top = &order[..self.top_k];
+            let sum: f32 = top.iter().map(|&e| p[e]).sum();
+            for &e in top {
+                let w = if self.norm_topk_prob {
+                    p[e] / sum
+                } else {
+                    p[e]
+                };
+                per_expert[e].0.push(row as u32);
+                per_expert[e].1.push(w);
+            }
+        }
+        Ok(per_expert)
+    }
+}
+
+impl Module for SparseMoe {
+    /// `x` `[batch, seq, hidden]` (replicated) → `[batch, seq, hidden]`, all-reduced once.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let hidden = *dims.last().unwrap_or(&0);
+        let flat = x.reshape(((), hidden))?;
+        let routes = self.route(&flat)?;
+        let xp = copy_to_tp(&flat, &self.pg)?;
+        let mut ys = xp.zeros_like()?;
+        for (expert, (rows, weights)) in self.experts.iter().zip(routes) {
+            // The same experts are skipped on every rank: the routing is replicated.
+            if rows.is_empty() {
+                continue;
+            }
+            let n = rows.len();
+            let idx = Tensor::from_vec(rows, n, x.device())?;
+            let w = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(x.dtype())?;
+            let y = expert.forward_partial(&xp.index_select(&idx, 0)?)?;
+            ys = ys.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
+        }
+        reduce_from_tp(&ys, &self.pg)?.reshape(dims)
+    }
+}

@@ -1,0 +1,188 @@
+//! [`ParallelWeight`]: the local weight of a parallel layer, dense or quantized.
+//!
+//! Every parallel layer (`ColumnParallelLinear`, `RowParallelLinear`,
+//! `VocabParallelEmbedding`, `ParallelLmHead`) holds its shard as a `ParallelWeight`, chosen
+//! by what the source holds: a dense `candle_nn::Linear` (bit-identical to candle-nn), or
+//! GGUF blocks multiplied by [`QuantMatMul`] (the crate's Q4_1 kernel, Candle's `QMatMul`
+//! for the other types). So each layer type and each model is written
+//! once for both.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::Linear;
+
+use crate::loader::WeightShard;
+use crate::quant::QuantMatMul;
+
+static TIMING: AtomicBool = AtomicBool::new(false);
+static MATMUL_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Starts (or stops) adding the wall time of every [`ParallelWeight`] matmul in this process
+/// to [`matmul_time`]: the profile of a decode step (matmuls against everything else). Off by
+/// default; when off a matmul pays one relaxed atomic load.
+pub fn set_matmul_timing(on: bool) {
+    TIMING.store(on, Ordering::Relaxed);
+}
+
+/// The matmul time accumulated since timing was switched on (all threads of the process).
+pub fn matmul_time() -> Duration {
+    Duration::from_nanos(MATMUL_NS.load(Ordering::Relaxed))
+}
+
+/// A quantized weight `[out, in]` (GGUF blocks along `in`) and an optional dense bias.
+#[derive(Debug, Clone)]
+pub struct QuantizedWeight {
+    qtensor: Arc<QTensor>,
+    matmul: QuantMatMul,
+    bias: Option<Tensor>,
+}
+
+impl QuantizedWeight {
+    /// The blocks.
+    pub fn qtensor(&self) -> &Arc<QTensor> {
+        &self.qtensor
+    }
+
+    /// `x Wᵀ`: Q4_1 through the crate's SIMD kernel ([`QuantMatMul`]), every other type
+    /// through Candle's `QMatMul` (x in f32; other dtypes are converted and back).
+    fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        if dtype == DType::F32 {
+            self.matmul.forward(&x.contiguous()?)
+        } else {
+            self.matmul
+                .forward(&x.to_dtype(DType::F32)?.contiguous()?)?
+                .to_dtype(dtype)
+        }
+    }
+}
+
+/// A layer's local weight: dense or quantized.
+#[derive(Debug, Clone)]
+pub enum ParallelWeight {
+    /// A dense weight and bias: exactly `candle_nn::Linear`.
+    Dense(Linear),
+    /// GGUF blocks through [`QuantMatMul`].
+    Quantized(QuantizedWeight),
+}
+
+impl ParallelWeight {
+    /// A dense weight `[out, in]` and bias `[out]`.
+    pub fn dense(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self::Dense(Linear::new(weight, bias))
+    }
+
+    /// A quantized weight `[out, in]` and dense bias `[out]`.
+    pub fn quantized(qtensor: QTensor, bias: Option<Tensor>) -> Result<Self> {
+        let qtensor = Arc::new(qtensor);
+        let matmul = QuantMatMul::from_arc(qtensor.clone())?;
+        Ok(Self::Quantized(QuantizedWeight {
+            qtensor,
+            matmul,
+            bias,
+        }))
+    }
+
+    /// The weight as the source gave it, with `bias`.
+    pub fn from_shard(shard: WeightShard, bias: Option<Tensor>) -> Result<Self> {
+        match shard {
+            WeightShard::Dense(w) => Ok(Self::dense(w, bias)),
+            WeightShard::Quantized(q) => Self::quantized(q, bias),
+        }
+    }
+
+    /// The same weight without its bias (a tied LM head shares the embedding's blocks).
+    pub fn without_bias(&self) -> Self {
+        match self {
+            Self::Dense(l) => Self::dense(l.weight().clone(), None),
+            Self::Quantized(q) => Self::Quantized(QuantizedWeight {
+                bias: None,
+                ..q.clone()
+            }),
+        }
+    }
+
+    /// `(out, in)`.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match self {
+            Self::Dense(l) => l.weight().dims2(),
+            Self::Quantized(q) => q.qtensor.shape().dims2(),
+        }
+    }
+
+    /// The dense weight, or an error naming the quantized type for quantized weights.
+    pub fn dense_weight(&self) -> Result<&Tensor> {
+        match self {
+            Self::Dense(l) => Ok(l.weight()),
+            Self::Quantized(q) => candle_core::bail!(
+                "the layer holds a quantized {:?} weight of shape {:?}, not a dense tensor",
+                q.qtensor.dtype(),
+                q.qtensor.shape().dims()
+            ),
+        }
+    }
+
+    /// The bias.
+    pub fn bias(&self) -> Option<&Tensor> {
+        match self {
+            Self::Dense(l) => l.bias(),
+            Self::Quantized(q) => q.bias.as_ref(),
+        }
+    }
+
+    /// The device the weight lives on.
+    pub fn device(&self) -> candle_core::Device {
+        match self {
+            Self::Dense(l) => l.weight().device().clone(),
+            Self::Quantized(q) => q.qtensor.device(),
+        }
+    }
+
+    /// The ggml type of a quantized weight, `None` when dense.
+    pub fn ggml_dtype(&self) -> Option<GgmlDType> {
+        match self {
+            Self::Dense(_) => None,
+            Self::Quantized(q) => Some(q.qtensor.dtype()),
+        }
+    }
+
+    /// Rows `ids` (flat, local row indices) of the weight as dense rows `[n, in]` in `dtype`:
+    /// an embedding lookup that dequantizes only the rows it reads.
+    pub fn rows(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
+        match self {
+            Self::Dense(l) => l.weight().index_select(ids, 0),
+            Self::Quantized(q) => q.qtensor.embedding(ids)?.to_dtype(dtype),
+        }
+    }
+}
+
+impl Module for ParallelWeight {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if TIMING.load(Ordering::Relaxed) {
+            let t0 = Instant::now();
+            let y = self.forward_untimed(x);
+            MATMUL_NS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            return y;
+        }
+        self.forward_untimed(x)
+    }
+}
+
+impl ParallelWeight {
+    fn forward_untimed(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(l) => l.forward(x),
+            Self::Quantized(q) => {
+                let y = q.matmul(x)?;
+                match &q.bias {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
+        }
+    }
+}
