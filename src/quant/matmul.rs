@@ -207,7 +207,18 @@ impl QuantMatMul {
     }
 
     /// As [`QuantMatMul::new`], sharing the tensor.
+    ///
+    /// Candle's switches `CANDLE_DEQUANTIZE_ALL` / `CANDLE_DEQUANTIZE_ALL_F16` (any value but
+    /// empty or `0`) keep their meaning: with either set, every weight, Q4_1 included, goes to
+    /// candle's `QMatMul`, which then multiplies the dequantized weight in f32 (f16).
     pub fn from_arc(w: Arc<QTensor>) -> Result<Self> {
+        if candle_dequantizes_all() {
+            let (n, k) = w.shape().dims2()?;
+            return Ok(Self {
+                inner: Inner::Candle(QMatMul::from_arc(w)?),
+                dims: (n, k),
+            });
+        }
         Self::build(w, Kernel::detect())
     }
 
@@ -295,4 +306,12 @@ impl std::fmt::Debug for QuantMatMul {
             Inner::Candle(mm) => write!(f, "QuantMatMul({mm:?})"),
         }
     }
+}
+
+/// Whether candle's `CANDLE_DEQUANTIZE_ALL` or `CANDLE_DEQUANTIZE_ALL_F16` is set the way
+/// candle reads it (present, not empty, not `0`).
+fn candle_dequantizes_all() -> bool {
+    ["CANDLE_DEQUANTIZE_ALL", "CANDLE_DEQUANTIZE_ALL_F16"]
+        .iter()
+        .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty() && s != "0"))
 }
