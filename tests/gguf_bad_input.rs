@@ -84,6 +84,19 @@ fn bad_gguf_files_are_refused_with_file_and_tensor_names() {
             vec![q, "byte size disagrees"],
         ),
         (
+            // Found by the checkpoint fuzzer: a shape whose element count fits in usize but
+            // whose byte size does not (2^62 f32 elements are 2^64 bytes).
+            "byte-overflow.gguf",
+            {
+                let mut b = good.clone();
+                b[info + 4..info + 12].copy_from_slice(&(1u64 << 62).to_le_bytes());
+                b[info + 12..info + 20].copy_from_slice(&1u64.to_le_bytes());
+                b[info + 20..info + 24].copy_from_slice(&0u32.to_le_bytes()); // F32
+                b
+            },
+            vec![q, "overflowing"],
+        ),
+        (
             "type.gguf",
             {
                 let mut b = good.clone();

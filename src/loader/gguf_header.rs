@@ -249,7 +249,12 @@ pub fn scan(bytes: &[u8], file: &str) -> Result<GgufHeader> {
                  not whole blocks of {bs}"
             );
         }
-        let len = elems / bs * dtype.type_size();
+        let Some(len) = (elems / bs).checked_mul(dtype.type_size()) else {
+            candle_core::bail!(
+                "{file}: tensor {name} ({dtype:?}, shape {dims:?}): its byte size overflows \
+                 (an overflowing shape)"
+            );
+        };
         let start = usize::try_from(offset)
             .ok()
             .and_then(|o| o.checked_add(data_start));
