@@ -11,6 +11,7 @@
 //! scripts/bench-generate.sh --gguf [--llama-cpp]   # quantized: candle-tp, quantized_llama, f32, llama.cpp
 //! ```
 //!
+//! `--dtype bf16|f16` runs a checkpoint directory in half precision (both implementations).
 //! `--model` is a checkpoint directory or a `.gguf` file (candle-tp keeps its blocks quantized;
 //! `--impl quantized_llama` is candle-transformers' quantized Llama on the same file).
 //! `--profile` adds the decode step's split: time in matmuls (every `ParallelWeight`), in
@@ -49,6 +50,19 @@ struct Args {
     /// Report the decode step's time in matmuls, collectives and the rest (candle-tp).
     #[arg(long)]
     profile: bool,
+    /// Weight and activation dtype of a checkpoint directory: f32, bf16 or f16 (candle-tp and
+    /// candle-transformers; a `.gguf` file keeps its own types).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    dtype: DType,
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        "f16" => Ok(DType::F16),
+        other => Err(format!("{other}: expected f32, bf16 or f16")),
+    }
 }
 
 /// Per decode token on this rank: matmul, collective and total milliseconds.
@@ -71,7 +85,7 @@ fn backend() -> &'static str {
 fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
     let device = Device::Cpu;
     let pg = candle_tp::init_from_env(&device)?;
-    let mut model = Llama::from_path(&args.model, DType::F32, &device, pg.clone())?;
+    let mut model = Llama::from_path(&args.model, args.dtype, &device, pg.clone())?;
     let vocab = model.config().vocab_size;
     let ids = prompt(args.prompt_len, vocab);
     let mut sampler = DistributedSampler::new(SamplingParams::greedy());
@@ -154,9 +168,9 @@ fn run_candle_transformers(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bo
     let files = vec![args.model.join("model.safetensors")];
     // SAFETY: the checkpoint is not modified while mapped.
     let vb =
-        unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &device)? };
+        unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, args.dtype, &device)? };
     let model = ct::Llama::load(vb, &cfg)?;
-    let mut cache = ct::Cache::new(true, DType::F32, &cfg, &device)?;
+    let mut cache = ct::Cache::new(true, args.dtype, &cfg, &device)?;
     let ids = prompt(args.prompt_len, cfg.vocab_size);
     single_process_greedy(args, &ids, |x, pos| model.forward(x, pos, &mut cache))
 }
@@ -179,6 +193,7 @@ fn main() -> Result<()> {
                 "impl": args.implementation,
                 "model": args.model.file_name().map(|s| s.to_string_lossy().into_owned()),
                 "world_size": world,
+                "dtype": format!("{:?}", args.dtype).to_lowercase(),
                 "threads_per_rank": candle_core::utils::get_num_threads(),
                 "backend": backend(),
                 "prompt_tokens": args.prompt_len,

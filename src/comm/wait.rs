@@ -1,10 +1,17 @@
-//! Waiting for a peer's sequence word: spin briefly, then yield, then sleep on a futex.
+//! Waiting for a peer's sequence word: spin briefly, then yield while the peer is running,
+//! then sleep on a futex.
 //!
 //! A pure spin answers in well under a microsecond when every rank has a core, and collapses
 //! when ranks outnumber cores (3 ranks on 2 cores): a spinning rank eats the time slice its
-//! peer needs. So the spin budget shrinks when the group is larger than the machine, and
-//! every wait ends on a futex with a short timeout so the caller can check deadlines, aborts
-//! and dead peers.
+//! peer needs. So the spin budget shrinks when the group is larger than the machine.
+//!
+//! After the spin the wait is adaptive: while the peer is itself running (computing its part,
+//! or descheduled by another process on a busy machine) the waiter keeps yielding, for up to
+//! [`WaitPolicy::patience`], because the peer will publish soon and a futex wake-up costs tens
+//! of microseconds on a loaded machine; a peer that is itself asleep in a wait (an idle
+//! server's ranks, all waiting on rank 0's next request) sends the waiter straight to the
+//! futex, so long waits cost ~0 % CPU. Every futex sleep has a short timeout so the caller can
+//! check deadlines, aborts and dead peers.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -16,13 +23,21 @@ pub(crate) struct WaitPolicy {
     pub spin: Duration,
     /// `sched_yield` calls after the spin, so a peer sharing this core can run.
     pub yields: u32,
+    /// How long to keep polling after the spin while the awaited peer is running (not asleep
+    /// in a wait of its own) before sleeping on the futex.
+    pub patience: Duration,
+    /// Whether that polling yields the core between probes (ranks outnumber cores: the peer
+    /// may need this very core) or spins (each rank can have a core of its own; yielding on a
+    /// busy machine hands the core to another process for a whole scheduler slice).
+    pub patience_yields: bool,
     /// Longest single futex sleep, so deadlines and dead peers are noticed.
     pub sleep_slice: Duration,
 }
 
 impl WaitPolicy {
     /// Picks a policy for `ranks` ranks sharing this machine: `CANDLE_TP_SPIN_US`
-    /// microseconds of spinning (default 20, or 2 when ranks outnumber cores).
+    /// microseconds of spinning (default 20, or 2 when ranks outnumber cores), then up to
+    /// `CANDLE_TP_PATIENCE_US` microseconds (default 5000) of yielding while the peer runs.
     pub(crate) fn for_ranks(ranks: usize) -> Self {
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
@@ -32,6 +47,12 @@ impl WaitPolicy {
         Self {
             spin: Duration::from_micros(spin_us as u64),
             yields: if oversubscribed { 4 } else { 8 },
+            patience: Duration::from_micros(env_u32("CANDLE_TP_PATIENCE_US").unwrap_or(5000) as u64),
+            patience_yields: match std::env::var("CANDLE_TP_PATIENCE_YIELD").ok().as_deref() {
+                Some("1") => true,
+                Some("0") => false,
+                _ => oversubscribed,
+            },
             sleep_slice: Duration::from_millis(50),
         }
     }
@@ -75,6 +96,33 @@ pub(crate) fn spin_then_yield(word: &AtomicU32, target: u32, policy: &WaitPolicy
         std::thread::yield_now();
     }
     reached(word.load(Ordering::Acquire), target)
+}
+
+/// After [`spin_then_yield`] failed: keeps yielding until `word` reaches `target`, as long as
+/// `peer_running()` says the peer that will publish it is running and the policy's patience
+/// lasts. Returns whether the word was reached; if not, the caller sleeps on the futex.
+pub(crate) fn yield_while_running(
+    word: &AtomicU32,
+    target: u32,
+    policy: &WaitPolicy,
+    peer_running: impl Fn() -> bool,
+) -> bool {
+    let start = Instant::now();
+    loop {
+        if reached(word.load(Ordering::Acquire), target) {
+            return true;
+        }
+        if !peer_running() || start.elapsed() >= policy.patience {
+            return false;
+        }
+        if policy.patience_yields {
+            std::thread::yield_now();
+        } else {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        }
+    }
 }
 
 /// Sleeps while `word` still holds `expected`, at most `timeout`. Spurious wake-ups are fine.

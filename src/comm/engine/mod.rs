@@ -36,7 +36,9 @@ use std::time::{Duration, Instant};
 use super::error::{CommError, CommResult};
 use super::region::Mapping;
 use super::stats::{CollectiveKind, CommStats};
-use super::wait::{futex_wait, futex_wake_all, reached, spin_then_yield, Deadline, WaitPolicy};
+use super::wait::{
+    futex_wait, futex_wake_all, reached, spin_then_yield, yield_while_running, Deadline, WaitPolicy,
+};
 
 const MAGIC: u64 = 0x7074_656c_646e_6163; // "candletp", little endian
 const HEADER_BYTES: usize = 256;
@@ -76,6 +78,9 @@ struct Record {
     pid: AtomicU32,
     /// Set (0 -> 1) by the first abort of this rank, which alone writes `reason`.
     reason_claimed: AtomicU32,
+    /// Non-zero while this rank sleeps on a futex waiting for a peer: its waiters then sleep
+    /// too instead of yielding (see [`super::wait`]).
+    sleeping: AtomicU32,
     meta: [Meta; 2],
     reason: [AtomicU8; REASON_BYTES],
 }
@@ -428,44 +433,65 @@ impl Engine {
             if spin_then_yield(&rec.seq, phase, &self.policy) {
                 continue;
             }
-            let dl = *deadline.get_or_insert_with(|| Deadline::after(self.timeout));
-            loop {
-                self.check_abort(op)?;
-                rec.waiters.fetch_add(1, Ordering::SeqCst);
-                let seen = rec.seq.load(Ordering::SeqCst);
-                if reached(seen, phase) {
-                    rec.waiters.fetch_sub(1, Ordering::SeqCst);
-                    break;
-                }
-                futex_wait(&rec.seq, seen, dl.remaining().min(self.policy.sleep_slice));
-                rec.waiters.fetch_sub(1, Ordering::SeqCst);
-                if reached(rec.seq.load(Ordering::Acquire), phase) {
-                    break;
-                }
-                self.check_abort(op)?;
-                if let Err(e) = self.check_alive(r, op) {
-                    self.abort(&e.to_string());
-                    return Err(e);
-                }
-                if dl.expired() {
-                    let missing = (0..self.size)
-                        .filter(|&q| {
-                            q != self.rank
-                                && !reached(self.record(q).seq.load(Ordering::Acquire), phase)
-                        })
-                        .collect();
-                    let e = CommError::Timeout {
-                        group: self.group.clone(),
-                        op: op.to_string(),
-                        missing,
-                        waited: dl.waited(),
-                    };
-                    self.abort(&e.to_string());
-                    return Err(e);
-                }
+            let running = || rec.sleeping.load(Ordering::Acquire) == 0;
+            if yield_while_running(&rec.seq, phase, &self.policy, running) {
+                continue;
             }
+            let dl = *deadline.get_or_insert_with(|| Deadline::after(self.timeout));
+            let me = self.record(self.rank);
+            me.sleeping.store(1, Ordering::Release);
+            let slept = self.sleep_until(r, rec, phase, op, dl);
+            me.sleeping.store(0, Ordering::Release);
+            slept?;
         }
         Ok(())
+    }
+
+    /// The futex part of [`Self::wait_all`]: sleeps on peer `r`'s word until it reaches
+    /// `phase`, checking aborts, the peer's process and the deadline between slices.
+    fn sleep_until(
+        &self,
+        r: usize,
+        rec: &Record,
+        phase: u32,
+        op: &str,
+        dl: Deadline,
+    ) -> CommResult<()> {
+        loop {
+            self.check_abort(op)?;
+            rec.waiters.fetch_add(1, Ordering::SeqCst);
+            let seen = rec.seq.load(Ordering::SeqCst);
+            if reached(seen, phase) {
+                rec.waiters.fetch_sub(1, Ordering::SeqCst);
+                return Ok(());
+            }
+            futex_wait(&rec.seq, seen, dl.remaining().min(self.policy.sleep_slice));
+            rec.waiters.fetch_sub(1, Ordering::SeqCst);
+            if reached(rec.seq.load(Ordering::Acquire), phase) {
+                return Ok(());
+            }
+            self.check_abort(op)?;
+            if let Err(e) = self.check_alive(r, op) {
+                self.abort(&e.to_string());
+                return Err(e);
+            }
+            if dl.expired() {
+                let missing = (0..self.size)
+                    .filter(|&q| {
+                        q != self.rank
+                            && !reached(self.record(q).seq.load(Ordering::Acquire), phase)
+                    })
+                    .collect();
+                let e = CommError::Timeout {
+                    group: self.group.clone(),
+                    op: op.to_string(),
+                    missing,
+                    waited: dl.waited(),
+                };
+                self.abort(&e.to_string());
+                return Err(e);
+            }
+        }
     }
 
     /// One synchronisation with no data (also used to finish a rendezvous).
