@@ -53,7 +53,8 @@ elif [ "$quick" = 1 ]; then
     --test tprun --test hostile_headers --test loader_safetensors --test bert --test multiprocess
     --test train_ce --test two_jobs --test parallel_2d --test quickstart)
 else
-  echo "==> cargo test (every test binary, then the doc tests)"
+  echo "==> cargo test (every test binary of the workspace, then the doc tests)"
+  targets=(--workspace)
 fi
 target_dir="${CARGO_TARGET_DIR:-target}"
 logs="$target_dir/test-logs"

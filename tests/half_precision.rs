@@ -137,13 +137,26 @@ fn smollm2_world_1_bf16_f16_match_candle_transformers_llama() -> Result<()> {
         let (ours, theirs) = (max_abs_diff(logits, &exact)?, max_abs_diff(&want, &exact)?);
         println!("{dtype:?}: max |logits - candle-transformers| = {err:.3e} (max |logit| {scale:.1}); against f32: ours {ours:.3e}, reference {theirs:.3e}; ids {ids:?} vs {want_ids:?}");
         assert_eq!(ids, &want_ids, "{dtype:?}: greedy tokens differ");
-        // Measured: 0 in both dtypes (the same ops in the same order: RMSNorm with f32
-        // statistics, RoPE tables computed in f32, attention and softmax in f32). Against f32
-        // logits: bf16 3.4e-1, f16 4.1e-2. Normalising in f32 and rounding once (Hugging
-        // Face's RMSNorm) was tried and measured no closer to f32 (bf16 4.2e-1), so candle-nn's
-        // fused RMSNorm (f32 statistics) stays.
-        let tol = 0.0;
-        assert!(err <= tol, "{dtype:?}: logits differ by {err} > {tol}");
+        // candle-tp's decode-size matmuls run its own half-precision kernel (widening in
+        // registers, f32 accumulation in another order, one rounding: src/quant/half.rs) where
+        // candle widens to f32 (bf16) or runs gemm's f16 kernel, so the two no longer agree to
+        // the bit: they differ by the half type's rounding noise, which is also how far each
+        // is from the f32 logits. Bound: 10 ulps of the dtype at the logits' magnitude
+        // (bf16: 1.25, f16: 0.156 at |logit| < 32). Measured 2026-11-23: against
+        // candle-transformers bf16 0.34, f16 0.086; against f32, ours bf16 0.34, f16 0.092
+        // (candle-transformers 0.34 and 0.041).
+        assert!(
+            ours.is_finite() && theirs.is_finite() && err.is_finite(),
+            "{dtype:?}: non-finite logits"
+        );
+        let mantissa_bits = if dtype == DType::BF16 { 7 } else { 10 };
+        let ulp = 2f32.powi(scale.log2().floor() as i32 - mantissa_bits);
+        let tol = 10.0 * ulp;
+        assert!(
+            err <= tol && ours <= tol,
+            "{dtype:?}: logits {err} from candle-transformers and {ours} from f32 (tolerance \
+             {tol}: 10 ulps at |logit| {scale})"
+        );
     }
     Ok(())
 }

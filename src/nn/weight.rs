@@ -175,6 +175,13 @@ impl Module for ParallelWeight {
 impl ParallelWeight {
     fn forward_untimed(&self, x: &Tensor) -> Result<Tensor> {
         match self {
+            Self::Dense(l) if use_half_gemv(l.weight(), x) => {
+                let y = crate::quant::matmul_half(x, l.weight())?;
+                match l.bias() {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
             Self::Dense(l) => l.forward(x),
             Self::Quantized(q) => {
                 let y = q.matmul(x)?;
@@ -185,4 +192,16 @@ impl ParallelWeight {
             }
         }
     }
+}
+
+/// Whether a dense product goes to the crate's half-precision kernel: bf16 or f16 weight and
+/// input on the CPU, at most [`crate::quant::HALF_GEMV_MAX_ROWS`] input rows (a decode step).
+/// Candle 0.11 widens the whole bf16 weight to f32 on every CPU matmul (see
+/// `crate::quant::matmul_half`).
+fn use_half_gemv(w: &Tensor, x: &Tensor) -> bool {
+    matches!(w.dtype(), DType::BF16 | DType::F16)
+        && x.dtype() == w.dtype()
+        && w.device().is_cpu()
+        && x.device().is_cpu()
+        && x.elem_count() <= crate::quant::HALF_GEMV_MAX_ROWS * w.dim(1).unwrap_or(usize::MAX)
 }

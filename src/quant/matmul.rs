@@ -1,10 +1,10 @@
 //! `QuantMatMul`: `y = x · Wᵀ` with W a GGUF-quantized [`QTensor`], the crate's kernels where
 //! it has one (Q4_1 on CPU) and candle's [`QMatMul`] everywhere else.
 
-use super::q4_1::{dot_rows, BlockQ4_1, Kernel, QK4_1};
-use super::q8_1::{quantize_row_q8_1_into, BlockQ8_1};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
+use candle_tp_kernels::q4_1::{dot_rows, BlockQ4_1, Kernel, QK4_1};
+use candle_tp_kernels::q8_1::{quantize_row_q8_1_into, BlockQ8_1};
 use rayon::prelude::*;
 use std::sync::Arc;
 

@@ -10,7 +10,7 @@
 //! block's `d·d'`. Unlike candle 0.11's version any block count works (a row-parallel shard
 //! may hold an odd number of blocks per row).
 
-use super::q8_1::{BlockQ8_1, QK8_1};
+use crate::q8_1::{BlockQ8_1, QK8_1};
 use candle_core::Result;
 use half::f16;
 
@@ -105,7 +105,7 @@ pub fn vec_dot_q4_1_q8_1(kernel: Kernel, ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> 
 
 /// Dot products of `R` weight rows with one activation row, sharing its loads (`R` = 1 or 4
 /// in the matmul). Panics as [`vec_dot_q4_1_q8_1`] does.
-pub(crate) fn dot_rows<const R: usize>(
+pub fn dot_rows<const R: usize>(
     kernel: Kernel,
     ws: [&[BlockQ4_1]; R],
     xs: &[BlockQ8_1],
@@ -215,7 +215,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::q8_1::quantize_row_q8_1;
+    use crate::q8_1::quantize_row_q8_1;
 
     fn pseudo(i: usize) -> f32 {
         let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;

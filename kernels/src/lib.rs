@@ -1,0 +1,12 @@
+//! The CPU inner loops of candle-tp (`candle_tp::quant` drives them), in a crate of their own
+//! so that they are compiled with optimisations in every profile: candle-tp's own debug builds
+//! (what `cargo test` runs) would otherwise run SIMD intrinsics as unoptimised function calls,
+//! 10-20× slower, and its model tests would spend their time here.
+//!
+//! - [`q8_1`]: ggml's Q8_1 activation blocks and their quantization;
+//! - [`q4_1`]: the Q4_1 × Q8_1 dot product (scalar and AVX2 + FMA + F16C);
+//! - [`half_dot`]: f32 × bf16 / f16 dot products, widening in registers.
+
+pub mod half_dot;
+pub mod q4_1;
+pub mod q8_1;
