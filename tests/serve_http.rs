@@ -539,7 +539,8 @@ fn sigterm_ends_requests_and_ranks() {
         data.iter().any(|d| d.contains("shutting down")),
         "the in-flight stream did not end with an error: {body:.400}"
     );
-    assert!(status.success(), "tprun: {status}");
+    // tprun exits 128 + 15 when it was itself stopped by SIGTERM (after its ranks ended).
+    assert!(status.success() || status.code() == Some(143), "tprun: {status}");
     let leaked: Vec<_> = ours_in_dev_shm()
         .into_iter()
         .filter(|n| !before.contains(n))
