@@ -540,7 +540,10 @@ fn sigterm_ends_requests_and_ranks() {
         "the in-flight stream did not end with an error: {body:.400}"
     );
     // tprun exits 128 + 15 when it was itself stopped by SIGTERM (after its ranks ended).
-    assert!(status.success() || status.code() == Some(143), "tprun: {status}");
+    assert!(
+        status.success() || status.code() == Some(143),
+        "tprun: {status}"
+    );
     let leaked: Vec<_> = ours_in_dev_shm()
         .into_iter()
         .filter(|n| !before.contains(n))
