@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the tests and prints one line per test binary (its tests passed / failed / ignored and
 # its time), then a summary. The full run is the default and what CI runs: unit, integration
-# (threads backend, real processes through tprun, real checkpoints), doc tests, and the
-# examples under PyTorch's torchrun (scripts/test-torchrun.sh).
+# (threads backend, real processes through tprun, real checkpoints, the server with
+# --features server), doc tests, the examples under PyTorch's torchrun
+# (scripts/test-torchrun.sh) and the server driven by the openai client (scripts/test-openai.sh).
 #
 #   scripts/test.sh                # everything, default build (Candle's gemm)
 #   scripts/test.sh --quick        # day-to-day: unit tests and the fast integration tests (< 5 min)
@@ -53,8 +54,10 @@ elif [ "$quick" = 1 ]; then
     --test tprun --test hostile_headers --test loader_safetensors --test bert --test multiprocess
     --test train_ce --test two_jobs --test parallel_2d --test quickstart)
 else
-  echo "==> cargo test (every test binary of the workspace, then the doc tests)"
-  targets=(--workspace)
+  # --features server: the OpenAI-compatible server and its tests (tests/serve_http.rs);
+  # --workspace: the kernels crate's tests too.
+  echo "==> cargo test --workspace --features server (every test binary, then the doc tests)"
+  targets=(--workspace --features server)
 fi
 target_dir="${CARGO_TARGET_DIR:-target}"
 logs="$target_dir/test-logs"
@@ -110,6 +113,8 @@ extra() {  # runs a checking script; counts it as one test: passed, failed or sk
 if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
   echo "==> the examples under PyTorch's torchrun (scripts/test-torchrun.sh)"
   extra "torchrun (mlp, generate)" scripts/test-torchrun.sh
+  echo "==> the server with the openai Python client and curl (scripts/test-openai.sh)"
+  extra "openai client (candle-tp-serve)" scripts/test-openai.sh
 fi
 
 if [ "$release" = 1 ]; then

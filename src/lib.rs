@@ -46,6 +46,8 @@ pub mod ops;
 pub mod partition;
 pub mod quant;
 pub mod rng;
+#[cfg(feature = "server")]
+pub mod serve;
 pub mod train;
 
 pub use comm::{init_from_env, run_threads, DeviceMesh, ProcessGroup, ReduceOp};

@@ -8,6 +8,10 @@ use std::path::Path;
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::{Activation, RmsNorm};
 
+mod batch;
+
+pub use batch::SeqStep;
+
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::nn::{
@@ -160,14 +164,16 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(
+    /// The layer over `x`, its attention run by `attend(attention, normed x, rope)`: on the
+    /// layer's own cache (one sequence) or on per-sequence caches (a batch).
+    fn forward_with(
         &mut self,
         x: &Tensor,
-        index_pos: usize,
         ropes: &[RotaryEmbedding],
+        attend: impl FnOnce(&mut ParallelAttention, &Tensor, &RotaryEmbedding) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
-        let a = self.self_attn.forward(&h, index_pos, &ropes[self.rope])?;
+        let a = attend(&mut self.self_attn, &h, &ropes[self.rope])?;
         match &self.sandwich {
             None => {
                 let x = (a + x)?;
@@ -316,7 +322,7 @@ impl CausalLm {
             x = (x * m)?;
         }
         for layer in &mut self.layers {
-            x = layer.forward(&x, index_pos, &self.ropes)?;
+            x = layer.forward_with(&x, &self.ropes, |a, h, rope| a.forward(h, index_pos, rope))?;
         }
         self.norm.forward(&x)
     }

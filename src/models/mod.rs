@@ -12,7 +12,7 @@ pub mod mixtral;
 pub mod phi3;
 pub mod qwen3;
 
-pub use decoder::{CausalLm, DecoderConfig, FeedForward, LayerConfig};
+pub use decoder::{CausalLm, DecoderConfig, FeedForward, LayerConfig, SeqStep};
 pub use family::SUPPORTED_ARCHITECTURES;
 pub use llama::Llama;
 pub use llama_config::{LlamaConfig, LLAMA_ARCHITECTURES};

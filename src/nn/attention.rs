@@ -9,7 +9,6 @@
 //!
 //! Every rank runs the same ops (only the sizes differ), so collectives line up.
 
-use std::f32::consts::PI;
 use std::ops::Range;
 
 use candle_core::{DType, Device, Module, Result, Tensor};
@@ -18,7 +17,8 @@ use candle_nn::RmsNorm;
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::nn::{
-    load_rms_norm, ColumnParallelLinear, ParallelWeight, RmsNormSpec, RowParallelLinear,
+    load_rms_norm, ColumnParallelLinear, LayerKvCache, ParallelWeight, RmsNormSpec,
+    RotaryEmbedding, RowParallelLinear,
 };
 use crate::ops::copy_to_tp;
 use crate::Partition;
@@ -76,91 +76,6 @@ pub struct AttentionConfig {
     /// Partial RoPE (Phi-4-mini's `partial_rotary_factor`): only the first `rotary_dim`
     /// features of each head are rotated. `None`: the whole head.
     pub rotary_dim: Option<usize>,
-}
-
-/// Precomputed rotary tables `cos`/`sin`, `[max_positions, head_dim / 2]` (shared by all
-/// layers; the math of candle-transformers' `llama.rs`).
-#[derive(Debug, Clone)]
-pub struct RotaryEmbedding {
-    cos: Tensor,
-    sin: Tensor,
-}
-
-impl RotaryEmbedding {
-    /// Tables for `cfg` in `dtype` on `device`.
-    pub fn new(cfg: &AttentionConfig, dtype: DType, device: &Device) -> Result<Self> {
-        let hd = cfg.rotary_dim.unwrap_or(cfg.head_dim);
-        if hd == 0 || hd % 2 != 0 || hd > cfg.head_dim {
-            candle_core::bail!(
-                "rotary embedding: the rotated width {hd} must be even, positive and at most head_dim = {}",
-                cfg.head_dim
-            );
-        }
-        let base: Vec<f32> = (0..hd)
-            .step_by(2)
-            .map(|i| 1f32 / cfg.rope_theta.powf(i as f32 / hd as f32))
-            .collect();
-        let inv_freq = match cfg.rope_scaling {
-            None => base,
-            Some(s) => {
-                let orig = s.original_max_position_embeddings as f32;
-                let low_freq_wavelen = orig / s.low_freq_factor;
-                let high_freq_wavelen = orig / s.high_freq_factor;
-                base.into_iter()
-                    .map(|freq| {
-                        let wavelen = 2. * PI / freq;
-                        if wavelen < high_freq_wavelen {
-                            freq
-                        } else if wavelen > low_freq_wavelen {
-                            freq / s.factor
-                        } else {
-                            let smooth = (orig / wavelen - s.low_freq_factor)
-                                / (s.high_freq_factor - s.low_freq_factor);
-                            (1. - smooth) * freq / s.factor + smooth * freq
-                        }
-                    })
-                    .collect()
-            }
-        };
-        let n = inv_freq.len();
-        let theta = Tensor::new(inv_freq, device)?;
-        let max = cfg.max_position_embeddings;
-        let idx_theta = Tensor::arange(0, max as u32, device)?
-            .to_dtype(DType::F32)?
-            .reshape((max, 1))?
-            .matmul(&theta.reshape((1, n))?)?;
-        Ok(Self {
-            cos: idx_theta.cos()?.to_dtype(dtype)?,
-            sin: idx_theta.sin()?.to_dtype(dtype)?,
-        })
-    }
-
-    /// Positions the tables cover.
-    pub fn max_positions(&self) -> usize {
-        self.cos.dims()[0]
-    }
-
-    /// Rotates `x` `[batch, heads, seq, head_dim]` for positions `index_pos..index_pos+seq`.
-    pub fn apply(&self, x: &Tensor, index_pos: usize) -> Result<Tensor> {
-        let (_, _, seq_len, _) = x.dims4()?;
-        if index_pos + seq_len > self.max_positions() {
-            candle_core::bail!(
-                "rotary embedding: positions {index_pos}..{} exceed max_position_embeddings = {}",
-                index_pos + seq_len,
-                self.max_positions()
-            );
-        }
-        let cos = self.cos.narrow(0, index_pos, seq_len)?;
-        let sin = self.sin.narrow(0, index_pos, seq_len)?;
-        let rot = 2 * self.cos.dims()[1];
-        let hd = x.dims()[3];
-        if rot == hd {
-            return candle_nn::rotary_emb::rope(x, &cos, &sin);
-        }
-        // Partial RoPE: rotate the first `rot` features, pass the rest through.
-        let rotated = candle_nn::rotary_emb::rope(&x.narrow(3, 0, rot)?.contiguous()?, &cos, &sin)?;
-        Tensor::cat(&[&rotated, &x.narrow(3, rot, hd - rot)?], 3)?.contiguous()
-    }
 }
 
 /// Which heads one rank holds.
@@ -354,7 +269,8 @@ pub struct ParallelAttention {
     scale: Option<f64>,
     softcap: Option<f64>,
     pg: ProcessGroup,
-    kv_cache: Option<(Tensor, Tensor)>,
+    /// The cache of the single-sequence API ([`ParallelAttention::forward`]).
+    kv_cache: LayerKvCache,
 }
 
 impl ParallelAttention {
@@ -420,7 +336,7 @@ impl ParallelAttention {
             scale: cfg.softmax_scale,
             softcap: cfg.logit_softcapping,
             pg,
-            kv_cache: None,
+            kv_cache: LayerKvCache::new(),
         })
     }
 
@@ -444,30 +360,57 @@ impl ParallelAttention {
         &self.pg
     }
 
-    /// Positions held in the KV cache.
+    /// Positions held in the layer's own KV cache (the single-sequence API).
     pub fn cached_len(&self) -> usize {
-        self.kv_cache.as_ref().map_or(0, |(k, _)| k.dims()[2])
+        self.kv_cache.len()
     }
 
-    /// Empties the KV cache (a new sequence).
+    /// Empties the layer's own KV cache (a new sequence).
     pub fn clear_kv_cache(&mut self) {
-        self.kv_cache = None;
+        self.kv_cache.clear();
     }
 
     /// Attention over `x` `[batch, seq, hidden]` at positions `index_pos..index_pos+seq`,
-    /// appending this step's keys and values to the cache. Returns `[batch, seq, hidden]`,
-    /// all-reduced (the same on every rank).
+    /// appending this step's keys and values to the layer's own cache. Returns
+    /// `[batch, seq, hidden]`, all-reduced (the same on every rank).
     pub fn forward(
         &mut self,
         x: &Tensor,
         index_pos: usize,
         rope: &RotaryEmbedding,
     ) -> Result<Tensor> {
-        let (b, seq_len, _) = x.dims3()?;
         if index_pos != self.cached_len() {
             candle_core::bail!(
                 "attention: index_pos {index_pos} does not follow the {} cached positions (clear the cache for a new sequence)",
                 self.cached_len()
+            );
+        }
+        let mut cache = std::mem::take(&mut self.kv_cache);
+        let seq_len = x.dims3()?.1;
+        let out = self.forward_batch(x, rope, &mut [(seq_len, &mut cache)]);
+        self.kv_cache = cache;
+        out
+    }
+
+    /// Attention over the new tokens of several sequences at once, `x` `[batch, tokens,
+    /// hidden]` holding each sequence's rows one after the other (`seqs[i].0` rows for
+    /// sequence `i`, which continues at position `seqs[i].1.len()` and whose keys and values
+    /// are appended to `seqs[i].1`). The projections run once over all the rows; rotary
+    /// embeddings, the cache and the attention itself per sequence. Returns `[batch, tokens,
+    /// hidden]`, all-reduced.
+    pub fn forward_batch(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        seqs: &mut [(usize, &mut LayerKvCache)],
+    ) -> Result<Tensor> {
+        let (b, total, _) = x.dims3()?;
+        let rows: usize = seqs.iter().map(|(n, _)| n).sum();
+        if rows != total || seqs.iter().any(|(n, _)| *n == 0) {
+            candle_core::bail!(
+                "attention: the batch has {total} rows but its {} sequences have {:?} new tokens (each at least one, summing to the rows)",
+                seqs.len(),
+                seqs.iter().map(|(n, _)| *n).collect::<Vec<_>>()
             );
         }
         self.k_proj
@@ -481,8 +424,8 @@ impl ParallelAttention {
         let q = self.q_proj.forward_local(&x)?;
         let k = self.k_proj.forward_local(&x)?;
         let v = self.v_proj.forward_local(&x)?;
-        let mut q = q.reshape((b, seq_len, nq, hd))?;
-        let mut k = k.reshape((b, seq_len, nkv, hd))?;
+        let mut q = q.reshape((b, total, nq, hd))?;
+        let mut k = k.reshape((b, total, nkv, hd))?;
         if let Some((q_norm, k_norm)) = &self.qk_norm {
             // The replicated [head_dim] weight normalises each local head.
             q = q_norm.forward(&q)?;
@@ -490,16 +433,46 @@ impl ParallelAttention {
         }
         let q = q.transpose(1, 2)?.contiguous()?;
         let k = k.transpose(1, 2)?.contiguous()?;
-        let v = v.reshape((b, seq_len, nkv, hd))?.transpose(1, 2)?;
-        let q = rope.apply(&q, index_pos)?;
-        let mut k = rope.apply(&k, index_pos)?;
-        let mut v = v;
-        if let Some((ck, cv)) = &self.kv_cache {
-            k = Tensor::cat(&[ck, &k], 2)?.contiguous()?;
-            v = Tensor::cat(&[cv, &v], 2)?.contiguous()?;
+        let v = v.reshape((b, total, nkv, hd))?.transpose(1, 2)?;
+        let mut ys = Vec::with_capacity(seqs.len());
+        let mut offset = 0;
+        for (n, cache) in seqs.iter_mut() {
+            let (q, k, v) = if *n == total {
+                (q.clone(), k.clone(), v.clone())
+            } else {
+                (
+                    q.narrow(2, offset, *n)?.contiguous()?,
+                    k.narrow(2, offset, *n)?.contiguous()?,
+                    v.narrow(2, offset, *n)?,
+                )
+            };
+            ys.push(self.attend(&q, &k, &v, rope, cache)?);
+            offset += *n;
         }
-        let v = v.contiguous()?;
-        self.kv_cache = Some((k.clone(), v.clone()));
+        let y = if ys.len() == 1 {
+            ys.pop().expect("one sequence")
+        } else {
+            Tensor::cat(&ys, 1)?
+        };
+        self.o_proj.forward(&y)
+    }
+
+    /// One sequence's attention: `q` `[batch, local_heads, seq, head_dim]`, `k`/`v`
+    /// `[batch, local_kv_heads, seq, head_dim]` before RoPE, at positions starting at
+    /// `cache.len()`. Returns `[batch, seq, local_heads * head_dim]` (before `o_proj`).
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &RotaryEmbedding,
+        cache: &mut LayerKvCache,
+    ) -> Result<Tensor> {
+        let (b, nq, seq_len, hd) = q.dims4()?;
+        let index_pos = cache.len();
+        let q = rope.apply(q, index_pos)?;
+        let k = rope.apply(k, index_pos)?;
+        let (k, v) = cache.append(&k, v)?;
         let (k, v) = match &self.kv_index {
             None => (k, v),
             Some(idx) => (k.index_select(idx, 1)?, v.index_select(idx, 1)?),
@@ -527,8 +500,7 @@ impl ParallelAttention {
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let y = att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)?;
-        let y = y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))?;
-        self.o_proj.forward(&y)
+        y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))
     }
 }
 

@@ -1,0 +1,92 @@
+//! Many sequences through one [`CausalLm`] pass (continuous batching): every sequence brings
+//! its own [`KvCache`] and its new tokens (a prefill chunk or one decoded token); the
+//! embedding, norms, projections, MLPs and LM head run once over all the rows, and only the
+//! rotary embedding, cache append and attention run per sequence, each at its own position.
+
+use candle_core::{IndexOp, Module, Result, Tensor};
+
+use super::CausalLm;
+use crate::nn::{KvCache, LayerKvCache};
+
+/// One sequence's share of a batched step: its new tokens and its cache (which continues at
+/// position `cache.len()` and grows by `tokens.len()`).
+#[derive(Debug)]
+pub struct SeqStep<'a> {
+    /// The new tokens (at least one).
+    pub tokens: &'a [u32],
+    /// The sequence's KV cache (from [`CausalLm::new_kv_cache`]).
+    pub cache: &'a mut KvCache,
+}
+
+impl CausalLm {
+    /// An empty KV cache for one sequence of this model.
+    pub fn new_kv_cache(&self) -> KvCache {
+        KvCache::new(self.layers.len())
+    }
+
+    /// Runs every sequence's new tokens in one pass and returns, for each sequence, this
+    /// rank's slice of the logits at its last new token: `[seqs.len(), vocab_part]`, f32
+    /// (sample each row with a [`DistributedSampler`](crate::generate::DistributedSampler)).
+    ///
+    /// Every rank must call it with the same tokens in the same order. A sequence alone gives
+    /// what [`CausalLm::forward`] gives for it.
+    pub fn forward_batch(&mut self, seqs: &mut [SeqStep<'_>]) -> Result<Tensor> {
+        let arch = &self.config.architecture;
+        if seqs.is_empty() {
+            candle_core::bail!("{arch}: forward_batch with no sequence");
+        }
+        let max_pos = self.config.max_position_embeddings;
+        for (i, s) in seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                candle_core::bail!("{arch}: sequence {i} of the batch has no new token");
+            }
+            if s.cache.num_layers() != self.layers.len() {
+                candle_core::bail!(
+                    "{arch}: sequence {i}'s KV cache has {} layers, the model {}",
+                    s.cache.num_layers(),
+                    self.layers.len()
+                );
+            }
+            if s.cache.len() + s.tokens.len() > max_pos {
+                candle_core::bail!(
+                    "{arch}: sequence {i} would reach {} positions ({} cached + {} new), the model holds at most {max_pos}",
+                    s.cache.len() + s.tokens.len(),
+                    s.cache.len(),
+                    s.tokens.len()
+                );
+            }
+        }
+        let ids: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let device = self.ropes[0].device().clone();
+        let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+        let mut x = self.embed_tokens.forward(&ids)?;
+        if let Some(m) = self.config.embedding_multiplier {
+            x = (x * m)?;
+        }
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let mut caches: Vec<(usize, &mut LayerKvCache)> = seqs
+                .iter_mut()
+                .map(|s| {
+                    let n = s.tokens.len();
+                    (
+                        n,
+                        s.cache.layer_mut(i).expect("checked: one cache per layer"),
+                    )
+                })
+                .collect();
+            x = layer.forward_with(&x, &self.ropes, |a, h, rope| {
+                a.forward_batch(h, rope, &mut caches)
+            })?;
+        }
+        let h = self.norm.forward(&x)?.i(0)?;
+        let mut last = Vec::with_capacity(seqs.len());
+        let mut end = 0u32;
+        for s in seqs.iter() {
+            end += s.tokens.len() as u32;
+            last.push(end - 1);
+        }
+        let rows = Tensor::new(last.as_slice(), &device)?;
+        let h = h.index_select(&rows, 0)?.contiguous()?;
+        self.logits(&h, false)
+    }
+}

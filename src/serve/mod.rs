@@ -1,0 +1,21 @@
+//! An OpenAI-compatible HTTP server over the tensor-parallel ranks, with continuous batching
+//! (cargo feature `server`; the `candle-tp-serve` binary runs it under `tprun`).
+//!
+//! - [`text`]: the checkpoint's tokenizer, chat template and streamed detokenisation.
+//! - [`step`]: the per-step decision rank 0 broadcasts to every rank.
+//! - [`scheduler`]: the replicated loop over a
+//!   [`BatchDecoder`](crate::generate::BatchDecoder) (rank 0 plans, every rank steps).
+//! - [`api`] and [`http`]: the OpenAI request fields and errors, and the axum routes (rank 0).
+pub mod api;
+pub mod http;
+pub mod scheduler;
+pub mod step;
+pub mod text;
+
+pub use api::{ApiError, GenRequest};
+pub use http::{router, AppState};
+pub use scheduler::{
+    queue, run_follower, run_leader, Event, Inbox, Queue, Submission, SubmitError,
+};
+pub use step::StepPlan;
+pub use text::{ChatMessage, ModelText, TextStream};

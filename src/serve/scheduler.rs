@@ -1,0 +1,323 @@
+//! The replicated scheduler loop. Every rank holds the same [`BatchDecoder`]; rank 0 decides
+//! each step (which queued requests join, which sequences are dropped, whether to shut down),
+//! broadcasts that [`StepPlan`] through the process group, and every rank applies it and runs
+//! the same batched step, so all ranks stay in lockstep with no other channel.
+//!
+//! Rank 0's HTTP side talks to the loop through a [`Queue`] (bounded: a full queue is refused
+//! at once, the HTTP answer is 503) and gets each sequence's tokens back on its own channel;
+//! a request whose channel is closed (the client went away, or a stop string ended it) is
+//! dropped before the next step. When idle, rank 0 waits on the queue and sends an empty plan
+//! every `heartbeat` (below the collectives' deadline) while the other ranks sleep in the
+//! broadcast.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::Result;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::generate::{BatchDecoder, FinishReason, SamplingParams, SeqRequest};
+use crate::models::CausalLm;
+use crate::serve::step::StepPlan;
+
+/// What the loop sends back for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token; `finish` is set on the last one.
+    Token {
+        /// The token id.
+        token: u32,
+        /// Why the sequence ended, on its last token.
+        finish: Option<FinishReason>,
+    },
+    /// The request was ended without finishing (shutdown, a failed step, a refused request).
+    Error(String),
+}
+
+/// A request for the loop: a prompt, limits and where its events go.
+#[derive(Debug)]
+pub struct Submission {
+    /// The prompt's ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub params: SamplingParams,
+    /// Tokens that end the sequence.
+    pub stop_ids: Vec<u32>,
+    /// Where its events go (dropping the receiver cancels the request).
+    pub events: UnboundedSender<Event>,
+}
+
+/// Why a submission was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The queue holds its maximum of waiting requests.
+    Full,
+    /// The server is shutting down (or its loop ended).
+    ShuttingDown,
+}
+
+enum Msg {
+    Submit(Submission),
+    Wake,
+}
+
+/// The HTTP side's handle on the loop (cheap to clone).
+#[derive(Clone)]
+pub struct Queue {
+    tx: SyncSender<Msg>,
+    shutdown: Arc<AtomicBool>,
+    active: Arc<AtomicUsize>,
+    capacity: usize,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("capacity", &self.capacity)
+            .field("shutdown", &self.is_shutting_down())
+            .finish()
+    }
+}
+
+/// The loop's end of the queue (rank 0).
+pub struct Inbox {
+    rx: Receiver<Msg>,
+    shutdown: Arc<AtomicBool>,
+    active: Arc<AtomicUsize>,
+}
+
+/// A queue holding at most `capacity` requests that wait for a slot in the batch.
+pub fn queue(capacity: usize) -> (Queue, Inbox) {
+    let (tx, rx) = mpsc::sync_channel(capacity.max(1));
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let active = Arc::new(AtomicUsize::new(0));
+    (
+        Queue {
+            tx,
+            shutdown: shutdown.clone(),
+            active: active.clone(),
+            capacity,
+        },
+        Inbox {
+            rx,
+            shutdown,
+            active,
+        },
+    )
+}
+
+impl Queue {
+    /// Queues a request, or refuses it at once.
+    pub fn submit(&self, s: Submission) -> std::result::Result<(), SubmitError> {
+        if self.is_shutting_down() {
+            return Err(SubmitError::ShuttingDown);
+        }
+        match self.tx.try_send(Msg::Submit(s)) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(SubmitError::Full),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::ShuttingDown),
+        }
+    }
+
+    /// Sequences in the batch after the last step.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    /// The most requests that wait.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Asks the loop to end: every rank leaves, in-flight requests end with an error.
+    pub fn shutdown(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        let _ = self.tx.try_send(Msg::Wake);
+    }
+
+    /// Whether the loop is ending or has ended.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.load(Ordering::SeqCst)
+    }
+}
+
+/// Applies a plan: drops, then adds (a failure is a desynchronised plan).
+fn apply(model: &CausalLm, dec: &mut BatchDecoder, plan: &StepPlan) -> Result<()> {
+    for &id in &plan.cancel {
+        dec.cancel(id);
+    }
+    for r in &plan.add {
+        dec.add(model, r.clone())?;
+    }
+    Ok(())
+}
+
+/// A rank other than 0: applies rank 0's plans and runs the steps until a plan says stop.
+pub fn run_follower(model: &mut CausalLm, dec: &mut BatchDecoder) -> Result<()> {
+    let pg = model.pg().clone();
+    loop {
+        let plan = StepPlan::broadcast(&pg, None)?;
+        if plan.shutdown {
+            return Ok(());
+        }
+        apply(model, dec, &plan).map_err(|e| {
+            candle_core::Error::msg(format!("rank {}: applying rank 0's plan: {e}", pg.rank()))
+        })?;
+        dec.step(model)?;
+    }
+}
+
+/// Rank 0's loop state.
+struct Leader {
+    waiting: VecDeque<Submission>,
+    active: HashMap<u64, UnboundedSender<Event>>,
+    next_id: u64,
+}
+
+impl Leader {
+    fn take(&mut self, m: Msg) {
+        if let Msg::Submit(s) = m {
+            self.waiting.push_back(s);
+        }
+    }
+
+    fn fail_all(&mut self, inbox: &Inbox, why: &str) {
+        for (_, tx) in self.active.drain() {
+            let _ = tx.send(Event::Error(why.to_string()));
+        }
+        for s in self.waiting.drain(..) {
+            let _ = s.events.send(Event::Error(why.to_string()));
+        }
+        while let Ok(m) = inbox.rx.try_recv() {
+            if let Msg::Submit(s) = m {
+                let _ = s.events.send(Event::Error(why.to_string()));
+            }
+        }
+    }
+
+    /// The next plan: closed channels dropped, queued requests added while there is room.
+    fn plan(&mut self, dec: &BatchDecoder, inbox: &Inbox, shutdown: bool) -> StepPlan {
+        let mut plan = StepPlan {
+            shutdown,
+            ..StepPlan::default()
+        };
+        if shutdown {
+            return plan;
+        }
+        for (&id, tx) in &self.active {
+            if tx.is_closed() {
+                plan.cancel.push(id);
+            }
+        }
+        let mut room = self.room(dec, plan.cancel.len());
+        while room > 0 {
+            if self.waiting.is_empty() {
+                match inbox.rx.try_recv() {
+                    Ok(m) => self.take(m),
+                    Err(_) => break,
+                }
+                continue;
+            }
+            let s = self.waiting.pop_front().expect("not empty");
+            if s.events.is_closed() {
+                continue;
+            }
+            let req = SeqRequest {
+                id: self.next_id,
+                prompt: s.prompt,
+                max_tokens: s.max_tokens,
+                params: s.params,
+                stop_ids: s.stop_ids,
+            };
+            self.next_id += 1;
+            if let Err(e) = dec.check(&req) {
+                let _ = s.events.send(Event::Error(e.to_string()));
+                continue;
+            }
+            self.active.insert(req.id, s.events);
+            plan.add.push(req);
+            room -= 1;
+        }
+        plan
+    }
+
+    /// Free slots once `cancelled` sequences are dropped.
+    fn room(&self, dec: &BatchDecoder, cancelled: usize) -> usize {
+        dec.max_batch()
+            .saturating_sub(dec.len().saturating_sub(cancelled))
+    }
+}
+
+/// Rank 0: takes requests from `inbox`, plans and broadcasts each step, runs it and sends the
+/// tokens back, until [`Queue::shutdown`] (or a failed step, which ends every request with
+/// an error and is returned).
+pub fn run_leader(
+    model: &mut CausalLm,
+    dec: &mut BatchDecoder,
+    inbox: Inbox,
+    heartbeat: Duration,
+) -> Result<()> {
+    let pg = model.pg().clone();
+    let mut leader = Leader {
+        waiting: VecDeque::new(),
+        active: HashMap::new(),
+        next_id: 0,
+    };
+    loop {
+        let mut shutdown = inbox.shutdown.load(Ordering::SeqCst);
+        if dec.is_empty() && leader.waiting.is_empty() && !shutdown {
+            match inbox.rx.recv_timeout(heartbeat) {
+                Ok(m) => leader.take(m),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => shutdown = true,
+            }
+            shutdown |= inbox.shutdown.load(Ordering::SeqCst);
+        }
+        let plan = leader.plan(dec, &inbox, shutdown);
+        let result = StepPlan::broadcast(&pg, Some(&plan))
+            .and_then(|_| apply(model, dec, &plan))
+            .and_then(|_| {
+                if plan.shutdown {
+                    Ok(Vec::new())
+                } else {
+                    dec.step(model)
+                }
+            });
+        for id in &plan.cancel {
+            leader.active.remove(id);
+        }
+        let events = match result {
+            Ok(ev) => ev,
+            Err(e) => {
+                inbox.shutdown.store(true, Ordering::SeqCst);
+                leader.fail_all(&inbox, &format!("the model step failed: {e}"));
+                dec.clear();
+                return Err(e);
+            }
+        };
+        if plan.shutdown {
+            inbox.shutdown.store(true, Ordering::SeqCst);
+            leader.fail_all(&inbox, "the server is shutting down");
+            dec.clear();
+            return Ok(());
+        }
+        inbox.active.store(dec.len(), Ordering::SeqCst);
+        for e in events {
+            let Some(tx) = leader.active.get(&e.id) else {
+                continue;
+            };
+            let _ = tx.send(Event::Token {
+                token: e.token,
+                finish: e.finish,
+            });
+            if e.finish.is_some() {
+                leader.active.remove(&e.id);
+            }
+        }
+    }
+}

@@ -1,0 +1,552 @@
+//! `candle-tp-serve` as real processes under `tprun`, driven with real HTTP over TCP:
+//! concurrent greedy completions equal each prompt decoded alone (the loop of
+//! examples/generate.rs, in this process), chat and streaming, bad input answered in
+//! OpenAI's error shape, a client that disconnects mid-stream, 200 connections on a 16-slot
+//! server, and a SIGTERM that ends in-flight requests and every rank, leaving nothing in
+//! /dev/shm. Needs `--features server`.
+#![cfg(feature = "server")]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_tp::generate::{DistributedSampler, SamplingParams};
+use candle_tp::models::CausalLm;
+use candle_tp::serve::ModelText;
+use serde_json::{json, Value};
+
+/// One server at a time (two cores; the /dev/shm check must not see another job).
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn model_dir() -> PathBuf {
+    let dir = candle_tp::models::models_dir()
+        .expect("models directory")
+        .join("smollm2-135m-instruct");
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "{} is missing: run scripts/fetch-models.sh",
+        dir.display()
+    );
+    dir
+}
+
+fn ours_in_dev_shm() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("candle-tp-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A server under tprun; killed (the whole job) when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start(nproc: usize, extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tprun"))
+            .args(["--standalone", "--grace-period", "3", "--nproc-per-node"])
+            .arg(nproc.to_string())
+            .arg(env!("CARGO_BIN_EXE_candle-tp-serve"))
+            .arg("--model")
+            .arg(model_dir())
+            .args(["--port", "0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start tprun");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(i) = line
+                    .find("{\"listening\"")
+                    .or_else(|| line.find("\"listening\""))
+                {
+                    let start = line[..i + 1].rfind('{').unwrap_or(i);
+                    let _ = tx.send(line[start..].to_string());
+                }
+                eprintln!("{line}");
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("the server did not print its address within 120 s");
+        let v: Value = serde_json::from_str(&line).expect("listening JSON");
+        let url = v["listening"].as_str().expect("listening").to_string();
+        let port = url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("port");
+        Self { child, port }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(10) {
+                if self.child.try_wait().ok().flatten().is_some() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`): status and body (chunked decoded).
+fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read response");
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> (u16, String) {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text.split_once("\r\n\r\n").expect("headers");
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status");
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    if !chunked {
+        return (status, body.to_string());
+    }
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = &after[n + 2..];
+    }
+    (status, out)
+}
+
+fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = http(port, "POST", path, &body.to_string());
+    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{status} {text}: {e}"));
+    (status, v)
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(String::from)
+        .collect()
+}
+
+const PROMPTS: [&str; 8] = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Tensor parallelism splits a model across",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "In 1969, the first humans",
+    "The quick brown fox",
+];
+
+/// Each prompt's greedy completion decoded alone (the loop of examples/generate.rs), as the
+/// server's text and token count.
+fn reference(cases: &[(String, usize)]) -> Vec<(String, usize)> {
+    let dir = model_dir();
+    let text = ModelText::load(&dir).expect("tokenizer");
+    let mut model = CausalLm::from_dir(
+        &dir,
+        DType::F32,
+        &Device::Cpu,
+        candle_tp::ProcessGroup::single(),
+    )
+    .expect("model");
+    let eos = text.eos_ids(&model.config().eos_token_ids);
+    cases
+        .iter()
+        .map(|(prompt, max_new)| {
+            let ids = text.encode(prompt, true).expect("encode");
+            model.clear_kv_cache();
+            let mut sampler = DistributedSampler::new(SamplingParams::greedy());
+            let x = Tensor::new(ids.as_slice(), &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let mut logits = model.forward(&x, 0).unwrap().squeeze(0).unwrap();
+            let mut out = Vec::new();
+            loop {
+                let next = sampler.sample(&logits, model.lm_head()).unwrap();
+                out.push(next);
+                if eos.contains(&next) || out.len() == *max_new {
+                    break;
+                }
+                let x = Tensor::new(&[next], &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap();
+                logits = model
+                    .forward(&x, ids.len() + out.len() - 1)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap();
+            }
+            (text.decode(&out).expect("decode"), out.len())
+        })
+        .collect()
+}
+
+fn concurrent_greedy_matches_alone(port: u16) {
+    let cases: Vec<(String, usize)> = (0..16)
+        .map(|i| (PROMPTS[i % PROMPTS.len()].to_string(), 6 + (i * 5) % 19))
+        .collect();
+    let expected = reference(&cases);
+    let handles: Vec<_> = cases
+        .iter()
+        .cloned()
+        .map(|(p, n)| {
+            std::thread::spawn(move || {
+                post(
+                    port,
+                    "/v1/completions",
+                    &json!({"prompt": p, "max_tokens": n, "temperature": 0}),
+                )
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (status, v) = h.join().expect("client thread");
+        assert_eq!(status, 200, "request {i}: {v}");
+        let got = v["choices"][0]["text"].as_str().expect("text");
+        assert_eq!(got, expected[i].0, "request {i} ({:?}): {v}", cases[i]);
+        assert_eq!(
+            v["usage"]["completion_tokens"], expected[i].1,
+            "request {i}: {v}"
+        );
+        assert_eq!(v["object"], "text_completion");
+        let finish = if expected[i].1 == cases[i].1 {
+            "length"
+        } else {
+            "stop"
+        };
+        assert_eq!(v["choices"][0]["finish_reason"], finish, "request {i}: {v}");
+    }
+}
+
+fn chat_and_stream(port: u16) {
+    let msg = json!([{"role": "user", "content": "What is 2 + 2?"}]);
+    let (status, v) = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"messages": msg, "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_string();
+    assert!(!content.is_empty(), "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 5, "{v}");
+    let body = json!({"messages": msg, "max_tokens": 12, "temperature": 0, "stream": true});
+    let (status, text) = http(port, "POST", "/v1/chat/completions", &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let mut streamed = String::new();
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).expect("chunk JSON");
+        assert_eq!(c["object"], "chat.completion.chunk");
+        streamed.push_str(
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap_or_default(),
+        );
+    }
+    assert_eq!(streamed, content, "streamed vs whole");
+    // A stop string ends the text before it.
+    let (_, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": PROMPTS[3], "max_tokens": 30, "temperature": 0}),
+    );
+    let full = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let word: String = full
+        .split_whitespace()
+        .nth(2)
+        .expect("three words")
+        .to_string();
+    let (_, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": PROMPTS[3], "max_tokens": 30, "temperature": 0, "stop": [word]}),
+    );
+    let cut = v["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert!(
+        full.starts_with(cut) && cut.len() < full.len() && !cut.contains(&word),
+        "{cut:?} vs {full:?}"
+    );
+}
+
+fn bad_input(port: u16) {
+    let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
+        ("/v1/completions", "{not json".into(), 400, None),
+        ("/v1/completions", "[1, 2]".into(), 400, None),
+        (
+            "/v1/completions",
+            json!({"prompt": 5}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": "ten"}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": -1}).to_string(),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "model": "gpt-9"}).to_string(),
+            404,
+            Some("model"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ""}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "word ".repeat(3000)}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 0}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": -3}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 1_000_000_000u64}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "n": 3}).to_string(),
+            400,
+            Some("n"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": "hi"}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": 7}]}).to_string(),
+            400,
+            Some("messages[0].content"),
+        ),
+        ("/v1/nothing", "{}".into(), 404, None),
+    ];
+    for (path, body, status, param) in cases {
+        let (got, text) = http(port, "POST", path, &body);
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path} {body}: {text}: {e}"));
+        assert_eq!(got, status, "{path} {body:.80}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{v}"
+        );
+        assert!(v["error"]["type"].is_string(), "{v}");
+        if let Some(p) = param {
+            assert_eq!(v["error"]["param"], p, "{body:.80}: {v}");
+        }
+    }
+    // Unknown fields are ignored.
+    let (status, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2, "user": "x", "logprobs": null, "frequency_penalty": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let (status, text) = http(port, "GET", "/v1/models", "");
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&text).unwrap()["data"][0]["id"],
+        "smollm2-135m-instruct"
+    );
+}
+
+fn health(port: u16) -> Value {
+    let (status, text) = http(port, "GET", "/health", "");
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).expect("health JSON")
+}
+
+fn disconnect_frees_the_slot(port: u16) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = json!({"prompt": PROMPTS[0], "max_tokens": 1000, "stream": true}).to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 512];
+    let n = s.read(&mut buf).unwrap();
+    assert!(
+        n > 0 && String::from_utf8_lossy(&buf[..n]).contains("200"),
+        "no answer"
+    );
+    assert_eq!(health(port)["active"], 1);
+    drop(s);
+    let t0 = Instant::now();
+    while health(port)["active"] != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the disconnected stream still holds its slot"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn many_connections(port: u16) {
+    let handles: Vec<_> = (0..200)
+        .map(|i| {
+            std::thread::spawn(move || {
+                post(
+                    port,
+                    "/v1/completions",
+                    &json!({"prompt": PROMPTS[i % 8], "max_tokens": 4, "temperature": 0}),
+                )
+            })
+        })
+        .collect();
+    let (mut ok, mut busy) = (0, 0);
+    for h in handles {
+        let (status, v) = h.join().expect("client");
+        match status {
+            200 => ok += 1,
+            503 => {
+                assert_eq!(v["error"]["code"], "queue_full", "{v}");
+                busy += 1
+            }
+            s => panic!("status {s}: {v}"),
+        }
+    }
+    assert!(ok >= 16 && ok + busy == 200, "{ok} answered, {busy} busy");
+    eprintln!("200 connections: {ok} answered, {busy} refused with 503");
+}
+
+#[test]
+fn server_two_ranks() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(2, &["--max-batch", "16", "--max-queue", "32"]);
+    let port = server.port;
+    bad_input(port);
+    concurrent_greedy_matches_alone(port);
+    chat_and_stream(port);
+    disconnect_frees_the_slot(port);
+    many_connections(port);
+    // Still in lockstep after all that: greedy answers are unchanged.
+    concurrent_greedy_matches_alone(port);
+    drop(server);
+}
+
+#[test]
+fn sigterm_ends_requests_and_ranks() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let before = ours_in_dev_shm();
+    let mut server = Server::start(2, &[]);
+    let port = server.port;
+    let client = std::thread::spawn(move || {
+        let body = json!({"prompt": PROMPTS[1], "max_tokens": 1500, "stream": true});
+        http(port, "POST", "/v1/completions", &body.to_string())
+    });
+    let t0 = Instant::now();
+    while health(port)["active"] != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the request never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: signalling our own child (tprun forwards it to the ranks).
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the job did not end within 10 s of SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (code, body) = client.join().expect("client");
+    assert_eq!(code, 200);
+    let data = sse_data(&body);
+    assert!(
+        data.iter().any(|d| d.contains("shutting down")),
+        "the in-flight stream did not end with an error: {body:.400}"
+    );
+    // tprun exits 128 + 15 when it was itself stopped by SIGTERM (after its ranks ended).
+    assert!(
+        status.success() || status.code() == Some(143),
+        "tprun: {status}"
+    );
+    let leaked: Vec<_> = ours_in_dev_shm()
+        .into_iter()
+        .filter(|n| !before.contains(n))
+        .collect();
+    assert!(leaked.is_empty(), "left in /dev/shm: {leaked:?}");
+}
