@@ -4,7 +4,9 @@
 # temperature 0 (the streamed text must equal the whole answer), plus a bad request (the
 # client must raise its typed error). Prints what it got; exits non-zero on a mismatch.
 #
-#   scripts/test-openai.sh            # 2 ranks, SmolLM2 (MODEL=... for another, e.g. a .gguf)
+#   scripts/test-openai.sh            # 2 ranks, SmolLM2 (MODEL=... for another, e.g. a .gguf),
+#                                     # debug binaries (what `cargo test --features server` built)
+#   scripts/test-openai.sh --release  # release binaries
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${NPROC:-2}"
@@ -12,15 +14,23 @@ HOME_DIR="${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}"
 MODEL="${MODEL:-$HOME_DIR/models/smollm2-135m-instruct}"
 VENV="$HOME_DIR/venv-openai"
 target_dir="${CARGO_TARGET_DIR:-target}"
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import openai' 2>/dev/null; then
+profile=debug
+cargo_profile=()
+if [ "${1:-}" = --release ]; then
+  profile=release
+  cargo_profile=(--release)
+fi
+if [ ! -f "$VENV/.complete" ] || ! "$VENV/bin/python" -c 'import openai' 2>/dev/null; then
   echo "==> installing the openai client into $VENV" >&2
+  rm -rf "$VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet 'openai>=1.40,<3'
+  touch "$VENV/.complete"
 fi
-cargo build --release --quiet --features server --bin tprun --bin candle-tp-serve >&2
+cargo build --quiet "${cargo_profile[@]}" --features server --bin tprun --bin candle-tp-serve >&2
 log=$(mktemp)
-"$target_dir/release/tprun" --standalone --nproc-per-node "$NPROC" \
-  "$target_dir/release/candle-tp-serve" --model "$MODEL" --port 0 >"$log" 2>&1 &
+"$target_dir/$profile/tprun" --standalone --nproc-per-node "$NPROC" \
+  "$target_dir/$profile/candle-tp-serve" --model "$MODEL" --port 0 >"$log" 2>&1 &
 pid=$!
 trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -f "$log"' EXIT
 port=""
