@@ -317,6 +317,10 @@ impl TensorSource for SafetensorsSource {
         Ok(self.tensors.get(name).map(|e| Shape::from_dims(&e.shape)))
     }
 
+    fn num_tensors(&self) -> Option<usize> {
+        Some(self.tensors.len())
+    }
+
     fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         let entry = self.entry(name)?;
         let len = entry.bytes.len();
