@@ -202,3 +202,40 @@ fn explain(header: &[u8], data_len: usize) -> Option<String> {
     }
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `[0, 2^40, 2^40]` holds 0 bytes: the crate's validation (full product only) accepts it,
+    /// so the non-zero-dimension check above is what refuses it. If a new crate version starts
+    /// refusing it, this test says the extra check can go.
+    #[test]
+    fn the_crate_alone_accepts_a_zero_size_tensor_with_overflowing_dimensions() {
+        let header = br#"{"w":{"dtype":"F32","shape":[0,1099511627776,1099511627776],"data_offsets":[0,0]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        let (_, metadata) = SafeTensors::read_metadata(&file).expect("the crate accepts it");
+        let info = metadata.info("w").expect("tensor w");
+        assert!(nonzero_product_overflows(info));
+    }
+
+    /// The crate's errors name neither the file nor the tensor; `explain` does.
+    #[test]
+    fn explain_names_the_tensor_the_crate_does_not() {
+        let header = br#"{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        file.extend_from_slice(&[0; 16]);
+        let crate_msg = SafeTensors::read_metadata(&file).unwrap_err().to_string();
+        assert!(
+            !crate_msg.contains("'w'") && !crate_msg.contains("`w`"),
+            "{crate_msg}"
+        );
+        let ours = explain(header, 16).expect("a reason");
+        assert!(
+            ours.contains("'w'") && ours.contains("needs 12 bytes"),
+            "{ours}"
+        );
+    }
+}
