@@ -54,7 +54,7 @@ for k in sorted(tp):
     ratio = median(ratios) if ratios else nan
     rng = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
     e = median(effs) if effs else nan
-    eff.setdefault((k[0], k[1], k[2], n), []).append((k[3], e))
+    eff.setdefault((k[0], k[1], k[2], n), []).append((k[3], e, 1 / ratio if ratio else nan))
     print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {t1:.3f} ms | {ta:.3f} ms | {n}x{any_r['threads_per_rank']} | "
           f"{ttp:.3f} ms | {comm:.3f} ms | {ratio:.2f} | {rng} | {e:.2f} | {meas:.3f} | {model:.3f} |")
 
@@ -95,12 +95,14 @@ try:
 except (OSError, ValueError, KeyError):
     pass
 
-# TP efficiency T(1 rank, 1 thread) / (R * T(R ranks)) against d_model, for benches/mlp_plot.py.
+# Per point, for benches/mlp_plot.py: TP efficiency T(1 rank, 1 thread) / (R * T(R ranks)) and
+# the speed-up T(1 process, all cores) / T(R ranks) (the same cores either way).
 points = [
-    {"backend": b, "pass": pas, "seq_len": s, "ranks": n, "d_model": d, "efficiency": e}
+    {"backend": b, "pass": pas, "seq_len": s, "ranks": n, "d_model": d, "efficiency": e,
+     "speedup": sp, "cores": cores}
     for (b, pas, s, n), v in sorted(eff.items())
-    for d, e in v
-    if e == e  # not NaN
+    for d, e, sp in v
+    if e == e and sp == sp  # not NaN
 ]
 json.dump(points, open(f"{out}/tp_efficiency.json", "w"), indent=1)
 print(f"\nwrote {out}/results.csv and {out}/tp_efficiency.json")

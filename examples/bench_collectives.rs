@@ -21,6 +21,9 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_tp::comm::{Element, ProcessGroup, ReduceOp};
 use clap::Parser;
+
+#[path = "common/progress.rs"]
+mod progress;
 use half::bf16;
 
 #[derive(Parser, Debug)]
@@ -117,14 +120,21 @@ fn main() -> Result<()> {
         .iter()
         .map(|s| parse_size(s))
         .collect::<Result<_>>()?;
+    let bar = progress::Bar::new(
+        args.ops.len() * args.dtypes.len() * sizes.len(),
+        "size",
+        pg.rank() == 0,
+    );
     for op in &args.ops {
         for dtype in &args.dtypes {
             for &bytes in &sizes {
+                bar.set_message(format!("{op} {dtype} {bytes} bytes"));
                 let times = match dtype.as_str() {
                     "f32" => time_op::<f32>(&pg, op, bytes, args.budget_bytes)?,
                     "bf16" => time_op::<bf16>(&pg, op, bytes, args.budget_bytes)?,
                     other => bail!("unsupported dtype {other} (f32, bf16)"),
                 };
+                bar.inc();
                 let Some(mut times) = times else { continue };
                 if pg.rank() != 0 {
                     continue;
@@ -134,9 +144,7 @@ fn main() -> Result<()> {
                 let algbw = bytes as f64 / (median * 1e-6) / 1e9;
                 let factor = if op == "all_reduce" { 2.0 } else { 1.0 } * (world as f64 - 1.0)
                     / world as f64;
-                println!(
-                    "{}",
-                    serde_json::json!({
+                bar.println(serde_json::json!({
                         "impl": "candle-tp",
                         "op": op,
                         "dtype": dtype,
@@ -148,10 +156,10 @@ fn main() -> Result<()> {
                         "max_us": times[times.len() - 1],
                         "algbw_gbps": algbw,
                         "busbw_gbps": algbw * factor,
-                    })
-                );
+                }));
             }
         }
     }
+    bar.finish();
     Ok(())
 }

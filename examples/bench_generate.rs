@@ -31,6 +31,9 @@ use candle_tp::generate::{DistributedSampler, SamplingParams};
 use candle_tp::models::{Llama, LlamaConfig};
 use clap::Parser;
 
+#[path = "common/progress.rs"]
+mod progress;
+
 #[derive(Parser, Debug)]
 #[command(about = "Decode tokens/s: candle-tp's TP Llama vs candle-transformers' llama")]
 struct Args {
@@ -82,6 +85,13 @@ fn backend() -> &'static str {
     }
 }
 
+/// The decode loop's progress bar (a terminal only; an atomic add per token otherwise).
+fn decode_bar(args: &Args, show: bool) -> progress::Bar {
+    let bar = progress::Bar::new(args.new_tokens - 1, "token", show);
+    bar.set_message(format!("{} decode", args.implementation));
+    bar
+}
+
 fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
     let device = Device::Cpu;
     let pg = candle_tp::init_from_env(&device)?;
@@ -98,14 +108,17 @@ fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profil
     pg.barrier()?;
     candle_tp::set_matmul_timing(args.profile);
     let (mm0, comm0) = (candle_tp::matmul_time(), pg.stats());
+    let bar = decode_bar(args, pg.rank() == 0);
     let t1 = Instant::now();
     for step in 1..args.new_tokens {
         let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
         let logits = model.forward(&input, args.prompt_len + step - 1)?;
         next = sampler.sample(&logits.squeeze(0)?, model.lm_head())?;
         out.push(next);
+        bar.inc();
     }
     let decode = t1.elapsed().as_secs_f64();
+    bar.finish();
     candle_tp::set_matmul_timing(false);
     let steps = (args.new_tokens - 1) as f64;
     let profile = args.profile.then(|| {
@@ -148,13 +161,17 @@ fn single_process_greedy(
     let mut next = argmax(&Tensor::new(ids, &device)?.unsqueeze(0)?, 0)?;
     let prefill = t0.elapsed().as_secs_f64();
     let mut out = vec![next];
+    let bar = decode_bar(args, true);
     let t1 = Instant::now();
     for step in 1..args.new_tokens {
         let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
         next = argmax(&input, args.prompt_len + step - 1)?;
         out.push(next);
+        bar.inc();
     }
-    Ok((1, prefill, t1.elapsed().as_secs_f64(), out, true, None))
+    let decode = t1.elapsed().as_secs_f64();
+    bar.finish();
+    Ok((1, prefill, decode, out, true, None))
 }
 
 fn run_candle_transformers(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {

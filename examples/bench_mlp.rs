@@ -27,6 +27,9 @@ use candle_tp::comm::{CollectiveKind, ReduceOp};
 use candle_tp::{ColumnParallelLinear, Mlp, Partition, ProcessGroup, RowParallelLinear};
 use clap::Parser;
 
+#[path = "common/progress.rs"]
+mod progress;
+
 #[derive(Parser, Debug)]
 #[command(about = "Tensor-parallel MLP timing against one process (the seeds' study)")]
 struct Args {
@@ -109,6 +112,11 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let pg = candle_tp::init_from_env(&Device::Cpu)?;
     let (rank, world) = (pg.rank(), pg.size());
+    let bar = progress::Bar::new(
+        args.d_model.len() * args.seq_len.len() * args.pass.len(),
+        "config",
+        rank == 0,
+    );
     for &d in &args.d_model {
         let h = 4 * d;
         let part = Partition::new(h, world)?;
@@ -167,6 +175,7 @@ fn main() -> Result<()> {
             };
             let lambda_comms = words / (median(&mut t) * 1e-3);
             for pass in &args.pass {
+                bar.set_message(format!("d_model {d}, seq_len {s}, {pass}"));
                 let (mut times, comm) = match pass.as_str() {
                     "fwd" => time_iters(&pg, args.seconds, || {
                         let _ = mlp.forward(&x)?;
@@ -196,28 +205,27 @@ fn main() -> Result<()> {
                 } else {
                     0.0
                 };
+                bar.inc();
                 if rank == 0 {
-                    println!(
-                        "{}",
-                        serde_json::json!({
-                            "d_model": d,
-                            "seq_len": s,
-                            "pass": pass,
-                            "ranks": world,
-                            "threads_per_rank": threads(),
-                            "backend": backend(),
-                            "median_ms": med,
-                            "comm_ms": comm[0],
-                            "measured_comm_ratio": measured,
-                            "model_comm_ratio": model,
-                            "lambda_compute": lambda_compute,
-                            "lambda_comms": if world > 1 { lambda_comms } else { 0.0 },
-                            "dtype": format!("{:?}", DType::F32).to_lowercase(),
-                        })
-                    );
+                    bar.println(serde_json::json!({
+                        "d_model": d,
+                        "seq_len": s,
+                        "pass": pass,
+                        "ranks": world,
+                        "threads_per_rank": threads(),
+                        "backend": backend(),
+                        "median_ms": med,
+                        "comm_ms": comm[0],
+                        "measured_comm_ratio": measured,
+                        "model_comm_ratio": model,
+                        "lambda_compute": lambda_compute,
+                        "lambda_comms": if world > 1 { lambda_comms } else { 0.0 },
+                        "dtype": format!("{:?}", DType::F32).to_lowercase(),
+                    }));
                 }
             }
         }
     }
+    bar.finish();
     Ok(())
 }

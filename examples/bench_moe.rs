@@ -24,6 +24,9 @@ use candle_tp::comm::CollectiveKind;
 use candle_tp::{run_threads, MoeConfig, ProcessGroup, ShardedVarBuilder, SparseMoe};
 use clap::Parser;
 
+#[path = "common/progress.rs"]
+mod progress;
+
 #[derive(Parser, Debug)]
 #[command(about = "Sparse MoE layer: 2 ranks against 1 rank, same threads")]
 struct Args {
@@ -128,7 +131,8 @@ fn main() -> Result<()> {
     };
     let tensors = weights(&args)?;
     let backend = if cfg!(feature = "mkl") { "mkl" } else { "gemm" };
-    let lines = run_threads(2, move |pg| -> candle_core::Result<Vec<String>> {
+    let bar = progress::Bar::new(args.tokens.len() * (args.rounds + 1), "round", true);
+    let lines = run_threads(2, |pg| -> candle_core::Result<Vec<String>> {
         let err = |e: anyhow::Error| candle_core::Error::msg(e.to_string());
         let dev = Device::Cpu;
         let vb =
@@ -146,6 +150,9 @@ fn main() -> Result<()> {
             let x = candle_tp::rng::seeded_uniform(&[1, n, args.hidden], 7, 1.0, &dev)?;
             let (mut t1, mut t2, mut ar) = (Vec::new(), Vec::new(), Vec::new());
             for round in 0..=args.rounds {
+                if pg.rank() == 0 {
+                    bar.set_message(format!("{n} tokens"));
+                }
                 // Round 0 warms up both modes and is not counted.
                 pg.barrier().map_err(candle_core::Error::wrap)?;
                 if let Some(w) = &whole {
@@ -165,6 +172,9 @@ fn main() -> Result<()> {
                     t2.extend(t.iter().map(|p| p.0));
                     ar.extend(t.iter().map(|p| p.1));
                 }
+                if pg.rank() == 0 {
+                    bar.inc();
+                }
             }
             if pg.rank() == 0 {
                 let (m1, m2, a) = (median(&mut t1), median(&mut t2), median(&mut ar));
@@ -183,8 +193,9 @@ fn main() -> Result<()> {
         }
         Ok(out)
     })?;
+    bar.finish();
     for l in &lines[0] {
-        println!("{l}");
+        bar.println(l);
     }
     Ok(())
 }

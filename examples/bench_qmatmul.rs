@@ -29,6 +29,9 @@ use candle_core::{Device, Module, Tensor};
 use candle_tp::quant::QuantMatMul;
 use candle_tp::rng::seeded_uniform;
 use clap::Parser;
+
+#[path = "common/progress.rs"]
+mod progress;
 use serde_json::json;
 
 #[derive(Parser, Debug)]
@@ -212,9 +215,14 @@ fn main() -> Result<()> {
     // (shape, m, threads, impl) -> samples (µs); (shape, impl) -> weight bytes
     let mut samples: BTreeMap<(String, usize, usize, String), Vec<f64>> = BTreeMap::new();
     let mut weight_bytes: BTreeMap<(String, String), usize> = BTreeMap::new();
+    let bar = progress::Bar::new(args.passes * args.threads.len(), "run", true);
     for pass in 0..args.passes {
         for &t in &args.threads {
-            eprintln!("pass {}/{}: {t} thread(s)", pass + 1, args.passes);
+            let step = format!("pass {}/{}: {t} thread(s)", pass + 1, args.passes);
+            if !bar.visible() {
+                eprintln!("{step}");
+            }
+            bar.set_message(step);
             let out = Command::new(&exe)
                 .args(["--child", "--rounds", &args.rounds.to_string()])
                 .args(["--batch-ms", &args.batch_ms.to_string()])
@@ -250,8 +258,10 @@ fn main() -> Result<()> {
                     .or_default()
                     .push(us.parse()?);
             }
+            bar.inc();
         }
     }
+    bar.finish();
     let mut medians = BTreeMap::new();
     for ((shape, m, t, name), v) in samples.iter_mut() {
         let (n, k) = parse_shape(shape)?;

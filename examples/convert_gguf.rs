@@ -5,11 +5,17 @@
 //! ```text
 //! cargo run --release --example convert_gguf -- --gguf model.gguf --out model-dir
 //! ```
+//!
+//! Under a terminal, stderr shows a progress bar over the tensors (indicatif); on a pipe or a
+//! file (CI logs, `scripts/fetch-models.sh` under a log) nothing but the summary is printed.
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
+use candle_tp::convert::ConvertStep;
 use clap::Parser;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Convert a Llama GGUF file into a Hugging Face checkpoint directory.
 #[derive(Parser, Debug)]
@@ -25,13 +31,37 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let start = Instant::now();
-    let summary = candle_tp::convert::convert_gguf(&args.gguf, &args.out).with_context(|| {
+    // indicatif draws only on a terminal anyway; the explicit test keeps the bar (and its
+    // final line) out of pipes even when TERM tricks it.
+    let bar = if std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} tensor {pos}/{len}  {msg}  {elapsed} (eta {eta})")
+            .map_err(|e| anyhow::anyhow!("progress bar template: {e}"))?,
+    );
+    let summary = candle_tp::convert::convert_gguf_with_progress(
+        &args.gguf,
+        &args.out,
+        &mut |step| match step {
+            ConvertStep::Tensor { done, total, name } => {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+                bar.set_message(name.to_string());
+            }
+            ConvertStep::Writing => bar.set_message("writing model.safetensors"),
+        },
+    )
+    .with_context(|| {
         format!(
             "converting {} into {}",
             args.gguf.display(),
             args.out.display()
         )
     })?;
+    bar.finish_and_clear();
     let c = &summary.config;
     println!(
         "converted {} in {:.1}s: {} layers, hidden {}, {} heads ({} KV), vocab {}, {} tensors",

@@ -17,8 +17,9 @@
 //! `token_ids`, `tokens_per_s` (decode), `load_s`, `rss_bytes` (anonymous resident memory of
 //! each rank after loading).
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -28,6 +29,7 @@ use candle_tp::models::CausalLm;
 use candle_tp::ops::gather_from_tp;
 use candle_tp::ProcessGroup;
 use clap::Parser;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokenizers::Tokenizer;
 
 #[derive(Parser, Debug)]
@@ -273,7 +275,24 @@ fn main() -> Result<()> {
         None => default_model_dir()?,
     };
     let t0 = Instant::now();
-    let mut model = CausalLm::from_path(&dir, dtype, &device, pg.clone()).with_context(|| {
+    // Rank 0's tensors as a progress bar, on a terminal only (under tprun stderr is a pipe).
+    let bar = if pg.rank() == 0 && std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} loading tensor {pos}/{len}  {msg}  {elapsed}")
+            .map_err(|e| anyhow!("progress bar template: {e}"))?,
+    );
+    let shown = bar.clone();
+    let progress = Arc::new(move |done: usize, total: usize, name: &str| {
+        shown.set_length(total as u64);
+        shown.set_position(done as u64);
+        shown.set_message(name.to_string());
+    });
+    let mut model = CausalLm::from_path_with_progress(&dir, dtype, &device, pg.clone(), progress)
+        .with_context(|| {
         format!(
             "loading {} on rank {} of {}",
             dir.display(),
@@ -281,6 +300,7 @@ fn main() -> Result<()> {
             pg.size()
         )
     })?;
+    bar.finish_and_clear();
     let load_s = t0.elapsed().as_secs_f64();
     let mut rss = vec![0i64; pg.size()];
     pg.all_gather_slice(&[rss_anon_bytes()?], &mut rss)?;

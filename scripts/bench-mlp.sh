@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The seeds' study in one run: the MLP (d -> 4d -> d, batch 1) with one process x 1 thread,
 # one process x all cores, and R = 2, 3, 4 ranks x (cores / R) threads under tprun; then the
-# ratio table, a CSV and a plot of TP efficiency against d_model for each R (matplotlib, PNG and
-# SVG; matplotlib is installed once into a venv under $CANDLE_TP_HOME).
+# ratio table, a CSV and two plots (matplotlib, PNG and SVG; matplotlib is installed once into a
+# venv under $CANDLE_TP_HOME): tp_speedup (R ranks against one process with every core) and
+# tp_efficiency (against one thread), both per d_model.
 #
 #   scripts/bench-mlp.sh                                  # everything, 3 rounds (~15 min)
 #   scripts/bench-mlp.sh --d-model 1024,2048 --seq-len 128 --pass fwd --ranks "2"
@@ -62,6 +63,9 @@ if command -v gcc >/dev/null && gcc -O2 -march=native benches/fma_peak.c -o "$ta
   echo "==> FMA peak of one core: $(cat "$out/peak.json")" >&2
 fi
 
+# The machine's load, printed under the plots' title (this machine is often shared).
+load_start=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo "?")
+
 # Tags each JSON line with its round.
 tag() { sed -u "s/^{/{\"round\":$1,/"; }
 
@@ -96,7 +100,9 @@ if [ ! -f "$plot_venv/.complete" ]; then
   fi
 fi
 if [ -f "$plot_venv/.complete" ]; then
-  "$plot_venv/bin/python" benches/mlp_plot.py "$out"
+  load_end=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo "?")
+  "$plot_venv/bin/python" benches/mlp_plot.py "$out" \
+    "$rounds round(s), $(date -u +%Y-%m-%d); 1-minute load average $load_start at the start, $load_end at the end"
 else
   echo "no plot: matplotlib could not be installed (the table and CSV above are complete)" >&2
 fi

@@ -70,7 +70,10 @@ fetch_wheel() {
     tmp="$(mktemp -d "$DOWNLOADS/.pip.XXXXXX")"
     TMP_PATHS+=("$tmp")
     log "pip download --no-deps $pkg"
-    "$PYTHON" -m pip download --no-deps --disable-pip-version-check --quiet -d "$tmp" "$pkg"
+    # pip's own progress bar when stderr is a terminal; quiet in logs and pipes.
+    local quiet=(--quiet)
+    [[ -t 2 ]] && quiet=(--progress-bar on)
+    "$PYTHON" -m pip download --no-deps --disable-pip-version-check "${quiet[@]}" -d "$tmp" "$pkg" >&2
     [[ -f "$tmp/$wheel" ]] || die "pip download $pkg did not produce $wheel (got: $(ls "$tmp"))"
     local got
     got="$(sha256_of "$tmp/$wheel")"

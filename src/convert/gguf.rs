@@ -333,15 +333,18 @@ pub fn unpermute_rotary(t: &Tensor, n_head: usize) -> Result<Tensor> {
 
 /// Reads every tensor of the GGUF, dequantizes it to f32 and returns it under its Hugging
 /// Face name with the Hugging Face row order. Every tensor must be known and have the shape
-/// the configuration implies; every required tensor must be present.
+/// the configuration implies; every required tensor must be present. `progress(done, total,
+/// hf_name)` is called after each tensor.
 pub fn convert_weights<R: Read + Seek>(
     content: &Content,
     reader: &mut R,
     cfg: &LlamaGgufConfig,
     path: &Path,
+    progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<HashMap<String, Tensor>> {
     let file = path.display();
     let by_name: BTreeMap<&String, &TensorInfo> = content.tensor_infos.iter().collect();
+    let total = by_name.len();
     let mut out = HashMap::with_capacity(by_name.len());
     for (name, info) in by_name {
         let hf = hf_tensor_name(name).ok_or_else(|| {
@@ -390,6 +393,7 @@ pub fn convert_weights<R: Read + Seek>(
         if out.insert(hf.clone(), t).is_some() {
             candle_core::bail!("{file}: two tensors map to {hf}");
         }
+        progress(out.len(), total, &hf);
     }
     for req in cfg.required_tensors() {
         if !out.contains_key(&req) {

@@ -64,6 +64,34 @@ pub struct ConvertSummary {
 /// Only the `llama` architecture with a `gpt2` (byte-level BPE) vocabulary is supported;
 /// anything else is refused with an error naming the metadata key.
 pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<ConvertSummary> {
+    convert_gguf_with_progress(gguf_path, out_dir, &mut |_| {})
+}
+
+/// One step of [`convert_gguf_with_progress`]: the tensors are dequantized one by one, then
+/// `model.safetensors` is written.
+#[derive(Debug, Clone, Copy)]
+pub enum ConvertStep<'a> {
+    /// Tensor `done` of `total` (its Hugging Face name) has been dequantized.
+    Tensor {
+        /// Tensors dequantized so far, this one included.
+        done: usize,
+        /// Tensors in the GGUF.
+        total: usize,
+        /// The Hugging Face name of the tensor just done.
+        name: &'a str,
+    },
+    /// Every tensor is dequantized; `model.safetensors` is being written.
+    Writing,
+}
+
+/// [`convert_gguf`], calling `progress` after each tensor and before the weights are written,
+/// so that a caller can draw a progress bar (`examples/convert_gguf.rs` draws one with
+/// indicatif when stderr is a terminal). The library itself prints nothing.
+pub fn convert_gguf_with_progress(
+    gguf_path: &Path,
+    out_dir: &Path,
+    progress: &mut dyn FnMut(ConvertStep<'_>),
+) -> Result<ConvertSummary> {
     let file = File::open(gguf_path).map_err(|e| {
         Error::Msg(format!(
             "cannot open GGUF file {}: {e}",
@@ -114,7 +142,14 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<ConvertSummary> 
         files.push(path);
     }
 
-    let tensors = convert_weights(&content, &mut reader, &config, gguf_path)?;
+    let tensors = convert_weights(
+        &content,
+        &mut reader,
+        &config,
+        gguf_path,
+        &mut |done, total, name| progress(ConvertStep::Tensor { done, total, name }),
+    )?;
+    progress(ConvertStep::Writing);
     let num_tensors = tensors.len();
     let st_path = out_dir.join("model.safetensors");
     candle_core::safetensors::save(&tensors, &st_path)

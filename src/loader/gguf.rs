@@ -153,6 +153,10 @@ impl GgufSource {
 }
 
 impl TensorSource for GgufSource {
+    fn num_tensors(&self) -> Option<usize> {
+        Some(self.entries.len())
+    }
+
     fn shape(&self, name: &str) -> Result<Option<Shape>> {
         Ok(self
             .entries

@@ -1,6 +1,8 @@
 //! Loading weights: tensor sources and the sharded var builder.
 pub mod gguf;
 pub mod gguf_header;
+pub mod progress;
+pub use progress::{LoadProgress, ProgressSource};
 pub mod quant_shard;
 pub mod safetensors;
 pub use gguf::GgufSource;

@@ -1,6 +1,7 @@
 //! A memory-mapped, sharded safetensors checkpoint that reads only the bytes each rank needs.
 //!
-//! [`SafetensorsSource`] parses the safetensors headers itself, memory-maps every file and
+//! [`SafetensorsSource`] memory-maps every file, has the `safetensors` crate parse and validate
+//! its header (with the checks it lacks and readable errors added in `header.rs`), and
 //! serves [`TensorSource::load_ranges`] by copying, straight from the map into the output
 //! buffer, only the runs of bytes that make up the requested slice. Any dimension can be
 //! split, in uneven pieces, and several ranges (the q, k and v rows of a fused `qkv_proj`)
@@ -11,8 +12,9 @@
 //! truncated file gives an error naming the file and the tensor, never a panic, an
 //! out-of-bounds read or a huge allocation.
 
+mod header;
+
 use std::collections::HashMap;
-use std::fs::File;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::path::{Component, Path, PathBuf};
@@ -21,10 +23,9 @@ use candle_core::{bail, DType, Device, Result, Shape, Tensor, WithDType};
 use memmap2::Mmap;
 use serde_json::Value;
 
+use self::header::open_file;
 use super::source::TensorSource;
 
-/// Largest header accepted; real headers are a few hundred KiB at most.
-const MAX_HEADER_LEN: u64 = 100 * 1024 * 1024;
 /// The single-file checkpoint name.
 const SINGLE_FILE: &str = "model.safetensors";
 /// The index of a sharded checkpoint.
@@ -316,6 +317,10 @@ impl TensorSource for SafetensorsSource {
         Ok(self.tensors.get(name).map(|e| Shape::from_dims(&e.shape)))
     }
 
+    fn num_tensors(&self) -> Option<usize> {
+        Some(self.tensors.len())
+    }
+
     fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         let entry = self.entry(name)?;
         let len = entry.bytes.len();
@@ -453,151 +458,6 @@ fn shard_path(dir: &Path, index: &Path, shard: &str) -> Result<PathBuf> {
         );
     }
     Ok(dir.join(rel))
-}
-
-/// The bit width of each safetensors dtype, and the candle dtype for those this source loads.
-fn dtype_info(st: &str) -> Option<(usize, Option<DType>)> {
-    Some(match st {
-        "F32" => (32, Some(DType::F32)),
-        "F16" => (16, Some(DType::F16)),
-        "BF16" => (16, Some(DType::BF16)),
-        "F64" => (64, Some(DType::F64)),
-        "I64" => (64, Some(DType::I64)),
-        "U32" => (32, Some(DType::U32)),
-        "U8" => (8, Some(DType::U8)),
-        "F4" => (4, None),
-        "F6_E2M3" | "F6_E3M2" => (6, None),
-        "BOOL" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" | "F8_E4M3FNUZ" | "F8_E5M2FNUZ" => {
-            (8, None)
-        }
-        "I16" | "U16" => (16, None),
-        "I32" => (32, None),
-        "U64" | "C64" => (64, None),
-        _ => return None,
-    })
-}
-
-/// The JSON header entry of one tensor.
-#[derive(serde::Deserialize)]
-struct RawEntry {
-    dtype: String,
-    shape: Vec<usize>,
-    data_offsets: [u64; 2],
-}
-
-/// Maps one file and validates its header. The entries' `file` field is left at 0.
-fn open_file(path: &Path) -> Result<(MappedFile, HashMap<String, Entry>)> {
-    let p = path.display();
-    let file =
-        File::open(path).map_err(|e| candle_core::Error::Msg(format!("cannot open {p}: {e}")))?;
-    let file_len = file
-        .metadata()
-        .map_err(|e| candle_core::Error::Msg(format!("cannot stat {p}: {e}")))?
-        .len();
-    if file_len < 8 {
-        bail!(
-            "{p} is truncated: {file_len} bytes, shorter than the 8-byte safetensors header length"
-        );
-    }
-    // SAFETY: the map is read-only; the files must not be modified while mapped (documented
-    // on `SafetensorsSource`).
-    let mmap = unsafe { Mmap::map(&file) }
-        .map_err(|e| candle_core::Error::Msg(format!("cannot memory-map {p}: {e}")))?;
-    let mut len_bytes = [0u8; 8];
-    len_bytes.copy_from_slice(&mmap[..8]);
-    let header_len = u64::from_le_bytes(len_bytes);
-    if header_len > MAX_HEADER_LEN {
-        bail!("{p}: header length {header_len} bytes is absurd (limit {MAX_HEADER_LEN}); not a safetensors file?");
-    }
-    if header_len > file_len - 8 {
-        bail!(
-            "{p} is truncated: header length {header_len} bytes but only {} bytes follow",
-            file_len - 8
-        );
-    }
-    // Both fit in usize: they are bounded by the length of the map.
-    let data_start = 8 + header_len as usize;
-    let data_len = mmap.len() - data_start;
-    let header: serde_json::Map<String, Value> = serde_json::from_slice(&mmap[8..data_start])
-        .map_err(|e| candle_core::Error::Msg(format!("{p}: header is not a JSON object: {e}")))?;
-    let mut entries = HashMap::with_capacity(header.len());
-    let mut spans: Vec<(u64, u64, &str)> = Vec::with_capacity(header.len());
-    for (name, value) in &header {
-        if name == "__metadata__" {
-            continue;
-        }
-        let raw: RawEntry = serde_json::from_value(value.clone()).map_err(|e| {
-            candle_core::Error::Msg(format!(
-                "{p}: header entry of tensor '{name}' is not {{dtype, shape, data_offsets}}: {e}"
-            ))
-        })?;
-        let [begin, end] = raw.data_offsets;
-        if begin > end {
-            bail!("{p}: tensor '{name}' has reversed data_offsets [{begin}, {end}]");
-        }
-        if end > data_len as u64 {
-            bail!(
-                "{p}: tensor '{name}' data_offsets [{begin}, {end}] run past the end of the data section ({data_len} bytes); file truncated?"
-            );
-        }
-        let Some((bits, dtype)) = dtype_info(&raw.dtype) else {
-            bail!("{p}: tensor '{name}' has unknown dtype {:?}", raw.dtype);
-        };
-        // The product skipping zero dimensions must not overflow either: slicing a tensor
-        // multiplies sub-products of its shape ([0, 2^40, 2^40] holds 0 bytes).
-        let nonzero_fits = raw
-            .shape
-            .iter()
-            .filter(|&&d| d != 0)
-            .try_fold(bits as u64, |acc, &d| acc.checked_mul(d as u64))
-            .is_some_and(|b| usize::try_from(b).is_ok());
-        let expected = raw
-            .shape
-            .iter()
-            .try_fold(bits as u64, |acc, &d| acc.checked_mul(d as u64))
-            .filter(|b| nonzero_fits && b % 8 == 0)
-            .map(|b| b / 8);
-        let Some(expected) = expected else {
-            bail!(
-                "{p}: tensor '{name}' of shape {:?} and dtype {}: byte size overflows or is not a whole number of bytes",
-                raw.shape,
-                raw.dtype
-            );
-        };
-        if expected != end - begin {
-            bail!(
-                "{p}: tensor '{name}' of shape {:?} and dtype {} needs {expected} bytes but data_offsets [{begin}, {end}] hold {}",
-                raw.shape,
-                raw.dtype,
-                end - begin
-            );
-        }
-        if begin < end {
-            spans.push((begin, end, name));
-        }
-        entries.insert(
-            name.clone(),
-            Entry {
-                file: 0,
-                dtype: dtype.ok_or_else(|| raw.dtype.clone()),
-                shape: raw.shape,
-                bytes: data_start + begin as usize..data_start + end as usize,
-            },
-        );
-    }
-    // Non-empty spans sorted by start overlap exactly when one starts before the previous ends.
-    spans.sort_unstable();
-    for w in spans.windows(2) {
-        let ((b0, e0, n0), (b1, e1, n1)) = (w[0], w[1]);
-        if b1 < e0 {
-            bail!("{p}: tensors '{n0}' [{b0}, {e0}] and '{n1}' [{b1}, {e1}] overlap");
-        }
-    }
-    let file = MappedFile {
-        path: path.to_path_buf(),
-        mmap,
-    };
-    Ok((file, entries))
 }
 
 /// Up to `k` names closest to `name` by edit distance (only reasonably close ones).

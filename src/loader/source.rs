@@ -82,6 +82,11 @@ pub trait TensorSource: Send + Sync {
         let _ = (name, dim);
         Ok(1)
     }
+
+    /// How many tensors the source holds, when it knows (for progress reports).
+    fn num_tensors(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Narrows `full` to `ranges` along `dim` and concatenates them, with errors that name the
@@ -144,6 +149,10 @@ impl TensorMapSource {
 impl TensorSource for TensorMapSource {
     fn shape(&self, name: &str) -> Result<Option<Shape>> {
         Ok(self.tensors.get(name).map(|t| t.shape().clone()))
+    }
+
+    fn num_tensors(&self) -> Option<usize> {
+        Some(self.tensors.len())
     }
 
     fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {

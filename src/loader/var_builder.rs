@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Shape, Tensor};
 
 use super::gguf::GgufSource;
+use super::progress::{LoadProgress, ProgressSource};
 use super::safetensors::SafetensorsSource;
 use super::source::{TensorMapSource, TensorSource, VarBuilderSource, WeightShard};
 use crate::comm::ProcessGroup;
@@ -99,6 +100,16 @@ impl ShardedVarBuilder {
             device,
             pg,
         ))
+    }
+
+    /// This builder with every tensor read reported to `progress` (see [`LoadProgress`]);
+    /// the total is the number of tensors in the source, when it knows.
+    pub fn with_progress(self, progress: LoadProgress) -> Self {
+        let total = self.source.num_tensors().unwrap_or(0);
+        Self {
+            source: Arc::new(ProgressSource::new(self.source, total, progress)),
+            ..self
+        }
     }
 
     /// The builder for the sub-module `name` (`vb.pp("mlp").pp("up_proj")`).

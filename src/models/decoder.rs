@@ -13,7 +13,7 @@ mod batch;
 pub use batch::SeqStep;
 
 use crate::comm::ProcessGroup;
-use crate::loader::ShardedVarBuilder;
+use crate::loader::{LoadProgress, ShardedVarBuilder};
 use crate::nn::{
     load_rms_norm, AttentionConfig, GatedMlp, MoeConfig, ParallelAttention, ParallelLmHead,
     RmsNormSpec, RotaryEmbedding, SparseMoe, VocabParallelEmbedding,
@@ -307,6 +307,30 @@ impl CausalLm {
             Self::from_gguf(path, device, pg)
         } else {
             Self::from_dir(path, dtype, device, pg)
+        }
+    }
+
+    /// [`CausalLm::from_path`], reporting every tensor this rank reads to `progress` (for a
+    /// progress bar: `examples/generate.rs` draws one on a terminal).
+    pub fn from_path_with_progress(
+        path: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+        progress: LoadProgress,
+    ) -> Result<Self> {
+        let path = path.as_ref();
+        if is_gguf(path) {
+            let (config, vb) = open_gguf(path, device, pg)?;
+            let origin = path.display().to_string();
+            let config = crate::models::family::config_from_json(&config, &origin)?;
+            Self::load(&config, vb.with_progress(progress))
+        } else {
+            let (config, vb) = open_dir(path, dtype, device, pg)?;
+            Self::load(
+                &DecoderConfig::from_file(config)?,
+                vb.with_progress(progress),
+            )
         }
     }
 

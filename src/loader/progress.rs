@@ -1,0 +1,136 @@
+//! Progress of a model load, for a caller that wants to draw it (a progress bar in
+//! `examples/generate.rs`). The library prints nothing itself.
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Result, Shape, Tensor};
+
+use super::source::{TensorSource, WeightShard};
+
+/// Called after each tensor a rank reads: `(tensors read so far, tensors in the checkpoint,
+/// name)`. The total is what the source holds (a model may read fewer: tied embeddings); when
+/// the source cannot tell, it grows with the count.
+pub type LoadProgress = Arc<dyn Fn(usize, usize, &str) + Send + Sync>;
+
+/// A [`TensorSource`] that reports every tensor read through another one to a
+/// [`LoadProgress`] callback. Reading a tensor twice (whole, then a slice) counts once.
+pub struct ProgressSource {
+    inner: Arc<dyn TensorSource>,
+    total: usize,
+    seen: Mutex<HashSet<String>>,
+    progress: LoadProgress,
+}
+
+impl ProgressSource {
+    /// Wraps `inner`; `total` is the count reported as the end (see [`LoadProgress`]).
+    pub fn new(inner: Arc<dyn TensorSource>, total: usize, progress: LoadProgress) -> Self {
+        Self {
+            inner,
+            total,
+            seen: Mutex::new(HashSet::new()),
+            progress,
+        }
+    }
+
+    fn report<T>(&self, name: &str, result: Result<T>) -> Result<T> {
+        if result.is_ok() {
+            let done = {
+                let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+                seen.insert(name.to_string());
+                seen.len()
+            };
+            (self.progress)(done, self.total.max(done), name);
+        }
+        result
+    }
+}
+
+impl TensorSource for ProgressSource {
+    fn shape(&self, name: &str) -> Result<Option<Shape>> {
+        self.inner.shape(name)
+    }
+
+    fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        self.report(name, self.inner.load(name, dtype, device))
+    }
+
+    fn load_ranges(
+        &self,
+        name: &str,
+        dim: usize,
+        ranges: &[Range<usize>],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        self.report(
+            name,
+            self.inner.load_ranges(name, dim, ranges, dtype, device),
+        )
+    }
+
+    fn load_weight(
+        &self,
+        name: &str,
+        dim: usize,
+        ranges: &[Range<usize>],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<WeightShard> {
+        self.report(
+            name,
+            self.inner.load_weight(name, dim, ranges, dtype, device),
+        )
+    }
+
+    fn split_unit(&self, name: &str, dim: usize) -> Result<usize> {
+        self.inner.split_unit(name, dim)
+    }
+
+    fn num_tensors(&self) -> Option<usize> {
+        self.inner.num_tensors()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::loader::{ShardedVarBuilder, TensorMapSource};
+    use crate::ProcessGroup;
+
+    #[test]
+    fn every_tensor_read_is_reported_once_against_the_source_total() -> Result<()> {
+        let cpu = Device::Cpu;
+        let tensors = HashMap::from([
+            ("a".to_string(), Tensor::zeros((4, 2), DType::F32, &cpu)?),
+            ("b".to_string(), Tensor::zeros(3, DType::F32, &cpu)?),
+            ("unused".to_string(), Tensor::zeros(1, DType::F32, &cpu)?),
+        ]);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let progress: LoadProgress = Arc::new(move |done, total, name: &str| {
+            log.lock().unwrap().push((done, total, name.to_string()));
+        });
+        let vb = ShardedVarBuilder::new(
+            Arc::new(TensorMapSource::new(tensors)),
+            DType::F32,
+            &cpu,
+            ProcessGroup::single(),
+        )
+        .with_progress(progress);
+        vb.get((4, 2), "a")?;
+        vb.get_sharded((4, 2), "a", 0, &crate::Partition::new(4, 1)?)?;
+        vb.get(3, "b")?;
+        assert!(vb.get(7, "missing").is_err());
+        let seen = seen.lock().unwrap().clone();
+        let want = [(1, 3, "a"), (1, 3, "a"), (2, 3, "b")];
+        assert_eq!(seen.len(), want.len(), "{seen:?}");
+        for ((done, total, name), (d, t, n)) in seen.iter().zip(want) {
+            assert_eq!((*done, *total, name.as_str()), (d, t, n), "{seen:?}");
+        }
+        Ok(())
+    }
+}
