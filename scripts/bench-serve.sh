@@ -26,7 +26,7 @@ log=$(mktemp)
 "$target_dir/$PROFILE/tprun" --standalone --nproc-per-node "$NPROC" \
   "$target_dir/$PROFILE/candle-tp-serve" --model "$MODEL" --port 0 --max-batch 16 >"$log" 2>&1 &
 pid=$!
-trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -f "$log"' EXIT
+trap 'kill -TERM $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
 port=""
 for _ in $(seq 1 600); do
   port=$(sed -n 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "$log" | head -n 1)

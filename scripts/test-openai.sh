@@ -32,7 +32,7 @@ log=$(mktemp)
 "$target_dir/$profile/tprun" --standalone --nproc-per-node "$NPROC" \
   "$target_dir/$profile/candle-tp-serve" --model "$MODEL" --port 0 >"$log" 2>&1 &
 pid=$!
-trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -f "$log"' EXIT
+trap 'kill -TERM $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
 port=""
 for _ in $(seq 1 600); do
   port=$(sed -n 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "$log" | head -n 1)
