@@ -17,24 +17,9 @@ MAX_TOKENS="${MAX_TOKENS:-64}"
 LEVELS="${LEVELS:-1,4,8,16}"
 PROFILE="${PROFILE:-release}"
 target_dir="${CARGO_TARGET_DIR:-target}"
-if [ "$PROFILE" = release ]; then
-  cargo build --release --quiet --features server --bin tprun --bin candle-tp-serve >&2
-else
-  cargo build --quiet --features server --bin tprun --bin candle-tp-serve >&2
-fi
-log=$(mktemp)
-"$target_dir/$PROFILE/tprun" --standalone --nproc-per-node "$NPROC" \
-  "$target_dir/$PROFILE/candle-tp-serve" --model "$MODEL" --port 0 --max-batch 16 >"$log" 2>&1 &
-pid=$!
-trap 'kill -TERM $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
-port=""
-for _ in $(seq 1 600); do
-  port=$(sed -n 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "$log" | head -n 1)
-  [ -n "$port" ] && break
-  kill -0 $pid 2>/dev/null || { cat "$log" >&2; exit 1; }
-  sleep 0.2
-done
-[ -n "$port" ] || { echo "the server did not start" >&2; cat "$log" >&2; exit 1; }
+# shellcheck source=scripts/lib/start-server.sh
+. scripts/lib/start-server.sh
+start_server "$PROFILE" --max-batch 16
 echo "server on port $port ($NPROC ranks, $MODEL)" >&2
 python3 scripts/bench_serve.py "$port" --levels "$LEVELS" --max-tokens "$MAX_TOKENS" | python3 -c '
 import json, sys

@@ -15,11 +15,7 @@ MODEL="${MODEL:-$HOME_DIR/models/smollm2-135m-instruct}"
 VENV="$HOME_DIR/venv-openai"
 target_dir="${CARGO_TARGET_DIR:-target}"
 profile=debug
-cargo_profile=()
-if [ "${1:-}" = --release ]; then
-  profile=release
-  cargo_profile=(--release)
-fi
+[ "${1:-}" = --release ] && profile=release
 if [ ! -f "$VENV/.complete" ] || ! "$VENV/bin/python" -c 'import openai' 2>/dev/null; then
   echo "==> installing the openai client into $VENV" >&2
   rm -rf "$VENV"
@@ -27,20 +23,9 @@ if [ ! -f "$VENV/.complete" ] || ! "$VENV/bin/python" -c 'import openai' 2>/dev/
   "$VENV/bin/pip" install --quiet 'openai>=1.40,<3'
   touch "$VENV/.complete"
 fi
-cargo build --quiet "${cargo_profile[@]}" --features server --bin tprun --bin candle-tp-serve >&2
-log=$(mktemp)
-"$target_dir/$profile/tprun" --standalone --nproc-per-node "$NPROC" \
-  "$target_dir/$profile/candle-tp-serve" --model "$MODEL" --port 0 >"$log" 2>&1 &
-pid=$!
-trap 'kill -TERM $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
-port=""
-for _ in $(seq 1 600); do
-  port=$(sed -n 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "$log" | head -n 1)
-  [ -n "$port" ] && break
-  kill -0 $pid 2>/dev/null || { cat "$log" >&2; exit 1; }
-  sleep 0.2
-done
-[ -n "$port" ] || { cat "$log" >&2; exit 1; }
+# shellcheck source=scripts/lib/start-server.sh
+. scripts/lib/start-server.sh
+start_server "$profile"
 model=$(curl -sf "localhost:$port/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 echo "==> curl, non-streaming"
 curl -sf "localhost:$port/v1/chat/completions" -H 'Content-Type: application/json' \

@@ -1,0 +1,29 @@
+# Sourced by scripts/test-openai.sh and scripts/bench-serve.sh: builds tprun and
+# candle-tp-serve, starts the server under tprun on a free port and waits until it listens.
+#
+#   start_server debug|release [candle-tp-serve options...]
+#
+# Needs NPROC, MODEL and target_dir; sets pid (tprun), log (its output) and port, and an EXIT
+# trap that stops the job and removes the log.
+start_server() {
+  local profile="$1"; shift
+  local cargo_profile=()
+  [ "$profile" = release ] && cargo_profile=(--release)
+  cargo build --quiet "${cargo_profile[@]}" --features server --bin tprun --bin candle-tp-serve >&2
+  log=$(mktemp)
+  "$target_dir/$profile/tprun" --standalone --nproc-per-node "$NPROC" \
+    "$target_dir/$profile/candle-tp-serve" --model "$MODEL" --port 0 "$@" >"$log" 2>&1 &
+  pid=$!
+  # `|| true`: set -e applies inside traps, and wait reports the TERM we sent (143).
+  trap 'kill -TERM $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
+  port=""
+  for _ in $(seq 1 600); do
+    port=$(sed -n 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "$log" | head -n 1)
+    [ -n "$port" ] && return 0
+    kill -0 "$pid" 2>/dev/null || { cat "$log" >&2; exit 1; }
+    sleep 0.2
+  done
+  echo "the server did not start in 120 s" >&2
+  cat "$log" >&2
+  exit 1
+}
