@@ -1,9 +1,12 @@
 //! Decode-time (m = 1) matmul speed of candle-tp's Q4_1 kernel against candle's `QMatMul`
-//! (Q4_1, and Q4_0 / Q8_0 on the same shapes) and the f32 matmul, at 1 and 2 threads.
+//! (Q4_1, and Q4_0 / Q8_0 on the same shapes) and the f32 matmul, at 1 and 2 threads; and the
+//! f32 matmul of candle against candle-tp's small-m kernel (`quant::matmul_small_m`, what a
+//! batch of decode streams runs: `--m 1,2,4,8,16`).
 //!
 //! ```text
 //! cargo run --release --example bench_qmatmul                         # SmolLM2's shapes, m = 1
 //! cargo run --release --example bench_qmatmul -- --m 1,7 --passes 5
+//! cargo run --release --example bench_qmatmul -- --m 1,2,4,8,16 --footprint-mib 128
 //! cargo run --release --example bench_qmatmul -- --footprint-mib 128   # weights from DRAM
 //! ```
 //!
@@ -69,12 +72,13 @@ struct Args {
 }
 
 /// The implementations compared, in table order.
-const IMPLS: [&str; 5] = [
+const IMPLS: [&str; 6] = [
     "candle-tp Q4_1",
     "candle QMatMul Q4_1",
     "candle QMatMul Q4_0",
     "candle QMatMul Q8_0",
     "candle f32 matmul",
+    "candle-tp f32 small-m",
 ];
 
 fn parse_shape(s: &str) -> Result<(usize, usize)> {
@@ -110,6 +114,15 @@ struct DenseT(Tensor);
 impl Module for DenseT {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         x.matmul(&self.0)
+    }
+}
+
+/// `y = x Wᵀ` by candle-tp's small-m kernel (what the dense layers run for ≤ 16 rows).
+struct SmallM(Tensor);
+
+impl Module for SmallM {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_tp::quant::matmul_small_m(x, &self.0)
     }
 }
 
@@ -157,6 +170,14 @@ fn cases(n: usize, k: usize, footprint_mib: usize) -> Result<Vec<Case>> {
         impl_index: 4,
         bytes,
         run: cycle(dense),
+    });
+    let small = (0..copies(bytes))
+        .map(|_| Ok(SmallM(w.copy()?)))
+        .collect::<Result<Vec<_>>>()?;
+    out.push(Case {
+        impl_index: 5,
+        bytes,
+        run: cycle(small),
     });
     Ok(out)
 }
@@ -279,10 +300,10 @@ fn main() -> Result<()> {
     }
     println!();
     println!(
-        "| shape (n x k) | m | threads | {} | tp Q4_1 speed-up vs candle Q4_1 | tp Q4_1 GB/s / candle Q4_0 GB/s |",
+        "| shape (n x k) | m | threads | {} | tp Q4_1 speed-up vs candle Q4_1 | tp Q4_1 GB/s / candle Q4_0 GB/s | tp f32 small-m speed-up vs candle f32 |",
         IMPLS.map(|i| format!("{i} µs (GB/s)")).join(" | ")
     );
-    println!("|---|---|---|{}---|---|", "---|".repeat(IMPLS.len()));
+    println!("|---|---|---|{}---|---|---|", "---|".repeat(IMPLS.len()));
     for shape in &args.shapes {
         for &m in &args.m {
             for &t in &args.threads {
@@ -296,10 +317,11 @@ fn main() -> Result<()> {
                     .collect();
                 let (ours, ours_g) = get(IMPLS[0]);
                 println!(
-                    "| {shape} | {m} | {t} | {} | {:.2}x | {:.2} |",
+                    "| {shape} | {m} | {t} | {} | {:.2}x | {:.2} | {:.2}x |",
                     cells.join(" | "),
                     get(IMPLS[1]).0 / ours,
-                    ours_g / get(IMPLS[2]).1
+                    ours_g / get(IMPLS[2]).1,
+                    get(IMPLS[4]).0 / get(IMPLS[5]).0
                 );
             }
         }

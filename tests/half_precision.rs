@@ -138,7 +138,7 @@ fn smollm2_world_1_bf16_f16_match_candle_transformers_llama() -> Result<()> {
         println!("{dtype:?}: max |logits - candle-transformers| = {err:.3e} (max |logit| {scale:.1}); against f32: ours {ours:.3e}, reference {theirs:.3e}; ids {ids:?} vs {want_ids:?}");
         assert_eq!(ids, &want_ids, "{dtype:?}: greedy tokens differ");
         // candle-tp's decode-size matmuls run its own half-precision kernel (widening in
-        // registers, f32 accumulation in another order, one rounding: src/quant/half.rs) where
+        // registers, f32 accumulation in another order, one rounding: src/quant/small_m.rs) where
         // candle widens to f32 (bf16) or runs gemm's f16 kernel, so the two no longer agree to
         // the bit: they differ by the half type's rounding noise, which is also how far each
         // is from the f32 logits. Bound: 10 ulps of the dtype at the logits' magnitude

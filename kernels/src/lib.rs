@@ -5,8 +5,8 @@
 //!
 //! - [`q8_1`]: ggml's Q8_1 activation blocks and their quantization;
 //! - [`q4_1`]: the Q4_1 × Q8_1 dot product (scalar and AVX2 + FMA + F16C);
-//! - [`half_dot`]: f32 × bf16 / f16 dot products, widening in registers.
+//! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant.
 
-pub mod half_dot;
 pub mod q4_1;
 pub mod q8_1;
+pub mod small_m;

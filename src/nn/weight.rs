@@ -2,7 +2,8 @@
 //!
 //! Every parallel layer (`ColumnParallelLinear`, `RowParallelLinear`,
 //! `VocabParallelEmbedding`, `ParallelLmHead`) holds its shard as a `ParallelWeight`, chosen
-//! by what the source holds: a dense `candle_nn::Linear` (bit-identical to candle-nn), or
+//! by what the source holds: a dense `candle_nn::Linear` (candle-nn's matmul, or for inference inputs of at most 16
+//! rows on the CPU the batch-invariant `crate::quant::matmul_small_m`), or
 //! GGUF blocks multiplied by [`QuantMatMul`] (the crate's Q4_1 kernel, Candle's `QMatMul`
 //! for the other types). So each layer type and each model is written
 //! once for both.
@@ -175,8 +176,8 @@ impl Module for ParallelWeight {
 impl ParallelWeight {
     fn forward_untimed(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Dense(l) if use_half_gemv(l.weight(), x) => {
-                let y = crate::quant::matmul_half(x, l.weight())?;
+            Self::Dense(l) if use_small_m(l.weight(), x) => {
+                let y = crate::quant::matmul_small_m(x, l.weight())?;
                 match l.bias() {
                     Some(b) => y.broadcast_add(b),
                     None => Ok(y),
@@ -194,14 +195,54 @@ impl ParallelWeight {
     }
 }
 
-/// Whether a dense product goes to the crate's half-precision kernel: bf16 or f16 weight and
-/// input on the CPU, at most [`crate::quant::HALF_GEMV_MAX_ROWS`] input rows (a decode step).
-/// Candle 0.11 widens the whole bf16 weight to f32 on every CPU matmul (see
-/// `crate::quant::matmul_half`).
-fn use_half_gemv(w: &Tensor, x: &Tensor) -> bool {
-    matches!(w.dtype(), DType::BF16 | DType::F16)
+/// Whether a dense product goes to the crate's small-m kernel (`crate::quant::matmul_small_m`):
+/// f32, bf16 or f16 weight and input of one dtype on the CPU, at most
+/// [`crate::quant::SMALL_M_MAX_ROWS`] input rows (a decode step), and no gradient to record
+/// (the kernel is not differentiable: training keeps candle's matmul).
+fn use_small_m(w: &Tensor, x: &Tensor) -> bool {
+    matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && x.dtype() == w.dtype()
         && w.device().is_cpu()
         && x.device().is_cpu()
-        && x.elem_count() <= crate::quant::HALF_GEMV_MAX_ROWS * w.dim(1).unwrap_or(usize::MAX)
+        && !w.track_op()
+        && !x.track_op()
+        && x.elem_count() <= crate::quant::SMALL_M_MAX_ROWS * w.dim(1).unwrap_or(usize::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// A decode-sized product with a trainable weight or input must still record its
+    /// gradient (the small-m kernel does not): dW and dx equal candle's own matmul's.
+    #[test]
+    fn small_products_keep_their_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        for dtype in [DType::F32, DType::BF16] {
+            let w0 = Tensor::randn(0f32, 1.0, (6, 8), &dev)?.to_dtype(dtype)?;
+            let x0 = Tensor::randn(0f32, 1.0, (2, 8), &dev)?.to_dtype(dtype)?;
+            let (w, x) = (Var::from_tensor(&w0)?, Var::from_tensor(&x0)?);
+            let y = ParallelWeight::dense(w.as_tensor().clone(), None).forward(x.as_tensor())?;
+            let grads = y.sqr()?.sum_all()?.backward()?;
+            let (w2, x2) = (Var::from_tensor(&w0)?, Var::from_tensor(&x0)?);
+            let y2 = x2.as_tensor().matmul(&w2.as_tensor().t()?)?;
+            let want = y2.sqr()?.sum_all()?.backward()?;
+            for (name, got, reference) in [
+                ("dW", grads.get(&w), want.get(&w2)),
+                ("dx", grads.get(&x), want.get(&x2)),
+            ] {
+                let got = got.unwrap_or_else(|| panic!("{dtype:?}: no {name} recorded"));
+                let d = (got.to_dtype(DType::F32)? - reference.unwrap().to_dtype(DType::F32)?)?
+                    .abs()?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                assert!(
+                    d.iter().all(|v| v.is_finite() && *v <= 0.05),
+                    "{dtype:?} {name}: {d:?}"
+                );
+            }
+        }
+        Ok(())
+    }
 }

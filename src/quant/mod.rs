@@ -11,18 +11,19 @@
 //! - [`matmul_q4_1`]: `x · Wᵀ` over rayon, quantizing each activation row once;
 //! - [`QuantMatMul`]: the one-call `Module` for a quantized weight, the crate's kernel where it
 //!   has one and candle's `QMatMul` otherwise (other types, other devices);
-//! - [`matmul_half`]: bf16 and f16 weights at decode sizes (candle 0.11 multiplies bf16 by widening
-//!   the whole weight to f32 on every call).
+//! - [`matmul_small_m`]: dense f32 / bf16 / f16 weights at decode sizes (≤ 16 rows), reading
+//!   each weight row once for the whole batch, batch-invariant (candle 0.11 packs the weight
+//!   for every f32 product of 2+ rows and widens a whole bf16 weight to f32 on every call).
 //!
 //! The inner loops (dot products, Q8_1 quantization) live in the `candle-tp-kernels` crate of
 //! this repository (`kernels/`), compiled optimised in every profile.
 //!
 //! See "Quantized kernels" in `docs/PERFORMANCE.md` for which types are fast on which CPUs.
 
-mod half;
 mod matmul;
+mod small_m;
 
 pub use candle_tp_kernels::q4_1::{vec_dot_q4_1_q8_1, BlockQ4_1, Kernel, QK4_1};
 pub use candle_tp_kernels::q8_1::{quantize_row_q8_1, BlockQ8_1, QK8_1};
-pub use half::{matmul_half, HALF_GEMV_MAX_ROWS};
 pub use matmul::{matmul_q4_1, QuantMatMul};
+pub use small_m::{matmul_small_m, SMALL_M_MAX_ROWS};
