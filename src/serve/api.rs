@@ -90,6 +90,9 @@ pub struct GenRequest {
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
+    /// `return_token_ids` (vLLM's extension): each choice also carries the generated ids as
+    /// `token_ids` (per chunk when streaming) and the prompt's as `prompt_token_ids`.
+    pub return_token_ids: bool,
 }
 
 fn number(o: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
@@ -352,6 +355,7 @@ impl GenRequest {
             stop: stop(&o)?,
             stream: boolean(&o, "stream")?,
             include_usage,
+            return_token_ids: boolean(&o, "return_token_ids")?,
         })
     }
 }
@@ -404,5 +408,14 @@ mod tests {
             Some("messages[0].content")
         );
         assert_eq!(bad("[1]", false).status, 400);
+        assert_eq!(
+            bad(r#"{"prompt": "a", "return_token_ids": 1}"#, false)
+                .param
+                .as_deref(),
+            Some("return_token_ids")
+        );
+        assert!(!r.return_token_ids);
+        let r = GenRequest::parse(br#"{"prompt": "a", "return_token_ids": true}"#, false);
+        assert!(r.unwrap().return_token_ids);
     }
 }

@@ -137,6 +137,10 @@ struct Job {
     stream: TextStream,
     rx: UnboundedReceiver<Event>,
     completion_tokens: usize,
+    /// The prompt's ids when the request asked for `return_token_ids`.
+    prompt_ids: Option<Vec<u32>>,
+    /// Generated ids not yet sent (kept only for `return_token_ids`).
+    pending_ids: Vec<u32>,
 }
 
 fn finish_name(f: FinishReason) -> &'static str {
@@ -156,6 +160,9 @@ impl Job {
         match self.rx.recv().await {
             Some(Event::Token { token, finish }) => {
                 self.completion_tokens += 1;
+                if self.prompt_ids.is_some() {
+                    self.pending_ids.push(token);
+                }
                 let mut piece = self.stream.push(&self.text, token).map_err(server_error)?;
                 if self.stream.stopped() {
                     self.rx.close(); // the scheduler drops the sequence
@@ -180,7 +187,19 @@ impl Job {
         })
     }
 
-    fn choice(&self, text: &str, finish: Option<&str>, delta: bool) -> Value {
+    /// A choice; with `return_token_ids` it also takes the ids generated since the last one.
+    fn choice(&mut self, text: &str, finish: Option<&str>, delta: bool) -> Value {
+        let mut c = self.choice_text(text, finish, delta);
+        if let Some(prompt) = &self.prompt_ids {
+            c["token_ids"] = json!(std::mem::take(&mut self.pending_ids));
+            if !delta {
+                c["prompt_token_ids"] = json!(prompt);
+            }
+        }
+        c
+    }
+
+    fn choice_text(&self, text: &str, finish: Option<&str>, delta: bool) -> Value {
         match (self.chat, delta) {
             (true, true) => {
                 json!({"index": 0, "delta": {"content": text}, "finish_reason": finish})
@@ -294,6 +313,7 @@ async fn serve(
             .map_or(0, |d| d.as_nanos() as u64)
     });
     let prompt_tokens = ids.len();
+    let prompt_ids = req.return_token_ids.then(|| ids.clone());
     s.queue
         .submit(Submission {
             prompt: ids,
@@ -339,6 +359,8 @@ async fn serve(
         stream: TextStream::new(req.stop.clone()),
         rx,
         completion_tokens: 0,
+        prompt_ids,
+        pending_ids: Vec::new(),
     };
     if req.stream {
         return Ok(stream_response(job));
@@ -351,7 +373,8 @@ async fn serve(
             break f;
         }
     };
-    let mut v = job.envelope(json!([job.choice(&out, Some(finish), false)]), false);
+    let choice = job.choice(&out, Some(finish), false);
+    let mut v = job.envelope(json!([choice]), false);
     v["usage"] = job.usage();
     Ok(json_response(StatusCode::OK, &v))
 }
