@@ -7,9 +7,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
-
-use serde_json::Value;
 
 fn rss(nproc: usize, model: &Path) -> Vec<f64> {
     let args = [
@@ -18,33 +15,7 @@ fn rss(nproc: usize, model: &Path) -> Vec<f64> {
         "--max-new-tokens".into(),
         "2".into(),
     ];
-    let out = if nproc == 1 {
-        Command::new(common::example("generate"))
-            .args(&args)
-            .output()
-    } else {
-        Command::new(env!("CARGO_BIN_EXE_tprun"))
-            .args(["--standalone", "--nproc-per-node", &nproc.to_string()])
-            .arg(common::example("generate"))
-            .args(&args)
-            .output()
-    }
-    .expect("start generate");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "generate on {nproc} ranks failed:\n{text}"
-    );
-    let json = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l).to_string())
-        .rfind(|l| l.starts_with('{'))
-        .unwrap_or_else(|| panic!("no JSON line:\n{text}"));
-    let v: Value = serde_json::from_str(&json).expect("JSON");
+    let v = common::run_generate(nproc, &args);
     v["rss_bytes"]
         .as_array()
         .expect("rss_bytes")

@@ -4,10 +4,7 @@
 
 mod common;
 
-use common::example;
-
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use serde_json::Value;
 
@@ -23,14 +20,6 @@ fn model_dir() -> PathBuf {
     dir
 }
 
-fn text(out: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 /// Runs generate on `nproc` ranks (directly for 1) and returns rank 0's final JSON line and
 /// the prompt logits it wrote.
 fn run(nproc: usize, logits: &Path) -> (Value, Vec<f32>) {
@@ -44,27 +33,7 @@ fn run(nproc: usize, logits: &Path) -> (Value, Vec<f32>) {
         "--logits-out".into(),
         logits.display().to_string(),
     ];
-    let out = if nproc == 1 {
-        Command::new(example("generate")).args(&args).output()
-    } else {
-        Command::new(env!("CARGO_BIN_EXE_tprun"))
-            .args(["--standalone", "--nproc-per-node", &nproc.to_string()])
-            .arg(example("generate"))
-            .args(&args)
-            .output()
-    }
-    .expect("start generate");
-    let t = text(&out);
-    assert!(
-        out.status.success(),
-        "generate on {nproc} ranks failed:\n{t}"
-    );
-    let json = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l).to_string())
-        .rfind(|l| l.starts_with('{'))
-        .unwrap_or_else(|| panic!("no JSON line:\n{t}"));
-    let v: Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("bad JSON {json}: {e}"));
+    let v = common::run_generate(nproc, &args);
     let l: Vec<f32> =
         serde_json::from_slice(&std::fs::read(logits).expect("logits file")).expect("logits JSON");
     (v, l)

@@ -181,9 +181,8 @@ const PROMPTS: [&str; 8] = [
     "The quick brown fox",
 ];
 
-/// What `examples/generate` prints for `prompt` decoded alone, greedy, at most `max_new`
-/// tokens, on `nproc` ranks (1: a plain process): its `token_ids` and the decoded text is not
-/// needed (the server's text is checked against its own streaming elsewhere).
+/// `examples/generate`'s greedy ids for `prompt` decoded alone, at most `max_new` tokens, on
+/// `nproc` ranks.
 fn generate_alone(model: &Path, prompt: &str, max_new: usize, nproc: usize) -> Vec<u32> {
     let args = [
         "--model".to_string(),
@@ -193,30 +192,7 @@ fn generate_alone(model: &Path, prompt: &str, max_new: usize, nproc: usize) -> V
         "--max-new-tokens".into(),
         max_new.to_string(),
     ];
-    let out = if nproc == 1 {
-        Command::new(common::example("generate"))
-            .args(&args)
-            .output()
-    } else {
-        Command::new(env!("CARGO_BIN_EXE_tprun"))
-            .args(["--standalone", "--nproc-per-node", &nproc.to_string()])
-            .arg(common::example("generate"))
-            .args(&args)
-            .output()
-    }
-    .expect("start examples/generate");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "examples/generate ({nproc} ranks, {prompt:?}) failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json = stdout
-        .lines()
-        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l))
-        .rfind(|l| l.starts_with('{'))
-        .unwrap_or_else(|| panic!("examples/generate printed no JSON line:\n{stdout}"));
-    let v: Value = serde_json::from_str(json).expect("generate's JSON line");
+    let v = common::run_generate(nproc, &args);
     serde_json::from_value(v["token_ids"].clone()).expect("token_ids")
 }
 

@@ -69,6 +69,35 @@ pub fn example(name: &str) -> std::path::PathBuf {
     path
 }
 
+/// Runs `examples/generate` with `args` on `nproc` ranks (a plain process for 1, else under
+/// `tprun --standalone`) and returns rank 0's final JSON line (`token_ids`, `rss_bytes`, ...);
+/// panics with the whole output when it fails or prints no JSON.
+pub fn run_generate(nproc: usize, args: &[String]) -> serde_json::Value {
+    use std::process::Command;
+    let out = if nproc == 1 {
+        Command::new(example("generate")).args(args).output()
+    } else {
+        Command::new(env!("CARGO_BIN_EXE_tprun"))
+            .args(["--standalone", "--nproc-per-node", &nproc.to_string()])
+            .arg(example("generate"))
+            .args(args)
+            .output()
+    }
+    .expect("start examples/generate");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let all = format!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "examples/generate on {nproc} ranks ({args:?}) failed:\n{all}"
+    );
+    let json = stdout
+        .lines()
+        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l))
+        .rfind(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("examples/generate printed no JSON line:\n{all}"));
+    serde_json::from_str(json).unwrap_or_else(|e| panic!("bad JSON {json}: {e}"))
+}
+
 /// A `ShardedVarBuilder` over in-memory f32 CPU tensors `(name, tensor)`.
 pub fn builder_from(
     tensors: &[(&str, &Tensor)],
