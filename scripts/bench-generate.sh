@@ -45,20 +45,10 @@ if [ ${#features[@]} -gt 0 ]; then
   . scripts/setup-mkl.sh
   target_dir="$target_dir/mkl"
 fi
-# llama-cpp-python 0.3.36 built for this CPU into a venv under $CANDLE_TP_HOME (once).
-install_llama_cpp() {
-  local venv="$home/venv-llama-cpp"
-  if [ -f "$venv/.complete" ] && "$venv/bin/python" -c "import llama_cpp, numpy" 2>/dev/null; then
-    echo "$venv/bin/python"; return
-  fi
-  echo "==> building llama-cpp-python into $venv (about 15 minutes on 2 cores)" >&2
-  # A venv left half-made by an interrupted run is started again, not trusted.
-  rm -rf "$venv"
-  python3 -m venv "$venv" >&2
-  CMAKE_ARGS="-DGGML_NATIVE=ON" "$venv/bin/pip" install --quiet llama-cpp-python==0.3.36 numpy >&2
-  touch "$venv/.complete"
-  echo "$venv/bin/python"
-}
+# llama-cpp-python 0.3.36 built for this CPU into a venv under $CANDLE_TP_HOME (once):
+# install_llama_cpp.
+# shellcheck source=scripts/lib/llama-cpp.sh
+. scripts/lib/llama-cpp.sh
 
 if [ "$gguf" = 1 ]; then
   py=""

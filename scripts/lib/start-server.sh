@@ -1,21 +1,28 @@
+# shellcheck shell=bash disable=SC2154
+# (SC2154: NPROC, MODEL and target_dir are set by the caller.)
 # Sourced by scripts/test-openai.sh and scripts/bench-serve.sh: builds tprun and
 # candle-tp-serve, starts the server under tprun on a free port and waits until it listens.
 #
 #   start_server debug|release [candle-tp-serve options...]
+#   stop_server                  # optional: the EXIT trap does it too
 #
 # Needs NPROC, MODEL and target_dir; sets pid (tprun), log (its output) and port, and an EXIT
-# trap that stops the job and removes the log.
+# trap that stops the job and removes the log. Builds once per profile and shell (a later
+# start_server with the same profile reuses the binaries); stop_server stops the job and waits
+# for it (every rank gone) so that another server can start after it.
 start_server() {
   local profile="$1"; shift
   local cargo_profile=()
   [ "$profile" = release ] && cargo_profile=(--release)
-  cargo build --quiet "${cargo_profile[@]}" --features server --bin tprun --bin candle-tp-serve >&2
+  if [ "${server_built:-}" != "$profile" ]; then
+    cargo build --quiet "${cargo_profile[@]}" --features server --bin tprun --bin candle-tp-serve >&2
+    server_built="$profile"
+  fi
   log=$(mktemp)
   "$target_dir/$profile/tprun" --standalone --nproc-per-node "$NPROC" \
     "$target_dir/$profile/candle-tp-serve" --model "$MODEL" --port 0 "$@" >"$log" 2>&1 &
   pid=$!
-  # `|| true`: set -e applies inside traps, and wait reports the TERM we sent (143).
-  trap 'kill -TERM $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
+  trap stop_server EXIT
   port=""
   for _ in $(seq 1 600); do
     port=$(sed -n 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "$log" | head -n 1)
@@ -26,4 +33,14 @@ start_server() {
   echo "the server did not start in 120 s" >&2
   cat "$log" >&2
   exit 1
+}
+
+stop_server() {
+  # `|| true`: set -e applies inside traps, and wait reports the TERM we sent (143).
+  if [ -n "${pid:-}" ]; then
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  fi
+  [ -n "${log:-}" ] && rm -f "$log"
+  pid="" log=""
 }
