@@ -103,6 +103,7 @@ fn batched(model: &mut CausalLm, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> 
                     id: joined as u64,
                     prompt: prompts[joined].clone(),
                     max_tokens: NEW_TOKENS[joined],
+                    min_tokens: 0,
                     params: SamplingParams::greedy(),
                     stop_ids: Vec::new(),
                 },
@@ -214,6 +215,7 @@ fn bad_batches_are_refused() -> Result<()> {
         id: 1,
         prompt,
         max_tokens,
+        min_tokens: 0,
         params: SamplingParams::greedy(),
         stop_ids: Vec::new(),
     };
@@ -227,6 +229,14 @@ fn bad_batches_are_refused() -> Result<()> {
         .unwrap_err()
         .to_string()
         .contains("max_tokens"));
+    let e = dec
+        .check(&SeqRequest {
+            min_tokens: 5,
+            ..req(vec![1], 4)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("min_tokens = 5 exceeds max_tokens = 4"), "{e}");
     let e = dec.check(&req(vec![1; 16], 4)).unwrap_err().to_string();
     assert!(e.contains("16 tokens"), "{e}");
     assert!(BatchDecoder::new(0, 16, 4).is_err());

@@ -221,9 +221,12 @@ fn references(cases: &[(String, usize)], model: &Path, nproc: usize) -> Vec<Vec<
         .collect()
 }
 
+/// Requests (prompt, max_tokens) and the token ids each should get.
+type Cases = (Vec<(String, usize)>, Vec<Vec<u32>>);
+
 /// The safetensors references (world 1), computed once for all the tests of this binary.
-fn safetensors_references() -> &'static (Vec<(String, usize)>, Vec<Vec<u32>>) {
-    static REFS: OnceLock<(Vec<(String, usize)>, Vec<Vec<u32>>)> = OnceLock::new();
+fn safetensors_references() -> &'static Cases {
+    static REFS: OnceLock<Cases> = OnceLock::new();
     REFS.get_or_init(|| {
         let cases = greedy_cases(16);
         let refs = references(&cases, &model_dir(), 1);
@@ -308,6 +311,25 @@ fn chat_and_stream(port: u16) {
         );
     }
     assert_eq!(streamed, content, "streamed vs whole");
+    // min_tokens (vLLM's extension): the end of the turn cannot come before it. The answer
+    // to this question ends well before 40 tokens without it (checked, so the case can fail).
+    let (_, v) = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"messages": msg, "max_tokens": 40, "temperature": 0}),
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() < 40,
+        "{v}"
+    );
+    let (_, v) = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"messages": msg, "max_tokens": 40, "min_tokens": 40, "temperature": 0}),
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 40, "{v}");
     // A stop string ends the text before it.
     let (_, v) = post(
         port,
@@ -337,6 +359,18 @@ fn bad_input(port: u16) {
     let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
         ("/v1/completions", "{not json".into(), 400, None),
         ("/v1/completions", "[1, 2]".into(), 400, None),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 3, "min_tokens": 4}).to_string(),
+            400,
+            Some("min_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "min_tokens": -1}).to_string(),
+            400,
+            Some("min_tokens"),
+        ),
         (
             "/v1/completions",
             json!({"prompt": 5}).to_string(),
@@ -463,7 +497,16 @@ fn disconnect_frees_the_slot(port: u16) {
         n > 0 && String::from_utf8_lossy(&buf[..n]).contains("200"),
         "no answer"
     );
-    assert_eq!(health(port)["active"], 1);
+    // The answer's headers go out when the request is queued; it joins the batch at the
+    // scheduler's next step.
+    let t0 = Instant::now();
+    while health(port)["active"] != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the streamed request never joined the batch"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     drop(s);
     let t0 = Instant::now();
     while health(port)["active"] != 0 {

@@ -66,11 +66,7 @@ pub fn matmul_rows<T: WeightElem>(x: &[f32], m: usize, k: usize, w: &[T], y: &mu
         "small-m matmul: x has {} values, not {m} × {k}",
         x.len()
     );
-    let n = if k == 0 {
-        y.len() / m.max(1)
-    } else {
-        w.len() / k
-    };
+    let n = w.len().checked_div(k).unwrap_or(y.len() / m.max(1));
     assert!(
         k == 0 || w.len() == n * k,
         "small-m matmul: w has {} values, not a multiple of k = {k}",
@@ -183,6 +179,7 @@ mod simd {
     /// Every tile of the product: weight rows by `NW` (then one by one), activation rows by
     /// `NX` (then the 1 or 2 left).
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)] // sizes, pointers and the two widening closures
     unsafe fn run<T: Copy>(
         x: &[f32],
         m: usize,

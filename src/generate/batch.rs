@@ -11,11 +11,11 @@
 //! scheduler broadcasts them from rank 0); the sampled tokens are the same on every rank, so
 //! the sequences finish at the same step everywhere.
 
-use candle_core::{IndexOp, Result};
+use candle_core::{DType, IndexOp, Result, Tensor};
 
 use crate::generate::{DistributedSampler, SamplingParams};
 use crate::models::{CausalLm, SeqStep};
-use crate::nn::KvCache;
+use crate::nn::{KvCache, ParallelLmHead};
 
 /// A sequence to decode.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,6 +26,9 @@ pub struct SeqRequest {
     pub prompt: Vec<u32>,
     /// Tokens to generate at most (at least one).
     pub max_tokens: usize,
+    /// Tokens to generate at least: until then the stop ids cannot be drawn (their logits are
+    /// masked), as vLLM's `min_tokens`. At most `max_tokens`.
+    pub min_tokens: usize,
     /// How tokens are drawn.
     pub params: SamplingParams,
     /// Tokens that end the sequence (generated, then the sequence stops).
@@ -128,6 +131,14 @@ impl BatchDecoder {
         if req.max_tokens == 0 {
             candle_core::bail!("sequence {}: max_tokens must be at least 1", req.id);
         }
+        if req.min_tokens > req.max_tokens {
+            candle_core::bail!(
+                "sequence {}: min_tokens = {} exceeds max_tokens = {}",
+                req.id,
+                req.min_tokens,
+                req.max_tokens
+            );
+        }
         if req.prompt.len() >= self.max_seq_len {
             candle_core::bail!(
                 "sequence {}: the prompt has {} tokens, the longest sequence is {} (prompt and at least one generated token)",
@@ -216,7 +227,11 @@ impl BatchDecoder {
                     continue; // more prompt to read
                 }
             }
-            let token = s.sampler.sample(&logits.i(row)?, model.lm_head())?;
+            let mut row_logits = logits.i(row)?;
+            if s.generated < s.req.min_tokens && !s.req.stop_ids.is_empty() {
+                row_logits = mask_ids(&row_logits, &s.req.stop_ids, model.lm_head())?;
+            }
+            let token = s.sampler.sample(&row_logits, model.lm_head())?;
             s.generated += 1;
             let finish = if s.req.stop_ids.contains(&token) {
                 Some(FinishReason::Stop)
@@ -238,4 +253,30 @@ impl BatchDecoder {
         self.seqs.retain(|s| !done.contains(&s.req.id));
         Ok(events)
     }
+}
+
+/// This rank's slice of one row of vocabulary-parallel logits with the ids in `ids` that fall in
+/// it set to minus infinity (they cannot be drawn).
+fn mask_ids(local: &Tensor, ids: &[u32], head: &ParallelLmHead) -> Result<Tensor> {
+    let range = head.partition().range(head.pg().rank());
+    let mine: Vec<usize> = ids
+        .iter()
+        .map(|&i| i as usize)
+        .filter(|i| range.contains(i))
+        .map(|i| i - range.start)
+        .collect();
+    if mine.is_empty() {
+        return Ok(local.clone());
+    }
+    let dtype = local.dtype();
+    let mut v = local
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    for i in mine {
+        if let Some(x) = v.get_mut(i) {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    Tensor::from_vec(v, local.shape(), local.device())?.to_dtype(dtype)
 }

@@ -65,6 +65,19 @@ impl ApiError {
     }
 }
 
+/// The text of `e` for an API client: candle's message and contexts without the Rust
+/// backtrace that `RUST_BACKTRACE` attaches (frames and source paths are for the server's log,
+/// not for clients).
+pub fn client_message(e: &candle_core::Error) -> String {
+    use candle_core::Error;
+    match e {
+        Error::WithBacktrace { inner, .. } => client_message(inner),
+        Error::Context { inner, context } => format!("{context}: {}", client_message(inner)),
+        Error::WithPath { inner, path } => format!("{}: {}", path.display(), client_message(inner)),
+        e => e.to_string(),
+    }
+}
+
 /// What the body asks for: the prompt (chat messages or text) and the generation settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenRequest {
@@ -76,6 +89,8 @@ pub struct GenRequest {
     pub prompt: Option<String>,
     /// `max_tokens` (or `max_completion_tokens`).
     pub max_tokens: Option<usize>,
+    /// `min_tokens` (vLLM's extension): end-of-sequence cannot be drawn before this many.
+    pub min_tokens: usize,
     /// `temperature` (default 1, as OpenAI's).
     pub temperature: f64,
     /// `top_p`.
@@ -324,6 +339,22 @@ impl GenRequest {
             }
             Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         };
+        let min_tokens = match integer(&o, "min_tokens")? {
+            None => 0,
+            Some(n) if n < 0 => {
+                return Err(ApiError::invalid(
+                    "min_tokens",
+                    format!("'min_tokens' = {n} must be at least 0"),
+                ))
+            }
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        };
+        if let Some(max) = max_tokens.filter(|&m| min_tokens > m) {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                format!("'min_tokens' = {min_tokens} exceeds '{key}' = {max}"),
+            ));
+        }
         let temperature = number(&o, "temperature")?;
         in_range("temperature", temperature, 0.0, 2.0, false)?;
         let top_p = number(&o, "top_p")?;
@@ -348,6 +379,7 @@ impl GenRequest {
             messages: if chat { Some(messages(&o)?) } else { None },
             prompt: if chat { None } else { Some(prompt(&o)?) },
             max_tokens,
+            min_tokens,
             temperature: temperature.unwrap_or(1.0),
             top_p: top_p.filter(|&p| p < 1.0),
             top_k,
@@ -363,6 +395,20 @@ impl GenRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn client_messages_carry_no_backtrace() {
+        let traced = candle_core::Error::WithBacktrace {
+            inner: Box::new(candle_core::Error::Msg("peer rank 1 is gone".into())),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        let e = traced.context("the model step failed");
+        assert!(e.to_string().contains("peer rank 1 is gone\n"), "{e}");
+        assert_eq!(
+            client_message(&e),
+            "the model step failed: peer rank 1 is gone"
+        );
+    }
 
     #[test]
     fn fields_and_errors() {

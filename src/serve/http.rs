@@ -230,7 +230,12 @@ impl Job {
 }
 
 fn server_error(e: candle_core::Error) -> ApiError {
-    ApiError::new(500, "server_error", None, e.to_string())
+    ApiError::new(
+        500,
+        "server_error",
+        None,
+        crate::serve::api::client_message(&e),
+    )
 }
 
 async fn serve(
@@ -266,8 +271,9 @@ async fn serve(
     let text = s.text.clone();
     let (prompt_text, add_special) = match &req.messages {
         Some(msgs) => (
-            text.render_chat(msgs)
-                .map_err(|e| ApiError::invalid("messages", e.to_string()))?,
+            text.render_chat(msgs).map_err(|e| {
+                ApiError::invalid("messages", crate::serve::api::client_message(&e))
+            })?,
             false,
         ),
         None => (req.prompt.clone().unwrap_or_default(), true),
@@ -318,6 +324,8 @@ async fn serve(
         .submit(Submission {
             prompt: ids,
             max_tokens,
+            // Without max_tokens the sequence ends at the longest sequence anyway.
+            min_tokens: req.min_tokens.min(max_tokens),
             params: SamplingParams {
                 temperature: req.temperature,
                 top_k: req.top_k,

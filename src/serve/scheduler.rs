@@ -44,6 +44,8 @@ pub struct Submission {
     pub prompt: Vec<u32>,
     /// Tokens to generate at most.
     pub max_tokens: usize,
+    /// Tokens to generate at least (stop ids masked until then).
+    pub min_tokens: usize,
     /// Sampling.
     pub params: SamplingParams,
     /// Tokens that end the sequence.
@@ -231,12 +233,15 @@ impl Leader {
                 id: self.next_id,
                 prompt: s.prompt,
                 max_tokens: s.max_tokens,
+                min_tokens: s.min_tokens,
                 params: s.params,
                 stop_ids: s.stop_ids,
             };
             self.next_id += 1;
             if let Err(e) = dec.check(&req) {
-                let _ = s.events.send(Event::Error(e.to_string()));
+                let _ = s
+                    .events
+                    .send(Event::Error(crate::serve::api::client_message(&e)));
                 continue;
             }
             self.active.insert(req.id, s.events);
@@ -295,7 +300,8 @@ pub fn run_leader(
             Ok(ev) => ev,
             Err(e) => {
                 inbox.shutdown.store(true, Ordering::SeqCst);
-                leader.fail_all(&inbox, &format!("the model step failed: {e}"));
+                let why = crate::serve::api::client_message(&e);
+                leader.fail_all(&inbox, &format!("the model step failed: {why}"));
                 dec.clear();
                 return Err(e);
             }

@@ -96,6 +96,7 @@ impl StepPlan {
         for r in &self.add {
             push_u64(&mut w, r.id);
             push_len(&mut w, r.max_tokens, "max_tokens")?;
+            push_len(&mut w, r.min_tokens, "min_tokens")?;
             push_f64(&mut w, r.params.temperature);
             w.push(
                 r.params
@@ -125,6 +126,7 @@ impl StepPlan {
         for _ in 0..n {
             let id = r.u64("a sequence id")?;
             let max_tokens = r.u32("max_tokens")? as usize;
+            let min_tokens = r.u32("min_tokens")? as usize;
             let temperature = r.f64("temperature")?;
             let top_k = match r.u32("top_k")? {
                 0 => None,
@@ -138,6 +140,7 @@ impl StepPlan {
                 id,
                 prompt,
                 max_tokens,
+                min_tokens,
                 params: SamplingParams {
                     temperature,
                     top_k,
@@ -197,6 +200,7 @@ mod tests {
                 id: 1 << 40,
                 prompt: vec![1, 2, 3],
                 max_tokens: 17,
+                min_tokens: 5,
                 params: SamplingParams {
                     temperature: 0.7,
                     top_k: Some(40),
