@@ -36,8 +36,11 @@ PROMPTS = [
 
 def one_request(port, prompt, max_tokens, extra=None):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}, **(extra or {})})
+    fields = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+              "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    if "min_tokens" in fields:  # never above max_tokens (the warm-up asks for 4)
+        fields["min_tokens"] = min(fields["min_tokens"], max_tokens)
+    body = json.dumps(fields)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
