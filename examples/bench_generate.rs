@@ -107,6 +107,8 @@ fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profil
     let mut out = vec![next];
     pg.barrier()?;
     candle_tp::set_matmul_timing(args.profile);
+    // Decode as the server and examples/generate do (docs/PERFORMANCE.md, "Batched decode").
+    candle_tp::set_batch_invariant_matmul(true);
     let (mm0, comm0) = (candle_tp::matmul_time(), pg.stats());
     let bar = decode_bar(args, pg.rank() == 0);
     let t1 = Instant::now();

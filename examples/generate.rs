@@ -267,6 +267,9 @@ impl Streamer {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The same kernels as candle-tp-serve, so a prompt decoded here and through the server
+    // gets the same tokens.
+    candle_tp::set_batch_invariant_matmul(true);
     let device = parse_device(&args.device)?;
     let dtype = candle_tp::dtype_from_arg(&args.dtype)?;
     let pg = candle_tp::init_from_env(&device)?;

@@ -1,9 +1,9 @@
 //! Column-, row-parallel and replicated linear layers (Megatron-LM `layers.py`).
 //!
-//! All three wrap `candle_nn::Linear` for the local matmul, so with one rank they give the
-//! dense layer's results: bit-identical when gradients are recorded or the input has more than
-//! 16 rows, and to f32 rounding for decode-sized inference inputs, which go through the
-//! batch-invariant `crate::quant::matmul_small_m`. Weights keep candle's and Hugging
+//! All three wrap `candle_nn::Linear` for the local matmul, so with one rank they give
+//! bit-identical results to the dense layer they replace (in f32; after
+//! `crate::set_batch_invariant_matmul(true)` small inference products take the batch-invariant
+//! small-m kernel and agree to f32 rounding). Weights keep candle's and Hugging
 //! Face's `[out_features, in_features]` layout and names (`weight`, `bias`). The column- and
 //! row-parallel layers hold a [`ParallelWeight`]: loaded from a GGUF file, their shard is
 //! quantized blocks multiplied by Candle's `QMatMul`, with the same layer code.

@@ -25,4 +25,6 @@ pub use norm::{load_rms_norm, RmsNormSpec};
 pub use parallel_2d::{LayerNorm2d, Linear2d, Mlp2d};
 pub use parallel_3d::{LayerNorm3d, Layout3d, Linear3d, Mlp3d};
 pub use rotary::RotaryEmbedding;
-pub use weight::{matmul_time, set_matmul_timing, ParallelWeight, QuantizedWeight};
+pub use weight::{
+    matmul_time, set_batch_invariant_matmul, set_matmul_timing, ParallelWeight, QuantizedWeight,
+};

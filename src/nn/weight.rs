@@ -2,8 +2,8 @@
 //!
 //! Every parallel layer (`ColumnParallelLinear`, `RowParallelLinear`,
 //! `VocabParallelEmbedding`, `ParallelLmHead`) holds its shard as a `ParallelWeight`, chosen
-//! by what the source holds: a dense `candle_nn::Linear` (candle-nn's matmul, or for inference inputs of at most 16
-//! rows on the CPU the batch-invariant `crate::quant::matmul_small_m`), or
+//! by what the source holds: a dense `candle_nn::Linear` (candle-nn's matmul; for small CPU inference inputs
+//! in bf16/f16, or in f32 after [`set_batch_invariant_matmul`], the crate's small-m kernel), or
 //! GGUF blocks multiplied by [`QuantMatMul`] (the crate's Q4_1 kernel, Candle's `QMatMul`
 //! for the other types). So each layer type and each model is written
 //! once for both.
@@ -27,6 +27,22 @@ static MATMUL_NS: AtomicU64 = AtomicU64::new(0);
 /// default; when off a matmul pays one relaxed atomic load.
 pub fn set_matmul_timing(on: bool) {
     TIMING.store(on, Ordering::Relaxed);
+}
+
+static BATCH_INVARIANT_F32: AtomicBool = AtomicBool::new(false);
+
+/// Sends dense f32 inference products of at most 16 rows on the CPU to the crate's
+/// batch-invariant small-m kernel ([`crate::quant::matmul_small_m`]) instead of candle's
+/// matmul, in this process (as PyTorch's `torch.backends` switches do). On, a sequence's
+/// logits are the same bits alone or in a batch of 16, and a batch of 2-16 rows reads each
+/// weight once (candle 0.11 packs the weight for every product of 2+ rows: 2-2.7× slower);
+/// results differ from candle-nn's by f32 rounding. Off (the default), every f32 product is
+/// candle-nn's, bit for bit. `candle-tp-serve`, `examples/generate` and the decode
+/// benchmarks turn it on. bf16 and f16 products of at most 16 rows always take the small-m
+/// kernel (candle widens the whole weight to f32 on every call); products that record
+/// gradients never do.
+pub fn set_batch_invariant_matmul(on: bool) {
+    BATCH_INVARIANT_F32.store(on, Ordering::Relaxed);
 }
 
 /// The matmul time accumulated since timing was switched on (all threads of the process).
@@ -196,11 +212,13 @@ impl ParallelWeight {
 }
 
 /// Whether a dense product goes to the crate's small-m kernel (`crate::quant::matmul_small_m`):
-/// f32, bf16 or f16 weight and input of one dtype on the CPU, at most
+/// bf16 or f16 (f32 too after [`set_batch_invariant_matmul`]) weight and input of one dtype
+/// on the CPU, at most
 /// [`crate::quant::SMALL_M_MAX_ROWS`] input rows (a decode step), and no gradient to record
 /// (the kernel is not differentiable: training keeps candle's matmul).
 fn use_small_m(w: &Tensor, x: &Tensor) -> bool {
-    matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    let f32_too = BATCH_INVARIANT_F32.load(Ordering::Relaxed);
+    (matches!(w.dtype(), DType::BF16 | DType::F16) || (f32_too && w.dtype() == DType::F32))
         && x.dtype() == w.dtype()
         && w.device().is_cpu()
         && x.device().is_cpu()
