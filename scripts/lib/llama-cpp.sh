@@ -49,16 +49,10 @@ start_llama_cpp_server() {
     --n_threads "$threads" --n_threads_batch "$threads" --interrupt_requests False \
     --verbose False "$@" >"$llama_log" 2>&1 &
   llama_pid=$!
-  llama_port=""
-  for _ in $(seq 1 600); do
-    llama_port=$(sed -n 's/.*Uvicorn running on http:\/\/[^:]*:\([0-9]*\).*/\1/p' "$llama_log" | head -n 1)
-    [ -n "$llama_port" ] && return 0
-    kill -0 "$llama_pid" 2>/dev/null || { cat "$llama_log" >&2; exit 1; }
-    sleep 0.2
-  done
-  echo "the llama.cpp server did not start in 120 s" >&2
-  cat "$llama_log" >&2
-  exit 1
+  # wait_for_port: scripts/lib/start-server.sh (sourced with this file by bench-serve.sh).
+  # shellcheck disable=SC2034  # read by the scripts that source this file
+  llama_port=$(wait_for_port "$llama_pid" "$llama_log" \
+    's/.*Uvicorn running on http:\/\/[^:]*:\([0-9]*\).*/\1/p' "the llama.cpp server")
 }
 
 stop_llama_cpp_server() {

@@ -23,15 +23,23 @@ start_server() {
     "$target_dir/$profile/candle-tp-serve" --model "$MODEL" --port 0 "$@" >"$log" 2>&1 &
   pid=$!
   trap stop_server EXIT
-  port=""
+  # shellcheck disable=SC2034  # read by the scripts that source this file
+  port=$(wait_for_port "$pid" "$log" 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "the server")
+}
+
+# wait_for_port PID LOG SED_EXPR WHAT: prints the port that process PID wrote to LOG (what the
+# sed expression prints first), waiting up to 120 s; exits (with LOG) when PID dies or time
+# runs out. Call it as port=$(wait_for_port ...) under `set -e`.
+wait_for_port() {
+  local p="$1" l="$2" expr="$3" what="$4" found
   for _ in $(seq 1 600); do
-    port=$(sed -n 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "$log" | head -n 1)
-    [ -n "$port" ] && return 0
-    kill -0 "$pid" 2>/dev/null || { cat "$log" >&2; exit 1; }
+    found=$(sed -n "$expr" "$l" | head -n 1)
+    [ -n "$found" ] && { echo "$found"; return 0; }
+    kill -0 "$p" 2>/dev/null || { cat "$l" >&2; exit 1; }
     sleep 0.2
   done
-  echo "the server did not start in 120 s" >&2
-  cat "$log" >&2
+  echo "$what did not start in 120 s" >&2
+  cat "$l" >&2
   exit 1
 }
 
