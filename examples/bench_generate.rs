@@ -94,6 +94,9 @@ fn decode_bar(args: &Args, show: bool) -> progress::Bar {
 
 fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
     let device = Device::Cpu;
+    // Prefill and decode as the server and examples/generate do (docs/PERFORMANCE.md,
+    // "Batched decode").
+    candle_tp::set_batch_invariant_matmul(true);
     let pg = candle_tp::init_from_env(&device)?;
     let mut model = Llama::from_path(&args.model, args.dtype, &device, pg.clone())?;
     let vocab = model.config().vocab_size;
@@ -107,8 +110,6 @@ fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profil
     let mut out = vec![next];
     pg.barrier()?;
     candle_tp::set_matmul_timing(args.profile);
-    // Decode as the server and examples/generate do (docs/PERFORMANCE.md, "Batched decode").
-    candle_tp::set_batch_invariant_matmul(true);
     let (mm0, comm0) = (candle_tp::matmul_time(), pg.stats());
     let bar = decode_bar(args, pg.rank() == 0);
     let t1 = Instant::now();

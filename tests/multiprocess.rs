@@ -22,17 +22,6 @@ fn tprun() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tprun"))
 }
 
-fn ours_in_dev_shm() -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("candle-tp-"))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn run_scenario(scenario: &str, nproc: usize, extra_env: &[(&str, &str)]) -> (Output, Duration) {
     let mut cmd = tprun();
     cmd.args([
@@ -163,9 +152,9 @@ fn collectives_across_two_and_three_processes() {
         }
     }
     assert!(
-        ours_in_dev_shm().is_empty(),
+        common::ours_in_dev_shm().is_empty(),
         "leaked: {:?}",
-        ours_in_dev_shm()
+        common::ours_in_dev_shm()
     );
 }
 
@@ -225,9 +214,9 @@ fn a_rank_that_fails_stops_the_job_and_is_named() {
     }
     std::fs::remove_dir_all(&dir).ok();
     assert!(
-        ours_in_dev_shm().is_empty(),
+        common::ours_in_dev_shm().is_empty(),
         "leaked: {:?}",
-        ours_in_dev_shm()
+        common::ours_in_dev_shm()
     );
 }
 
@@ -241,9 +230,9 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
     assert!(t.contains("rank(s) 1 that never arrived"), "{t}");
     assert!(took < Duration::from_secs(15), "took {took:?}");
     assert!(
-        ours_in_dev_shm().is_empty(),
+        common::ours_in_dev_shm().is_empty(),
         "leaked: {:?}",
-        ours_in_dev_shm()
+        common::ours_in_dev_shm()
     );
 }
 

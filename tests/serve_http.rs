@@ -33,17 +33,6 @@ fn model_dir() -> PathBuf {
     dir
 }
 
-fn ours_in_dev_shm() -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("candle-tp-"))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// A server under tprun; killed (the whole job) when dropped.
 struct Server {
     child: Child,
@@ -595,7 +584,7 @@ fn gguf_greedy_ids_equal_generate_alone() {
 #[test]
 fn sigterm_ends_requests_and_ranks() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let before = ours_in_dev_shm();
+    let before = common::ours_in_dev_shm();
     let mut server = Server::start(2, &[]);
     let port = server.port;
     let client = std::thread::spawn(move || {
@@ -635,7 +624,7 @@ fn sigterm_ends_requests_and_ranks() {
         status.success() || status.code() == Some(143),
         "tprun: {status}"
     );
-    let leaked: Vec<_> = ours_in_dev_shm()
+    let leaked: Vec<_> = common::ours_in_dev_shm()
         .into_iter()
         .filter(|n| !before.contains(n))
         .collect();

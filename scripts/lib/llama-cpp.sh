@@ -56,10 +56,6 @@ start_llama_cpp_server() {
 }
 
 stop_llama_cpp_server() {
-  if [ -n "${llama_pid:-}" ]; then
-    kill -TERM "$llama_pid" 2>/dev/null || true
-    wait "$llama_pid" 2>/dev/null || true
-  fi
-  [ -n "${llama_log:-}" ] && rm -f "$llama_log"
+  stop_job "${llama_pid:-}" "${llama_log:-}" # scripts/lib/start-server.sh
   llama_pid="" llama_log=""
 }

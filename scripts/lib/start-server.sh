@@ -44,11 +44,18 @@ wait_for_port() {
 }
 
 stop_server() {
-  # `|| true`: set -e applies inside traps, and wait reports the TERM we sent (143).
-  if [ -n "${pid:-}" ]; then
-    kill -TERM "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  fi
-  [ -n "${log:-}" ] && rm -f "$log"
+  stop_job "${pid:-}" "${log:-}"
   pid="" log=""
+}
+
+# stop_job PID LOG: stops the process (TERM), waits for it and removes its log; either may be
+# empty. `|| true`: set -e applies inside traps, and wait reports the TERM we sent (143).
+stop_job() {
+  if [ -n "$1" ]; then
+    kill -TERM "$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
+  fi
+  if [ -n "$2" ]; then
+    rm -f "$2"
+  fi
 }

@@ -69,6 +69,18 @@ pub fn example(name: &str) -> std::path::PathBuf {
     path
 }
 
+/// The names of candle-tp's shared-memory segments in /dev/shm now (`candle-tp-*`).
+pub fn ours_in_dev_shm() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("candle-tp-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Runs `examples/generate` with `args` on `nproc` ranks (a plain process for 1, else under
 /// `tprun --standalone`) and returns rank 0's final JSON line (`token_ids`, `rss_bytes`, ...);
 /// panics with the whole output when it fails or prints no JSON.
