@@ -1,7 +1,10 @@
 //! Decode-time (m = 1) matmul speed of candle-tp's Q4_1 kernel against candle's `QMatMul`
 //! (Q4_1, and Q4_0 / Q8_0 on the same shapes) and the f32 matmul, at 1 and 2 threads; and the
 //! f32 matmul of candle against candle-tp's small-m kernel (`quant::matmul_small_m`, what a
-//! batch of decode streams runs: `--m 1,2,4,8,16`).
+//! batch of decode streams runs: `--m 1,2,4,8,16`). And the f64-accumulating kernels that
+//! row-parallel layers run (`QuantMatMul::forward_f64`: Q4_1, Q8_0, Q4_K, Q6_K) against the
+//! f32 product each replaces (candle-tp's Q4_1 kernel, candle's `QMatMul` for the others);
+//! the k-quants only on shapes whose k is a multiple of 256.
 //!
 //! ```text
 //! cargo run --release --example bench_qmatmul                         # SmolLM2's shapes, m = 1
@@ -72,14 +75,23 @@ struct Args {
 }
 
 /// The implementations compared, in table order.
-const IMPLS: [&str; 6] = [
+const IMPLS: [&str; 12] = [
     "candle-tp Q4_1",
     "candle QMatMul Q4_1",
     "candle QMatMul Q4_0",
     "candle QMatMul Q8_0",
     "candle f32 matmul",
     "candle-tp f32 small-m",
+    "candle-tp f64 Q4_1",
+    "candle-tp f64 Q8_0",
+    "candle QMatMul Q4_K",
+    "candle-tp f64 Q4_K",
+    "candle QMatMul Q6_K",
+    "candle-tp f64 Q6_K",
 ];
+
+/// `(f64 kernel, the f32 product it replaces)`: indices into [`IMPLS`].
+const F64_PAIRS: [(usize, usize); 4] = [(6, 0), (7, 3), (9, 8), (11, 10)];
 
 fn parse_shape(s: &str) -> Result<(usize, usize)> {
     let (n, k) = s.split_once('x').context("shape must be NxK")?;
@@ -126,6 +138,18 @@ impl Module for SmallM {
     }
 }
 
+/// `y = x Wᵀ` summed in f64 (what a row-parallel layer runs), converted back to f32.
+struct F64Sum(QuantMatMul);
+
+impl Module for F64Sum {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self.0.forward_f64(x)? {
+            Some(y) => y.to_dtype(candle_core::DType::F32),
+            None => candle_core::bail!("no f64 kernel for {:?}", self.0),
+        }
+    }
+}
+
 fn cases(n: usize, k: usize, footprint_mib: usize) -> Result<Vec<Case>> {
     let dev = Device::Cpu;
     let w = (seeded_uniform(&[n, k], (n * k) as u64, 0.05, &dev)? + 0.01)?;
@@ -160,6 +184,37 @@ fn cases(n: usize, k: usize, footprint_mib: usize) -> Result<Vec<Case>> {
             impl_index,
             bytes,
             run: cycle(mms),
+        });
+    }
+    let kquants = k % 256 == 0;
+    for (impl_index, dt, run) in [
+        (6, GgmlDType::Q4_1, true),
+        (7, GgmlDType::Q8_0, true),
+        (8, GgmlDType::Q4K, kquants),
+        (9, GgmlDType::Q4K, kquants),
+        (10, GgmlDType::Q6K, kquants),
+        (11, GgmlDType::Q6K, kquants),
+    ] {
+        if !run {
+            continue;
+        }
+        let bytes = q(dt)?.storage_size_in_bytes();
+        let n_copies = copies(bytes);
+        let run = if IMPLS[impl_index].starts_with("candle-tp f64") {
+            let mms = (0..n_copies)
+                .map(|_| Ok(F64Sum(QuantMatMul::new(q(dt)?)?)))
+                .collect::<Result<Vec<_>>>()?;
+            cycle(mms)
+        } else {
+            let mms = (0..n_copies)
+                .map(|_| Ok(QMatMul::from_qtensor(q(dt)?)?))
+                .collect::<Result<Vec<_>>>()?;
+            cycle(mms)
+        };
+        out.push(Case {
+            impl_index,
+            bytes,
+            run,
         });
     }
     let bytes = n * k * 4;
@@ -301,14 +356,18 @@ fn main() -> Result<()> {
     println!();
     println!(
         "| shape (n x k) | m | threads | {} | tp Q4_1 speed-up vs candle Q4_1 | tp Q4_1 GB/s / candle Q4_0 GB/s | tp f32 small-m speed-up vs candle f32 |",
-        IMPLS.map(|i| format!("{i} µs (GB/s)")).join(" | ")
+        IMPLS[..6]
+            .iter()
+            .map(|i| format!("{i} µs (GB/s)"))
+            .collect::<Vec<_>>()
+            .join(" | ")
     );
-    println!("|---|---|---|{}---|---|---|", "---|".repeat(IMPLS.len()));
+    println!("|---|---|---|{}---|---|---|", "---|".repeat(6));
     for shape in &args.shapes {
         for &m in &args.m {
             for &t in &args.threads {
                 let get = |i: &str| medians[&(shape.clone(), m, t, i.to_string())];
-                let cells: Vec<String> = IMPLS
+                let cells: Vec<String> = IMPLS[..6]
                     .iter()
                     .map(|i| {
                         let (us, g) = get(i);
@@ -323,6 +382,31 @@ fn main() -> Result<()> {
                     ours_g / get(IMPLS[2]).1,
                     get(IMPLS[4]).0 / get(IMPLS[5]).0
                 );
+            }
+        }
+    }
+    println!();
+    println!("Row-parallel (f64) kernels: time of the f32 product each replaces / its time (> 1: faster)");
+    println!();
+    println!("| shape (n x k) | m | threads | Q4_1: tp f32 / tp f64 | Q8_0: candle / tp f64 | Q4_K: candle / tp f64 | Q6_K: candle / tp f64 |");
+    println!("|---|---|---|---|---|---|---|");
+    for shape in &args.shapes {
+        for &m in &args.m {
+            for &t in &args.threads {
+                let cells: Vec<String> = F64_PAIRS
+                    .iter()
+                    .map(|&(f, r)| {
+                        let get =
+                            |i: usize| medians.get(&(shape.clone(), m, t, IMPLS[i].to_string()));
+                        match (get(f), get(r)) {
+                            (Some((f64_us, _)), Some((ref_us, _))) => {
+                                format!("{:.2}x", ref_us / f64_us)
+                            }
+                            _ => "–".to_string(),
+                        }
+                    })
+                    .collect();
+                println!("| {shape} | {m} | {t} | {} |", cells.join(" | "));
             }
         }
     }

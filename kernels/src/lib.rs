@@ -5,8 +5,17 @@
 //!
 //! - [`q8_1`]: ggml's Q8_1 activation blocks and their quantization;
 //! - [`q4_1`]: the Q4_1 × Q8_1 dot product (scalar and AVX2 + FMA + F16C);
+//! - [`f64_dot`]: Q4_1, Q8_0, Q4_K and Q6_K dot products accumulated in f64, whose sums do
+//!   not depend on how a row's blocks are split between ranks ([`q8_0`], [`q8_k`], [`q4_k`],
+//!   [`q6_k`]: the block types), and [`f64_matmul`], their matmul over rayon;
 //! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant.
 
+pub mod f64_dot;
+pub mod f64_matmul;
 pub mod q4_1;
+pub mod q4_k;
+pub mod q6_k;
+pub mod q8_0;
 pub mod q8_1;
+pub mod q8_k;
 pub mod small_m;

@@ -140,6 +140,41 @@ pub fn dot_rows<const R: usize>(
     }
 }
 
+/// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
+/// activation rows `xq` (rows of `kb` blocks), into `out[(row - row0) * m + i]`: four weight
+/// rows at a time share each activation load. Non-generic, so that it is compiled with this
+/// crate's optimisations even in a caller's debug build.
+pub fn rows_dot(
+    kernel: Kernel,
+    w: &[BlockQ4_1],
+    kb: usize,
+    xq: &[BlockQ8_1],
+    m: usize,
+    row0: usize,
+    out: &mut [f32],
+) {
+    let w_row = |r: usize| &w[(row0 + r) * kb..(row0 + r + 1) * kb];
+    let rows = out.len() / m;
+    let quads = rows / 4 * 4;
+    for r in (0..quads).step_by(4) {
+        let ws = [w_row(r), w_row(r + 1), w_row(r + 2), w_row(r + 3)];
+        for (i, x) in xq.chunks_exact(kb).enumerate() {
+            let mut o = [0f32; 4];
+            dot_rows(kernel, ws, x, &mut o);
+            for (t, v) in o.into_iter().enumerate() {
+                out[(r + t) * m + i] = v;
+            }
+        }
+    }
+    for r in quads..rows {
+        for (i, x) in xq.chunks_exact(kb).enumerate() {
+            let mut o = [0f32];
+            dot_rows(kernel, [w_row(r)], x, &mut o);
+            out[r * m + i] = o[0];
+        }
+    }
+}
+
 /// Scalar reference (ggml's generic `ggml_vec_dot_q4_1_q8_1`, block after block).
 fn dot_scalar(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f32 {
     let mut sum = 0f32;
@@ -155,10 +190,88 @@ fn dot_scalar(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f32 {
     sum
 }
 
+// SAFETY: repr(C) plain data (f16 is a transparent u16), every bit pattern valid.
+unsafe impl crate::f64_dot::F64Dot for BlockQ4_1 {
+    type Act = BlockQ8_1;
+    const BLOCK: usize = QK4_1;
+    const NAME: &'static str = "Q4_1";
+    const ACT_ZERO: Self::Act = BlockQ8_1::ZERO;
+
+    fn quantize(xs: &[f32], ys: &mut [Self::Act]) {
+        crate::q8_1::quantize_row_q8_1(xs, ys)
+    }
+
+    /// `d·d' · Σ q·q' + m · s'`, in f64 (every product of two f16 is exact).
+    #[inline(always)]
+    fn block_dot(w: &Self, x: &Self::Act) -> f64 {
+        let mut sum = 0i32;
+        for j in 0..QK8_1 / 2 {
+            sum += (w.qs[j] & 0x0F) as i32 * x.qs[j] as i32
+                + (w.qs[j] >> 4) as i32 * x.qs[j + QK8_1 / 2] as i32;
+        }
+        (w.d.to_f64() * x.d.to_f64()) * sum as f64 + w.m.to_f64() * x.s.to_f64()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
+        avx2::dot_f64(w, x)
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{BlockQ4_1, BlockQ8_1};
     use std::arch::x86_64::*;
+
+    /// The f64-accumulated product (`crate::f64_dot`): four blocks' integer sums at a time,
+    /// times `d·d'` plus `m·s'` (both exact in f32), added to the total in block order.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; `ws` and `xs` have the same length.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f64(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f64 {
+        use crate::f64_dot::avx2::add_in_order;
+        let quads = ws.len() / 4 * 4;
+        let mut acc = 0f64;
+        for b in (0..quads).step_by(4) {
+            acc = add_in_order(acc, four_f64(ws.as_ptr().add(b), xs.as_ptr().add(b)), 4);
+        }
+        let n = ws.len() - quads;
+        if n > 0 {
+            // Copies padded with zero blocks, whose lanes are not added.
+            let zero = BlockQ4_1 {
+                d: half::f16::ZERO,
+                m: half::f16::ZERO,
+                qs: [0; 16],
+            };
+            let (mut wt, mut xt) = ([zero; 4], [BlockQ8_1::ZERO; 4]);
+            wt[..n].copy_from_slice(&ws[quads..]);
+            xt[..n].copy_from_slice(&xs[quads..]);
+            acc = add_in_order(acc, four_f64(wt.as_ptr(), xt.as_ptr()), n);
+        }
+        acc
+    }
+
+    /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
+    #[inline(always)]
+    unsafe fn four_f64(w: *const BlockQ4_1, x: *const BlockQ8_1) -> __m256d {
+        use crate::f64_dot::avx2::{deinterleave, f16_pairs, hsum4};
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut sums = [_mm256_setzero_si256(); 4];
+        for (t, s) in sums.iter_mut().enumerate() {
+            let packed = _mm_loadu_si128((*w.add(t)).qs.as_ptr() as *const __m128i);
+            let qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+            let qx = _mm256_loadu_si256((*x.add(t)).qs.as_ptr() as *const __m256i);
+            *s = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
+        }
+        // [d, m] of each weight block times [d', s'] of each activation block:
+        // [d·d' ×4 | m·s' ×4].
+        let prods = deinterleave(_mm256_mul_ps(f16_pairs(w), f16_pairs(x)));
+        let dd = _mm256_cvtps_pd(_mm256_castps256_ps128(prods));
+        let ms = _mm256_cvtps_pd(_mm256_extractf128_ps(prods, 1));
+        _mm256_add_pd(_mm256_mul_pd(dd, _mm256_cvtepi32_pd(hsum4(sums))), ms)
+    }
 
     /// `R` rows at once: `R` independent FMA chains hide the FMA latency, and each activation
     /// block is loaded and widened once for all rows.
@@ -220,6 +333,22 @@ mod tests {
     fn pseudo(i: usize) -> f32 {
         let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
         (x as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn f64_dot_is_the_dot_of_candles_dequantized_blocks() {
+        // Q8_1's `s` is `d · Σq` rounded through f16, and the kernel uses it for the offset:
+        // the reference adds `m · (s − d · Σq)`; candle's dequantized `d·q + m` is rounded
+        // to f32.
+        crate::f64_dot::testing::check_against_candle::<BlockQ4_1>(
+            candle_core::quantized::GgmlDType::Q4_1,
+            |x| x.qs.iter().map(|&q| x.d.to_f64() * q as f64).collect(),
+            |w, x| {
+                let sum: i32 = x.qs.iter().map(|&q| q as i32).sum();
+                w.m.to_f64() * (x.s.to_f64() - x.d.to_f64() * sum as f64)
+            },
+            1e-6,
+        );
     }
 
     #[test]

@@ -374,7 +374,13 @@ impl RowParallelLinear {
     }
 
     /// The local matmul alone, without the all-reduce and without the bias: a partial sum,
-    /// for callers that reduce differently (reduce-scatter in sequence parallelism).
+    /// for callers that reduce differently (reduce-scatter in sequence parallelism, a
+    /// mixture of experts summing its experts first).
+    ///
+    /// In the input's dtype, except for quantized weights with an f64 kernel on the CPU
+    /// ([`ParallelWeight::forward_f64`]): there the partial is f64, to be reduced in f64 and
+    /// then converted to the input's dtype, so that the sum is the same at every world size
+    /// (`candle_tp_kernels::f64_dot` says why quantized models need that).
     pub fn forward_partial(&self, x: &Tensor) -> Result<Tensor> {
         check_input(
             "RowParallelLinear",
@@ -382,7 +388,10 @@ impl RowParallelLinear {
             self.in_part.size(self.pg.rank()),
             &self.pg,
         )?;
-        self.inner.forward(x)
+        match self.inner.forward_f64(x)? {
+            Some(partial) => Ok(partial),
+            None => self.inner.forward(x),
+        }
     }
 
     /// Adds the bias (if any) to a reduced output.
@@ -407,7 +416,7 @@ impl Module for RowParallelLinear {
             check_input("RowParallelLinear", x, self.in_part.total(), &self.pg)?;
             scatter_to_tp(x, &self.pg, &self.in_part)?
         };
-        let y = reduce_from_tp(&self.forward_partial(&x)?, &self.pg)?;
+        let y = reduce_from_tp(&self.forward_partial(&x)?, &self.pg)?.to_dtype(x.dtype())?;
         self.add_bias(&y)
     }
 }

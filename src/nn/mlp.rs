@@ -178,7 +178,8 @@ impl GatedMlp {
 impl GatedMlp {
     /// This rank's partial output, before the all-reduce: `x` is already in the
     /// tensor-parallel region (after a `copy_to_tp`). A mixture-of-experts layer sums its
-    /// experts' partial outputs and reduces once.
+    /// experts' partial outputs and reduces once. f64 for quantized down projections, as
+    /// [`RowParallelLinear::forward_partial`] says.
     pub fn forward_partial(&self, x: &Tensor) -> Result<Tensor> {
         let gate = self.act.forward(&self.gate_proj.forward_local(x)?)?;
         let up = self.up_proj.forward_local(x)?;
@@ -189,7 +190,8 @@ impl GatedMlp {
 impl Module for GatedMlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let pg = self.gate_proj.pg();
-        let y = reduce_from_tp(&self.forward_partial(&copy_to_tp(x, pg)?)?, pg)?;
+        let y =
+            reduce_from_tp(&self.forward_partial(&copy_to_tp(x, pg)?)?, pg)?.to_dtype(x.dtype())?;
         self.down_proj.add_bias(&y)
     }
 }

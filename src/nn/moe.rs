@@ -147,7 +147,9 @@ impl Module for SparseMoe {
         let flat = x.reshape(((), hidden))?;
         let routes = self.route(&flat)?;
         let xp = copy_to_tp(&flat, &self.pg)?;
-        let mut ys = xp.zeros_like()?;
+        // Summed in the experts' partial dtype (f64 for quantized experts: see
+        // `RowParallelLinear::forward_partial`), reduced, then back to the input's.
+        let mut ys: Option<Tensor> = None;
         for (expert, (rows, weights)) in self.experts.iter().zip(routes) {
             // The same experts are skipped on every rank: the routing is replicated.
             if rows.is_empty() {
@@ -155,10 +157,20 @@ impl Module for SparseMoe {
             }
             let n = rows.len();
             let idx = Tensor::from_vec(rows, n, x.device())?;
-            let w = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(x.dtype())?;
             let y = expert.forward_partial(&xp.index_select(&idx, 0)?)?;
-            ys = ys.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
+            let w = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(y.dtype())?;
+            let acc = match ys.take() {
+                Some(acc) => acc,
+                None => Tensor::zeros(xp.dims(), y.dtype(), x.device())?,
+            };
+            ys = Some(acc.index_add(&idx, &y.broadcast_mul(&w)?, 0)?);
         }
-        reduce_from_tp(&ys, &self.pg)?.reshape(dims)
+        let ys = match ys {
+            Some(ys) => ys,
+            None => xp.zeros_like()?,
+        };
+        reduce_from_tp(&ys, &self.pg)?
+            .to_dtype(x.dtype())?
+            .reshape(dims)
     }
 }

@@ -190,6 +190,26 @@ impl Module for ParallelWeight {
 }
 
 impl ParallelWeight {
+    /// The product summed in f64, as an f64 tensor: for a quantized weight without bias whose
+    /// type has an f64 kernel ([`QuantMatMul::forward_f64`]), on the CPU; `None` otherwise
+    /// (use `forward`). Row-parallel layers all-reduce this in f64, so their output is the
+    /// same at every world size.
+    pub fn forward_f64(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let Self::Quantized(q) = self else {
+            return Ok(None);
+        };
+        if q.bias.is_some() || !x.device().is_cpu() {
+            return Ok(None);
+        }
+        if TIMING.load(Ordering::Relaxed) {
+            let t0 = Instant::now();
+            let y = q.matmul.forward_f64(x);
+            MATMUL_NS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            return y;
+        }
+        q.matmul.forward_f64(x)
+    }
+
     fn forward_untimed(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Self::Dense(l) if use_small_m(l.weight(), x) => {

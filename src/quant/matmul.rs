@@ -1,15 +1,13 @@
 //! `QuantMatMul`: `y = x · Wᵀ` with W a GGUF-quantized [`QTensor`], the crate's kernels where
 //! it has one (Q4_1 on CPU) and candle's [`QMatMul`] everywhere else.
 
+use super::f64_matmul::{has_f64_kernel, F64MatMul};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
-use candle_tp_kernels::q4_1::{dot_rows, BlockQ4_1, Kernel, QK4_1};
-use candle_tp_kernels::q8_1::{quantize_row_q8_1_into, BlockQ8_1};
-use rayon::prelude::*;
+use candle_tp_kernels::f64_matmul::for_row_ranges;
+use candle_tp_kernels::q4_1::{rows_dot, BlockQ4_1, Kernel, QK4_1};
+use candle_tp_kernels::q8_1::quantize_row_q8_1_into;
 use std::sync::Arc;
-
-/// Weight rows per rayon task at least: below this the task costs more than its work.
-const MIN_ROWS_PER_TASK: usize = 16;
 
 /// `dst[m, n] = x[m, k] · W[n, k]ᵀ` for a Q4_1 weight given as its `n * k / 32` blocks (the
 /// bytes of a GGUF tensor of shape `[n, k]`, rows of blocks) and f32 activations.
@@ -57,31 +55,12 @@ pub fn matmul_q4_1(
 
     // Output computed weight-row major ([n, m]) so each task owns one contiguous slice; for
     // m == 1 that is dst itself, otherwise it is transposed into dst at the end.
-    // One thread: run on the caller (handing the work to a 1-thread pool only adds a wake-up).
-    let threads = rayon::current_num_threads();
-    let rows_per_task = if threads == 1 {
-        n
-    } else {
-        n.div_ceil(4 * threads)
-            .max(MIN_ROWS_PER_TASK)
-            .next_multiple_of(4)
-    };
-    let fill = |yt: &mut [f32]| {
-        let run =
-            |(t, out): (usize, &mut [f32])| rows_dot(kernel, w, kb, xq, m, t * rows_per_task, out);
-        if n <= rows_per_task {
-            run((0, yt));
-        } else {
-            yt.par_chunks_mut(rows_per_task * m)
-                .enumerate()
-                .for_each(run);
-        }
-    };
+    let fill = |row0: usize, out: &mut [f32]| rows_dot(kernel, w, kb, xq, m, row0, out);
     if m == 1 {
-        fill(dst);
+        for_row_ranges(n, 1, dst, fill);
     } else {
         let mut yt = vec![0f32; n * m];
-        fill(&mut yt);
+        for_row_ranges(n, m, &mut yt, fill);
         for (j, col) in yt.chunks_exact(m).enumerate() {
             for (i, &v) in col.iter().enumerate() {
                 dst[i * n + j] = v;
@@ -89,39 +68,6 @@ pub fn matmul_q4_1(
         }
     }
     Ok(())
-}
-
-/// Weight rows `row0..row0 + out.len() / m` against all `m` activation rows, into
-/// `out[(row - row0) * m + i]`.
-fn rows_dot(
-    kernel: Kernel,
-    w: &[BlockQ4_1],
-    kb: usize,
-    xq: &[BlockQ8_1],
-    m: usize,
-    row0: usize,
-    out: &mut [f32],
-) {
-    let w_row = |r: usize| &w[(row0 + r) * kb..(row0 + r + 1) * kb];
-    let rows = out.len() / m;
-    let quads = rows / 4 * 4;
-    for r in (0..quads).step_by(4) {
-        let ws = [w_row(r), w_row(r + 1), w_row(r + 2), w_row(r + 3)];
-        for (i, x) in xq.chunks_exact(kb).enumerate() {
-            let mut o = [0f32; 4];
-            dot_rows(kernel, ws, x, &mut o);
-            for (t, v) in o.into_iter().enumerate() {
-                out[(r + t) * m + i] = v;
-            }
-        }
-    }
-    for r in quads..rows {
-        for (i, x) in xq.chunks_exact(kb).enumerate() {
-            let mut o = [0f32];
-            dot_rows(kernel, [w_row(r)], x, &mut o);
-            out[r * m + i] = o[0];
-        }
-    }
 }
 
 /// The Q4_1 product as a candle op (CPU, f32 input; inference only, no backward).
@@ -182,6 +128,9 @@ enum Inner {
 /// | Q4_1 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
 /// | anything else | `QMatMul` | `QMatMul` |
 ///
+/// [`QuantMatMul::forward_f64`] sums in f64 instead (crate kernels for Q4_1, Q8_0, Q4_K and
+/// Q6_K on the CPU): what row-parallel layers use.
+///
 /// Input: any leading dims, last dim `k`; f32 (f16 / bf16 are converted to f32 and the result
 /// back). Inference only: the output does not track gradients.
 ///
@@ -196,6 +145,8 @@ enum Inner {
 #[derive(Clone)]
 pub struct QuantMatMul {
     inner: Inner,
+    /// The f64-accumulating product ([`QuantMatMul::forward_f64`]), where the type has one.
+    f64_op: Option<F64MatMul>,
     /// The weight's `(n, k)`.
     dims: (usize, usize),
 }
@@ -216,6 +167,7 @@ impl QuantMatMul {
             let (n, k) = w.shape().dims2()?;
             return Ok(Self {
                 inner: Inner::Candle(QMatMul::from_arc(w)?),
+                f64_op: None,
                 dims: (n, k),
             });
         }
@@ -239,9 +191,16 @@ impl QuantMatMul {
                 w.dtype()
             ))
         })?;
+        let f64_op = (w.device().is_cpu() && has_f64_kernel(w.dtype())).then(|| F64MatMul {
+            w: w.clone(),
+            n,
+            k,
+            kernel,
+        });
         if !(w.device().is_cpu() && w.dtype() == GgmlDType::Q4_1) {
             return Ok(Self {
                 inner: Inner::Candle(QMatMul::from_arc(w)?),
+                f64_op,
                 dims: (n, k),
             });
         }
@@ -259,6 +218,7 @@ impl QuantMatMul {
         }
         Ok(Self {
             inner: Inner::Q4_1(Q4_1MatMul { w, n, k, kernel }),
+            f64_op,
             dims: (n, k),
         })
     }
@@ -266,6 +226,33 @@ impl QuantMatMul {
     /// The weight's `(n, k)`: output and input features.
     pub fn dims(&self) -> (usize, usize) {
         self.dims
+    }
+
+    /// `x · Wᵀ` with the blocks' products summed in f64, as an f64 tensor `[.., n]`, for the
+    /// weight types with an f64 kernel (Q4_1, Q8_0, Q4_K, Q6_K) on the CPU; `None` for the
+    /// others (and when candle's `CANDLE_DEQUANTIZE_ALL` is set).
+    ///
+    /// A row-parallel layer all-reduces these partials in f64 and rounds the total to f32
+    /// once, so its output does not depend on how many ranks share the row
+    /// (`candle_tp_kernels::f64_dot` says why that matters for quantized models). The input
+    /// is quantized as for [`Module::forward`]; the result equals candle's `QMatMul` up to
+    /// the precision and order of the sum.
+    pub fn forward_f64(&self, xs: &Tensor) -> Result<Option<Tensor>> {
+        let Some(op) = &self.f64_op else {
+            return Ok(None);
+        };
+        if !xs.device().is_cpu() {
+            candle_core::bail!(
+                "QuantMatMul: input {:?} is on {:?}, the {:?} weight [{}, {}] on the CPU",
+                xs.shape(),
+                xs.device().location(),
+                op.w.dtype(),
+                op.n,
+                op.k
+            )
+        }
+        let x = xs.to_dtype(DType::F32)?.contiguous()?;
+        Ok(Some(x.apply_op1_no_bwd(op)?))
     }
 
     /// The crate's kernel this matmul runs, or `None` where it defers to candle's `QMatMul`.

@@ -9,6 +9,8 @@
 //! - [`vec_dot_q4_1_q8_1`]: the Q4_1 × Q8_1 dot product, [`Kernel::Scalar`] or
 //!   [`Kernel::Avx2`] (AVX2 + FMA + F16C, runtime-detected), any block count;
 //! - [`matmul_q4_1`]: `x · Wᵀ` over rayon, quantizing each activation row once;
+//! - [`matmul_f64`] and [`QuantMatMul::forward_f64`]: Q4_1, Q8_0, Q4_K and Q6_K products
+//!   summed in f64, so that a row-parallel layer gives the same values at every world size;
 //! - [`QuantMatMul`]: the one-call `Module` for a quantized weight, the crate's kernel where it
 //!   has one and candle's `QMatMul` otherwise (other types, other devices);
 //! - [`matmul_small_m`]: dense f32 / bf16 / f16 weights at decode sizes (≤ 16 rows), reading
@@ -20,10 +22,14 @@
 //!
 //! See "Quantized kernels" in `docs/PERFORMANCE.md` for which types are fast on which CPUs.
 
+mod f64_matmul;
 mod matmul;
 mod small_m;
 
+pub use candle_tp_kernels::f64_dot::{dot_f64, F64Dot};
+pub use candle_tp_kernels::f64_matmul::{matmul_f64, F64Weights};
 pub use candle_tp_kernels::q4_1::{vec_dot_q4_1_q8_1, BlockQ4_1, Kernel, QK4_1};
 pub use candle_tp_kernels::q8_1::{quantize_row_q8_1, BlockQ8_1, QK8_1};
+pub use f64_matmul::has_f64_kernel;
 pub use matmul::{matmul_q4_1, QuantMatMul};
 pub use small_m::{matmul_small_m, SMALL_M_MAX_ROWS};

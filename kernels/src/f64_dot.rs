@@ -1,0 +1,236 @@
+//! Quantized dot products accumulated in f64: a row's value does not depend on how its blocks
+//! are split between ranks.
+//!
+//! A row-parallel layer gives each rank a range of every weight row's blocks and adds the
+//! ranks' partial sums. Candle's kernels (and the crate's f32 Q4_1 kernel) accumulate the
+//! blocks in f32 lanes, so the sum of 18 blocks on one rank and of 9 + 9 on two differ by an
+//! ulp or so; the next layer rounds its input to 8 bits and an ulp sometimes flips a step, so
+//! worlds 1, 2 and 3 drift apart by the size of that quantization noise (logits off by ~1,
+//! greedy ids parting at near-ties).
+//!
+//! Here each block's contribution is an integer sum times a product of the block scales
+//! (f16 × f16 or f16 × f32: exact in f64), and the blocks are added in f64, whose rounding is
+//! 2⁻⁵³ of the largest term. The ranks' f64 partials are all-reduced in f64 and the total is
+//! rounded to f32 once, so every world gets the f32 value of (almost exactly) the same real
+//! sum: the results are equal except where that sum lies within ~10⁻¹⁶ of an f32 rounding
+//! boundary.
+//!
+//! Each type has a scalar block product ([`F64Dot::block_dot`], the reference: blocks added one
+//! after the other) and an AVX2 kernel ([`Kernel::Avx2`], chosen at run time) that computes
+//! the integer sums 32 lanes at a time (`maddubs`/`madd`, as ggml's kernels do), four 32-wide
+//! blocks' sums at once, and then adds the blocks' f64 products in the same order as the
+//! scalar code: the two give bit-identical results (tested).
+
+use crate::q4_1::Kernel;
+use candle_core::Result;
+
+/// A quantized weight block whose dot product with its activation blocks the crate computes
+/// in f64.
+///
+/// # Safety
+/// Implementors are `#[repr(C)]` plain data for which every bit pattern is valid, laid out as
+/// GGUF stores the type, so that [`blocks_from_bytes`] may view a tensor's bytes as blocks.
+pub unsafe trait F64Dot: Copy + Send + Sync + 'static {
+    /// The activation block (what ggml and candle quantize an input row to for this type).
+    type Act: Copy + Send + Sync + 'static;
+    /// Values per weight block (and per activation block).
+    const BLOCK: usize;
+    /// The type's name as ggml spells it, for errors.
+    const NAME: &'static str;
+    /// An all-zero activation block, to size buffers.
+    const ACT_ZERO: Self::Act;
+
+    /// Quantizes `xs` (`ys.len() * BLOCK` values) into activation blocks, with candle 0.11's
+    /// rounding for this type.
+    fn quantize(xs: &[f32], ys: &mut [Self::Act]);
+
+    /// One block's product in f64: its exact integer sum times the block scales.
+    fn block_dot(w: &Self, x: &Self::Act) -> f64;
+
+    /// The AVX2 kernel: what adding [`F64Dot::block_dot`] block after block gives, bit for
+    /// bit. Call [`dot_f64`].
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; `w` and `x` have the same length.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64;
+}
+
+/// The scalar kernel: blocks added one after the other.
+fn dot_scalar<B: F64Dot>(w: &[B], x: &[B::Act]) -> f64 {
+    w.iter()
+        .zip(x)
+        .fold(0f64, |acc, (w, x)| acc + B::block_dot(w, x))
+}
+
+/// `Σ_b dot(w[b], x[b])` accumulated in f64, with the chosen kernel.
+///
+/// # Panics
+/// If the slices differ in length, or `kernel` is not available on this CPU.
+pub fn dot_f64<B: F64Dot>(kernel: Kernel, w: &[B], x: &[B::Act]) -> f64 {
+    assert_eq!(
+        w.len(),
+        x.len(),
+        "{} row of {} blocks against {} activation blocks",
+        B::NAME,
+        w.len(),
+        x.len()
+    );
+    match kernel {
+        Kernel::Scalar => dot_scalar(w, x),
+        Kernel::Avx2 => {
+            assert!(
+                kernel.is_available(),
+                "the AVX2 kernel needs avx2, fma and f16c"
+            );
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU features were checked just above, the lengths at the top.
+            unsafe {
+                B::dot_avx2(w, x)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            unreachable!("is_available is false off x86-64")
+        }
+    }
+}
+
+/// AVX2 helpers shared by the block types' kernels.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// The sums of the 8 i32 lanes of each of four vectors: `[Σ s0, Σ s1, Σ s2, Σ s3]`.
+    #[inline(always)]
+    pub unsafe fn hsum4(s: [__m256i; 4]) -> __m128i {
+        let t0 = _mm256_hadd_epi32(s[0], s[1]);
+        let t1 = _mm256_hadd_epi32(s[2], s[3]);
+        let t2 = _mm256_hadd_epi32(t0, t1);
+        _mm_add_epi32(_mm256_castsi256_si128(t2), _mm256_extracti128_si256(t2, 1))
+    }
+
+    /// The sum of the 8 i32 lanes of `v`.
+    #[inline(always)]
+    pub unsafe fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// The first four bytes of each of four blocks (two f16: a block's scales) as eight
+    /// f32 `[a0, b0, a1, b1, a2, b2, a3, b3]`.
+    #[inline(always)]
+    pub unsafe fn f16_pairs<T>(blocks: *const T) -> __m256 {
+        let word = |t: usize| std::ptr::read_unaligned(blocks.add(t) as *const i32);
+        _mm256_cvtph_ps(_mm_setr_epi32(word(0), word(1), word(2), word(3)))
+    }
+
+    /// Lanes `[0, 2, 4, 6]` of `v` in the low half, `[1, 3, 5, 7]` in the high half.
+    #[inline(always)]
+    pub unsafe fn deinterleave(v: __m256) -> __m256 {
+        _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7))
+    }
+
+    /// `acc + p[0] + … + p[n - 1]` (`n ≤ 4`), added in that order (as the scalar kernel does).
+    #[inline(always)]
+    pub unsafe fn add_in_order(acc: f64, p: __m256d, n: usize) -> f64 {
+        let mut v = [0f64; 4];
+        _mm256_storeu_pd(v.as_mut_ptr(), p);
+        v[..n].iter().fold(acc, |a, &x| a + x)
+    }
+}
+
+/// Views GGUF bytes (a `QTensor`'s data) as blocks of `B`, without copying. Errors if the
+/// length is not a whole number of blocks or the bytes are not aligned for `B`.
+pub fn blocks_from_bytes<B: F64Dot>(bytes: &[u8]) -> Result<&[B]> {
+    let size = std::mem::size_of::<B>();
+    if bytes.len() % size != 0 {
+        candle_core::bail!(
+            "{} data of {} bytes is not a whole number of {size}-byte blocks",
+            B::NAME,
+            bytes.len()
+        )
+    }
+    if bytes.as_ptr() as usize % std::mem::align_of::<B>() != 0 {
+        candle_core::bail!(
+            "{} data at {:p} is not {}-byte aligned",
+            B::NAME,
+            bytes.as_ptr(),
+            std::mem::align_of::<B>()
+        )
+    }
+    // SAFETY: length and alignment checked above; the trait's contract makes every bit
+    // pattern a valid `B`.
+    Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const B, bytes.len() / size) })
+}
+
+/// Test helpers shared by the block types' tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// Deterministic values in [-1, 1).
+    pub fn pseudo(i: usize) -> f32 {
+        let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+        (x as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// Quantizes pseudo-random weights with candle's `QTensor::quantize` to `dtype`, views
+    /// the blocks as `B`, and checks `dot_f64` against the f64 dot product of candle's
+    /// dequantized weights with the dequantized activation blocks (`act`), for several block
+    /// counts, plus `extra` per block (what the format adds besides the values); within
+    /// `tol` relative. And the AVX2 kernel against the scalar one, bit for bit.
+    pub fn check_against_candle<B: F64Dot>(
+        dtype: candle_core::quantized::GgmlDType,
+        act: impl Fn(&B::Act) -> Vec<f64>,
+        extra: impl Fn(&B, &B::Act) -> f64,
+        tol: f64,
+    ) {
+        use candle_core::{quantized::QTensor, Device, Tensor};
+        for nb in [1usize, 2, 3, 5, 6, 9] {
+            let k = nb * B::BLOCK;
+            let wf: Vec<f32> = (0..k).map(|i| pseudo(i) * 0.2 - 0.03).collect();
+            let qt = QTensor::quantize(&Tensor::from_vec(wf, (1, k), &Device::Cpu).unwrap(), dtype)
+                .unwrap();
+            let bytes = qt.data().unwrap();
+            let w = blocks_from_bytes::<B>(&bytes).unwrap();
+            assert_eq!(w.len(), nb);
+            let wd: Vec<f32> = qt
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let x: Vec<f32> = (0..k)
+                .map(|i| pseudo(i + 1000) * 3.0 + if i % 97 == 5 { 20.0 } else { 0.0 })
+                .collect();
+            let mut xq = vec![B::ACT_ZERO; nb];
+            B::quantize(&x, &mut xq);
+            let xd: Vec<f64> = xq.iter().flat_map(&act).collect();
+            let want: f64 = wd.iter().zip(&xd).map(|(&a, &b)| a as f64 * b).sum::<f64>()
+                + w.iter().zip(&xq).map(|(w, x)| extra(w, x)).sum::<f64>();
+            let got = dot_f64(Kernel::Scalar, w, &xq);
+            assert!(
+                got.is_finite() && want.is_finite(),
+                "{}: {got} {want}",
+                B::NAME
+            );
+            assert!(
+                (got - want).abs() <= tol * (1.0 + want.abs()) && want.abs() > 1e-3,
+                "{} nb={nb}: kernel {got}, dequantized {want}",
+                B::NAME
+            );
+            if Kernel::Avx2.is_available() {
+                let a = dot_f64(Kernel::Avx2, w, &xq);
+                assert_eq!(
+                    a.to_bits(),
+                    got.to_bits(),
+                    "{} nb={nb}: avx2 {a} scalar {got}",
+                    B::NAME
+                );
+            }
+        }
+    }
+}

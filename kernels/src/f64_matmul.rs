@@ -1,0 +1,138 @@
+//! `y = x · Wᵀ` accumulated in f64 for quantized weights, over rayon: the driver of
+//! [`crate::f64_dot`], here (not in candle-tp) so that its generic code is compiled with this
+//! crate's optimisations in every profile.
+
+use crate::f64_dot::{dot_f64, F64Dot};
+use crate::q4_1::{BlockQ4_1, Kernel};
+use crate::q4_k::BlockQ4K;
+use crate::q6_k::BlockQ6K;
+use crate::q8_0::BlockQ8_0;
+use candle_core::Result;
+use rayon::prelude::*;
+
+/// Weight rows per rayon task at least: below this the task costs more than its work.
+const MIN_ROWS_PER_TASK: usize = 16;
+
+/// A weight of `n` rows of blocks, of one of the types with an f64 kernel.
+#[derive(Debug, Clone, Copy)]
+pub enum F64Weights<'a> {
+    /// Q4_1 blocks.
+    Q4_1(&'a [BlockQ4_1]),
+    /// Q8_0 blocks.
+    Q8_0(&'a [BlockQ8_0]),
+    /// Q4_K super-blocks.
+    Q4K(&'a [BlockQ4K]),
+    /// Q6_K super-blocks.
+    Q6K(&'a [BlockQ6K]),
+}
+
+/// Runs `fill(row0, out)` over the `n` weight rows of a `[n, m]` weight-row-major output,
+/// split over the current rayon pool in ranges of whole rows, multiples of 4 (on the caller
+/// with one thread).
+pub fn for_row_ranges<T: Send>(
+    n: usize,
+    m: usize,
+    out: &mut [T],
+    fill: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let threads = rayon::current_num_threads();
+    let rows_per_task = if threads == 1 {
+        n
+    } else {
+        n.div_ceil(4 * threads)
+            .max(MIN_ROWS_PER_TASK)
+            .next_multiple_of(4)
+    };
+    if n <= rows_per_task {
+        fill(0, out);
+    } else {
+        out.par_chunks_mut(rows_per_task * m)
+            .enumerate()
+            .for_each(|(t, o)| fill(t * rows_per_task, o));
+    }
+}
+
+/// `dst[i * n + j] = Σ_t x[i, t] · W[j, t]` in f64, for `m` activation rows of `k` values and a
+/// weight of `n` rows of `k / block` blocks. Each activation row is quantized once to the
+/// type's activation blocks (candle's rounding), so the result is candle's quantized product
+/// up to the order and precision of the sum; every output is one [`dot_f64`], so a row's
+/// result does not depend on `m` or on the thread count.
+pub fn matmul_f64(
+    kernel: Kernel,
+    dims: (usize, usize, usize),
+    x: &[f32],
+    w: F64Weights<'_>,
+    dst: &mut [f64],
+) -> Result<()> {
+    match w {
+        F64Weights::Q4_1(w) => matmul::<BlockQ4_1>(kernel, dims, x, w, dst),
+        F64Weights::Q8_0(w) => matmul::<BlockQ8_0>(kernel, dims, x, w, dst),
+        F64Weights::Q4K(w) => matmul::<BlockQ4K>(kernel, dims, x, w, dst),
+        F64Weights::Q6K(w) => matmul::<BlockQ6K>(kernel, dims, x, w, dst),
+    }
+}
+
+fn matmul<B: F64Dot>(
+    kernel: Kernel,
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: &[B],
+    dst: &mut [f64],
+) -> Result<()> {
+    if k % B::BLOCK != 0 {
+        candle_core::bail!(
+            "{} f64 matmul: k = {k} is not a multiple of the block size {}",
+            B::NAME,
+            B::BLOCK
+        )
+    }
+    let kb = k / B::BLOCK;
+    if x.len() != m * k || w.len() != n * kb || dst.len() != m * n {
+        candle_core::bail!(
+            "{} f64 matmul (m, k, n) = ({m}, {k}, {n}): x has {} values (expected {}), W {} \
+             blocks (expected {}), dst {} values (expected {})",
+            B::NAME,
+            x.len(),
+            m * k,
+            w.len(),
+            n * kb,
+            dst.len(),
+            m * n
+        )
+    }
+    if !kernel.is_available() {
+        candle_core::bail!(
+            "{} f64 matmul: kernel {kernel:?} is not supported by this CPU",
+            B::NAME
+        )
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        dst.fill(0.0); // empty sums
+        return Ok(());
+    }
+    let mut xq = vec![B::ACT_ZERO; m * kb];
+    B::quantize(x, &mut xq);
+    let fill = |row0: usize, out: &mut [f64]| {
+        for (r, o) in out.chunks_exact_mut(m).enumerate() {
+            let wr = &w[(row0 + r) * kb..(row0 + r + 1) * kb];
+            for (v, xr) in o.iter_mut().zip(xq.chunks_exact(kb)) {
+                *v = dot_f64(kernel, wr, xr);
+            }
+        }
+    };
+    if m == 1 {
+        for_row_ranges(n, 1, dst, fill);
+    } else {
+        let mut yt = vec![0f64; n * m];
+        for_row_ranges(n, m, &mut yt, fill);
+        for (j, col) in yt.chunks_exact(m).enumerate() {
+            for (i, &v) in col.iter().enumerate() {
+                dst[i * n + j] = v;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,161 @@
+//! Q8_0 (ggml's `block_q8_0`): 32 signed bytes and an f16 scale. A weight type, and the
+//! activation format of Q8_0 (and Q4_0, Q5_0) weights.
+
+use crate::f64_dot::F64Dot;
+use half::f16;
+
+/// Values per Q8_0 block (ggml's `QK8_0`).
+pub const QK8_0: usize = 32;
+
+/// One Q8_0 block: `x[i] = d * qs[i]` (34 bytes, as GGUF stores it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    /// Scale.
+    pub d: f16,
+    /// Quantized values.
+    pub qs: [i8; QK8_0],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+
+impl BlockQ8_0 {
+    /// The all-zero block.
+    pub const ZERO: Self = Self {
+        d: f16::ZERO,
+        qs: [0; QK8_0],
+    };
+}
+
+/// Quantizes `xs` into `ys` with candle 0.11's `BlockQ8_0::from_float` rounding: `d = max |x|
+/// / 127` (stored as f16), `q = round(x / d)` with the f32 `d`.
+///
+/// # Panics
+/// If `xs.len() != ys.len() * 32`.
+pub fn quantize_row_q8_0(xs: &[f32], ys: &mut [BlockQ8_0]) {
+    assert_eq!(
+        xs.len(),
+        ys.len() * QK8_0,
+        "quantize_row_q8_0: {} values for {} blocks",
+        xs.len(),
+        ys.len()
+    );
+    for (x, y) in xs.chunks_exact(QK8_0).zip(ys.iter_mut()) {
+        let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        y.d = f16::from_f32(d);
+        for (q, &v) in y.qs.iter_mut().zip(x) {
+            *q = (v * id).round() as i8;
+        }
+    }
+}
+
+// SAFETY: repr(C) plain data (f16 is a transparent u16), every bit pattern valid.
+unsafe impl F64Dot for BlockQ8_0 {
+    type Act = BlockQ8_0;
+    const BLOCK: usize = QK8_0;
+    const NAME: &'static str = "Q8_0";
+    const ACT_ZERO: Self::Act = BlockQ8_0::ZERO;
+
+    fn quantize(xs: &[f32], ys: &mut [Self::Act]) {
+        quantize_row_q8_0(xs, ys)
+    }
+
+    #[inline(always)]
+    fn block_dot(w: &Self, x: &Self::Act) -> f64 {
+        let mut sum = 0i32;
+        for j in 0..QK8_0 {
+            sum += w.qs[j] as i32 * x.qs[j] as i32;
+        }
+        // d·d' is exact in f64 (two 11-bit mantissas), and so is its product with the sum.
+        (w.d.to_f64() * x.d.to_f64()) * sum as f64
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
+        avx2::dot(w, x)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::BlockQ8_0;
+    use crate::f64_dot::avx2::{add_in_order, deinterleave, f16_pairs, hsum4};
+    use std::arch::x86_64::*;
+
+    /// Four blocks at a time: integer sums by `sign`/`maddubs`/`madd` (ggml's way: |w| times
+    /// x with w's sign), the four sums reduced together, times the four `d·d'` (exact in
+    /// f32), added to the f64 total in block order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f64 {
+        let quads = w.len() / 4 * 4;
+        let mut acc = 0f64;
+        for b in (0..quads).step_by(4) {
+            acc = add_in_order(acc, four(w.as_ptr().add(b), x.as_ptr().add(b)), 4);
+        }
+        let n = w.len() - quads;
+        if n > 0 {
+            // Copies padded with zero blocks, whose lanes are not added.
+            let (mut wt, mut xt) = ([BlockQ8_0::ZERO; 4], [BlockQ8_0::ZERO; 4]);
+            wt[..n].copy_from_slice(&w[quads..]);
+            xt[..n].copy_from_slice(&x[quads..]);
+            acc = add_in_order(acc, four(wt.as_ptr(), xt.as_ptr()), n);
+        }
+        acc
+    }
+
+    /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
+    #[inline(always)]
+    unsafe fn four(w: *const BlockQ8_0, x: *const BlockQ8_0) -> __m256d {
+        let ones = _mm256_set1_epi16(1);
+        let mut sums = [_mm256_setzero_si256(); 4];
+        for (t, s) in sums.iter_mut().enumerate() {
+            let qw = _mm256_loadu_si256((*w.add(t)).qs.as_ptr() as *const __m256i);
+            let qx = _mm256_loadu_si256((*x.add(t)).qs.as_ptr() as *const __m256i);
+            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+            *s = _mm256_madd_epi16(pairs, ones);
+        }
+        // Each block starts with its f16 `d` (the next two bytes are values: unused lanes).
+        let dd = deinterleave(_mm256_mul_ps(f16_pairs(w), f16_pairs(x)));
+        _mm256_mul_pd(
+            _mm256_cvtepi32_pd(hsum4(sums)),
+            _mm256_cvtps_pd(_mm256_castps256_ps128(dd)),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::f64_dot::testing::{check_against_candle, pseudo};
+    use candle_core::quantized::GgmlDType;
+
+    #[test]
+    fn f64_dot_is_the_dot_of_candles_dequantized_blocks() {
+        check_against_candle::<BlockQ8_0>(
+            GgmlDType::Q8_0,
+            |x| x.qs.iter().map(|&q| x.d.to_f64() * q as f64).collect(),
+            |_, _| 0.0,
+            1e-12,
+        );
+    }
+
+    /// Byte for byte what candle's own quantization writes.
+    #[test]
+    fn quantization_matches_candle() {
+        use candle_core::quantized::k_quants::{BlockQ8_0 as CandleQ8_0, GgmlType};
+        let xs: Vec<f32> = (0..96).map(|i| pseudo(i + 7) * 2.5).collect();
+        let mut ours = vec![BlockQ8_0::ZERO; 3];
+        quantize_row_q8_0(&xs, &mut ours);
+        let mut theirs = vec![CandleQ8_0::zeros(); 3];
+        CandleQ8_0::from_float(&xs, &mut theirs);
+        // SAFETY: both are repr(C) arrays of the same 34-byte layout; read as bytes.
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(ours.as_ptr() as *const u8, 3 * 34),
+                std::slice::from_raw_parts(theirs.as_ptr() as *const u8, 3 * 34),
+            )
+        };
+        assert_eq!(a, b);
+    }
+}
