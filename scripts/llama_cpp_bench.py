@@ -17,8 +17,10 @@ ap.add_argument("--prompt-len", type=int, default=32)
 ap.add_argument("--new-tokens", type=int, default=32)
 a = ap.parse_args()
 
+# logits_all: llama-cpp-python 0.3.36 fills `scores` (read below) only with it; without it
+# the rows stay zero and argmax gives token 0 every step.
 llm = Llama(model_path=a.model, n_threads=a.threads, n_threads_batch=a.threads,
-            n_ctx=a.prompt_len + a.new_tokens + 8, verbose=False)
+            n_ctx=a.prompt_len + a.new_tokens + 8, logits_all=True, verbose=False)
 vocab = llm.n_vocab()
 ids = [(i * 7919 + 13) % vocab for i in range(a.prompt_len)]
 t0 = time.perf_counter()

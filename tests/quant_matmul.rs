@@ -221,9 +221,9 @@ fn bad_shapes_are_errors_naming_them() -> Result<()> {
 #[test]
 fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     let dev = Device::Cpu;
-    let w = seeded_uniform(&[32, 64], 1, 1.0, &dev)?;
-    let x = seeded_uniform(&[3, 64], 2, 1.0, &dev)?;
-    for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q5_1] {
+    let w = seeded_uniform(&[32, 256], 1, 1.0, &dev)?;
+    let x = seeded_uniform(&[3, 256], 2, 1.0, &dev)?;
+    for dtype in [GgmlDType::Q4_0, GgmlDType::Q5_1, GgmlDType::Q6K] {
         let q = Arc::new(QTensor::quantize(&w, dtype)?);
         let mm = QuantMatMul::from_arc(q.clone())?;
         assert_eq!(mm.kernel(), None);
@@ -233,6 +233,33 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
             "fallback",
         )?;
         assert_eq!(d, 0.0, "{dtype:?}");
+    }
+    Ok(())
+}
+
+/// Q8_0 and Q4_K run the crate's f64-summing kernel rounded to f32: candle's `QMatMul` (same
+/// activation rounding, f32 sums) within f32 rounding of the sum, for decode and prefill
+/// shapes; and each row's result does not depend on how many rows are in the batch.
+#[test]
+fn q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = seeded_uniform(&[48, 768], 3, 1.0, &dev)?;
+    let x = seeded_uniform(&[5, 768], 4, 2.0, &dev)?;
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K] {
+        let q = Arc::new(QTensor::quantize(&w, dtype)?);
+        let mm = QuantMatMul::from_arc(q.clone())?;
+        assert!(mm.kernel().is_some(), "{dtype:?}: {mm:?}");
+        let got = mm.forward(&x)?;
+        let want = QMatMul::from_arc(q)?.forward(&x)?;
+        let d = max_abs_diff(&got, &want, "Q8_0/Q4_K vs candle")?;
+        let scale = max_abs(&want)?;
+        assert!(d <= 1e-5 * scale, "{dtype:?}: {d} on outputs up to {scale}");
+        let alone = mm.forward(&x.narrow(0, 2, 1)?)?;
+        assert_eq!(
+            alone.flatten_all()?.to_vec1::<f32>()?,
+            got.narrow(0, 2, 1)?.flatten_all()?.to_vec1::<f32>()?,
+            "{dtype:?}: a row alone differs from the same row in a batch"
+        );
     }
     Ok(())
 }

@@ -69,6 +69,9 @@ unsafe impl Send for NcclComm {}
 pub(crate) struct NcclGroup {
     /// `None` once the group was aborted (dropping the `Comm` calls `ncclCommAbort`).
     comm: Mutex<Option<NcclComm>>,
+    /// Set by [`NcclGroup::abort`] without the lock: a thread that holds the lock while abort
+    /// runs drops the communicator the next time it takes the lock, so no abort is lost.
+    abort_requested: std::sync::atomic::AtomicBool,
     device: CudaDevice,
     stats: Mutex<CommStats>,
     name: String,
@@ -216,6 +219,7 @@ pub(crate) fn rendezvous(
     })?;
     let group = NcclGroup {
         comm: Mutex::new(Some(NcclComm(comm))),
+        abort_requested: std::sync::atomic::AtomicBool::new(false),
         device: device.clone(),
         stats: Mutex::new(CommStats::default()),
         name: name.clone(),
@@ -257,11 +261,32 @@ impl NcclGroup {
 
     /// Destroys the communicator with `ncclCommAbort` (pending operations stop); every later
     /// collective of this group fails.
+    ///
+    /// Callable from a watchdog thread while another thread is inside a collective: the
+    /// request is recorded first (an atomic, no lock), then the lock is tried for up to
+    /// 100 ms (it is held only while operations are enqueued). If the other thread still
+    /// holds it, that thread drops the communicator when it next takes the lock, and every
+    /// later call fails with `Aborted`. (Calling `ncclCommAbort` without the lock would need
+    /// the raw communicator, which cudarc 0.19's `Comm` does not expose.)
     pub(crate) fn abort(&self) {
-        // try_lock: a thread may be enqueueing; it holds the lock only briefly and the group
-        // is failing anyway.
-        if let Ok(mut c) = self.comm.try_lock() {
-            c.take();
+        self.abort_requested
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let deadline = Instant::now() + std::time::Duration::from_millis(100);
+        loop {
+            match self.comm.try_lock() {
+                Ok(mut c) => {
+                    c.take();
+                    return;
+                }
+                Err(std::sync::TryLockError::Poisoned(e)) => {
+                    e.into_inner().take();
+                    return;
+                }
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(1))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return,
+            }
         }
     }
 
@@ -286,7 +311,13 @@ impl NcclGroup {
 
     /// Locks the communicator and makes its CUDA context current on this thread.
     fn lock(&self, op: &str) -> CommResult<MutexGuard<'_, Option<NcclComm>>> {
-        let guard = lock(&self.comm);
+        let mut guard = lock(&self.comm);
+        if self
+            .abort_requested
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            guard.take();
+        }
         if guard.is_none() {
             return Err(CommError::Aborted {
                 group: self.name.clone(),

@@ -18,13 +18,16 @@ pub fn has_f64_kernel(dtype: GgmlDType) -> bool {
     )
 }
 
-/// The f64 product as a candle op (CPU, f32 input, f64 output; inference only).
+/// The f64 product as a candle op (CPU, f32 input, f64 or f32 output; inference only).
 #[derive(Clone)]
 pub(crate) struct F64MatMul {
     pub(crate) w: Arc<QTensor>,
     pub(crate) n: usize,
     pub(crate) k: usize,
     pub(crate) kernel: Kernel,
+    /// Round the f64 sums to an f32 output (a column-parallel layer, which needs no f64
+    /// reduction) instead of returning f64.
+    pub(crate) f32_out: bool,
 }
 
 impl CustomOp1 for F64MatMul {
@@ -61,6 +64,11 @@ impl CustomOp1 for F64MatMul {
         matmul_f64(self.kernel, (m, k, self.n), x, w, &mut dst)?;
         let mut out = shape.dims().to_vec();
         *out.last_mut().expect("rank checked above") = self.n;
-        Ok((CpuStorage::F64(dst), Shape::from(out)))
+        let storage = if self.f32_out {
+            CpuStorage::F32(dst.into_iter().map(|v| v as f32).collect())
+        } else {
+            CpuStorage::F64(dst)
+        };
+        Ok((storage, Shape::from(out)))
     }
 }
