@@ -29,8 +29,9 @@
 //! - [`generate`]: sampling from vocabulary-parallel logits without gathering them.
 //! - [`convert`]: GGUF → Hugging Face checkpoint and tokenizer, for the demo models.
 //! - [`Partition`]: uneven splits (9 heads on 2 ranks is 5 + 4).
-//! - [`quant`]: quantized CPU kernels ([`quant::QuantMatMul`]: a SIMD Q4_1 matmul, candle's
-//!   `QMatMul` for the other types).
+//! - [`quant`]: quantized CPU kernels ([`quant::QuantMatMul`]: SIMD Q4_1, Q8_0 and Q4_K
+//!   matmuls, f64-summed products for row-parallel layers, candle's `QMatMul` for the other
+//!   types).
 //! - GPUs: cargo features `cuda` and `nccl` (one process per GPU, NCCL collectives on the
 //!   tensors' stream), [`device_from_arg`] for `--device cpu|cuda`; see `docs/GPU.md`.
 #![warn(missing_docs)]

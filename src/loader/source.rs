@@ -11,7 +11,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Shape, Tensor};
 
 /// A weight as a source holds it: dense (a `Tensor` in the model dtype) or quantized (GGUF
-/// blocks in a `QTensor`, multiplied with Candle's `QMatMul`).
+/// blocks in a `QTensor`, multiplied with `quant::QuantMatMul`).
 #[derive(Debug)]
 pub enum WeightShard {
     /// A dense tensor.

@@ -6,7 +6,7 @@
 //! small-m kernel and agree to f32 rounding). Weights keep candle's and Hugging
 //! Face's `[out_features, in_features]` layout and names (`weight`, `bias`). The column- and
 //! row-parallel layers hold a [`ParallelWeight`]: loaded from a GGUF file, their shard is
-//! quantized blocks multiplied by Candle's `QMatMul`, with the same layer code.
+//! quantized blocks multiplied by `quant::QuantMatMul`, with the same layer code.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::Linear;
