@@ -26,10 +26,31 @@ pub enum F64Weights<'a> {
     Q6K(&'a [BlockQ6K]),
 }
 
-/// Runs `fill(row0, out)` over the `n` weight rows of a `[n, m]` weight-row-major output,
-/// split over the current rayon pool in ranges of whole rows, multiples of 4 (on the caller
-/// with one thread).
-pub fn for_row_ranges<T: Send>(
+/// Fills `dst` (`[m, n]`, activation-row major) by calls `fill(row0, out)`, `out` the
+/// weight-row-major block `[rows, m]` of weight rows `row0..row0 + rows`, over the current
+/// rayon pool in ranges of whole rows, multiples of 4 (on the caller with one thread). Each
+/// task owns one contiguous slice: for `m == 1` that is `dst` itself, otherwise a buffer
+/// transposed into `dst` at the end.
+pub fn fill_by_weight_rows<T: Send + Copy + Default>(
+    n: usize,
+    m: usize,
+    dst: &mut [T],
+    fill: impl Fn(usize, &mut [T]) + Sync,
+) {
+    if m == 1 {
+        return for_row_ranges(n, 1, dst, fill);
+    }
+    let mut yt = vec![T::default(); n * m];
+    for_row_ranges(n, m, &mut yt, fill);
+    for (j, col) in yt.chunks_exact(m).enumerate() {
+        for (i, &v) in col.iter().enumerate() {
+            dst[i * n + j] = v;
+        }
+    }
+}
+
+/// `fill(row0, out)` over ranges of the `n` weight rows of a `[n, m]` output.
+fn for_row_ranges<T: Send>(
     n: usize,
     m: usize,
     out: &mut [T],
@@ -123,16 +144,6 @@ fn matmul<B: F64Dot>(
             }
         }
     };
-    if m == 1 {
-        for_row_ranges(n, 1, dst, fill);
-    } else {
-        let mut yt = vec![0f64; n * m];
-        for_row_ranges(n, m, &mut yt, fill);
-        for (j, col) in yt.chunks_exact(m).enumerate() {
-            for (i, &v) in col.iter().enumerate() {
-                dst[i * n + j] = v;
-            }
-        }
-    }
+    fill_by_weight_rows(n, m, dst, fill);
     Ok(())
 }

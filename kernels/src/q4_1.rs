@@ -36,23 +36,7 @@ impl BlockQ4_1 {
     /// Errors if the length is not a whole number of 20-byte blocks or the bytes are not
     /// 2-byte aligned (candle's CPU storage always is).
     pub fn slice_from_bytes(bytes: &[u8]) -> Result<&[Self]> {
-        let size = std::mem::size_of::<Self>();
-        if bytes.len() % size != 0 {
-            candle_core::bail!(
-                "Q4_1 data of {} bytes is not a whole number of {size}-byte blocks",
-                bytes.len()
-            )
-        }
-        if bytes.as_ptr() as usize % std::mem::align_of::<Self>() != 0 {
-            candle_core::bail!("Q4_1 data at {:p} is not 2-byte aligned", bytes.as_ptr())
-        }
-        // SAFETY: length and alignment checked above; `BlockQ4_1` is `repr(C)` plain data
-        // (f16 is a transparent u16) for which every bit pattern is valid.
-        Ok(
-            unsafe {
-                std::slice::from_raw_parts(bytes.as_ptr() as *const Self, bytes.len() / size)
-            },
-        )
+        crate::f64_dot::blocks_from_bytes(bytes)
     }
 }
 

@@ -4,7 +4,7 @@
 use super::f64_matmul::{has_f64_kernel, F64MatMul};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
-use candle_tp_kernels::f64_matmul::for_row_ranges;
+use candle_tp_kernels::f64_matmul::fill_by_weight_rows;
 use candle_tp_kernels::q4_1::{rows_dot, BlockQ4_1, Kernel, QK4_1};
 use candle_tp_kernels::q8_1::quantize_row_q8_1_into;
 use std::sync::Arc;
@@ -53,20 +53,8 @@ pub fn matmul_q4_1(
     quantize_row_q8_1_into(x, k, &mut xq);
     let xq = &xq[..];
 
-    // Output computed weight-row major ([n, m]) so each task owns one contiguous slice; for
-    // m == 1 that is dst itself, otherwise it is transposed into dst at the end.
     let fill = |row0: usize, out: &mut [f32]| rows_dot(kernel, w, kb, xq, m, row0, out);
-    if m == 1 {
-        for_row_ranges(n, 1, dst, fill);
-    } else {
-        let mut yt = vec![0f32; n * m];
-        for_row_ranges(n, m, &mut yt, fill);
-        for (j, col) in yt.chunks_exact(m).enumerate() {
-            for (i, &v) in col.iter().enumerate() {
-                dst[i * n + j] = v;
-            }
-        }
-    }
+    fill_by_weight_rows(n, m, dst, fill);
     Ok(())
 }
 
