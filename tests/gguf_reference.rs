@@ -4,11 +4,12 @@
 //! Two comparisons:
 //! - with `CANDLE_DEQUANTIZE_ALL=1` (a fresh thread: Candle reads it once per thread), both
 //!   multiply the same dequantized blocks in f32: the models agree to float rounding;
-//! - with Candle's quantized kernels in both (activations rounded to 8 bits before each
-//!   matmul): the logits agree up to the flips of that rounding which a 1e-7 difference
-//!   upstream causes (the rotary embedding is applied half-split on rows put back in Hugging
-//!   Face order, against interleaved), and the greedy ids agree at all but at most one of 8
-//!   steps (both models are fed the reference's token).
+//! - with the quantized kernels (candle-tp's own for Q4_1, Q8_0 and Q4_K, f64 sums in the
+//!   row-parallel layers and for Q8_0 / Q4_K; candle's for the rest; activations rounded to
+//!   8 bits before each matmul): the logits agree up to the flips of that rounding which an
+//!   ulp of difference upstream causes (also the rotary embedding, applied half-split on rows
+//!   put back in Hugging Face order, against interleaved), and the greedy ids agree at all
+//!   but at most two of 8 steps (both models are fed the reference's token).
 //!
 //! This file holds one test on purpose: the environment variable must not reach other tests.
 
@@ -91,8 +92,12 @@ fn world_one_matches_candle_transformers_quantized_llama() -> anyhow::Result<()>
     for (dtype, want, got, worst) in q_diffs {
         let same = want.iter().zip(&got).filter(|(a, b)| a == b).count();
         eprintln!("{dtype:?}, quantized kernels: {same}/{NEW_TOKENS} greedy ids equal; max |logit diff| {worst:.3e}");
-        // Measured 0.62 (Q4_K) to 1.55 (Q6_K) on logits up to ~40: activation rounding flips.
-        assert!(worst <= 2.0, "{dtype:?}: logits differ by {worst}");
+        // Noise of 8-bit activation rounding flips, not an error: candle-tp sums Q4_1, Q8_0
+        // and Q4_K products in f64 and candle in f32 lanes, and each ulp of difference can flip
+        // a rounding of the next matmul's input. Measured 2026-11-24 (logits up to ~40): 1.26
+        // (Q4_1), 1.03 (Q8_0), 1.30 (Q4_K), 2.13 (Q6_K); the f32 comparison above is the tight
+        // one (≤ 5.3e-5).
+        assert!(worst <= 3.0, "{dtype:?}: logits differ by {worst}");
         assert!(
             same >= NEW_TOKENS - 2,
             "{dtype:?}: only {same}/{NEW_TOKENS} ids agree"
