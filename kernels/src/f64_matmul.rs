@@ -73,6 +73,35 @@ fn for_row_ranges<T: Send>(
     }
 }
 
+/// Checks the arguments of a quantized matmul `(m, k, n)` with blocks of `block` values:
+/// `k` whole blocks, `(x, w, dst)` lengths of `m·k` values, `n·k/block` blocks and `m·n`
+/// values, `kernel` runnable here. Returns the blocks per row; the errors start with `what`.
+pub fn check_matmul(
+    what: &str,
+    kernel: Kernel,
+    (m, k, n): (usize, usize, usize),
+    block: usize,
+    (x_len, w_len, dst_len): (usize, usize, usize),
+) -> Result<usize> {
+    if k % block != 0 {
+        candle_core::bail!("{what}: k = {k} is not a multiple of the block size {block}")
+    }
+    let kb = k / block;
+    if x_len != m * k || w_len != n * kb || dst_len != m * n {
+        candle_core::bail!(
+            "{what} (m, k, n) = ({m}, {k}, {n}): x has {x_len} values (expected {}), W {w_len} \
+             blocks (expected {}), dst {dst_len} values (expected {})",
+            m * k,
+            n * kb,
+            m * n
+        )
+    }
+    if !kernel.is_available() {
+        candle_core::bail!("{what}: kernel {kernel:?} is not supported by this CPU")
+    }
+    Ok(kb)
+}
+
 /// `dst[i * n + j] = Σ_t x[i, t] · W[j, t]` in f64, for `m` activation rows of `k` values and a
 /// weight of `n` rows of `k / block` blocks. Each activation row is quantized once to the
 /// type's activation blocks (candle's rounding), so the result is candle's quantized product
@@ -100,33 +129,13 @@ fn matmul<B: F64Dot>(
     w: &[B],
     dst: &mut [f64],
 ) -> Result<()> {
-    if k % B::BLOCK != 0 {
-        candle_core::bail!(
-            "{} f64 matmul: k = {k} is not a multiple of the block size {}",
-            B::NAME,
-            B::BLOCK
-        )
-    }
-    let kb = k / B::BLOCK;
-    if x.len() != m * k || w.len() != n * kb || dst.len() != m * n {
-        candle_core::bail!(
-            "{} f64 matmul (m, k, n) = ({m}, {k}, {n}): x has {} values (expected {}), W {} \
-             blocks (expected {}), dst {} values (expected {})",
-            B::NAME,
-            x.len(),
-            m * k,
-            w.len(),
-            n * kb,
-            dst.len(),
-            m * n
-        )
-    }
-    if !kernel.is_available() {
-        candle_core::bail!(
-            "{} f64 matmul: kernel {kernel:?} is not supported by this CPU",
-            B::NAME
-        )
-    }
+    let kb = check_matmul(
+        &format!("{} f64 matmul", B::NAME),
+        kernel,
+        (m, k, n),
+        B::BLOCK,
+        (x.len(), w.len(), dst.len()),
+    )?;
     if m == 0 || n == 0 {
         return Ok(());
     }

@@ -4,7 +4,7 @@
 use super::f64_matmul::{has_f64_kernel, F64MatMul};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
-use candle_tp_kernels::f64_matmul::fill_by_weight_rows;
+use candle_tp_kernels::f64_matmul::{check_matmul, fill_by_weight_rows};
 use candle_tp_kernels::q4_1::{rows_dot, BlockQ4_1, Kernel, QK4_1};
 use candle_tp_kernels::q8_1::quantize_row_q8_1_into;
 use std::sync::Arc;
@@ -23,25 +23,13 @@ pub fn matmul_q4_1(
     w: &[BlockQ4_1],
     dst: &mut [f32],
 ) -> Result<()> {
-    if k % QK4_1 != 0 {
-        candle_core::bail!("Q4_1 matmul: k = {k} is not a multiple of the block size {QK4_1}")
-    }
-    let kb = k / QK4_1;
-    if x.len() != m * k || w.len() != n * kb || dst.len() != m * n {
-        candle_core::bail!(
-            "Q4_1 matmul (m, k, n) = ({m}, {k}, {n}): x has {} values (expected {}), W {} blocks \
-             (expected {}), dst {} values (expected {})",
-            x.len(),
-            m * k,
-            w.len(),
-            n * kb,
-            dst.len(),
-            m * n
-        )
-    }
-    if !kernel.is_available() {
-        candle_core::bail!("Q4_1 matmul: kernel {kernel:?} is not supported by this CPU")
-    }
+    let kb = check_matmul(
+        "Q4_1 matmul",
+        kernel,
+        (m, k, n),
+        QK4_1,
+        (x.len(), w.len(), dst.len()),
+    )?;
     if m == 0 || n == 0 {
         return Ok(());
     }
