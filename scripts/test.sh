@@ -118,6 +118,15 @@ extra() {  # runs a checking script; counts it as one test: passed, failed or sk
 }
 
 if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
+  # The kernels' tests cover every kernel the crate has; the layers above them take the one
+  # Kernel::detect picks (AVX2 on any x86-64 host of the last decade). Forcing the scalar
+  # kernel runs the quantized layers (and the crate's unit tests) through the portable code.
+  echo "==> the kernels and quantized layers again with CANDLE_TP_KERNEL=scalar"
+  extra "kernels forced to scalar" bash -c '
+    out=$(CANDLE_TP_KERNEL=scalar cargo test --workspace --features server --lib \
+      --test quant_matmul --test row_parallel_quantized -- --show-output 2>&1); rc=$?
+    printf "%s\n" "$out" | grep -E "^test result: |^kernels under test" | sort | uniq -c
+    [ "$rc" = 0 ] || { printf "%s\n" "$out" | tail -n 60; exit 1; }'
   echo "==> the examples under PyTorch's torchrun (scripts/test-torchrun.sh)"
   extra "torchrun (mlp, generate)" scripts/test-torchrun.sh
   echo "==> the server with the openai Python client and curl (scripts/test-openai.sh)"

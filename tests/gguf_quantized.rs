@@ -20,12 +20,11 @@ fn gguf(dtype: GgmlDType) -> PathBuf {
     candle_tp::convert::smollm2_gguf(dtype).expect("SmolLM2 GGUF (run scripts/fetch-models.sh)")
 }
 
+mod common;
+
+/// Max |a - b|, after checking every value of both is finite (candle's `max` skips NaN).
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let d: f32 = (a - b)
-        .and_then(|d| d.abs()?.flatten_all()?.max(0)?.to_scalar())
-        .expect("difference");
-    assert!(d.is_finite(), "non-finite logits");
-    d
+    common::max_abs_diff(a, b).expect("finite logits of the same shape")
 }
 
 /// Four prompts of eight tokens, run as one batch of four sequences.

@@ -22,12 +22,11 @@ use candle_transformers::models::quantized_llama::ModelWeights;
 const PROMPT: &[u32] = &[1, 9690, 198, 2683, 418, 253, 5356, 11173, 28, 1];
 const NEW_TOKENS: usize = 8;
 
+mod common;
+
+/// Max |a - b|, after checking every value of both is finite (candle's `max` skips NaN).
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let d: f32 = (a - b)
-        .and_then(|d| d.abs()?.flatten_all()?.max(0)?.to_scalar())
-        .expect("difference");
-    assert!(d.is_finite(), "non-finite logits");
-    d
+    common::max_abs_diff(a, b).expect("finite logits of the same shape")
 }
 
 /// Greedy decode in both models: (ids equal?, max logit difference over all steps, ids).

@@ -211,23 +211,56 @@ pub(crate) mod testing {
             let xd: Vec<f64> = xq.iter().flat_map(&act).collect();
             let want: f64 = wd.iter().zip(&xd).map(|(&a, &b)| a as f64 * b).sum::<f64>()
                 + w.iter().zip(&xq).map(|(w, x)| extra(w, x)).sum::<f64>();
-            let got = dot_f64(Kernel::Scalar, w, &xq);
-            assert!(
-                got.is_finite() && want.is_finite(),
-                "{}: {got} {want}",
-                B::NAME
-            );
-            assert!(
-                (got - want).abs() <= tol * (1.0 + want.abs()) && want.abs() > 1e-3,
-                "{} nb={nb}: kernel {got}, dequantized {want}",
-                B::NAME
-            );
-            if Kernel::Avx2.is_available() {
-                let a = dot_f64(Kernel::Avx2, w, &xq);
-                assert_eq!(
-                    a.to_bits(),
-                    got.to_bits(),
-                    "{} nb={nb}: avx2 {a} scalar {got}",
+            // Each kernel under test against the dequantized product, and every kernel
+            // against the first (the scalar one unless CANDLE_TP_KERNEL forces another) bit
+            // for bit.
+            let mut first: Option<(Kernel, f64)> = None;
+            for kernel in Kernel::under_test() {
+                let got = dot_f64(kernel, w, &xq);
+                assert!(
+                    got.is_finite() && want.is_finite(),
+                    "{} {kernel:?}: {got} {want}",
+                    B::NAME
+                );
+                assert!(
+                    (got - want).abs() <= tol * (1.0 + want.abs()) && want.abs() > 1e-3,
+                    "{} nb={nb} {kernel:?}: kernel {got}, dequantized {want}",
+                    B::NAME
+                );
+                match first {
+                    None => first = Some((kernel, got)),
+                    Some((k0, v0)) => assert_eq!(
+                        got.to_bits(),
+                        v0.to_bits(),
+                        "{} nb={nb}: {kernel:?} {got} {k0:?} {v0}",
+                        B::NAME
+                    ),
+                }
+            }
+        }
+    }
+
+    /// A NaN among the activations makes the product NaN with every kernel under test (the
+    /// quantizer must not round it to a finite block), and so does an infinity.
+    pub fn nan_and_inf_activations_propagate<B: F64Dot>(dtype: candle_core::quantized::GgmlDType) {
+        use candle_core::{quantized::QTensor, Device, Tensor};
+        let nb = 3;
+        let k = nb * B::BLOCK;
+        let wf: Vec<f32> = (0..k).map(|i| pseudo(i + 77) * 0.2 - 0.03).collect();
+        let qt =
+            QTensor::quantize(&Tensor::from_vec(wf, (1, k), &Device::Cpu).unwrap(), dtype).unwrap();
+        let bytes = qt.data().unwrap();
+        let ws = blocks_from_bytes::<B>(&bytes).unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x: Vec<f32> = (0..nb * B::BLOCK).map(|i| pseudo(i) * 2.0).collect();
+            x[B::BLOCK + 5] = bad;
+            let mut xq = vec![B::ACT_ZERO; nb];
+            B::quantize(&x, &mut xq);
+            for kernel in Kernel::under_test() {
+                let got = dot_f64(kernel, ws, &xq);
+                assert!(
+                    got.is_nan(),
+                    "{} {kernel:?}: an activation {bad} gave {got}, not NaN",
                     B::NAME
                 );
             }

@@ -8,10 +8,13 @@
 //! - [`f64_dot`]: Q4_1, Q8_0, Q4_K and Q6_K dot products accumulated in f64, whose sums do
 //!   not depend on how a row's blocks are split between ranks ([`q8_0`], [`q8_k`], [`q4_k`],
 //!   [`q6_k`]: the block types), and [`f64_matmul`], their matmul over rayon;
+//! - [`kernel`]: which implementation runs ([`kernel::Kernel`]: scalar or AVX2, detected at run
+//!   time, forced with `CANDLE_TP_KERNEL=scalar|avx2`);
 //! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant.
 
 pub mod f64_dot;
 pub mod f64_matmul;
+pub mod kernel;
 pub mod q4_1;
 pub mod q4_k;
 pub mod q6_k;

@@ -40,41 +40,7 @@ impl BlockQ4_1 {
     }
 }
 
-/// Which implementation of the quantized dot products runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernel {
-    /// Portable Rust, the reference every SIMD kernel is tested against.
-    Scalar,
-    /// x86-64 AVX2 + FMA + F16C (Haswell / Zen and later), checked at run time.
-    Avx2,
-}
-
-impl Kernel {
-    /// The fastest kernel this CPU supports (checked once per call with
-    /// `is_x86_feature_detected!`, which caches).
-    pub fn detect() -> Self {
-        if Self::Avx2.is_available() {
-            Self::Avx2
-        } else {
-            Self::Scalar
-        }
-    }
-
-    /// Whether this CPU can run the kernel.
-    pub fn is_available(self) -> bool {
-        match self {
-            Self::Scalar => true,
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => {
-                is_x86_feature_detected!("avx2")
-                    && is_x86_feature_detected!("fma")
-                    && is_x86_feature_detected!("f16c")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx2 => false,
-        }
-    }
-}
+pub use crate::kernel::Kernel;
 
 /// `Σ_b dot(ws[b], xs[b])` over blocks, with the chosen kernel; any number of blocks.
 ///
@@ -337,8 +303,9 @@ mod tests {
 
     #[test]
     fn avx2_matches_scalar_for_every_block_count() {
-        if !Kernel::Avx2.is_available() {
-            eprintln!("no AVX2 on this CPU: nothing to compare");
+        // Fails on an x86-64 CPU without AVX2 unless CANDLE_TP_KERNEL=scalar says that only
+        // the scalar kernel is meant (then there is nothing to compare).
+        if !Kernel::under_test().contains(&Kernel::Avx2) {
             return;
         }
         for nb in [1usize, 2, 3, 5, 18, 19] {
@@ -359,6 +326,29 @@ mod tests {
                 (s - a).abs() <= 1e-5 * (1.0 + s.abs()),
                 "nb={nb}: scalar {s} avx2 {a}"
             );
+        }
+    }
+
+    #[test]
+    fn nan_and_inf_activations_give_nan() {
+        crate::f64_dot::testing::nan_and_inf_activations_propagate::<BlockQ4_1>(
+            candle_core::quantized::GgmlDType::Q4_1,
+        );
+        // The f32 kernel too.
+        let ws = [BlockQ4_1 {
+            d: f16::from_f32(0.02),
+            m: f16::from_f32(-0.1),
+            qs: [0x5A; 16],
+        }];
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut x = vec![0.5f32; 32];
+            x[3] = bad;
+            let mut xs = vec![BlockQ8_1::ZERO; 1];
+            quantize_row_q8_1(&x, &mut xs);
+            for kernel in Kernel::under_test() {
+                let y = vec_dot_q4_1_q8_1(kernel, &ws, &xs);
+                assert!(y.is_nan(), "{kernel:?}: activation {bad} gave {y}");
+            }
         }
     }
 }

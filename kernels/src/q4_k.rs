@@ -114,7 +114,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::f64_dot::testing::check_against_candle;
+    use crate::f64_dot::testing::{check_against_candle, nan_and_inf_activations_propagate};
     use candle_core::quantized::GgmlDType;
 
     #[test]
@@ -125,5 +125,10 @@ mod tests {
             |_, _| 0.0,
             1e-12,
         );
+    }
+
+    #[test]
+    fn nan_and_inf_activations_give_nan() {
+        nan_and_inf_activations_propagate::<BlockQ4K>(GgmlDType::Q4K);
     }
 }

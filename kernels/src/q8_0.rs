@@ -40,6 +40,14 @@ pub fn quantize_row_q8_0(xs: &[f32], ys: &mut [BlockQ8_0]) {
         ys.len()
     );
     for (x, y) in xs.chunks_exact(QK8_0).zip(ys.iter_mut()) {
+        if x.iter().any(|v| v.is_nan()) {
+            // A NaN block, so that the product is NaN (a cast would round NaN to 0).
+            *y = BlockQ8_0 {
+                d: f16::NAN,
+                qs: [0; QK8_0],
+            };
+            continue;
+        }
         let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -127,7 +135,9 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::f64_dot::testing::{check_against_candle, pseudo};
+    use crate::f64_dot::testing::{
+        check_against_candle, nan_and_inf_activations_propagate, pseudo,
+    };
     use candle_core::quantized::GgmlDType;
 
     #[test]
@@ -157,5 +167,10 @@ mod tests {
             )
         };
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn nan_and_inf_activations_give_nan() {
+        nan_and_inf_activations_propagate::<BlockQ8_0>(GgmlDType::Q8_0);
     }
 }

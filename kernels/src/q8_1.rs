@@ -46,6 +46,15 @@ pub fn quantize_row_q8_1(xs: &[f32], ys: &mut [BlockQ8_1]) {
         ys.len()
     );
     for (x, y) in xs.chunks_exact(QK8_1).zip(ys.iter_mut()) {
+        if x.iter().any(|v| v.is_nan()) {
+            // A NaN block, so that the product is NaN (a cast would round NaN to 0).
+            *y = BlockQ8_1 {
+                d: f16::NAN,
+                s: f16::NAN,
+                qs: [0; QK8_1],
+            };
+            continue;
+        }
         let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };

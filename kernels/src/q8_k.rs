@@ -41,6 +41,14 @@ pub fn quantize_row_q8k(xs: &[f32], ys: &mut [BlockQ8K]) {
         ys.len()
     );
     for (x, y) in xs.chunks_exact(QK_K).zip(ys.iter_mut()) {
+        if x.iter().any(|v| v.is_nan()) {
+            // A NaN block, so that the product is NaN (a cast would round NaN to 0).
+            *y = BlockQ8K {
+                d: f32::NAN,
+                ..BlockQ8K::ZERO
+            };
+            continue;
+        }
         let (mut max, mut amax) = (0f32, 0f32);
         for &v in x {
             if amax < v.abs() {

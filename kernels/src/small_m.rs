@@ -17,12 +17,25 @@
 //! f32. AVX2 + FMA + F16C where the CPU has them (checked at run time), a scalar loop
 //! otherwise (also batch-invariant).
 
+use crate::kernel::Kernel;
 use half::{bf16, f16};
 
 /// A weight element the kernel reads: f32, or a 16-bit float it widens.
-pub trait WeightElem: Copy + Into<f32> + Send + Sync + 'static {
+///
+/// Sealed: `KIND` tells the SIMD code how to read the weight's bits, so only the three types
+/// below implement it (a foreign type claiming `Kind::F32` would be read as f32 by unsafe
+/// code).
+pub trait WeightElem: sealed::Sealed + Copy + Into<f32> + Send + Sync + 'static {
     #[doc(hidden)]
     const KIND: Kind;
+}
+
+mod sealed {
+    /// Implemented for f32, bf16 and f16 only.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
 }
 
 #[doc(hidden)]
@@ -60,6 +73,21 @@ impl WeightElem for f16 {
 /// assert_eq!(y, [1.0, 3.0, 2.0, 4.0, 3.0, 7.0]);
 /// ```
 pub fn matmul_rows<T: WeightElem>(x: &[f32], m: usize, k: usize, w: &[T], y: &mut [f32]) {
+    matmul_rows_with(Kernel::detect(), x, m, k, w, y)
+}
+
+/// As [`matmul_rows`] with a given kernel (to test or benchmark one path).
+///
+/// # Panics
+/// As [`matmul_rows`], and when this CPU cannot run `kernel`.
+pub fn matmul_rows_with<T: WeightElem>(
+    kernel: Kernel,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[T],
+    y: &mut [f32],
+) {
     assert_eq!(
         x.len(),
         m * k,
@@ -78,8 +106,13 @@ pub fn matmul_rows<T: WeightElem>(x: &[f32], m: usize, k: usize, w: &[T], y: &mu
         "small-m matmul: y has {} values, not {n} × {m}",
         y.len()
     );
+    assert!(
+        kernel.is_available(),
+        "small-m matmul: the {} kernel cannot run on this CPU",
+        kernel.name()
+    );
     #[cfg(target_arch = "x86_64")]
-    if simd::available() {
+    if kernel == Kernel::Avx2 {
         // SAFETY: AVX2, FMA and F16C are present (checked); the sizes were checked above.
         unsafe {
             match T::KIND {
@@ -106,12 +139,6 @@ pub fn matmul_rows_scalar<T: WeightElem>(x: &[f32], m: usize, k: usize, w: &[T],
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
-
-    pub(super) fn available() -> bool {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-    }
 
     /// Weight rows per tile.
     const NW: usize = 4;
@@ -291,32 +318,42 @@ mod tests {
         ((i * 2654435761) % 1000) as f32 / 250.0 - 2.0
     }
 
-    fn check<T: WeightElem>(from: fn(f32) -> T) {
+    fn check<T: WeightElem>(kernels: &[Kernel], from: fn(f32) -> T) {
         for k in [0, 1, 7, 8, 9, 33, 576] {
             for m in [1, 2, 3, 4, 5, 7, 16] {
                 for n in [1, 3, 4, 5, 9] {
                     let x: Vec<f32> = (0..m * k).map(pseudo).collect();
                     let w: Vec<T> = (0..n * k).map(|i| from(pseudo(i + 11))).collect();
-                    let (mut a, mut b) = (vec![f32::NAN; n * m], vec![f32::NAN; n * m]);
-                    matmul_rows(&x, m, k, &w, &mut a);
-                    matmul_rows_scalar(&x, m, k, &w, &mut b);
-                    for (p, q) in a.iter().zip(&b) {
-                        assert!(p.is_finite() && q.is_finite(), "k={k} m={m} n={n}");
-                        assert!(
-                            (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
-                            "k={k} m={m} n={n}: {p} vs {q}"
-                        );
-                    }
-                    // Batch invariance: each activation row alone gives the same bits.
-                    for j in 0..m {
-                        let mut one = vec![f32::NAN; n];
-                        matmul_rows(&x[j * k..][..k], 1, k, &w, &mut one);
-                        for i in 0..n {
-                            assert_eq!(
-                                one[i].to_bits(),
-                                a[i * m + j].to_bits(),
-                                "k={k} m={m} n={n} row {j}"
+                    // The reference: each output's dot product summed in f64.
+                    let want: Vec<f64> = (0..n * m)
+                        .map(|o| {
+                            let (i, j) = (o / m, o % m);
+                            (0..k)
+                                .map(|t| x[j * k + t] as f64 * w[i * k + t].into() as f64)
+                                .sum()
+                        })
+                        .collect();
+                    for &kernel in kernels {
+                        let mut a = vec![f32::NAN; n * m];
+                        matmul_rows_with(kernel, &x, m, k, &w, &mut a);
+                        for (p, q) in a.iter().zip(&want) {
+                            assert!(p.is_finite(), "{kernel:?} k={k} m={m} n={n}");
+                            assert!(
+                                (*p as f64 - q).abs() <= 1e-5 * (1.0 + q.abs()),
+                                "{kernel:?} k={k} m={m} n={n}: {p} vs {q}"
                             );
+                        }
+                        // Batch invariance: each activation row alone gives the same bits.
+                        for j in 0..m {
+                            let mut one = vec![f32::NAN; n];
+                            matmul_rows_with(kernel, &x[j * k..][..k], 1, k, &w, &mut one);
+                            for i in 0..n {
+                                assert_eq!(
+                                    one[i].to_bits(),
+                                    a[i * m + j].to_bits(),
+                                    "{kernel:?} k={k} m={m} n={n} row {j}"
+                                );
+                            }
                         }
                     }
                 }
@@ -325,9 +362,22 @@ mod tests {
     }
 
     #[test]
-    fn simd_matches_scalar_and_is_batch_invariant() {
-        check::<f32>(|v| v);
-        check::<bf16>(bf16::from_f32);
-        check::<f16>(f16::from_f32);
+    fn every_kernel_matches_the_f64_product_and_is_batch_invariant() {
+        let kernels = Kernel::under_test();
+        check::<f32>(&kernels, |v| v);
+        check::<bf16>(&kernels, bf16::from_f32);
+        check::<f16>(&kernels, f16::from_f32);
+    }
+
+    #[test]
+    fn matmul_rows_runs_the_detected_kernel() {
+        // The dispatching entry gives the bits of the kernel Kernel::detect names.
+        let (m, k, n) = (3, 37, 5);
+        let x: Vec<f32> = (0..m * k).map(pseudo).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| pseudo(i + 3)).collect();
+        let (mut a, mut b) = (vec![0f32; n * m], vec![0f32; n * m]);
+        matmul_rows(&x, m, k, &w, &mut a);
+        matmul_rows_with(Kernel::detect(), &x, m, k, &w, &mut b);
+        assert_eq!(a, b);
     }
 }

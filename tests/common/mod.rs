@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod families;
+pub mod quantized;
 pub mod train;
 
 use candle_core::{DType, Device, Result, Tensor, Var};

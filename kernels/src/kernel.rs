@@ -1,0 +1,224 @@
+//! Which implementation of the inner loops runs: [`Kernel::Scalar`] (portable, the reference)
+//! or [`Kernel::Avx2`] (x86-64 AVX2 + FMA + F16C), chosen at run time, and the environment
+//! switch `CANDLE_TP_KERNEL` that forces one.
+//!
+//! | `CANDLE_TP_KERNEL` | [`Kernel::detect`] gives |
+//! |---|---|
+//! | unset, empty or `auto` | the fastest kernel this CPU runs |
+//! | `scalar` | [`Kernel::Scalar`] |
+//! | `avx2` | [`Kernel::Avx2`] where the CPU has it; elsewhere the fastest available, with one warning on stderr |
+//!
+//! Every caller of the crate's kernels (the quantized matmuls, the small-m dense product)
+//! takes its kernel from [`Kernel::detect`], so forcing `scalar` runs the whole model on the
+//! portable code: that is how the scalar path is tested on a host that has AVX2.
+//!
+//! The crate has no AVX-512 kernel; on an AVX-512 host its AVX2 kernels run. (candle 0.11.1's
+//! own `QMatMul` does have AVX-512 VNNI and AVX-VNNI paths, see [`cpu_features`].)
+
+use std::sync::OnceLock;
+
+/// The environment variable that forces a kernel (`scalar`, `avx2` or `auto`).
+pub const KERNEL_ENV: &str = "CANDLE_TP_KERNEL";
+
+/// Which implementation of the quantized dot products and the small-m product runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Portable Rust, the reference every SIMD kernel is tested against.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C (Haswell / Zen and later), checked at run time.
+    Avx2,
+}
+
+impl Kernel {
+    /// Every kernel the crate has, the reference first.
+    pub const ALL: [Kernel; 2] = [Kernel::Scalar, Kernel::Avx2];
+
+    /// The kernel to run: the one `CANDLE_TP_KERNEL` forces if this CPU has it, else the
+    /// fastest this CPU supports. The variable is read once per process.
+    pub fn detect() -> Self {
+        static CHOSEN: OnceLock<Kernel> = OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let best = Self::fastest();
+            match Self::forced() {
+                Ok(Some(k)) if k.is_available() => k,
+                Ok(Some(k)) => {
+                    eprintln!(
+                        "candle-tp: {KERNEL_ENV}={} asks for a kernel this CPU cannot run \
+                         ({}); running {} instead",
+                        k.name(),
+                        cpu_features(),
+                        best.name()
+                    );
+                    best
+                }
+                Ok(None) => best,
+                Err(e) => {
+                    eprintln!("candle-tp: {e}; running {}", best.name());
+                    best
+                }
+            }
+        })
+    }
+
+    /// The fastest kernel this CPU supports, whatever the environment says.
+    pub fn fastest() -> Self {
+        if Self::Avx2.is_available() {
+            Self::Avx2
+        } else {
+            Self::Scalar
+        }
+    }
+
+    /// The kernel `CANDLE_TP_KERNEL` names: `None` when it is unset, empty or `auto`; an
+    /// error naming the value when it is none of the kernels' names.
+    pub fn forced() -> Result<Option<Self>, String> {
+        match std::env::var(KERNEL_ENV) {
+            Err(_) => Ok(None),
+            Ok(v) => Self::parse(&v),
+        }
+    }
+
+    /// Parses a kernel name as `CANDLE_TP_KERNEL` takes it (case-insensitive): `scalar`,
+    /// `avx2`, or `auto` / empty for none.
+    ///
+    /// ```
+    /// use candle_tp_kernels::kernel::Kernel;
+    /// assert_eq!(Kernel::parse("AVX2"), Ok(Some(Kernel::Avx2)));
+    /// assert_eq!(Kernel::parse("auto"), Ok(None));
+    /// assert!(Kernel::parse("avx512").unwrap_err().contains("avx512"));
+    /// ```
+    pub fn parse(v: &str) -> Result<Option<Self>, String> {
+        let v = v.trim().to_ascii_lowercase();
+        match v.as_str() {
+            "" | "auto" => Ok(None),
+            _ => Self::ALL
+                .into_iter()
+                .find(|k| k.name() == v)
+                .map(Some)
+                .ok_or_else(|| format!("{KERNEL_ENV}={v} is not a kernel (scalar, avx2 or auto)")),
+        }
+    }
+
+    /// The kernel's name as `CANDLE_TP_KERNEL` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "avx2",
+        }
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn is_available(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx2 => false,
+        }
+    }
+
+    /// The kernels a test of the SIMD code must cover, printed on stderr with the CPU's
+    /// features, so that a test log says which paths ran:
+    /// - `CANDLE_TP_KERNEL` names one kernel: that one alone (and a panic if this CPU cannot
+    ///   run it: a forced path that is absent must fail, not pass vacuously);
+    /// - otherwise every kernel the crate has for this architecture, and a panic on an
+    ///   x86-64 CPU without AVX2 (whose tests would otherwise pass without the path they
+    ///   mean to test), which names the switch that restricts them to the scalar kernel.
+    ///
+    /// # Panics
+    /// As above, and on a `CANDLE_TP_KERNEL` value that names no kernel.
+    pub fn under_test() -> Vec<Self> {
+        let ks = match Self::forced() {
+            Err(e) => panic!("{e}"),
+            Ok(Some(k)) => {
+                assert!(
+                    k.is_available(),
+                    "{KERNEL_ENV}={} forces a kernel this CPU cannot run ({})",
+                    k.name(),
+                    cpu_features()
+                );
+                vec![k]
+            }
+            Ok(None) if cfg!(target_arch = "x86_64") => {
+                assert!(
+                    Self::Avx2.is_available(),
+                    "the AVX2 kernel cannot run on this CPU ({}): its tests would pass without \
+                     it; set {KERNEL_ENV}=scalar to test the scalar kernel alone",
+                    cpu_features()
+                );
+                Self::ALL.to_vec()
+            }
+            Ok(None) => vec![Self::Scalar],
+        };
+        let names: Vec<_> = ks.iter().map(|k| k.name()).collect();
+        eprintln!(
+            "kernels under test: {} (CPU: {})",
+            names.join(", "),
+            cpu_features()
+        );
+        ks
+    }
+}
+
+/// The CPU features that choose a path here or in candle, e.g. `avx2 fma f16c -avx512f
+/// -avx512bw -avx512vnni -avxvnni`, a `-` marking an absent one.
+///
+/// candle 0.11.1's `QMatMul` takes a different path on AVX-512 VNNI or AVX-VNNI CPUs: it
+/// repacks Q8_0 weights whose shape is a multiple of 16 rows × 256 columns and quantizes the
+/// activations to Q8K (one scale per 256 values instead of one per 32), so its Q8_0 products
+/// there differ from ggml's by that coarser rounding (~0.4 % of the output's magnitude
+/// measured on a Zen 4 host), not by f32 summation order.
+pub fn cpu_features() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = [
+            ("avx2", is_x86_feature_detected!("avx2")),
+            ("fma", is_x86_feature_detected!("fma")),
+            ("f16c", is_x86_feature_detected!("f16c")),
+            ("avx512f", is_x86_feature_detected!("avx512f")),
+            ("avx512bw", is_x86_feature_detected!("avx512bw")),
+            ("avx512vnni", is_x86_feature_detected!("avx512vnni")),
+            ("avxvnni", is_x86_feature_detected!("avxvnni")),
+        ];
+        f.iter()
+            .map(|(n, on)| if *on { n.to_string() } else { format!("-{n}") })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        format!("{}: no SIMD kernel of this crate", std::env::consts::ARCH)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_bad_values_are_named() {
+        for k in Kernel::ALL {
+            assert_eq!(Kernel::parse(k.name()), Ok(Some(k)));
+        }
+        assert_eq!(Kernel::parse(" Scalar "), Ok(Some(Kernel::Scalar)));
+        assert_eq!(Kernel::parse(""), Ok(None));
+        let e = Kernel::parse("avx512").unwrap_err();
+        assert!(e.contains(KERNEL_ENV) && e.contains("avx512"), "{e}");
+    }
+
+    #[test]
+    fn detect_honours_the_switch() {
+        // The test process's own environment decides: whatever it forces is what runs.
+        match Kernel::forced() {
+            Ok(Some(k)) if k.is_available() => assert_eq!(Kernel::detect(), k),
+            _ => assert_eq!(Kernel::detect(), Kernel::fastest()),
+        }
+        assert!(Kernel::detect().is_available());
+        assert!(Kernel::under_test().contains(&Kernel::detect()));
+    }
+}
