@@ -37,6 +37,15 @@ if [ -x scripts/fetch-models.sh ]; then
   CANDLE_TP_CONVERT_PROFILE="${CANDLE_TP_CONVERT_PROFILE:-dev}" scripts/fetch-models.sh
 fi
 
+if [ "$mkl" = 0 ] && [ "$quick" = 0 ] && ! command -v mpirun >/dev/null \
+  && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  # tests/mpirun.rs launches jobs with Open MPI's mpirun (it skips, saying so, without it,
+  # except under CI).
+  echo "==> installing Open MPI (Debian's openmpi-bin) for tests/mpirun.rs"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin; } \
+    >/dev/null 2>&1 || echo "   installing openmpi-bin failed: tests/mpirun.rs will skip"
+fi
+
 targets=()
 if [ "$mkl" = 1 ]; then
   # shellcheck disable=SC1091

@@ -18,8 +18,9 @@ pub fn dtype_from_arg(name: &str) -> Result<DType> {
     }
 }
 
-/// The device named by a `--device` argument: `cpu`, or `cuda` (the GPU `LOCAL_RANK`, which
-/// `tprun` and `torchrun` set for each process on a node; 0 when unset). `cuda:N` picks GPU `N`
+/// The device named by a `--device` argument: `cpu`, or `cuda` (the GPU of this process's
+/// local rank: `LOCAL_RANK` from `tprun` and `torchrun`, `OMPI_COMM_WORLD_LOCAL_RANK` from
+/// `mpirun`, `MPI_LOCALRANKID` from Hydra, `SLURM_LOCALID` from `srun`; 0 when alone). `cuda:N` picks GPU `N`
 /// explicitly.
 ///
 /// A build without the `cuda` feature asked for `cuda` fails with the command that rebuilds
@@ -36,15 +37,9 @@ pub fn device_from_arg(name: &str) -> Result<Device> {
     match name.to_ascii_lowercase().as_str() {
         "cpu" => Ok(Device::Cpu),
         "cuda" | "gpu" => {
-            let local = match std::env::var("LOCAL_RANK") {
-                Ok(v) if !v.trim().is_empty() => v.trim().parse::<usize>().map_err(|_| {
-                    candle_core::Error::Msg(format!(
-                        "--device {name}: LOCAL_RANK='{v}' is not a GPU index"
-                    ))
-                })?,
-                _ => 0,
-            };
-            cuda(name, local)
+            let launch = crate::comm::launch_from_env()
+                .map_err(|e| candle_core::Error::Msg(format!("--device {name}: {e}")))?;
+            cuda(name, launch.local_rank)
         }
         other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(ordinal)) => cuda(name, ordinal),

@@ -1,9 +1,11 @@
-//! Building the world group from the environment that `tprun` (or PyTorch's `torchrun`) sets.
+//! Building the world group from the environment that `tprun` (or PyTorch's `torchrun`), an MPI
+//! launcher or `srun` sets.
 
 use candle_core::Device;
 
 use super::error::{CommError, CommResult};
 use super::group::{GroupOptions, ProcessGroup};
+use super::launcher::{launch_from_env, Launcher};
 use super::shm::{init_shm, Rendezvous};
 
 fn var(name: &str) -> Option<String> {
@@ -17,57 +19,54 @@ fn parse<T: std::str::FromStr>(name: &str, value: &str) -> CommResult<T> {
         .map_err(|_| CommError::env(name, format!("'{value}' is not a valid number")))
 }
 
-/// Reads `RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and
+/// Reads the job's layout ([`launch_from_env`]: tprun/torchrun's `RANK` and `WORLD_SIZE`,
+/// or those of `mpirun`, Hydra's `mpiexec` or `srun`), `MASTER_ADDR`, `MASTER_PORT` and
 /// `CANDLE_TP_TOKEN`, and checks they agree.
 ///
-/// Without `RANK` and `WORLD_SIZE` (a program started by hand) it describes a job of one
-/// rank. One of the two without the other, or values that contradict each other, is an error
-/// naming the variable.
+/// Without any launcher's variables (a program started by hand) it describes a job of one
+/// rank. A rank without a size (or the reverse), or values that contradict each other, is an
+/// error naming the variable. Under an MPI launcher or `srun`, `MASTER_PORT` may be unset: the
+/// store then listens at a port derived from the launcher's job id
+/// ([`Launch::default_port`](super::launcher::Launch::default_port)), on `MASTER_ADDR`, the
+/// first host of a Slurm allocation, or 127.0.0.1 for a job on one host.
 pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
-    let (rank, world) = match (var("RANK"), var("WORLD_SIZE")) {
-        (None, None) => (0usize, 1usize),
-        (Some(_), None) => {
-            return Err(CommError::env(
-                "WORLD_SIZE",
-                "is not set but RANK is (start the job with tprun or torchrun)",
-            ))
-        }
-        (None, Some(_)) => {
-            return Err(CommError::env(
-                "RANK",
-                "is not set but WORLD_SIZE is (start the job with tprun or torchrun)",
-            ))
-        }
-        (Some(r), Some(w)) => (parse("RANK", &r)?, parse("WORLD_SIZE", &w)?),
-    };
-    if world == 0 {
-        return Err(CommError::env("WORLD_SIZE", "must be at least 1"));
-    }
-    if rank >= world {
-        return Err(CommError::env(
-            "RANK",
-            format!("RANK={rank} must be below WORLD_SIZE={world}"),
-        ));
-    }
-    if let Some(l) = var("LOCAL_WORLD_SIZE") {
-        let local: usize = parse("LOCAL_WORLD_SIZE", &l)?;
-        if local > world {
-            return Err(CommError::env(
-                "LOCAL_WORLD_SIZE",
-                format!("LOCAL_WORLD_SIZE={local} exceeds WORLD_SIZE={world}"),
-            ));
-        }
-    }
-    let master_addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+    let launch = launch_from_env()?;
+    let (rank, world) = (launch.rank, launch.world_size);
+    let master_addr = var("MASTER_ADDR")
+        .or_else(|| {
+            launch
+                .first_host
+                .clone()
+                .filter(|_| !launch.is_single_host())
+        })
+        .unwrap_or_else(|| "127.0.0.1".into());
     let master_port = match var("MASTER_PORT") {
         Some(p) => parse::<u16>("MASTER_PORT", &p)?,
         None if world == 1 => 0,
-        None => {
-            return Err(CommError::env(
-                "MASTER_PORT",
-                format!("is not set (WORLD_SIZE={world}, RANK={rank})"),
-            ))
-        }
+        None => match launch.default_port() {
+            Some(p)
+                if launch.is_single_host()
+                    || var("MASTER_ADDR").is_some()
+                    || launch.first_host.is_some() =>
+            {
+                p
+            }
+            _ => {
+                return Err(CommError::env(
+                    "MASTER_PORT",
+                    format!(
+                        "is not set (WORLD_SIZE={world}, RANK={rank}, started by {}){}",
+                        launch.launcher.name(),
+                        if launch.launcher == Launcher::Torchrun {
+                            ""
+                        } else {
+                            "; set MASTER_ADDR (rank 0's host) and MASTER_PORT for every rank \
+                             (mpirun -x MASTER_ADDR=HOST -x MASTER_PORT=PORT)"
+                        }
+                    ),
+                ))
+            }
+        },
     };
     Ok(Rendezvous {
         rank,
@@ -76,6 +75,16 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
         master_port,
         token: var("CANDLE_TP_TOKEN").unwrap_or_default(),
     })
+}
+
+/// The variable that gives the number of processes on this host, for messages.
+fn launch_size_var(launcher: Launcher) -> &'static str {
+    match launcher {
+        Launcher::OpenMpi => "OMPI_COMM_WORLD_LOCAL_SIZE",
+        Launcher::Hydra => "MPI_LOCALNRANKS",
+        Launcher::Slurm => "SLURM_STEP_TASKS_PER_NODE",
+        Launcher::Alone | Launcher::Torchrun => "LOCAL_WORLD_SIZE",
+    }
 }
 
 /// Whether this process runs under torchrun with its agent's store
@@ -121,18 +130,20 @@ pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
     if rv.world_size == 1 {
         return Ok(ProcessGroup::single());
     }
-    if let Some(l) = var("LOCAL_WORLD_SIZE") {
-        if parse::<usize>("LOCAL_WORLD_SIZE", &l)? != rv.world_size && device.is_cpu() {
-            return Err(CommError::env(
-                "LOCAL_WORLD_SIZE",
-                format!(
-                    "the shm backend serves one host, but WORLD_SIZE={} spans {} processes per node; \
-                     use GPUs with the nccl feature across nodes",
-                    rv.world_size, l
-                ),
-            )
-            .into());
-        }
+    let launch = launch_from_env()?;
+    if !launch.is_single_host() && device.is_cpu() {
+        return Err(CommError::env(
+            launch_size_var(launch.launcher),
+            format!(
+                "the job spans hosts ({} processes, {} on this host, started by {}), but \
+                 candle-tp's CPU backend (shared memory) serves one host: run CPU jobs on one \
+                 host, or use GPUs with the nccl feature across hosts",
+                launch.world_size,
+                launch.local_world_size,
+                launch.launcher.name()
+            ),
+        )
+        .into());
     }
     match device {
         Device::Cpu => Ok(init_shm(&rv, GroupOptions::default())?),
