@@ -3,8 +3,9 @@
 
 use candle_core::Device;
 
+use super::context::GroupOptions;
 use super::error::{CommError, CommResult};
-use super::group::{GroupOptions, ProcessGroup};
+use super::group::ProcessGroup;
 use super::launcher::{launch_from_env, Launcher};
 use super::shm::{init_shm, Rendezvous};
 

@@ -1,16 +1,13 @@
-//! [`ProcessGroup`]: a set of ranks that run collectives together.
+//! [`ProcessGroup`]: a set of ranks that run collectives together, on any backend.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
 
+use super::backend::{Backend, HostBuf, HostBufMut};
+use super::context::Context;
 use super::element::{Element, ReduceOp};
-use super::engine::{default_slot_bytes, region_layout, AbortHandle, Engine, MAX_RANKS};
 use super::error::{CommError, CommResult};
-use super::region::{self, RegionKind};
+use super::single::Single;
 use super::stats::CommStats;
-use super::store::Store;
-use super::wait::default_timeout;
 
 /// A set of ranks that run collectives together: the whole job (`world`), or a sub-group
 /// (a tensor-parallel group, a row of a 2D mesh, …).
@@ -41,183 +38,26 @@ struct Inner {
     size: usize,
     /// World rank of each member, in group order.
     members: Vec<usize>,
-    engine: Option<Mutex<Engine>>,
-    /// Aborts the engine's group without its lock (a collective may hold it, stuck).
-    abort_handle: Option<AbortHandle>,
-    /// The NCCL backend, when the group was built on a CUDA device (then `engine` is `None`).
-    #[cfg(feature = "nccl")]
-    nccl: Option<super::nccl::NcclGroup>,
+    /// The collectives: shared memory, NCCL, one rank... (`comm/backend.rs`).
+    backend: Arc<dyn Backend>,
     ctx: Option<Arc<Context>>,
     children: Mutex<Vec<Weak<Inner>>>,
 }
 
-/// What every group of one rank shares: the rendezvous store and naming state.
-pub(crate) struct Context {
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) region: RegionKind,
-    pub(crate) job: String,
-    pub(crate) timeout: Duration,
-    pub(crate) slot_bytes: usize,
-    /// Ranks of the job on this host: a sub-group of 2 on a 4-rank host still shares the
-    /// cores with the other ranks, so its wait policy looks at this, not its own size.
-    pub(crate) local_ranks: usize,
-    /// How many groups of each name this rank created (sub-group keys stay unique).
-    created: Mutex<HashMap<String, usize>>,
-    /// Things that must live as long as the groups (the store server on rank 0).
-    _keep: Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
-}
-
-impl Context {
-    pub(crate) fn new(
-        store: Arc<dyn Store>,
-        region: RegionKind,
-        job: String,
-        options: &GroupOptions,
-        local_ranks: usize,
-        keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            store,
-            region,
-            job,
-            timeout: options.timeout,
-            slot_bytes: options.slot_bytes,
-            local_ranks,
-            created: Mutex::new(HashMap::new()),
-            _keep: Mutex::new(keep),
-        })
-    }
-}
-
-/// Settings of a job's groups. `Default` reads `CANDLE_TP_TIMEOUT` (seconds, default 300)
-/// and `CANDLE_TP_SLOT_BYTES` (default 4 MiB).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GroupOptions {
-    /// Deadline of every wait (collectives and rendezvous).
-    pub timeout: Duration,
-    /// Bytes of one shared data slot per rank (two per rank per group); larger messages are
-    /// cut into chunks of this size.
-    pub slot_bytes: usize,
-}
-
-impl Default for GroupOptions {
-    fn default() -> Self {
-        Self {
-            timeout: default_timeout(),
-            slot_bytes: default_slot_bytes(),
-        }
-    }
-}
-
-/// Returns `$body` from the enclosing function when the group is NCCL-backed (feature `nccl`).
-macro_rules! on_nccl {
-    ($self:ident, |$n:ident| $body:expr) => {
-        #[cfg(feature = "nccl")]
-        if let Some($n) = &$self.inner.nccl {
-            return $body;
-        }
-    };
-}
+/// Groups up to this size pass their per-rank sizes in a stack array.
+const INLINE_COUNTS: usize = 64;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
-/// Removes a segment name when dropped (success or error), so nothing is left in /dev/shm.
-struct Unlink(RegionKind, String);
-
-impl Drop for Unlink {
-    fn drop(&mut self) {
-        region::unlink(self.0, &self.1);
-    }
-}
-
-/// Meets the other members of group `name` through the store and maps the group's region.
-/// Member 0 creates the region; it is unlinked once every member has attached.
-pub(crate) fn rendezvous(
-    ctx: &Arc<Context>,
-    name: String,
-    rank: usize,
-    members: Vec<usize>,
-) -> CommResult<ProcessGroup> {
-    let size = members.len();
-    if size == 1 {
-        return Ok(ProcessGroup::from_parts(
-            name,
-            0,
-            members,
-            None,
-            Some(ctx.clone()),
-        ));
-    }
-    let key = format!("{name}/region");
-    let (_, len) = region_layout(size, ctx.slot_bytes)?;
-    let mut engine = if rank == 0 {
-        let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
-        let map = region::create(ctx.region, &seg, len)?;
-        let _unlink = Unlink(ctx.region, seg.clone());
-        let mut engine = Engine::attach(
-            map,
-            name.clone(),
-            0,
-            size,
-            ctx.slot_bytes,
-            ctx.timeout,
-            true,
-            ctx.local_ranks,
-        )?;
-        ctx.store.set(&key, seg.as_bytes())?;
-        engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
-        engine
-    } else {
-        let seg = ctx
-            .store
-            .get(&key, ctx.timeout)
-            .map_err(|e| CommError::Timeout {
-                group: name.clone(),
-                op: format!(
-                    "rendezvous (waiting for rank 0 to create the group's shared memory: {e})"
-                ),
-                missing: vec![0],
-                waited: ctx.timeout,
-            })?;
-        let seg = String::from_utf8_lossy(&seg).into_owned();
-        let map = region::open(ctx.region, &seg, len)?;
-        let mut engine = Engine::attach(
-            map,
-            name.clone(),
-            rank,
-            size,
-            ctx.slot_bytes,
-            ctx.timeout,
-            false,
-            ctx.local_ranks,
-        )?;
-        engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
-        engine
-    };
-    engine.reset_stats();
-    Ok(ProcessGroup::from_parts(
-        name,
-        rank,
-        members,
-        Some(engine),
-        Some(ctx.clone()),
-    ))
-}
-
 impl ProcessGroup {
-    fn from_parts(
+    /// A group on `backend`: this rank is `rank` of `members` (world ranks, group order).
+    pub(crate) fn new(
         name: String,
         rank: usize,
         members: Vec<usize>,
-        engine: Option<Engine>,
+        backend: Arc<dyn Backend>,
         ctx: Option<Arc<Context>>,
     ) -> Self {
         Self {
@@ -226,50 +66,29 @@ impl ProcessGroup {
                 rank,
                 size: members.len(),
                 members,
-                abort_handle: engine.as_ref().map(Engine::abort_handle),
-                engine: engine.map(Mutex::new),
-                #[cfg(feature = "nccl")]
-                nccl: None,
+                backend,
                 ctx,
                 children: Mutex::new(Vec::new()),
             }),
         }
     }
 
-    /// A group whose collectives run through NCCL.
-    #[cfg(feature = "nccl")]
-    pub(crate) fn from_nccl(
-        name: String,
-        rank: usize,
-        members: Vec<usize>,
-        nccl: super::nccl::NcclGroup,
-        ctx: Arc<Context>,
-    ) -> Self {
-        Self {
-            inner: Arc::new(Inner {
-                name,
-                rank,
-                size: members.len(),
-                members,
-                engine: None,
-                abort_handle: None,
-                nccl: Some(nccl),
-                ctx: Some(ctx),
-                children: Mutex::new(Vec::new()),
-            }),
-        }
-    }
-
-    /// The group's NCCL backend, if it has one.
+    /// The group's NCCL backend, if it has one (for the CUDA tensor paths of `ops`).
     #[cfg(feature = "nccl")]
     pub(crate) fn nccl(&self) -> Option<&super::nccl::NcclGroup> {
-        self.inner.nccl.as_ref()
+        self.inner.backend.as_any().downcast_ref()
     }
 
     /// A group of one rank: every collective is a copy. What a program gets when it runs
     /// without a launcher; layers built on it behave exactly like candle-nn's.
     pub fn single() -> Self {
-        Self::from_parts("single".into(), 0, vec![0], None, None)
+        Self::new(
+            "single".into(),
+            0,
+            vec![0],
+            Arc::new(Single::new("single".into())),
+            None,
+        )
     }
 
     /// This rank's index in the group, `0..size()`.
@@ -294,36 +113,20 @@ impl ProcessGroup {
 
     /// What this rank's collectives on this group moved so far.
     pub fn stats(&self) -> CommStats {
-        on_nccl!(self, |n| n.stats());
-        match &self.inner.engine {
-            Some(e) => lock(e).stats(),
-            None => CommStats::default(),
-        }
+        self.inner.backend.stats()
     }
 
     /// Zeroes this rank's counters of this group.
     pub fn reset_stats(&self) {
-        on_nccl!(self, |n| n.reset_stats());
-        if let Some(e) = &self.inner.engine {
-            lock(e).reset_stats();
-        }
+        self.inner.backend.reset_stats()
     }
 
     /// Marks this group and every sub-group created from it as failed, so that peers waiting
     /// in a collective stop at once with an error carrying `reason` (instead of waiting for
     /// the timeout).
     pub fn abort(&self, reason: &str) {
-        #[cfg(feature = "nccl")]
-        if let Some(n) = &self.inner.nccl {
-            // NCCL has no abort word to carry `reason`: ncclCommAbort stops this rank's
-            // pending work; peers see their own NCCL error (or timeout) instead.
-            n.abort();
-        }
-        if let Some(h) = &self.inner.abort_handle {
-            // Without the group's lock: a collective of this rank, stuck on a peer, may hold
-            // it. The abort word lives in shared memory; the stuck wait sees it at once.
-            h.abort(reason);
-        }
+        // Without waiting for a collective of this rank that may be stuck on a peer.
+        self.inner.backend.abort(reason);
         for child in lock(&self.inner.children).iter().filter_map(Weak::upgrade) {
             ProcessGroup { inner: child }.abort(reason);
         }
@@ -352,10 +155,6 @@ impl ProcessGroup {
         if self.size() > 1 {
             self.abort(&format!("rank {}: {reason}", self.rank()));
         }
-    }
-
-    fn engine(&self) -> Option<MutexGuard<'_, Engine>> {
-        self.inner.engine.as_ref().map(lock)
     }
 
     fn ctx_name(&self, op: &str) -> String {
@@ -407,22 +206,11 @@ impl ProcessGroup {
         let base = format!("{}/{label}[{}]", self.name(), list.join(","));
         let members: Vec<usize> = ranks.iter().map(|&r| self.inner.members[r]).collect();
         let group = match &self.inner.ctx {
-            None => ProcessGroup::from_parts(base, 0, members, None, None),
+            None => ProcessGroup::new(base.clone(), 0, members, Arc::new(Single::new(base)), None),
             Some(c) => {
-                let n = {
-                    let mut created = lock(&c.created);
-                    let n = created.entry(base.clone()).or_insert(0);
-                    *n += 1;
-                    *n
-                };
-                let name = if n == 1 { base } else { format!("{base}#{n}") };
-                #[cfg(feature = "nccl")]
-                if let Some(nc) = &self.inner.nccl {
-                    let g = super::nccl::rendezvous(c, name, my, members, nc.device())?;
-                    lock(&self.inner.children).push(Arc::downgrade(&g.inner));
-                    return Ok(Some(g));
-                }
-                rendezvous(c, name, my, members)?
+                let name = c.unique_name(base);
+                let backend = self.inner.backend.subgroup(c, name.clone(), my, &members)?;
+                ProcessGroup::new(name, my, members, backend, Some(c.clone()))
             }
         };
         lock(&self.inner.children).push(Arc::downgrade(&group.inner));
@@ -445,20 +233,9 @@ impl ProcessGroup {
     /// Element-wise reduction of `buf` across ranks, in place: afterwards every rank holds
     /// the same values.
     pub fn all_reduce_slice<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
-        on_nccl!(self, |n| {
-            let src = buf.to_vec();
-            n.host_all_reduce(&src, buf, op)
-        });
-        match self.engine() {
-            None => Ok(()),
-            Some(mut e) => {
-                // Both pointers from as_mut_ptr: a shared pointer from as_ptr would be
-                // invalidated by the later mutable borrow (Stacked Borrows).
-                let p = buf.as_mut_ptr();
-                // SAFETY: src and dst are the same valid buffer of buf.len() elements.
-                unsafe { e.all_reduce(p as *const T, p, buf.len(), op) }
-            }
-        }
+        self.inner
+            .backend
+            .all_reduce(None, HostBufMut::new(buf), op)
     }
 
     /// Element-wise reduction of `src` across ranks into `dst` (same length).
@@ -478,23 +255,16 @@ impl ProcessGroup {
                 ),
             )));
         }
-        on_nccl!(self, |n| n.host_all_reduce(src, dst, op));
-        match self.engine() {
-            None => {
-                dst.copy_from_slice(src);
-                Ok(())
-            }
-            // SAFETY: distinct valid buffers of equal length (Rust borrows forbid overlap).
-            Some(mut e) => unsafe { e.all_reduce(src.as_ptr(), dst.as_mut_ptr(), src.len(), op) },
-        }
+        self.inner
+            .backend
+            .all_reduce(Some(HostBuf::new(src)), HostBufMut::new(dst), op)
     }
 
     /// Concatenates every rank's `src` (all the same length) into `dst`, in rank order.
     pub fn all_gather_slice<T: Element>(&self, src: &[T], dst: &mut [T]) -> CommResult<()> {
-        // The shared-memory engine serves at most MAX_RANKS (stack scratch, no allocation);
-        // an NCCL group may be larger, so its sizes are a Vec of the group's size.
-        if self.size() <= MAX_RANKS {
-            let counts = [src.len(); MAX_RANKS];
+        // The sizes on the stack for groups of up to INLINE_COUNTS ranks, in a Vec beyond.
+        if self.size() <= INLINE_COUNTS {
+            let counts = [src.len(); INLINE_COUNTS];
             self.all_gather_v_slice(src, dst, &counts[..self.size()])
         } else {
             self.all_gather_v_slice(src, dst, &vec![src.len(); self.size()])
@@ -509,29 +279,11 @@ impl ProcessGroup {
         dst: &mut [T],
         counts: &[usize],
     ) -> CommResult<()> {
-        on_nccl!(self, |n| self
-            .abort_if_invalid(n.host_all_gather_v(src, dst, counts)));
-        match self.engine() {
-            Some(mut e) => {
-                let r = e.all_gather(src, dst, counts);
-                drop(e);
-                self.abort_if_invalid(r)
-            }
-            None => {
-                if counts != [src.len()] || dst.len() != src.len() {
-                    return Err(CommError::invalid(
-                        self.ctx_name("all_gather"),
-                        format!(
-                            "sizes {counts:?}, input {} and output {} elements",
-                            src.len(),
-                            dst.len()
-                        ),
-                    ));
-                }
-                dst.copy_from_slice(src);
-                Ok(())
-            }
-        }
+        let r = self
+            .inner
+            .backend
+            .all_gather_v(HostBuf::new(src), HostBufMut::new(dst), counts);
+        self.abort_if_invalid(r)
     }
 
     /// Reduces `src` (the same length on every rank, a multiple of the group size) across
@@ -542,8 +294,8 @@ impl ProcessGroup {
         dst: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
-        if self.size() <= MAX_RANKS {
-            let counts = [dst.len(); MAX_RANKS];
+        if self.size() <= INLINE_COUNTS {
+            let counts = [dst.len(); INLINE_COUNTS];
             self.reduce_scatter_v_slice(src, dst, &counts[..self.size()], op)
         } else {
             self.reduce_scatter_v_slice(src, dst, &vec![dst.len(); self.size()], op)
@@ -559,55 +311,24 @@ impl ProcessGroup {
         counts: &[usize],
         op: ReduceOp,
     ) -> CommResult<()> {
-        on_nccl!(self, |n| self
-            .abort_if_invalid(n.host_reduce_scatter_v(src, dst, counts, op)));
-        match self.engine() {
-            Some(mut e) => {
-                let r = e.reduce_scatter(src, dst, counts, op);
-                drop(e);
-                self.abort_if_invalid(r)
-            }
-            None => {
-                if counts != [dst.len()] || dst.len() != src.len() {
-                    return Err(CommError::invalid(
-                        self.ctx_name("reduce_scatter"),
-                        format!(
-                            "sizes {counts:?}, input {} and output {} elements",
-                            src.len(),
-                            dst.len()
-                        ),
-                    ));
-                }
-                dst.copy_from_slice(src);
-                Ok(())
-            }
-        }
+        let r = self.inner.backend.reduce_scatter_v(
+            HostBuf::new(src),
+            HostBufMut::new(dst),
+            counts,
+            op,
+        );
+        self.abort_if_invalid(r)
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (all of the same length).
     pub fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
-        on_nccl!(self, |n| self.abort_if_invalid(n.host_broadcast(buf, root)));
-        match self.engine() {
-            Some(mut e) => {
-                let r = e.broadcast(buf, root);
-                drop(e);
-                self.abort_if_invalid(r)
-            }
-            None if root == 0 => Ok(()),
-            None => Err(CommError::invalid(
-                self.ctx_name("broadcast"),
-                format!("root {root} is not a rank of a 1-rank group"),
-            )),
-        }
+        let r = self.inner.backend.broadcast(HostBufMut::new(buf), root);
+        self.abort_if_invalid(r)
     }
 
     /// Waits until every rank of the group has called `barrier`.
     pub fn barrier(&self) -> CommResult<()> {
-        on_nccl!(self, |n| n.barrier());
-        match self.engine() {
-            Some(mut e) => e.barrier("barrier"),
-            None => Ok(()),
-        }
+        self.inner.backend.barrier()
     }
 }
 

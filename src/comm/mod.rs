@@ -2,10 +2,13 @@
 //!
 //! - [`ProcessGroup`]: a set of ranks; `all_reduce`, `all_gather`, `reduce_scatter`,
 //!   `broadcast`, `barrier` on slices here and on Candle tensors in [`crate::ops`].
-//! - Backends: `threads` ([`run_threads`]: ranks as threads of one process, for tests) and
-//!   `shm` (processes on one host, [`crate::init_from_env`]), both on the same shared-memory
-//!   engine; NCCL on GPUs behind the `nccl` feature.
+//! - Backends behind one trait (`backend.rs`; `ProcessGroup` never branches on them): the
+//!   shared-memory engine (`shm.rs`: processes of one host, [`crate::init_from_env`], or
+//!   threads of one process, [`run_threads`], for tests), NCCL on GPUs (`nccl.rs`, feature
+//!   `nccl`) and the one-rank group (`single.rs`).
 //! - [`launcher`]: the job's layout from tprun/torchrun, `mpirun` (Open MPI, Hydra) or `srun`.
+mod backend;
+mod context;
 pub mod element;
 mod engine;
 mod env;
@@ -17,15 +20,17 @@ pub mod mesh;
 pub(crate) mod nccl;
 mod region;
 mod shm;
+mod single;
 pub mod stats;
 pub mod store;
 mod threads;
 mod wait;
 
+pub use context::GroupOptions;
 pub use element::{Element, ReduceOp};
 pub use env::{init_from_env, rendezvous_from_env};
 pub use error::{CommError, CommResult};
-pub use group::{GroupOptions, ProcessGroup};
+pub use group::ProcessGroup;
 pub use launcher::{detect_launch, launch_from_env, Launch, Launcher};
 pub use mesh::DeviceMesh;
 #[cfg(feature = "nccl")]

@@ -29,9 +29,11 @@ use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr};
 use cudarc::nccl::result::{group_end, group_start, NcclError};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
+use super::backend::{for_element, typed, typed_mut, Backend, HostBuf, HostBufMut};
+use super::context::{Context, GroupOptions};
 use super::element::ReduceOp;
 use super::error::{CommError, CommResult};
-use super::group::{Context, GroupOptions, ProcessGroup};
+use super::group::ProcessGroup;
 use super::region::{random_hex, RegionKind};
 use super::shm::Rendezvous;
 use super::stats::{CollectiveKind, CommStats};
@@ -139,13 +141,15 @@ pub fn init_nccl(
         rv.world_size,
         keep,
     );
-    rendezvous(
-        &ctx,
+    let members: Vec<usize> = (0..rv.world_size).collect();
+    let group = rendezvous(&ctx, "world".into(), rv.rank, members.len(), dev)?;
+    Ok(ProcessGroup::new(
         "world".into(),
         rv.rank,
-        (0..rv.world_size).collect(),
-        dev,
-    )
+        members,
+        Arc::new(group),
+        Some(ctx),
+    ))
 }
 
 /// Creates the NCCL communicator of group `name` (this rank is `rank` of `members`).
@@ -153,10 +157,9 @@ pub(crate) fn rendezvous(
     ctx: &Arc<Context>,
     name: String,
     rank: usize,
-    members: Vec<usize>,
+    size: usize,
     device: &CudaDevice,
-) -> CommResult<ProcessGroup> {
-    let size = members.len();
+) -> CommResult<NcclGroup> {
     let gpu = ordinal(device);
     let who = |step: &str| format!("{step} for group '{name}' (rank {rank} of {size}, cuda:{gpu})");
     let stream = device.cuda_stream();
@@ -217,22 +220,112 @@ pub(crate) fn rendezvous(
             e.0
         ),
     })?;
-    let group = NcclGroup {
+    Ok(NcclGroup {
         comm: Mutex::new(Some(NcclComm(comm))),
         abort_requested: std::sync::atomic::AtomicBool::new(false),
         device: device.clone(),
         stats: Mutex::new(CommStats::default()),
-        name: name.clone(),
-        rank,
-        size,
-    };
-    Ok(ProcessGroup::from_nccl(
         name,
         rank,
-        members,
-        group,
-        ctx.clone(),
-    ))
+        size,
+    })
+}
+
+/// Host buffers go through device memory (`nccl/host.rs`); tensors on the GPU take the
+/// device collectives directly (`ops/cuda.rs`, through [`ProcessGroup::nccl`]).
+impl Backend for NcclGroup {
+    fn all_reduce(
+        &self,
+        src: Option<HostBuf<'_>>,
+        dst: HostBufMut<'_>,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let who = self.who("all_reduce");
+        for_element!(dst.dtype(), who.clone(), |T| {
+            let d = typed_mut::<T>(dst, &who)?;
+            match src {
+                Some(s) => self.host_all_reduce(typed::<T>(s, &who)?, d, op),
+                None => {
+                    let s = d.to_vec();
+                    self.host_all_reduce(&s, d, op)
+                }
+            }
+        })
+    }
+
+    fn all_gather_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+    ) -> CommResult<()> {
+        let who = self.who("all_gather");
+        for_element!(dst.dtype(), who.clone(), |T| self.host_all_gather_v(
+            typed::<T>(src, &who)?,
+            typed_mut::<T>(dst, &who)?,
+            counts
+        ))
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let who = self.who("reduce_scatter");
+        for_element!(dst.dtype(), who.clone(), |T| self.host_reduce_scatter_v(
+            typed::<T>(src, &who)?,
+            typed_mut::<T>(dst, &who)?,
+            counts,
+            op
+        ))
+    }
+
+    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
+        let who = self.who("broadcast");
+        for_element!(buf.dtype(), who.clone(), |T| self
+            .host_broadcast(typed_mut::<T>(buf, &who)?, root))
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        NcclGroup::barrier(self)
+    }
+
+    fn abort(&self, _reason: &str) {
+        // NCCL has no abort word to carry `reason`: ncclCommAbort stops this rank's pending
+        // work; peers see their own NCCL error (or timeout) instead.
+        NcclGroup::abort(self)
+    }
+
+    fn stats(&self) -> CommStats {
+        NcclGroup::stats(self)
+    }
+
+    fn reset_stats(&self) {
+        NcclGroup::reset_stats(self)
+    }
+
+    fn subgroup(
+        &self,
+        ctx: &Arc<Context>,
+        name: String,
+        rank: usize,
+        members: &[usize],
+    ) -> CommResult<Arc<dyn Backend>> {
+        Ok(Arc::new(rendezvous(
+            ctx,
+            name,
+            rank,
+            members.len(),
+            &self.device,
+        )?))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 impl NcclGroup {

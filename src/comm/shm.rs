@@ -5,11 +5,18 @@
 //! segments (`/dev/shm/candle-tp-<job>-<group>`), created with `O_EXCL` and mode 0600 and
 //! unlinked as soon as every rank has mapped them. Tensors never go through the socket.
 
-use std::sync::Arc;
+use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::backend::{for_element, typed, typed_mut, Backend, HostBuf, HostBufMut};
+use super::context::{Context, GroupOptions};
+use super::element::ReduceOp;
+use super::engine::{region_layout, AbortHandle, Engine};
 use super::error::{CommError, CommResult};
-use super::group::{rendezvous, Context, GroupOptions, ProcessGroup};
-use super::region::{random_hex, RegionKind};
+use super::group::ProcessGroup;
+use super::region::{self, random_hex, RegionKind};
+use super::single::Single;
+use super::stats::CommStats;
 use super::store::connect_job_store;
 
 /// Environment variable with a tag that `tprun` puts at the start of the job id (so of every
@@ -71,5 +78,198 @@ pub fn init_shm(rv: &Rendezvous, options: GroupOptions) -> CommResult<ProcessGro
         rv.world_size,
         keep,
     );
-    rendezvous(&ctx, "world".into(), rv.rank, (0..rv.world_size).collect())
+    let members: Vec<usize> = (0..rv.world_size).collect();
+    let backend = rendezvous(&ctx, "world".into(), rv.rank, &members)?;
+    Ok(ProcessGroup::new(
+        "world".into(),
+        rv.rank,
+        members,
+        backend,
+        Some(ctx),
+    ))
+}
+
+/// The shared-memory engine of one group on this rank: a mapped region and the protocol on it
+/// (`comm/engine/`), for processes of one host (`/dev/shm`) or threads of one process.
+pub(crate) struct ShmBackend {
+    engine: Mutex<Engine>,
+    /// Aborts without the engine's lock (a collective stuck on a peer may hold it).
+    abort: AbortHandle,
+}
+
+impl ShmBackend {
+    fn engine(&self) -> MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Backend for ShmBackend {
+    fn all_reduce(
+        &self,
+        src: Option<HostBuf<'_>>,
+        dst: HostBufMut<'_>,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        const WHAT: &str = "all_reduce (shm)";
+        for_element!(dst.dtype(), WHAT, |T| {
+            let d = typed_mut::<T>(dst, WHAT)?;
+            let n = d.len();
+            let p = d.as_mut_ptr();
+            let s = match src {
+                Some(s) => typed::<T>(s, WHAT)?.as_ptr(),
+                None => p as *const T,
+            };
+            // SAFETY: `s` is either `p` (in place) or a distinct live buffer of `n` elements
+            // (the group checked the lengths; Rust borrows forbid partial overlap).
+            unsafe { self.engine().all_reduce(s, p, n, op) }
+        })
+    }
+
+    fn all_gather_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+    ) -> CommResult<()> {
+        const WHAT: &str = "all_gather (shm)";
+        for_element!(dst.dtype(), WHAT, |T| self.engine().all_gather(
+            typed::<T>(src, WHAT)?,
+            typed_mut::<T>(dst, WHAT)?,
+            counts
+        ))
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        const WHAT: &str = "reduce_scatter (shm)";
+        for_element!(dst.dtype(), WHAT, |T| self.engine().reduce_scatter(
+            typed::<T>(src, WHAT)?,
+            typed_mut::<T>(dst, WHAT)?,
+            counts,
+            op
+        ))
+    }
+
+    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
+        const WHAT: &str = "broadcast (shm)";
+        for_element!(buf.dtype(), WHAT, |T| self
+            .engine()
+            .broadcast(typed_mut::<T>(buf, WHAT)?, root))
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.engine().barrier("barrier")
+    }
+
+    fn abort(&self, reason: &str) {
+        // The abort word lives in shared memory; a stuck wait of any rank sees it at once.
+        self.abort.abort(reason);
+    }
+
+    fn stats(&self) -> CommStats {
+        self.engine().stats()
+    }
+
+    fn reset_stats(&self) {
+        self.engine().reset_stats();
+    }
+
+    fn subgroup(
+        &self,
+        ctx: &Arc<Context>,
+        name: String,
+        rank: usize,
+        members: &[usize],
+    ) -> CommResult<Arc<dyn Backend>> {
+        rendezvous(ctx, name, rank, members)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Removes a segment name when dropped (success or error), so nothing is left in /dev/shm.
+struct Unlink(RegionKind, String);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        region::unlink(self.0, &self.1);
+    }
+}
+
+/// Meets the other members of group `name` through the store and maps the group's region.
+/// Member 0 creates the region; it is unlinked once every member has attached.
+pub(crate) fn rendezvous(
+    ctx: &Arc<Context>,
+    name: String,
+    rank: usize,
+    members: &[usize],
+) -> CommResult<Arc<dyn Backend>> {
+    let size = members.len();
+    if size == 1 {
+        return Ok(Arc::new(Single::new(name)));
+    }
+    let key = format!("{name}/region");
+    let (_, len) = region_layout(size, ctx.slot_bytes)?;
+    let mut engine = if rank == 0 {
+        let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
+        let map = region::create(ctx.region, &seg, len)?;
+        let _unlink = Unlink(ctx.region, seg.clone());
+        let mut engine = Engine::attach(
+            map,
+            name.clone(),
+            0,
+            size,
+            ctx.slot_bytes,
+            ctx.timeout,
+            true,
+            ctx.local_ranks,
+        )?;
+        ctx.store.set(&key, seg.as_bytes())?;
+        engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
+        engine
+    } else {
+        let seg = ctx
+            .store
+            .get(&key, ctx.timeout)
+            .map_err(|e| CommError::Timeout {
+                group: name.clone(),
+                op: format!(
+                    "rendezvous (waiting for rank 0 to create the group's shared memory: {e})"
+                ),
+                missing: vec![0],
+                waited: ctx.timeout,
+            })?;
+        let seg = String::from_utf8_lossy(&seg).into_owned();
+        let map = region::open(ctx.region, &seg, len)?;
+        let mut engine = Engine::attach(
+            map,
+            name.clone(),
+            rank,
+            size,
+            ctx.slot_bytes,
+            ctx.timeout,
+            false,
+            ctx.local_ranks,
+        )?;
+        engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
+        engine
+    };
+    engine.reset_stats();
+    Ok(Arc::new(ShmBackend {
+        abort: engine.abort_handle(),
+        engine: Mutex::new(engine),
+    }))
 }

@@ -6,8 +6,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::group::{rendezvous, Context, GroupOptions, ProcessGroup};
+use super::context::{Context, GroupOptions};
+use super::group::ProcessGroup;
 use super::region::{random_hex, RegionKind};
+use super::shm::rendezvous;
 use super::store::MemStore;
 
 /// Runs `f` on `world_size` ranks, each a thread with its own [`ProcessGroup`] of the same
@@ -65,8 +67,16 @@ where
                             world_size,
                             Vec::new(),
                         );
-                        let pg = rendezvous(&ctx, "world".into(), rank, (0..world_size).collect())
+                        let members: Vec<usize> = (0..world_size).collect();
+                        let backend = rendezvous(&ctx, "world".into(), rank, &members)
                             .map_err(|e| (Instant::now(), e.to_string()))?;
+                        let pg = ProcessGroup::new(
+                            "world".into(),
+                            rank,
+                            members,
+                            backend,
+                            Some(ctx.clone()),
+                        );
                         let out =
                             std::panic::catch_unwind(std::panic::AssertUnwindSafe(
                                 || f(pg.clone()),

@@ -1,0 +1,239 @@
+//! The one trait every communication backend implements, and the type-erased host buffers
+//! it takes.
+//!
+//! [`ProcessGroup`](super::ProcessGroup) holds an `Arc<dyn Backend>` and never asks which
+//! backend it is: the shared-memory engine (processes or threads of one host,
+//! `comm/shm.rs`), NCCL (`comm/nccl.rs`, feature `nccl`) and the one-rank group
+//! (`comm/single.rs`) each live in their own file. A new backend is one more file implementing
+//! [`Backend`] plus the line in `comm/env.rs` (or its own `init_*`) that chooses it.
+//!
+//! Collectives are generic over [`Element`] in the group's API; a trait object cannot have
+//! generic methods, so buffers cross the trait as [`HostBuf`] / [`HostBufMut`] (a slice with
+//! its element type), and a backend gets its typed slice back with [`HostBuf::get`] inside
+//! [`for_element!`], which expands its body once per element type.
+
+use std::any::{Any, TypeId};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use candle_core::DType;
+
+use super::context::Context;
+use super::element::{Element, ReduceOp};
+use super::error::{CommError, CommResult};
+use super::stats::CommStats;
+
+/// A host slice of some [`Element`] type, for [`Backend`] methods.
+#[derive(Clone, Copy)]
+pub(crate) struct HostBuf<'a> {
+    ptr: *const u8,
+    len: usize,
+    ty: TypeId,
+    dtype: DType,
+    _borrow: PhantomData<&'a [u8]>,
+}
+
+/// A mutable host slice of some [`Element`] type, for [`Backend`] methods.
+pub(crate) struct HostBufMut<'a> {
+    ptr: *mut u8,
+    len: usize,
+    ty: TypeId,
+    dtype: DType,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> HostBuf<'a> {
+    /// Erases the element type of `s`.
+    pub(crate) fn new<T: Element>(s: &'a [T]) -> Self {
+        Self {
+            ptr: s.as_ptr() as *const u8,
+            len: s.len(),
+            ty: TypeId::of::<T>(),
+            dtype: T::DTYPE,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// The slice as `&[T]`, or `None` if it holds another type.
+    pub(crate) fn get<T: Element>(self) -> Option<&'a [T]> {
+        // SAFETY: built by `new::<T>` from a live `&'a [T]` (same TypeId).
+        (self.ty == TypeId::of::<T>())
+            .then(|| unsafe { std::slice::from_raw_parts(self.ptr as *const T, self.len) })
+    }
+
+    /// Number of elements.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The element type.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+impl<'a> HostBufMut<'a> {
+    /// Erases the element type of `s`.
+    pub(crate) fn new<T: Element>(s: &'a mut [T]) -> Self {
+        Self {
+            ptr: s.as_mut_ptr() as *mut u8,
+            len: s.len(),
+            ty: TypeId::of::<T>(),
+            dtype: T::DTYPE,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// The slice as `&mut [T]`, or `None` if it holds another type.
+    pub(crate) fn get<T: Element>(self) -> Option<&'a mut [T]> {
+        // SAFETY: built by `new::<T>` from a live `&'a mut [T]` (same TypeId), consumed here.
+        (self.ty == TypeId::of::<T>())
+            .then(|| unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len) })
+    }
+
+    /// Number of elements.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The element type.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+/// The typed slice of `buf`, or an error naming `what` when it holds another element type (a
+/// backend's `for_element!` arm always matches, so this is a defensive check).
+pub(crate) fn typed<'a, T: Element>(buf: HostBuf<'a>, what: &str) -> CommResult<&'a [T]> {
+    let dtype = buf.dtype();
+    buf.get::<T>().ok_or_else(|| mismatch::<T>(what, dtype))
+}
+
+/// As [`typed`], mutable.
+pub(crate) fn typed_mut<'a, T: Element>(
+    buf: HostBufMut<'a>,
+    what: &str,
+) -> CommResult<&'a mut [T]> {
+    let dtype = buf.dtype();
+    buf.get::<T>().ok_or_else(|| mismatch::<T>(what, dtype))
+}
+
+fn mismatch<T: Element>(what: &str, dtype: DType) -> CommError {
+    CommError::invalid(
+        what,
+        format!("a {dtype:?} buffer where {:?} was expected", T::DTYPE),
+    )
+}
+
+/// Runs `$body` with `$t` the [`Element`] type of `$dtype` (a [`HostBuf::dtype`]); an error
+/// naming `$what` for a dtype no `Element` has.
+macro_rules! for_element {
+    ($dtype:expr, $what:expr, |$t:ident| $body:expr) => {{
+        use candle_core::DType;
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            DType::I16 => {
+                type $t = i16;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            other => Err($crate::comm::error::CommError::invalid(
+                $what,
+                format!("no collective carries dtype {other:?}"),
+            )),
+        }
+    }};
+}
+pub(crate) use for_element;
+
+/// A communication backend: the collectives of one group of ranks on host buffers, its abort,
+/// its statistics and how it makes sub-groups.
+///
+/// Every method is called by all the group's ranks in the same order, with consistent sizes
+/// (the group checks what it can before calling). `rank()` of the group is the caller's.
+pub(crate) trait Backend: Send + Sync + 'static {
+    /// Element-wise reduction into `dst`, from `src` (same length) or in place (`None`).
+    fn all_reduce(
+        &self,
+        src: Option<HostBuf<'_>>,
+        dst: HostBufMut<'_>,
+        op: ReduceOp,
+    ) -> CommResult<()>;
+
+    /// Concatenates every rank's `src` into `dst`; rank `r` sends `counts[r]` elements.
+    fn all_gather_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+    ) -> CommResult<()>;
+
+    /// Reduces `src` (blocks of `counts[r]` elements) and leaves block `rank` in `dst`.
+    fn reduce_scatter_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> CommResult<()>;
+
+    /// Copies `root`'s `buf` into every rank's `buf`.
+    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()>;
+
+    /// Waits until every rank of the group has called it.
+    fn barrier(&self) -> CommResult<()>;
+
+    /// Fails this group's pending and later collectives, on every rank where the backend can
+    /// reach them, with `reason`. Must not block on a collective in progress.
+    fn abort(&self, reason: &str);
+
+    /// What this rank's collectives moved so far.
+    fn stats(&self) -> CommStats;
+
+    /// Zeroes the statistics.
+    fn reset_stats(&self);
+
+    /// The backend of a sub-group named `name` whose members (world ranks) are `members`, this
+    /// rank being `rank` of them. Called by the members only, in the same order.
+    fn subgroup(
+        &self,
+        ctx: &Arc<Context>,
+        name: String,
+        rank: usize,
+        members: &[usize],
+    ) -> CommResult<Arc<dyn Backend>>;
+
+    /// For the code that needs one backend's own API (NCCL's device collectives).
+    #[allow(dead_code)] // used with the nccl feature
+    fn as_any(&self) -> &dyn Any;
+}
