@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
+use candle_tp::chat_template::{special_token, ChatInput, ChatTemplate, Value};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
 use candle_tp::models::CausalLm;
 use candle_tp::ops::gather_from_tp;
@@ -108,14 +109,6 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
-/// A special token of tokenizer_config.json: a string or `{"content": ...}`.
-fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
-    match &cfg[key] {
-        serde_json::Value::String(s) => Some(s.clone()),
-        v => v["content"].as_str().map(String::from),
-    }
-}
-
 /// The tokenizer, the `tokenizer_config.json` settings (special tokens, chat template) and a
 /// `chat_template.jinja` to fall back on: from a model directory's files, or built from a
 /// GGUF file's metadata.
@@ -145,51 +138,23 @@ fn load_tokenizer(model: &Path) -> Result<(Tokenizer, serde_json::Value, PathBuf
     Ok((tok, cfg, model.join("chat_template.jinja")))
 }
 
-/// The checkpoint's chat template applied to one user message, with the generation prompt.
+/// The checkpoint's chat template applied to one user message, with the generation prompt
+/// (rendered as transformers renders it: `candle_tp::chat_template`, as the server does).
 fn render_chat(
     cfg: &serde_json::Value,
     jinja: &Path,
     model: &Path,
     prompt: &str,
 ) -> Result<String> {
-    let cfg_path = model.join("tokenizer_config.json");
-    let template = match &cfg["chat_template"] {
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Array(list) => list
-            .iter()
-            .find(|t| t["name"] == "default")
-            .and_then(|t| t["template"].as_str())
-            .map(String::from)
-            .with_context(|| format!("{}: no 'default' chat template", cfg_path.display()))?,
-        _ => std::fs::read_to_string(jinja).with_context(|| {
-            format!(
-                "--chat: neither {} has a chat_template nor does {} exist",
-                cfg_path.display(),
-                jinja.display()
-            )
-        })?,
+    let origin = if model.is_dir() {
+        model.join("tokenizer_config.json")
+    } else {
+        model.to_path_buf()
     };
-    let mut env = minijinja::Environment::new();
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    env.add_template("chat", &template)
-        .context("parsing the chat template")?;
-    let ctx = serde_json::json!({
-        "messages": [{"role": "user", "content": prompt}],
-        "add_generation_prompt": true,
-        "bos_token": special_token(cfg, "bos_token").unwrap_or_default(),
-        "eos_token": special_token(cfg, "eos_token").unwrap_or_default(),
-    });
-    env.get_template("chat")?
-        .render(ctx)
-        .context("rendering the chat template")
+    let template = ChatTemplate::from_tokenizer_config(cfg, &origin, jinja)
+        .context("--chat needs the checkpoint's chat template")?;
+    let user = Value::from_serialize(serde_json::json!({"role": "user", "content": prompt}));
+    Ok(template.render(&ChatInput::new(vec![user]))?)
 }
 
 /// Rank 0's prompt ids and end-of-sequence ids.

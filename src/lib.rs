@@ -27,6 +27,8 @@
 //! - [`loader`]: [`ShardedVarBuilder`] over memory-mapped safetensors (each rank reads only
 //!   its slice) or tensors in memory.
 //! - [`generate`]: sampling from vocabulary-parallel logits without gathering them.
+//! - [`chat_template`]: a checkpoint's chat template, rendered as Hugging Face transformers
+//!   renders it (used by the server and `examples/generate.rs`).
 //! - [`convert`]: GGUF → Hugging Face checkpoint and tokenizer, for the demo models.
 //! - [`Partition`]: uneven splits (9 heads on 2 ranks is 5 + 4).
 //! - [`quant`]: quantized CPU kernels ([`quant::QuantMatMul`]: SIMD Q4_1, Q8_0 and Q4_K
@@ -36,6 +38,7 @@
 //!   tensors' stream), [`device_from_arg`] for `--device cpu|cuda`; see `docs/GPU.md`.
 #![warn(missing_docs)]
 
+pub mod chat_template;
 pub mod comm;
 pub mod convert;
 mod device;

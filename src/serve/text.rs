@@ -1,14 +1,16 @@
 //! Text in and out of a checkpoint: its tokenizer (a model directory's `tokenizer.json`, or
 //! built from a GGUF file's metadata), its chat template (`tokenizer_config.json`'s
-//! `chat_template` or a `chat_template.jinja` beside it, rendered with minijinja) and its
-//! end-of-sequence tokens; and [`TextStream`], which turns generated ids into text pieces as
-//! they become decodable.
+//! `chat_template` or a `chat_template.jinja` beside it, compiled once at load and rendered as
+//! transformers renders it: [`crate::chat_template`]) and its end-of-sequence tokens; and
+//! [`TextStream`], which turns generated ids into text pieces as they become decodable.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::Result;
 use serde_json::Value;
 use tokenizers::Tokenizer;
+
+use crate::chat_template::{special_token, ChatInput, ChatTemplate};
 
 fn err(what: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::msg(what.to_string())
@@ -18,14 +20,6 @@ fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| err(format!("reading {}: {e}", path.display())))?;
     serde_json::from_str(&text).map_err(|e| err(format!("parsing {}: {e}", path.display())))
-}
-
-/// A special token of tokenizer_config.json: a string or `{"content": ...}`.
-fn special_token(cfg: &Value, key: &str) -> Option<String> {
-    match &cfg[key] {
-        Value::String(s) => Some(s.clone()),
-        v => v["content"].as_str().map(String::from),
-    }
 }
 
 /// One chat message (`role`: `system`, `user`, `assistant`).
@@ -42,8 +36,9 @@ pub struct ChatMessage {
 pub struct ModelText {
     tokenizer: Tokenizer,
     config: Value,
-    template_path: PathBuf,
-    origin: PathBuf,
+    /// The compiled chat template, or why there is none (a checkpoint without one, or one that
+    /// does not compile, still serves completions; chat requests get the message).
+    chat: std::result::Result<ChatTemplate, String>,
 }
 
 impl ModelText {
@@ -60,11 +55,12 @@ impl ModelText {
             let config = src
                 .tokenizer()
                 .tokenizer_config_json(src.config().max_position_embeddings);
+            let chat =
+                ChatTemplate::from_tokenizer_config(&config, model, &model.with_extension("jinja"));
             return Ok(Self {
                 tokenizer,
                 config,
-                template_path: model.with_extension("jinja"),
-                origin: model.to_path_buf(),
+                chat: chat.map_err(|e| e.to_string()),
             });
         }
         let tok_path = model.join("tokenizer.json");
@@ -76,11 +72,12 @@ impl ModelText {
         } else {
             Value::Null
         };
+        let chat =
+            ChatTemplate::from_tokenizer_config(&config, &tc, &model.join("chat_template.jinja"));
         Ok(Self {
             tokenizer,
             config,
-            template_path: model.join("chat_template.jinja"),
-            origin: model.to_path_buf(),
+            chat: chat.map_err(|e| e.to_string()),
         })
     }
 
@@ -121,55 +118,20 @@ impl ModelText {
         eos
     }
 
-    fn template(&self) -> Result<String> {
-        let cfg_path = self.origin.join("tokenizer_config.json");
-        match &self.config["chat_template"] {
-            Value::String(s) => Ok(s.clone()),
-            Value::Array(list) => list
-                .iter()
-                .find(|t| t["name"] == "default")
-                .and_then(|t| t["template"].as_str())
-                .map(String::from)
-                .ok_or_else(|| {
-                    err(format!(
-                        "{}: no 'default' chat template",
-                        cfg_path.display()
-                    ))
-                }),
-            _ => std::fs::read_to_string(&self.template_path).map_err(|_| {
-                err(format!(
-                    "{}: no chat template (neither tokenizer_config.json's chat_template nor {})",
-                    self.origin.display(),
-                    self.template_path.display()
-                ))
-            }),
-        }
+    /// The compiled chat template.
+    pub fn chat_template(&self) -> Result<&ChatTemplate> {
+        self.chat
+            .as_ref()
+            .map_err(|e| candle_core::Error::msg(e.clone()))
     }
 
     /// The chat template applied to `messages`, with the generation prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
-        let template = self.template()?;
-        let mut env = minijinja::Environment::new();
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", &template)
-            .map_err(|e| err(format!("parsing the chat template: {e}")))?;
-        let ctx = serde_json::json!({
-            "messages": messages,
-            "add_generation_prompt": true,
-            "bos_token": special_token(&self.config, "bos_token").unwrap_or_default(),
-            "eos_token": special_token(&self.config, "eos_token").unwrap_or_default(),
-        });
-        env.get_template("chat")
-            .and_then(|t| t.render(ctx))
-            .map_err(|e| err(format!("rendering the chat template: {e}")))
+        let messages = messages
+            .iter()
+            .map(crate::chat_template::Value::from_serialize)
+            .collect();
+        self.chat_template()?.render(&ChatInput::new(messages))
     }
 }
 
@@ -254,5 +216,58 @@ impl TextStream {
         let out = full.get(self.sent..).unwrap_or_default().to_string();
         self.sent = full.len();
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The server renders through [`crate::chat_template`]: Qwen3's template (which calls
+    /// Python string methods) gives transformers' text.
+    #[test]
+    fn render_chat_is_transformers_rendering() {
+        let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            data.join("smollm2/tokenizer.json"),
+            dir.path().join("tokenizer.json"),
+        )
+        .unwrap();
+        let template =
+            std::fs::read_to_string(data.join("chat_templates/Qwen-Qwen3-0.6B.jinja")).unwrap();
+        let config = serde_json::json!({"chat_template": template, "eos_token": "<|im_end|>"});
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        let text = ModelText::load(dir.path()).unwrap();
+        let expected: Value = serde_json::from_str(
+            &std::fs::read_to_string(data.join("chat_templates/expected.json")).unwrap(),
+        )
+        .unwrap();
+        let case = expected["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "Qwen-Qwen3-0.6B/multi-turn")
+            .unwrap();
+        let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
+        assert_eq!(text.render_chat(&messages).unwrap(), case["output"]);
+    }
+
+    #[test]
+    fn a_checkpoint_without_template_still_loads() {
+        let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            data.join("smollm2/tokenizer.json"),
+            dir.path().join("tokenizer.json"),
+        )
+        .unwrap();
+        let text = ModelText::load(dir.path()).unwrap();
+        let user = ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        };
+        let e = text.render_chat(&[user]).unwrap_err().to_string();
+        assert!(e.contains("no chat template"), "{e}");
     }
 }
