@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 pub mod families;
+#[cfg(feature = "server")]
+pub mod serve;
 pub mod train;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
