@@ -34,6 +34,8 @@ pub struct AppState {
     pub eos: Vec<u32>,
     /// The longest sequence (prompt and generated tokens).
     pub max_seq_len: usize,
+    /// The model's vocabulary size: a prompt id at or above it is refused (400).
+    pub vocab_size: usize,
     /// The scheduler's queue.
     pub queue: Queue,
 }
@@ -290,6 +292,21 @@ async fn serve(
     let param = if chat { "messages" } else { "prompt" };
     if ids.is_empty() {
         return Err(ApiError::invalid(param, "the prompt has no tokens"));
+    }
+    // An id the model has no embedding for (an added token of the tokenizer) would fail the
+    // whole batch's step.
+    if let Some((i, id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= s.vocab_size)
+    {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "token {i} of the prompt has id {id}, outside the model's vocabulary of {} ids (the tokenizer knows more tokens than the model)",
+                s.vocab_size
+            ),
+        ));
     }
     if ids.len() >= s.max_seq_len {
         return Err(ApiError {

@@ -126,6 +126,7 @@ fn main() -> Result<()> {
         text: Arc::new(text),
         eos,
         max_seq_len,
+        vocab_size: model.config().vocab_size,
         queue: queue.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
