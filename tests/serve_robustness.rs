@@ -5,6 +5,8 @@
 //!   refused with a 400 while the requests around it go on; the scheduler itself ends a
 //!   request the model cannot run (an id outside the vocabulary, a prompt longer than the
 //!   model's context) without stopping.
+//! - OpenAI's defaults:
+//!   the model's name is its directory's whole name.
 #![cfg(feature = "server")]
 
 use std::path::{Path, PathBuf};
@@ -18,7 +20,7 @@ use serde_json::{json, Value};
 
 mod common;
 
-use common::serve::{model_dir, post, wait_active, Server, SERIAL};
+use common::serve::{http, model_dir, post, wait_active, Server, SERIAL};
 
 /// A prompt id beyond SmolLM2's vocabulary of 49152 (and different from it, so that a
 /// message naming both can be told apart).
@@ -276,4 +278,39 @@ fn scheduler_ends_only_the_request_the_model_cannot_run() {
     );
     assert_eq!(ok.1, Ok(FinishReason::Length), "{:?}", ok.0);
     assert_eq!(ok.0, expected);
+}
+
+/// The API name of a directory with dots in its name is that whole name.
+fn name_keeps_dots(port: u16, name: &str) {
+    let (status, text) = http(port, "GET", "/v1/models", "");
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(v["data"][0]["id"], name, "{v}");
+    let (status, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 1, "model": name}),
+    );
+    assert_eq!(status, 200, "{v}");
+}
+
+/// OpenAI's defaults, on one server (each check runs even when another fails; the test fails
+/// naming every check that did).
+#[test]
+fn openai_defaults() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let root = tempfile::tempdir().expect("tempdir");
+    let name = "SmolLM2-0.135B";
+    let link = root.path().join(name);
+    std::os::unix::fs::symlink(model_dir(), &link).expect("symlink");
+    let server = Server::start_model(2, &link, &[]);
+    let port = server.port;
+    let checks: &[(&str, &dyn Fn())] = &[("name_keeps_dots", &|| name_keeps_dots(port, name))];
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|(_, check)| std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)).is_err())
+        .map(|(name, _)| *name)
+        .collect();
+    drop(server);
+    assert!(failed.is_empty(), "failed: {failed:?}");
 }

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -38,6 +39,22 @@ pub struct AppState {
     pub vocab_size: usize,
     /// The scheduler's queue.
     pub queue: Queue,
+}
+
+/// The API name of the model at `path` when `--model-name` is not given: the directory or
+/// file name, less a `.gguf` or `.safetensors` extension (`Qwen3-0.6B` stays `Qwen3-0.6B`,
+/// `smollm2.Q4_1.gguf` is `smollm2.Q4_1`); `model` when the path has no name.
+pub fn default_model_name(path: &Path) -> String {
+    let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return "model".into();
+    };
+    for ext in [".gguf", ".safetensors"] {
+        let cut = name.len().saturating_sub(ext.len());
+        if cut > 0 && name.is_char_boundary(cut) && name[cut..].eq_ignore_ascii_case(ext) {
+            return name[..cut].to_string();
+        }
+    }
+    name
 }
 
 impl IntoResponse for ApiError {
@@ -462,4 +479,24 @@ fn stream_response(job: Job) -> Response {
         }
     });
     Sse::new(events).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_names_keep_dots() {
+        let name = |p: &str| default_model_name(Path::new(p));
+        assert_eq!(name("/m/Qwen3-0.6B"), "Qwen3-0.6B");
+        assert_eq!(name("/m/Qwen3-0.6B/"), "Qwen3-0.6B");
+        assert_eq!(
+            name("/m/smollm2-135m-instruct.Q4_1.gguf"),
+            "smollm2-135m-instruct.Q4_1"
+        );
+        assert_eq!(name("/m/Llama-3.2-1B.GGUF"), "Llama-3.2-1B");
+        assert_eq!(name("model.safetensors"), "model");
+        assert_eq!(name("/m/.gguf"), ".gguf");
+        assert_eq!(name("/"), "model");
+    }
 }

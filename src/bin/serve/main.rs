@@ -116,10 +116,10 @@ fn main() -> Result<()> {
 
     let text = ModelText::load(&path)?;
     let eos = text.eos_ids(&model.config().eos_token_ids);
-    let name = args.model_name.clone().unwrap_or_else(|| {
-        path.file_stem()
-            .map_or("model".into(), |s| s.to_string_lossy().into_owned())
-    });
+    let name = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| serve::default_model_name(&path));
     let (queue, inbox) = serve::queue(args.max_queue);
     let state = AppState {
         model_name: name.clone(),
