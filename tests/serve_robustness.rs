@@ -5,12 +5,13 @@
 //!   refused with a 400 while the requests around it go on; the scheduler itself ends a
 //!   request the model cannot run (an id outside the vocabulary, a prompt longer than the
 //!   model's context) without stopping.
+//! - SIGTERM to a rank other than 0 alone ends that rank within seconds.
 //! - OpenAI's defaults:
 //!   the model's name is its directory's whole name.
 #![cfg(feature = "server")]
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use candle_tp::generate::{BatchDecoder, DistributedSampler, FinishReason, SamplingParams};
@@ -20,7 +21,7 @@ use serde_json::{json, Value};
 
 mod common;
 
-use common::serve::{http, model_dir, post, wait_active, Server, SERIAL};
+use common::serve::{http, is_running, model_dir, post, wait_active, Server, SERIAL};
 
 /// A prompt id beyond SmolLM2's vocabulary of 49152 (and different from it, so that a
 /// message naming both can be told apart).
@@ -278,6 +279,40 @@ fn scheduler_ends_only_the_request_the_model_cannot_run() {
     );
     assert_eq!(ok.1, Ok(FinishReason::Length), "{:?}", ok.0);
     assert_eq!(ok.0, expected);
+}
+
+/// SIGTERM sent to rank 1 alone (not through tprun, so rank 0 never hears of it): rank 1 exits
+/// within 5 s, and the job then ends (tprun tears it down when a rank is gone).
+#[test]
+fn sigterm_to_a_follower_rank_ends_it() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut server = Server::start(2, &[]);
+    let pids = server.rank_pids();
+    assert_eq!(pids.len(), 2, "the ranks of the job: {pids:?}");
+    let follower = pids[&1];
+    // SAFETY: signalling a process of this test's own job.
+    unsafe { libc::kill(follower, libc::SIGTERM) };
+    let t0 = Instant::now();
+    while is_running(follower) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "rank 1 (pid {follower}) still runs 5 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "rank 1 exited {:.2} s after SIGTERM",
+        t0.elapsed().as_secs_f64()
+    );
+    let t0 = Instant::now();
+    while server.child.try_wait().expect("tprun").is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the job still runs 20 s after rank 1 exited"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!is_running(pids[&0]), "rank 0 outlived the job");
 }
 
 /// The API name of a directory with dots in its name is that whole name.
