@@ -7,7 +7,8 @@
 //!   model's context) without stopping.
 //! - SIGTERM to a rank other than 0 alone ends that rank within seconds.
 //! - OpenAI's defaults:
-//!   the model's name is its directory's whole name.
+//!   the model's name is its directory's whole name;
+//!   `/v1/completions` without `max_tokens` gives 16 tokens.
 #![cfg(feature = "server")]
 
 use std::path::{Path, PathBuf};
@@ -329,6 +330,25 @@ fn name_keeps_dots(port: u16, name: &str) {
     assert_eq!(status, 200, "{v}");
 }
 
+/// `/v1/completions` without `max_tokens` stops at 16 tokens, or at `min_tokens` when that is
+/// more. Counting never ends by itself within the server's 128 tokens: only the default can
+/// stop it there.
+fn completions_default_to_16_tokens(port: u16) {
+    let counting = "1, 2, 3, 4, 5, 6,";
+    for (body, n) in [
+        (json!({"prompt": counting, "temperature": 0}), 16),
+        (
+            json!({"prompt": counting, "temperature": 0, "min_tokens": 20}),
+            20,
+        ),
+    ] {
+        let (status, v) = post(port, "/v1/completions", &body);
+        assert_eq!(status, 200, "{body}: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], n, "{body}: {v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{body}: {v}");
+    }
+}
+
 /// OpenAI's defaults, on one server (each check runs even when another fails; the test fails
 /// naming every check that did).
 #[test]
@@ -338,9 +358,14 @@ fn openai_defaults() {
     let name = "SmolLM2-0.135B";
     let link = root.path().join(name);
     std::os::unix::fs::symlink(model_dir(), &link).expect("symlink");
-    let server = Server::start_model(2, &link, &[]);
+    let server = Server::start_model(2, &link, &["--max-seq-len", "128"]);
     let port = server.port;
-    let checks: &[(&str, &dyn Fn())] = &[("name_keeps_dots", &|| name_keeps_dots(port, name))];
+    let checks: &[(&str, &dyn Fn())] = &[
+        ("name_keeps_dots", &|| name_keeps_dots(port, name)),
+        ("completions_default_to_16_tokens", &|| {
+            completions_default_to_16_tokens(port)
+        }),
+    ];
     let failed: Vec<&str> = checks
         .iter()
         .filter(|(_, check)| std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)).is_err())

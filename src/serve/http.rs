@@ -41,6 +41,10 @@ pub struct AppState {
     pub queue: Queue,
 }
 
+/// `max_tokens` of a `/v1/completions` request that gives none (OpenAI's default; chat
+/// completions default to the rest of the context).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+
 /// The API name of the model at `path` when `--model-name` is not given: the directory or
 /// file name, less a `.gguf` or `.safetensors` extension (`Qwen3-0.6B` stays `Qwen3-0.6B`,
 /// `smollm2.Q4_1.gguf` is `smollm2.Q4_1`); `model` when the path has no name.
@@ -335,7 +339,11 @@ async fn serve(
     }
     let room = s.max_seq_len - ids.len();
     let max_tokens = match req.max_tokens {
-        None => room,
+        None if chat => room,
+        // At least min_tokens, which the client asked for explicitly.
+        None => COMPLETIONS_DEFAULT_MAX_TOKENS
+            .max(req.min_tokens)
+            .min(room),
         Some(n) if n > room => {
             return Err(ApiError {
                 code: Some("context_length_exceeded"),
@@ -358,7 +366,7 @@ async fn serve(
         .submit(Submission {
             prompt: ids,
             max_tokens,
-            // Without max_tokens the sequence ends at the longest sequence anyway.
+            // Capped where the context has no room for it (max_tokens absent).
             min_tokens: req.min_tokens.min(max_tokens),
             params: SamplingParams {
                 temperature: req.temperature,
