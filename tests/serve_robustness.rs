@@ -8,7 +8,8 @@
 //! - SIGTERM to a rank other than 0 alone ends that rank within seconds.
 //! - OpenAI's defaults:
 //!   the model's name is its directory's whole name;
-//!   `/v1/completions` without `max_tokens` gives 16 tokens.
+//!   `/v1/completions` without `max_tokens` gives 16 tokens;
+//!   completion ids differ for equal seeds.
 #![cfg(feature = "server")]
 
 use std::path::{Path, PathBuf};
@@ -349,6 +350,42 @@ fn completions_default_to_16_tokens(port: u16) {
     }
 }
 
+/// Two answers with the same seed, at the same time, have different ids.
+fn ids_differ_for_equal_seeds(port: u16) {
+    for (path, prefix, body) in [
+        (
+            "/v1/completions",
+            "cmpl-",
+            json!({"prompt": "Hello", "max_tokens": 2, "seed": 7}),
+        ),
+        (
+            "/v1/chat/completions",
+            "chatcmpl-",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "seed": 7}),
+        ),
+    ] {
+        let clients: Vec<_> = (0..2)
+            .map(|_| {
+                let body = body.clone();
+                std::thread::spawn(move || post(port, path, &body))
+            })
+            .collect();
+        let answers: Vec<_> = clients
+            .into_iter()
+            .map(|h| h.join().expect("client"))
+            .collect();
+        for (status, v) in &answers {
+            assert_eq!(*status, 200, "{v}");
+            assert!(
+                v["id"].as_str().is_some_and(|id| id.starts_with(prefix)),
+                "{v}"
+            );
+        }
+        let (a, b) = (&answers[0].1, &answers[1].1);
+        assert_ne!(a["id"], b["id"], "two answers, one id: {a} {b}");
+    }
+}
+
 /// OpenAI's defaults, on one server (each check runs even when another fails; the test fails
 /// naming every check that did).
 #[test]
@@ -364,6 +401,9 @@ fn openai_defaults() {
         ("name_keeps_dots", &|| name_keeps_dots(port, name)),
         ("completions_default_to_16_tokens", &|| {
             completions_default_to_16_tokens(port)
+        }),
+        ("ids_differ_for_equal_seeds", &|| {
+            ids_differ_for_equal_seeds(port)
         }),
     ];
     let failed: Vec<&str> = checks

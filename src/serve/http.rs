@@ -4,8 +4,10 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -59,6 +61,28 @@ pub fn default_model_name(path: &Path) -> String {
         }
     }
     name
+}
+
+/// A completion id unique in this process and unlikely to repeat across processes: a
+/// random 64-bit prefix drawn once and a counter (`seed` and time play no part, so equal
+/// seeds in the same second still get different ids).
+fn completion_id(chat: bool) -> String {
+    static PREFIX: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let prefix = *PREFIX.get_or_init(|| {
+        // std's hash keys are random per process; mix in the time and pid for good measure.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.write_u32(std::process::id());
+        h.finish()
+    });
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let kind = if chat { "chatcmpl" } else { "cmpl" };
+    format!("{kind}-{prefix:016x}{n:08x}")
 }
 
 impl IntoResponse for ApiError {
@@ -396,11 +420,7 @@ async fn serve(
     let created = unix_now();
     let mut job = Job {
         chat,
-        id: format!(
-            "{}-{:x}",
-            if chat { "chatcmpl" } else { "cmpl" },
-            seed ^ created
-        ),
+        id: completion_id(chat),
         created,
         model: s.model_name.clone(),
         prompt_tokens,
@@ -506,5 +526,13 @@ mod tests {
         assert_eq!(name("model.safetensors"), "model");
         assert_eq!(name("/m/.gguf"), ".gguf");
         assert_eq!(name("/"), "model");
+    }
+
+    #[test]
+    fn ids_differ() {
+        let a = completion_id(false);
+        let b = completion_id(false);
+        assert_ne!(a, b);
+        assert!(a.starts_with("cmpl-") && completion_id(true).starts_with("chatcmpl-"));
     }
 }
