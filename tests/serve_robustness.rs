@@ -9,7 +9,8 @@
 //! - OpenAI's defaults:
 //!   the model's name is its directory's whole name;
 //!   `/v1/completions` without `max_tokens` gives 16 tokens;
-//!   completion ids differ for equal seeds.
+//!   completion ids differ for equal seeds;
+//!   an assistant message may have `content: null`.
 #![cfg(feature = "server")]
 
 use std::path::{Path, PathBuf};
@@ -386,6 +387,32 @@ fn ids_differ_for_equal_seeds(port: u16) {
     }
 }
 
+/// An assistant message with `content: null` and `tool_calls` is accepted; a user message's
+/// null content is still refused, naming the field.
+fn assistant_content_may_be_null(port: u16) {
+    let tool_call = json!([{"id": "call_1", "type": "function",
+                            "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 2}"}}]);
+    let (status, v) = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"max_tokens": 4, "messages": [
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": null, "tool_calls": tool_call},
+            {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+            {"role": "user", "content": "So?"},
+        ]}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    let (status, v) = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"max_tokens": 4, "messages": [{"role": "user", "content": null}]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "messages[0].content", "{v}");
+}
+
 /// OpenAI's defaults, on one server (each check runs even when another fails; the test fails
 /// naming every check that did).
 #[test]
@@ -404,6 +431,9 @@ fn openai_defaults() {
         }),
         ("ids_differ_for_equal_seeds", &|| {
             ids_differ_for_equal_seeds(port)
+        }),
+        ("assistant_content_may_be_null", &|| {
+            assistant_content_may_be_null(port)
         }),
     ];
     let failed: Vec<&str> = checks
