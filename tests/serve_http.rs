@@ -7,157 +7,17 @@
 #![cfg(feature = "server")]
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::path::Path;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 mod common;
 
-/// One server at a time (two cores; the /dev/shm check must not see another job).
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn model_dir() -> PathBuf {
-    let dir = candle_tp::models::models_dir()
-        .expect("models directory")
-        .join("smollm2-135m-instruct");
-    assert!(
-        dir.join("model.safetensors").is_file(),
-        "{} is missing: run scripts/fetch-models.sh",
-        dir.display()
-    );
-    dir
-}
-
-/// A server under tprun; killed (the whole job) when dropped.
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Server {
-    fn start(nproc: usize, extra: &[&str]) -> Self {
-        Self::start_model(nproc, &model_dir(), extra)
-    }
-
-    fn start_model(nproc: usize, model: &Path, extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tprun"))
-            .args(["--standalone", "--grace-period", "3", "--nproc-per-node"])
-            .arg(nproc.to_string())
-            .arg(env!("CARGO_BIN_EXE_candle-tp-serve"))
-            .arg("--model")
-            .arg(model)
-            .args(["--port", "0"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start tprun");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(i) = line
-                    .find("{\"listening\"")
-                    .or_else(|| line.find("\"listening\""))
-                {
-                    let start = line[..i + 1].rfind('{').unwrap_or(i);
-                    let _ = tx.send(line[start..].to_string());
-                }
-                eprintln!("{line}");
-            }
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("the server did not print its address within 120 s");
-        let v: Value = serde_json::from_str(&line).expect("listening JSON");
-        let url = v["listening"].as_str().expect("listening").to_string();
-        let port = url
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .expect("port");
-        Self { child, port }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            // SAFETY: signalling our own child process.
-            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-            let t0 = Instant::now();
-            while t0.elapsed() < Duration::from_secs(10) {
-                if self.child.try_wait().ok().flatten().is_some() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// One HTTP/1.1 exchange (`Connection: close`): status and body (chunked decoded).
-fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read response");
-    parse_response(&raw)
-}
-
-fn parse_response(raw: &[u8]) -> (u16, String) {
-    let text = String::from_utf8_lossy(raw);
-    let (head, body) = text.split_once("\r\n\r\n").expect("headers");
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("status");
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    if !chunked {
-        return (status, body.to_string());
-    }
-    let mut out = String::new();
-    let mut rest = body;
-    while let Some((size, after)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(&after[..n]);
-        rest = &after[n + 2..];
-    }
-    (status, out)
-}
-
-fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
-    let (status, text) = http(port, "POST", path, &body.to_string());
-    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{status} {text}: {e}"));
-    (status, v)
-}
-
-/// The `data:` payloads of an SSE body.
-fn sse_data(body: &str) -> Vec<String> {
-    body.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(String::from)
-        .collect()
-}
+use common::serve::{health, http, model_dir, post, sse_data, Server, SERIAL};
 
 const PROMPTS: [&str; 8] = [
     "The capital of France is",
@@ -463,12 +323,6 @@ fn bad_input(port: u16) {
         serde_json::from_str::<Value>(&text).unwrap()["data"][0]["id"],
         "smollm2-135m-instruct"
     );
-}
-
-fn health(port: u16) -> Value {
-    let (status, text) = http(port, "GET", "/health", "");
-    assert_eq!(status, 200, "{text}");
-    serde_json::from_str(&text).expect("health JSON")
 }
 
 fn disconnect_frees_the_slot(port: u16) {

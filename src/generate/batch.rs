@@ -78,7 +78,8 @@ pub struct BatchDecoder {
 
 impl BatchDecoder {
     /// A decoder for at most `max_batch` sequences of at most `max_seq_len` positions (prompt
-    /// and generated tokens), reading at most `prefill_chunk` prompt tokens per step.
+    /// and generated tokens; fewer where the model's context is shorter), reading at most
+    /// `prefill_chunk` prompt tokens per step.
     pub fn new(max_batch: usize, max_seq_len: usize, prefill_chunk: usize) -> Result<Self> {
         if max_batch == 0 || max_seq_len < 2 || prefill_chunk == 0 {
             candle_core::bail!(
@@ -153,9 +154,43 @@ impl BatchDecoder {
         Ok(())
     }
 
+    /// [`BatchDecoder::check`] and what `model` can run: every prompt id inside its
+    /// vocabulary, the prompt shorter than its context (`max_position_embeddings`). A sequence
+    /// that passes cannot fail the batched forward of a later step (which would end every
+    /// sequence of the batch): it ends as [`FinishReason::Length`] at the model's last position.
+    pub fn check_for(&self, model: &CausalLm, req: &SeqRequest) -> Result<()> {
+        self.check(req)?;
+        let vocab = model.config().vocab_size;
+        if let Some((i, id)) = req
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab)
+        {
+            candle_core::bail!(
+                "sequence {}: prompt token {i} has id {id}, outside the model's vocabulary of {vocab} ids",
+                req.id
+            );
+        }
+        let limit = self.seq_limit(model);
+        if req.prompt.len() >= limit {
+            candle_core::bail!(
+                "sequence {}: the prompt has {} tokens, the model holds {limit} positions (prompt and at least one generated token)",
+                req.id,
+                req.prompt.len()
+            );
+        }
+        Ok(())
+    }
+
+    /// The longest sequence for `model`: `max_seq_len`, or the model's context if shorter.
+    fn seq_limit(&self, model: &CausalLm) -> usize {
+        self.max_seq_len.min(model.config().max_position_embeddings)
+    }
+
     /// Adds a sequence (it starts reading its prompt at the next step).
     pub fn add(&mut self, model: &CausalLm, req: SeqRequest) -> Result<()> {
-        self.check(&req)?;
+        self.check_for(model, &req)?;
         if !self.has_room() {
             candle_core::bail!(
                 "sequence {}: the batch is full ({} sequences)",
@@ -217,6 +252,7 @@ impl BatchDecoder {
             }
             model.forward_batch(&mut steps)?
         };
+        let limit = self.seq_limit(model);
         let mut events = Vec::new();
         let mut done = Vec::new();
         for (row, (i, tokens)) in plan.iter().enumerate() {
@@ -235,7 +271,7 @@ impl BatchDecoder {
             s.generated += 1;
             let finish = if s.req.stop_ids.contains(&token) {
                 Some(FinishReason::Stop)
-            } else if s.generated >= s.req.max_tokens || s.cache.len() >= self.max_seq_len {
+            } else if s.generated >= s.req.max_tokens || s.cache.len() >= limit {
                 Some(FinishReason::Length)
             } else {
                 None

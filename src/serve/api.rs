@@ -175,10 +175,13 @@ fn in_range(key: &str, v: Option<f64>, lo: f64, hi: f64, lo_open: bool) -> Resul
     Ok(())
 }
 
-/// A message's `content`: a string or an array of `{"type": "text", "text": ...}` parts.
-fn content(v: Option<&Value>, i: usize) -> Result<String, ApiError> {
+/// A message's `content`: a string or an array of `{"type": "text", "text": ...}` parts; for
+/// an assistant message also null or absent (as OpenAI's: one that only calls tools), read as
+/// empty.
+fn content(v: Option<&Value>, role: &str, i: usize) -> Result<String, ApiError> {
     let param = format!("messages[{i}].content");
     match v {
+        None | Some(Value::Null) if role == "assistant" => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => parts
             .iter()
@@ -229,7 +232,7 @@ fn messages(o: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
             }
             Ok(ChatMessage {
                 role: role.to_string(),
-                content: content(m.get("content"), i)?,
+                content: content(m.get("content"), role, i)?,
             })
         })
         .collect()
@@ -453,6 +456,22 @@ mod tests {
                 .as_deref(),
             Some("messages[0].content")
         );
+        assert_eq!(
+            bad(r#"{"messages": [{"role": "user", "content": null}]}"#, true)
+                .param
+                .as_deref(),
+            Some("messages[0].content")
+        );
+        let r = GenRequest::parse(
+            br#"{"messages": [{"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                 "function": {"name": "add", "arguments": "{}"}}]},
+                {"role": "assistant"}]}"#,
+            true,
+        )
+        .unwrap();
+        let contents: Vec<_> = r.messages.unwrap().into_iter().map(|m| m.content).collect();
+        assert_eq!(contents, ["2 + 2?", "", ""]);
         assert_eq!(bad("[1]", false).status, 400);
         assert_eq!(
             bad(r#"{"prompt": "a", "return_token_ids": 1}"#, false)

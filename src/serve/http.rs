@@ -4,7 +4,10 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::hash::{BuildHasher, Hasher};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -34,8 +37,52 @@ pub struct AppState {
     pub eos: Vec<u32>,
     /// The longest sequence (prompt and generated tokens).
     pub max_seq_len: usize,
+    /// The model's vocabulary size: a prompt id at or above it is refused (400).
+    pub vocab_size: usize,
     /// The scheduler's queue.
     pub queue: Queue,
+}
+
+/// `max_tokens` of a `/v1/completions` request that gives none (OpenAI's default; chat
+/// completions default to the rest of the context).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+
+/// The API name of the model at `path` when `--model-name` is not given: the directory or
+/// file name, less a `.gguf` or `.safetensors` extension (`Qwen3-0.6B` stays `Qwen3-0.6B`,
+/// `smollm2.Q4_1.gguf` is `smollm2.Q4_1`); `model` when the path has no name.
+pub fn default_model_name(path: &Path) -> String {
+    let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return "model".into();
+    };
+    for ext in [".gguf", ".safetensors"] {
+        let cut = name.len().saturating_sub(ext.len());
+        if cut > 0 && name.is_char_boundary(cut) && name[cut..].eq_ignore_ascii_case(ext) {
+            return name[..cut].to_string();
+        }
+    }
+    name
+}
+
+/// A completion id unique in this process and unlikely to repeat across processes: a
+/// random 64-bit prefix drawn once and a counter (`seed` and time play no part, so equal
+/// seeds in the same second still get different ids).
+fn completion_id(chat: bool) -> String {
+    static PREFIX: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let prefix = *PREFIX.get_or_init(|| {
+        // std's hash keys are random per process; mix in the time and pid for good measure.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.write_u32(std::process::id());
+        h.finish()
+    });
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let kind = if chat { "chatcmpl" } else { "cmpl" };
+    format!("{kind}-{prefix:016x}{n:08x}")
 }
 
 impl IntoResponse for ApiError {
@@ -291,6 +338,21 @@ async fn serve(
     if ids.is_empty() {
         return Err(ApiError::invalid(param, "the prompt has no tokens"));
     }
+    // An id the model has no embedding for (an added token of the tokenizer) would fail the
+    // whole batch's step.
+    if let Some((i, id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= s.vocab_size)
+    {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "token {i} of the prompt has id {id}, outside the model's vocabulary of {} ids (the tokenizer knows more tokens than the model)",
+                s.vocab_size
+            ),
+        ));
+    }
     if ids.len() >= s.max_seq_len {
         return Err(ApiError {
             code: Some("context_length_exceeded"),
@@ -301,7 +363,11 @@ async fn serve(
     }
     let room = s.max_seq_len - ids.len();
     let max_tokens = match req.max_tokens {
-        None => room,
+        None if chat => room,
+        // At least min_tokens, which the client asked for explicitly.
+        None => COMPLETIONS_DEFAULT_MAX_TOKENS
+            .max(req.min_tokens)
+            .min(room),
         Some(n) if n > room => {
             return Err(ApiError {
                 code: Some("context_length_exceeded"),
@@ -324,7 +390,7 @@ async fn serve(
         .submit(Submission {
             prompt: ids,
             max_tokens,
-            // Without max_tokens the sequence ends at the longest sequence anyway.
+            // Capped where the context has no room for it (max_tokens absent).
             min_tokens: req.min_tokens.min(max_tokens),
             params: SamplingParams {
                 temperature: req.temperature,
@@ -354,11 +420,7 @@ async fn serve(
     let created = unix_now();
     let mut job = Job {
         chat,
-        id: format!(
-            "{}-{:x}",
-            if chat { "chatcmpl" } else { "cmpl" },
-            seed ^ created
-        ),
+        id: completion_id(chat),
         created,
         model: s.model_name.clone(),
         prompt_tokens,
@@ -445,4 +507,32 @@ fn stream_response(job: Job) -> Response {
         }
     });
     Sse::new(events).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_names_keep_dots() {
+        let name = |p: &str| default_model_name(Path::new(p));
+        assert_eq!(name("/m/Qwen3-0.6B"), "Qwen3-0.6B");
+        assert_eq!(name("/m/Qwen3-0.6B/"), "Qwen3-0.6B");
+        assert_eq!(
+            name("/m/smollm2-135m-instruct.Q4_1.gguf"),
+            "smollm2-135m-instruct.Q4_1"
+        );
+        assert_eq!(name("/m/Llama-3.2-1B.GGUF"), "Llama-3.2-1B");
+        assert_eq!(name("model.safetensors"), "model");
+        assert_eq!(name("/m/.gguf"), ".gguf");
+        assert_eq!(name("/"), "model");
+    }
+
+    #[test]
+    fn ids_differ() {
+        let a = completion_id(false);
+        let b = completion_id(false);
+        assert_ne!(a, b);
+        assert!(a.starts_with("cmpl-") && completion_id(true).starts_with("chatcmpl-"));
+    }
 }

@@ -13,7 +13,7 @@ pub mod step;
 pub mod text;
 
 pub use api::{ApiError, GenRequest};
-pub use http::{router, AppState};
+pub use http::{default_model_name, router, AppState, COMPLETIONS_DEFAULT_MAX_TOKENS};
 pub use scheduler::{
     queue, run_follower, run_leader, Event, Inbox, Queue, Submission, SubmitError,
 };

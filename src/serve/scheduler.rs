@@ -203,7 +203,13 @@ impl Leader {
     }
 
     /// The next plan: closed channels dropped, queued requests added while there is room.
-    fn plan(&mut self, dec: &BatchDecoder, inbox: &Inbox, shutdown: bool) -> StepPlan {
+    fn plan(
+        &mut self,
+        model: &CausalLm,
+        dec: &BatchDecoder,
+        inbox: &Inbox,
+        shutdown: bool,
+    ) -> StepPlan {
         let mut plan = StepPlan {
             shutdown,
             ..StepPlan::default()
@@ -238,7 +244,9 @@ impl Leader {
                 stop_ids: s.stop_ids,
             };
             self.next_id += 1;
-            if let Err(e) = dec.check(&req) {
+            // What the model cannot run (an id outside its vocabulary, a prompt beyond its
+            // context) ends this request here: in the batch it would fail every sequence's step.
+            if let Err(e) = dec.check_for(model, &req) {
                 let _ = s
                     .events
                     .send(Event::Error(crate::serve::api::client_message(&e)));
@@ -283,7 +291,7 @@ pub fn run_leader(
             }
             shutdown |= inbox.shutdown.load(Ordering::SeqCst);
         }
-        let plan = leader.plan(dec, &inbox, shutdown);
+        let plan = leader.plan(model, dec, &inbox, shutdown);
         let result = StepPlan::broadcast(&pg, Some(&plan))
             .and_then(|_| apply(model, dec, &plan))
             .and_then(|_| {

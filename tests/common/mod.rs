@@ -3,6 +3,8 @@
 
 pub mod families;
 pub mod quantized;
+#[cfg(feature = "server")]
+pub mod serve;
 pub mod train;
 
 use candle_core::{DType, Device, Result, Tensor, Var};

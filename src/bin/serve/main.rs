@@ -12,11 +12,12 @@
 //! Every rank loads its share of the model and runs the same scheduler loop; rank 0 alone
 //! serves HTTP (127.0.0.1 by default) and broadcasts each step's decision to the others
 //! through the process group. SIGTERM or Ctrl-C: in-flight requests end with an error, every
-//! rank leaves its loop and exits 0.
+//! rank leaves its loop and exits 0. A rank other than 0 that alone gets the signal (rank 0
+//! never hears of it) leaves by it after [`FOLLOWER_GRACE`]; tprun then ends the job.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -65,22 +66,86 @@ struct Args {
     dtype: String,
 }
 
-/// Set by SIGTERM/SIGINT on the ranks other than 0, which wait for rank 0's shutdown plan.
-static SIGNALLED: AtomicBool = AtomicBool::new(false);
+/// How long a rank other than 0 waits, after SIGTERM or SIGINT, for rank 0's shutdown plan
+/// (which comes within a step when tprun signalled the whole job) before it leaves by the
+/// signal itself (when the signal was for it alone).
+const FOLLOWER_GRACE: Duration = Duration::from_secs(2);
 
-extern "C" fn on_signal(_: libc::c_int) {
-    SIGNALLED.store(true, Ordering::SeqCst);
+/// The signal a rank other than 0 received (0: none yet).
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// The write end of the pipe that wakes the watcher thread (-1 until it runs).
+static WAKE: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    let _ = SIGNAL.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+    let fd = WAKE.load(Ordering::SeqCst);
+    if fd >= 0 {
+        let byte = 1u8;
+        // SAFETY: write(2) on a pipe is async-signal-safe; the buffer is a live local.
+        unsafe { libc::write(fd, (&byte as *const u8).cast(), 1) };
+    }
 }
 
-/// Ranks other than 0 keep running on SIGTERM/SIGINT: rank 0 gets the same signal from
-/// tprun and broadcasts the shutdown, so every rank leaves at the same step.
-fn defer_signals() {
+/// Ranks other than 0 do not stop at once on SIGTERM/SIGINT: rank 0 gets the same signal from
+/// tprun and broadcasts the shutdown, so that every rank leaves at the same step. A watcher
+/// thread makes sure the rank still ends if that plan does not come within [`FOLLOWER_GRACE`]
+/// (the signal was sent to this rank alone): it restores the signal's default action and
+/// raises it again.
+fn defer_signals(rank: usize) -> Result<()> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: pipe(2) writes two descriptors into the array it is given.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        bail!(
+            "rank {rank}: creating the signal pipe: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    let [read_fd, write_fd] = fds;
+    WAKE.store(write_fd, Ordering::SeqCst);
+    std::thread::Builder::new()
+        .name("signal-watch".into())
+        .spawn(move || {
+            let mut byte = 0u8;
+            loop {
+                // SAFETY: read(2) into a live one-byte buffer.
+                let n = unsafe { libc::read(read_fd, (&mut byte as *mut u8).cast(), 1) };
+                if n == 1 {
+                    break;
+                }
+                if n < 0
+                    && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+                {
+                    continue;
+                }
+                return; // the pipe failed: leave the signals to rank 0's plan
+            }
+            std::thread::sleep(FOLLOWER_GRACE);
+            let sig = SIGNAL.load(Ordering::SeqCst);
+            let name = if sig == libc::SIGINT {
+                "SIGINT"
+            } else {
+                "SIGTERM"
+            };
+            eprintln!(
+                "rank {rank}: no shutdown from rank 0 within {:.0} s of {name}: leaving",
+                FOLLOWER_GRACE.as_secs_f64()
+            );
+            // SAFETY: restoring the default action and raising the signal ends the process
+            // (the default action of SIGTERM and SIGINT), as if the handler had never been set.
+            unsafe {
+                libc::signal(sig, libc::SIG_DFL);
+                libc::raise(sig);
+            }
+            std::process::exit(128 + sig);
+        })
+        .with_context(|| format!("rank {rank}: starting the signal watcher"))?;
     let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    // SAFETY: the handler only stores to atomics and writes to a pipe, both async-signal-safe.
     unsafe {
         libc::signal(libc::SIGTERM, handler);
         libc::signal(libc::SIGINT, handler);
     }
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -92,7 +157,7 @@ fn main() -> Result<()> {
     let dtype = candle_tp::dtype_from_arg(&args.dtype)?;
     let pg = candle_tp::init_from_env(&device)?;
     if pg.rank() != 0 {
-        defer_signals();
+        defer_signals(pg.rank())?;
     }
     let path = match &args.model {
         Some(p) => p.clone(),
@@ -116,16 +181,17 @@ fn main() -> Result<()> {
 
     let text = ModelText::load(&path)?;
     let eos = text.eos_ids(&model.config().eos_token_ids);
-    let name = args.model_name.clone().unwrap_or_else(|| {
-        path.file_stem()
-            .map_or("model".into(), |s| s.to_string_lossy().into_owned())
-    });
+    let name = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| serve::default_model_name(&path));
     let (queue, inbox) = serve::queue(args.max_queue);
     let state = AppState {
         model_name: name.clone(),
         text: Arc::new(text),
         eos,
         max_seq_len,
+        vocab_size: model.config().vocab_size,
         queue: queue.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -1,0 +1,240 @@
+//! Driving `candle-tp-serve` under `tprun` from the tests: start a server (killed with its whole
+//! job when dropped), find its ranks' processes, and talk HTTP/1.1 to it over TCP with nothing
+//! but the standard library (so the client is not the server's own code).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// One server at a time per test binary (two cores; the /dev/shm checks must not see another
+/// job of the same binary).
+pub static SERIAL: Mutex<()> = Mutex::new(());
+
+/// The converted SmolLM2-135M-Instruct directory (`scripts/fetch-models.sh`).
+pub fn model_dir() -> PathBuf {
+    let dir = candle_tp::models::models_dir()
+        .expect("models directory")
+        .join("smollm2-135m-instruct");
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "{} is missing: run scripts/fetch-models.sh",
+        dir.display()
+    );
+    dir
+}
+
+/// The binary that cargo built as `cargo_path`, or `$var` when that is set: worktrees that
+/// share one `CARGO_TARGET_DIR` overwrite each other's `target/debug/<bin>`, and the variable
+/// points a run at its own build (`target/debug/deps/<bin>-<hash>`).
+fn binary(var: &str, cargo_path: &str) -> PathBuf {
+    std::env::var_os(var).map_or_else(|| PathBuf::from(cargo_path), PathBuf::from)
+}
+
+/// A server under tprun; killed (the whole job) when dropped.
+pub struct Server {
+    /// The tprun process.
+    pub child: Child,
+    /// The port rank 0 listens on.
+    pub port: u16,
+}
+
+impl Server {
+    /// `nproc` ranks on SmolLM2 with `extra` server arguments.
+    pub fn start(nproc: usize, extra: &[&str]) -> Self {
+        Self::start_model(nproc, &model_dir(), extra)
+    }
+
+    /// `nproc` ranks on `model` (a directory or a `.gguf` file).
+    pub fn start_model(nproc: usize, model: &Path, extra: &[&str]) -> Self {
+        let mut child = Command::new(binary("CANDLE_TP_TPRUN", env!("CARGO_BIN_EXE_tprun")))
+            .args(["--standalone", "--grace-period", "3", "--nproc-per-node"])
+            .arg(nproc.to_string())
+            .arg(binary(
+                "CANDLE_TP_SERVE",
+                env!("CARGO_BIN_EXE_candle-tp-serve"),
+            ))
+            .arg("--model")
+            .arg(model)
+            .args(["--port", "0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start tprun");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(i) = line
+                    .find("{\"listening\"")
+                    .or_else(|| line.find("\"listening\""))
+                {
+                    let start = line[..i + 1].rfind('{').unwrap_or(i);
+                    let _ = tx.send(line[start..].to_string());
+                }
+                eprintln!("{line}");
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("the server did not print its address within 120 s");
+        let v: Value = serde_json::from_str(&line).expect("listening JSON");
+        let url = v["listening"].as_str().expect("listening").to_string();
+        let port = url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("port");
+        Self { child, port }
+    }
+
+    /// The process id of each rank (tprun's children, by the `RANK` of their environment).
+    pub fn rank_pids(&self) -> HashMap<usize, i32> {
+        let parent = self.child.id() as i32;
+        let mut out = HashMap::new();
+        for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            if parent_of(pid) != Some(parent) {
+                continue;
+            }
+            let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+                continue;
+            };
+            let rank = env
+                .split(|&b| b == 0)
+                .filter_map(|kv| std::str::from_utf8(kv).ok())
+                .find_map(|kv| kv.strip_prefix("RANK="))
+                .and_then(|r| r.parse().ok());
+            if let Some(rank) = rank {
+                out.insert(rank, pid);
+            }
+        }
+        out
+    }
+}
+
+/// The parent of `pid` from /proc/PID/stat (fields after the command name, which is in
+/// parentheses and may itself hold spaces).
+pub fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Whether `pid` is still running (present and not a zombie awaiting its parent's wait).
+pub fn is_running(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next());
+    !matches!(state, None | Some("Z") | Some("X"))
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(10) {
+                if self.child.try_wait().ok().flatten().is_some() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`): status and body (chunked decoded).
+pub fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read response");
+    parse_response(&raw)
+}
+
+/// Status and body of a raw HTTP/1.1 response (chunked transfer decoded).
+pub fn parse_response(raw: &[u8]) -> (u16, String) {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text.split_once("\r\n\r\n").expect("headers");
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status");
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    if !chunked {
+        return (status, body.to_string());
+    }
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = &after[n + 2..];
+    }
+    (status, out)
+}
+
+/// A JSON POST: status and the JSON answer.
+pub fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = http(port, "POST", path, &body.to_string());
+    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{status} {text}: {e}"));
+    (status, v)
+}
+
+/// The `data:` payloads of an SSE body.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(String::from)
+        .collect()
+}
+
+/// `GET /health`, which must answer 200.
+pub fn health(port: u16) -> Value {
+    let (status, text) = http(port, "GET", "/health", "");
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).expect("health JSON")
+}
+
+/// Waits until the server reports `n` active sequences (at most `within`).
+pub fn wait_active(port: u16, n: u64, within: Duration) {
+    let t0 = Instant::now();
+    while health(port)["active"] != n {
+        assert!(
+            t0.elapsed() < within,
+            "the server never had {n} active sequences within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
