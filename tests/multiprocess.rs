@@ -109,6 +109,22 @@ fn run_worker(scenario: &str) -> candle_core::Result<()> {
                 .map(|r| r as f64)
                 .sum();
             assert_eq!(s[0], want);
+            // Point-to-point between processes: a ring, even ranks sending first, a message
+            // of several slots.
+            let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+            let mine: Vec<f32> = (0..1_500_000).map(|i| (rank * 7 + i % 11) as f32).collect();
+            let mut got = vec![0f32; mine.len()];
+            if rank % 2 == 0 {
+                pg.send_slice(&mine, next)?;
+                pg.recv_slice(&mut got, prev)?;
+            } else {
+                pg.recv_slice(&mut got, prev)?;
+                pg.send_slice(&mine, next)?;
+            }
+            assert!(got
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (prev * 7 + i % 11) as f32));
             pg.barrier()?;
             println!("collectives ok on rank {rank}");
         }

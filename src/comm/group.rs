@@ -1,5 +1,6 @@
 //! [`ProcessGroup`]: a set of ranks that run collectives together, on any backend.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use super::backend::{Backend, HostBuf, HostBufMut};
@@ -29,10 +30,10 @@ use super::stats::CommStats;
 /// ```
 #[derive(Clone)]
 pub struct ProcessGroup {
-    inner: Arc<Inner>,
+    pub(super) inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(super) struct Inner {
     name: String,
     rank: usize,
     size: usize,
@@ -42,12 +43,15 @@ struct Inner {
     backend: Arc<dyn Backend>,
     ctx: Option<Arc<Context>>,
     children: Mutex<Vec<Weak<Inner>>>,
+    /// The two-rank groups of this rank with each peer it sent to or received from
+    /// (`comm/p2p.rs`), by peer.
+    pub(super) pairs: Mutex<HashMap<usize, ProcessGroup>>,
 }
 
 /// Groups up to this size pass their per-rank sizes in a stack array.
 const INLINE_COUNTS: usize = 64;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -69,6 +73,7 @@ impl ProcessGroup {
                 backend,
                 ctx,
                 children: Mutex::new(Vec::new()),
+                pairs: Mutex::new(HashMap::new()),
             }),
         }
     }

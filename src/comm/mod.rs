@@ -18,6 +18,7 @@ pub mod launcher;
 pub mod mesh;
 #[cfg(feature = "nccl")]
 pub(crate) mod nccl;
+mod p2p;
 mod region;
 mod shm;
 mod single;

@@ -79,7 +79,7 @@ pub fn init_shm(rv: &Rendezvous, options: GroupOptions) -> CommResult<ProcessGro
         keep,
     );
     let members: Vec<usize> = (0..rv.world_size).collect();
-    let backend = rendezvous(&ctx, "world".into(), rv.rank, &members)?;
+    let backend = rendezvous(&ctx, "world".into(), rv.rank, &members, None)?;
     Ok(ProcessGroup::new(
         "world".into(),
         rv.rank,
@@ -92,6 +92,7 @@ pub fn init_shm(rv: &Rendezvous, options: GroupOptions) -> CommResult<ProcessGro
 /// The shared-memory engine of one group on this rank: a mapped region and the protocol on it
 /// (`comm/engine/`), for processes of one host (`/dev/shm`) or threads of one process.
 pub(crate) struct ShmBackend {
+    name: String,
     engine: Mutex<Engine>,
     /// Aborts without the engine's lock (a collective stuck on a peer may hold it).
     abort: AbortHandle,
@@ -186,7 +187,7 @@ impl Backend for ShmBackend {
         rank: usize,
         members: &[usize],
     ) -> CommResult<Arc<dyn Backend>> {
-        rendezvous(ctx, name, rank, members)
+        rendezvous(ctx, name, rank, members, Some((&self.name, &self.abort)))
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -211,11 +212,15 @@ impl Drop for Unlink {
 
 /// Meets the other members of group `name` through the store and maps the group's region.
 /// Member 0 creates the region; it is unlinked once every member has attached.
+///
+/// `parent` (the group this one is made from: its name and abort handle) is watched while
+/// waiting: a peer that failed before reaching this rendezvous aborted only the parent.
 pub(crate) fn rendezvous(
     ctx: &Arc<Context>,
     name: String,
     rank: usize,
     members: &[usize],
+    parent: Option<(&str, &AbortHandle)>,
 ) -> CommResult<Arc<dyn Backend>> {
     let size = members.len();
     if size == 1 {
@@ -237,21 +242,24 @@ pub(crate) fn rendezvous(
             true,
             ctx.local_ranks,
         )?;
+        if let Some((pname, h)) = parent {
+            engine.set_parent(pname.to_string(), h.clone());
+        }
         ctx.store.set(&key, seg.as_bytes())?;
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
         engine
     } else {
-        let seg = ctx
-            .store
-            .get(&key, ctx.timeout)
-            .map_err(|e| CommError::Timeout {
+        let seg = wait_for_key(ctx, &key, parent).map_err(|e| match e {
+            e @ CommError::Aborted { .. } => e,
+            e => CommError::Timeout {
                 group: name.clone(),
                 op: format!(
                     "rendezvous (waiting for rank 0 to create the group's shared memory: {e})"
                 ),
                 missing: vec![0],
                 waited: ctx.timeout,
-            })?;
+            },
+        })?;
         let seg = String::from_utf8_lossy(&seg).into_owned();
         let map = region::open(ctx.region, &seg, len)?;
         let mut engine = Engine::attach(
@@ -264,12 +272,54 @@ pub(crate) fn rendezvous(
             false,
             ctx.local_ranks,
         )?;
+        if let Some((pname, h)) = parent {
+            engine.set_parent(pname.to_string(), h.clone());
+        }
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
         engine
     };
     engine.reset_stats();
     Ok(Arc::new(ShmBackend {
+        name,
         abort: engine.abort_handle(),
         engine: Mutex::new(engine),
     }))
+}
+
+/// `ctx.store.get(key)` within the deadline, in slices of 100 ms between which the parent
+/// group's abort is checked.
+fn wait_for_key(
+    ctx: &Context,
+    key: &str,
+    parent: Option<(&str, &AbortHandle)>,
+) -> CommResult<Vec<u8>> {
+    let Some((pname, h)) = parent else {
+        return ctx.store.get(key, ctx.timeout);
+    };
+    let deadline = std::time::Instant::now() + ctx.timeout;
+    loop {
+        if let Some((group, rank, reason)) = h.aborted(pname) {
+            return Err(CommError::Aborted {
+                group,
+                op: format!("rendezvous of a sub-group (waiting for '{key}')"),
+                rank,
+                reason,
+            });
+        }
+        if let Some(v) = ctx.store.try_get(key)? {
+            return Ok(v);
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return ctx.store.get(key, std::time::Duration::ZERO);
+        }
+        match ctx
+            .store
+            .get(key, left.min(std::time::Duration::from_millis(100)))
+        {
+            Ok(v) => return Ok(v),
+            Err(_) if !left.is_zero() => continue,
+            Err(e) => return Err(e),
+        }
+    }
 }

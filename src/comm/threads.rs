@@ -68,7 +68,7 @@ where
                             Vec::new(),
                         );
                         let members: Vec<usize> = (0..world_size).collect();
-                        let backend = rendezvous(&ctx, "world".into(), rank, &members)
+                        let backend = rendezvous(&ctx, "world".into(), rank, &members, None)
                             .map_err(|e| (Instant::now(), e.to_string()))?;
                         let pg = ProcessGroup::new(
                             "world".into(),

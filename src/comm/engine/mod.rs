@@ -135,6 +135,15 @@ pub(crate) struct Engine {
     pid: u32,
     one_shot_max: usize,
     stats: CommStats,
+    /// The group this one was made from: its abort stops this group's waits too (a peer
+    /// that failed before it reached this group's rendezvous aborted only the parent).
+    parent: Option<Arc<Parent>>,
+}
+
+/// A parent group's name and abort state.
+pub(crate) struct Parent {
+    name: String,
+    abort: AbortHandle,
 }
 
 fn dtype_name(code: u32) -> &'static str {
@@ -222,6 +231,7 @@ impl Engine {
             pid,
             one_shot_max,
             stats: CommStats::default(),
+            parent: None,
         };
         let h = engine.header();
         if init {
@@ -394,13 +404,27 @@ impl Engine {
             map: self.map.clone(),
             rank: self.rank,
             size: self.size,
+            parent: self.parent.clone(),
         }
+    }
+
+    /// Links this group to the group it was made from (see [`Parent`]).
+    pub(crate) fn set_parent(&mut self, name: String, abort: AbortHandle) {
+        self.parent = Some(Arc::new(Parent { name, abort }));
     }
 
     fn check_abort(&self, op: &str) -> CommResult<()> {
         let a = self.header().abort.load(Ordering::Acquire);
         if a == 0 {
-            return Ok(());
+            return match self.parent.as_deref().and_then(Parent::aborted) {
+                None => Ok(()),
+                Some((group, rank, reason)) => Err(CommError::Aborted {
+                    group,
+                    op: op.to_string(),
+                    rank,
+                    reason,
+                }),
+            };
         }
         let by = a as usize - 1;
         Err(CommError::Aborted {
@@ -519,12 +543,52 @@ pub(crate) struct AbortHandle {
     map: Arc<Mapping>,
     rank: usize,
     size: usize,
+    parent: Option<Arc<Parent>>,
+}
+
+impl Parent {
+    /// The aborted ancestor's name, the rank that aborted it and its reason.
+    fn aborted(&self) -> Option<(String, usize, String)> {
+        match self.abort.own_abort() {
+            Some((rank, reason)) => Some((self.name.clone(), rank, reason)),
+            None => self.abort.parent.as_deref().and_then(Parent::aborted),
+        }
+    }
 }
 
 impl AbortHandle {
     /// Marks the group as failed with `reason` and wakes every waiter.
     pub(crate) fn abort(&self, reason: &str) {
         abort_region(&self.map, self.rank, self.size, reason);
+    }
+
+    /// The group (this one or an ancestor) that was aborted, the rank that aborted it and its
+    /// reason.
+    pub(crate) fn aborted(&self, name: &str) -> Option<(String, usize, String)> {
+        match self.own_abort() {
+            Some((rank, reason)) => Some((name.to_string(), rank, reason)),
+            None => self.parent.as_deref().and_then(Parent::aborted),
+        }
+    }
+
+    /// The rank that aborted this group and its reason, if it was aborted.
+    fn own_abort(&self) -> Option<(usize, String)> {
+        // SAFETY: as in `abort_region`: the header and records hold only atomics.
+        let header = unsafe { &*(self.map.ptr() as *const Header) };
+        let by = header.abort.load(Ordering::Acquire).checked_sub(1)? as usize;
+        if by >= self.size {
+            return Some((by, String::new()));
+        }
+        // SAFETY: `by` < size: its record lies within the mapping.
+        let rec =
+            unsafe { &*(self.map.ptr().add(HEADER_BYTES + by * RECORD_BYTES) as *const Record) };
+        let bytes: Vec<u8> = rec
+            .reason
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .take_while(|&b| b != 0)
+            .collect();
+        Some((by, String::from_utf8_lossy(&bytes).into_owned()))
     }
 }
 
