@@ -5,7 +5,9 @@
 //! - the quickstart MLP at 2 and 3 ranks (each rank checks itself against the dense MLP);
 //! - SmolLM2 greedy decoding (safetensors and the Q4_1 GGUF) at 2 ranks gives the token ids of
 //!   one plain process;
-//! - a layout that spans hosts on the CPU is refused with a message naming the variable.
+//! - a layout that spans hosts on the CPU is refused with a message naming the variable
+//!   (without the `mpi` feature; with it, an MPI that disagrees with the variables is);
+//! - with the `mpi` feature, the MPI backend's collectives at 2 and 3 ranks.
 //!
 //! Needs `mpirun` (Debian's `openmpi-bin`, which `scripts/test.sh` installs when run as root).
 //! Without it each test prints `SKIPPED: ...` and passes, except under CI (`CI` set), where a
@@ -152,10 +154,150 @@ fn a_cpu_job_across_hosts_is_refused_with_the_variable_named() {
         .expect("start quickstart");
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
+    if cfg!(feature = "mpi") {
+        // Auto picks the mpi backend, whose MPI (not started by mpirun) sees one process.
+        assert!(
+            t.contains("OMPI_COMM_WORLD_SIZE") && t.contains("MPI reports 1"),
+            "{t}"
+        );
+    } else {
+        assert!(
+            t.contains("OMPI_COMM_WORLD_SIZE")
+                && t.contains("spans hosts")
+                && t.contains("mpi feature"),
+            "{t}"
+        );
+    }
+}
+
+/// The `mpi` backend (feature `mpi`): this test binary re-run under `mpirun` as the workers
+/// of [`mpi_worker`], at 2 and 3 ranks: every collective and element type against the
+/// values computed here, f16/bf16 reduced in f32, NaN through `Max`, sizes that disagree
+/// (an error on every rank, then the group still works), sub-groups and point-to-point.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_backend_collectives() {
+    for np in [2, 3] {
+        let Some(mut c) = mpirun(np) else { return };
+        let out = c
+            .args([
+                "-x",
+                "CANDLE_TP_BACKEND=mpi",
+                "-x",
+                "CANDLE_TP_MPI_WORKER=1",
+            ])
+            .arg(std::env::current_exe().expect("test binary"))
+            .args([
+                "--ignored",
+                "--exact",
+                "mpi_worker",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .output()
+            .expect("start mpirun");
+        let t = text(&out);
+        assert!(
+            out.status.success(),
+            "mpirun -np {np} (mpi backend) failed:\n{t}"
+        );
+        for r in 0..np {
+            assert!(
+                t.contains(&format!("mpi collectives ok on rank {r} of {np}")),
+                "rank {r} of {np} did not finish:\n{t}"
+            );
+        }
+    }
+}
+
+/// The worker side of [`mpi_backend_collectives`]; does nothing unless started by it.
+#[cfg(feature = "mpi")]
+#[test]
+#[ignore]
+fn mpi_worker() {
+    use candle_tp::comm::ReduceOp;
+    if std::env::var_os("CANDLE_TP_MPI_WORKER").is_none() {
+        return;
+    }
+    let pg = candle_tp::init_from_env(&candle_core::Device::Cpu).expect("init");
+    let (rank, world) = (pg.rank(), pg.size());
+    assert!(world > 1, "started alone");
+    let stats0 = pg.stats();
+    // all_reduce, f32 and i64, large enough to matter.
+    let n = 100_000;
+    let mut v: Vec<f32> = (0..n).map(|i| ((i + rank) % 13) as f32).collect();
+    pg.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
+    for (i, x) in v.iter().enumerate() {
+        let want: usize = (0..world).map(|r| (i + r) % 13).sum();
+        assert_eq!(*x, want as f32, "f32 sum at {i}");
+    }
+    let mut w = [rank as i64 * 3 - 1];
+    pg.all_reduce_slice(&mut w, ReduceOp::Max).unwrap();
+    assert_eq!(w[0], world as i64 * 3 - 4);
+    // Half types are reduced in f32 and rounded once: 0.1 summed `world` times.
+    let mut h = vec![half::bf16::from_f32(0.1); 5];
+    pg.all_reduce_slice(&mut h, ReduceOp::Sum).unwrap();
+    let want = half::bf16::from_f32(half::bf16::from_f32(0.1).to_f32() * world as f32);
+    assert!(h.iter().all(|x| *x == want), "bf16 {h:?} vs {want}");
+    let mut f = vec![half::f16::from_f32(1.5); 3];
+    pg.all_reduce_slice(&mut f, ReduceOp::Sum).unwrap();
     assert!(
-        t.contains("OMPI_COMM_WORLD_LOCAL_SIZE")
-            && t.contains("spans hosts")
-            && t.contains("Open MPI"),
-        "{t}"
+        f.iter().all(|x| x.to_f32() == 1.5 * world as f32),
+        "f16 {f:?}"
     );
+    // NaN on the last rank wins a Max everywhere.
+    let mut m = [if rank == world - 1 { f32::NAN } else { 1.0 }, rank as f32];
+    pg.all_reduce_slice(&mut m, ReduceOp::Max).unwrap();
+    assert!(m[0].is_nan() && m[1] == (world - 1) as f32, "{m:?}");
+    // all_gather_v with uneven sizes, reduce_scatter_v, broadcast, in f64.
+    let counts: Vec<usize> = (0..world).map(|r| r + 1).collect();
+    let mine: Vec<f64> = (0..=rank).map(|i| (rank * 100 + i) as f64).collect();
+    let mut all = vec![0f64; counts.iter().sum()];
+    pg.all_gather_v_slice(&mine, &mut all, &counts).unwrap();
+    let want: Vec<f64> = (0..world)
+        .flat_map(|r| (0..=r).map(move |i| (r * 100 + i) as f64))
+        .collect();
+    assert_eq!(all, want);
+    let src: Vec<f64> = (0..all.len()).map(|i| (i * (rank + 1)) as f64).collect();
+    let mut block = vec![0f64; counts[rank]];
+    pg.reduce_scatter_v_slice(&src, &mut block, &counts, ReduceOp::Sum)
+        .unwrap();
+    let start: usize = counts[..rank].iter().sum();
+    let tri: usize = (1..=world).sum();
+    for (j, b) in block.iter().enumerate() {
+        assert_eq!(*b, ((start + j) * tri) as f64);
+    }
+    let mut b = vec![rank as u32; 4];
+    pg.broadcast_slice(&mut b, world - 1).unwrap();
+    assert_eq!(b, vec![world as u32 - 1; 4]);
+    // Sizes that disagree: an error on every rank, naming both, and the group goes on.
+    let mut bad = vec![1f32; 3 + rank];
+    let e = pg
+        .all_reduce_slice(&mut bad, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("count 3") && e.contains("count 4"), "{e}");
+    pg.barrier().unwrap();
+    // A sub-group of the even ranks, and point-to-point from the last rank to rank 0.
+    let sub = pg.split(Some((rank % 2) as u32)).unwrap().expect("member");
+    let mut s = [1u8];
+    sub.all_reduce_slice(&mut s, ReduceOp::Sum).unwrap();
+    assert_eq!(
+        s[0] as usize,
+        (0..world).filter(|r| r % 2 == rank % 2).count()
+    );
+    if rank == world - 1 {
+        pg.send_slice(&[7i32, 8, 9], 0).unwrap();
+    } else if rank == 0 {
+        let mut got = [0i32; 3];
+        pg.recv_slice(&mut got, world - 1).unwrap();
+        assert_eq!(got, [7, 8, 9]);
+    }
+    pg.barrier().unwrap();
+    assert!(
+        pg.stats().total().calls > stats0.total().calls,
+        "statistics did not count"
+    );
+    println!("mpi collectives ok on rank {rank} of {world}");
 }

@@ -78,10 +78,15 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
     })
 }
 
+/// Chooses the backend: `auto` (the default: MPI for a CPU job that spans hosts under an MPI
+/// launcher or srun, when built with the `mpi` feature; shared memory on one host; NCCL on
+/// GPUs), `shm`, `mpi` or `nccl`.
+pub const BACKEND_VAR: &str = "CANDLE_TP_BACKEND";
+
 /// The variable that gives the number of processes on this host, for messages.
 fn launch_size_var(launcher: Launcher) -> &'static str {
     match launcher {
-        Launcher::OpenMpi => "OMPI_COMM_WORLD_LOCAL_SIZE",
+        Launcher::OpenMpi => "OMPI_COMM_WORLD_SIZE",
         Launcher::Hydra => "MPI_LOCALNRANKS",
         Launcher::Slurm => "SLURM_STEP_TASKS_PER_NODE",
         Launcher::Alone | Launcher::Torchrun => "LOCAL_WORLD_SIZE",
@@ -127,18 +132,62 @@ pub(crate) fn torch_agent_store() -> CommResult<Option<String>> {
 /// # Ok(()) }
 /// ```
 pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
+    let launch = launch_from_env()?;
+    let mpi_launched = matches!(
+        launch.launcher,
+        Launcher::OpenMpi | Launcher::Hydra | Launcher::Slurm
+    );
+    let use_mpi = match var(BACKEND_VAR).as_deref().map(str::trim) {
+        None | Some("auto") => cfg!(feature = "mpi") && mpi_launched && !launch.is_single_host(),
+        Some("mpi") => true,
+        Some("shm") | Some("nccl") => false,
+        Some(other) => {
+            return Err(CommError::env(
+                BACKEND_VAR,
+                format!("'{other}' is not a backend (auto, shm, mpi or nccl)"),
+            )
+            .into())
+        }
+    };
+    if use_mpi && device.is_cpu() {
+        #[cfg(feature = "mpi")]
+        {
+            let pg = super::mpi::init_mpi(GroupOptions::default())?;
+            if launch.launcher != Launcher::Alone && pg.size() != launch.world_size {
+                return Err(CommError::env(
+                    launch_size_var(launch.launcher),
+                    format!(
+                        "{} says the job has {} processes, but MPI reports {} (was this \
+                         process started by that launcher's MPI?)",
+                        launch.launcher.name(),
+                        launch.world_size,
+                        pg.size()
+                    ),
+                )
+                .into());
+            }
+            return Ok(pg);
+        }
+        #[cfg(not(feature = "mpi"))]
+        return Err(CommError::env(
+            BACKEND_VAR,
+            "asks for the mpi backend, which this build lacks (cargo build --features mpi; \
+             scripts/setup-mpi.sh installs what it needs)",
+        )
+        .into());
+    }
     let rv = rendezvous_from_env()?;
     if rv.world_size == 1 {
         return Ok(ProcessGroup::single());
     }
-    let launch = launch_from_env()?;
     if !launch.is_single_host() && device.is_cpu() {
         return Err(CommError::env(
             launch_size_var(launch.launcher),
             format!(
                 "the job spans hosts ({} processes, {} on this host, started by {}), but \
-                 candle-tp's CPU backend (shared memory) serves one host: run CPU jobs on one \
-                 host, or use GPUs with the nccl feature across hosts",
+                 the shared-memory backend serves one host: build with the mpi feature and \
+                 launch with mpirun or srun to cross hosts on CPUs (or use GPUs with the nccl \
+                 feature)",
                 launch.world_size,
                 launch.local_world_size,
                 launch.launcher.name()

@@ -5,7 +5,7 @@
 //! - Backends behind one trait (`backend.rs`; `ProcessGroup` never branches on them): the
 //!   shared-memory engine (`shm.rs`: processes of one host, [`crate::init_from_env`], or
 //!   threads of one process, [`run_threads`], for tests), NCCL on GPUs (`nccl.rs`, feature
-//!   `nccl`) and the one-rank group (`single.rs`).
+//!   `nccl`), MPI across hosts (`mpi.rs`, feature `mpi`) and the one-rank group (`single.rs`).
 //! - [`launcher`]: the job's layout from tprun/torchrun, `mpirun` (Open MPI, Hydra) or `srun`.
 mod backend;
 mod context;
@@ -16,6 +16,8 @@ pub mod error;
 mod group;
 pub mod launcher;
 pub mod mesh;
+#[cfg(feature = "mpi")]
+mod mpi;
 #[cfg(feature = "nccl")]
 pub(crate) mod nccl;
 mod p2p;
@@ -27,6 +29,8 @@ pub mod store;
 mod threads;
 mod wait;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::init_mpi;
 pub use context::GroupOptions;
 pub use element::{Element, ReduceOp};
 pub use env::{init_from_env, rendezvous_from_env};

@@ -1,0 +1,623 @@
+//! The `mpi` backend (cargo feature `mpi`): CPU ranks anywhere MPI reaches (Open MPI, MPICH,
+//! Intel MPI; launched by `mpirun`, `mpiexec` or `srun`), through the `mpi` crate (rsmpi).
+//!
+//! - Every collective first exchanges its (kind, dtype, count, sizes) with `MPI_Allgather`,
+//!   so ranks that disagree get an error naming both values instead of a hang or corrupt data.
+//! - f16 and bf16, which MPI has no type for, are reduced in f32 and rounded once (as the
+//!   shared-memory engine does); gathers and broadcasts move their bits as u16.
+//! - `Max` of floats propagates NaN as PyTorch and NCCL do (MPI's `MPI_MAX` on NaN is
+//!   unspecified): a NaN flag per element is reduced beside the values.
+//! - MPI has no deadline: a watchdog thread checks every in-flight collective and, past
+//!   `CANDLE_TP_TIMEOUT`, prints the collective, the group and the rank and calls `MPI_Abort`,
+//!   which ends the whole job (a stuck MPI call cannot be cancelled).
+//! - `abort` marks the group failed on this rank (its later collectives return the reason);
+//!   the launcher ends the job when a rank exits with an error.
+//! - Sub-groups are `MPI_Comm_create_group` over the members alone.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use ::mpi::datatype::PartitionMut;
+use ::mpi::topology::{Communicator, SimpleCommunicator};
+use ::mpi::traits::*;
+use ::mpi::Threading;
+use half::{bf16, f16};
+
+use super::backend::{for_element, typed, typed_mut, Backend, HostBuf, HostBufMut};
+use super::context::{Context, GroupOptions};
+use super::element::{Element, ReduceOp};
+use super::error::{CommError, CommResult};
+use super::group::ProcessGroup;
+use super::region::random_hex;
+use super::stats::{CollectiveKind, CommStats};
+use super::store::MemStore;
+
+/// An MPI communicator of one group on this rank.
+pub(crate) struct MpiBackend {
+    comm: Mutex<Comm>,
+    name: String,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    stats: Mutex<CommStats>,
+    aborted: Mutex<Option<String>>,
+    /// The collective in progress and when it started, for the watchdog.
+    in_flight: Mutex<Option<(Instant, &'static str)>>,
+}
+
+/// `SimpleCommunicator` behind the backend's lock.
+struct Comm(SimpleCommunicator);
+
+// SAFETY: MPI was initialised with MPI_THREAD_MULTIPLE (checked in `init_mpi`), so a
+// communicator may be used from any thread; the Mutex around it serialises this group's calls.
+unsafe impl Send for Comm {}
+
+/// Joins the MPI job this process was started in (by `mpirun`, `mpiexec` or `srun`) and
+/// returns its world group on the `mpi` backend. Initialises MPI with `MPI_THREAD_MULTIPLE`;
+/// MPI is finalised when the last group is dropped at exit.
+pub fn init_mpi(options: GroupOptions) -> CommResult<ProcessGroup> {
+    static UNIVERSE: OnceLock<Mutex<Option<::mpi::environment::Universe>>> = OnceLock::new();
+    let cell = UNIVERSE.get_or_init(|| Mutex::new(None));
+    let mut u = cell.lock().unwrap_or_else(|e| e.into_inner());
+    if u.is_none() {
+        let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or_else(|| CommError::invalid("init_mpi", "MPI was already initialised"))?;
+        if threading != Threading::Multiple {
+            return Err(CommError::invalid(
+                "init_mpi",
+                format!(
+                    "this MPI library provides {threading:?}, candle-tp needs \
+                     MPI_THREAD_MULTIPLE (Open MPI and MPICH provide it)"
+                ),
+            ));
+        }
+        *u = Some(universe);
+        // MPI must be finalised before the process exits (mpirun reports the job as failed
+        // otherwise), and statics are never dropped: finalise at exit.
+        extern "C" fn finalize() {
+            if let Some(cell) = UNIVERSE.get() {
+                drop(cell.lock().unwrap_or_else(|e| e.into_inner()).take());
+            }
+        }
+        // SAFETY: registering a plain `extern "C"` function with no arguments.
+        if unsafe { libc::atexit(finalize) } != 0 {
+            eprintln!("candle-tp: could not register MPI_Finalize at exit");
+        }
+    }
+    let world = u.as_ref().expect("initialised above").world();
+    let (rank, size) = (world.rank() as usize, world.size() as usize);
+    let ctx = Context::new(
+        Arc::new(MemStore::new()),
+        super::region::RegionKind::InProcess,
+        random_hex(),
+        &options,
+        size,
+        Vec::new(),
+    );
+    let backend = MpiBackend::new(world, "world".into(), options.timeout);
+    Ok(ProcessGroup::new(
+        "world".into(),
+        rank,
+        (0..size).collect(),
+        backend,
+        Some(ctx),
+    ))
+}
+
+impl MpiBackend {
+    fn new(comm: SimpleCommunicator, name: String, timeout: Duration) -> Arc<Self> {
+        let b = Arc::new(Self {
+            rank: comm.rank() as usize,
+            size: comm.size() as usize,
+            comm: Mutex::new(Comm(comm)),
+            name,
+            timeout,
+            stats: Mutex::new(CommStats::default()),
+            aborted: Mutex::new(None),
+            in_flight: Mutex::new(None),
+        });
+        watchdog()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::downgrade(&b));
+        b
+    }
+
+    fn who(&self, op: &str) -> String {
+        format!(
+            "{op} on MPI group '{}' (rank {} of {})",
+            self.name, self.rank, self.size
+        )
+    }
+
+    /// Runs `f` on the communicator: checks the abort state, agrees on `meta` with every rank,
+    /// records the collective for the watchdog and the statistics.
+    fn run<R>(
+        &self,
+        kind: CollectiveKind,
+        meta: [u64; 4],
+        bytes: (usize, usize),
+        f: impl FnOnce(&SimpleCommunicator) -> CommResult<R>,
+    ) -> CommResult<R> {
+        let op = kind.name();
+        if let Some(reason) = self
+            .aborted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Err(CommError::Aborted {
+                group: self.name.clone(),
+                op: op.into(),
+                rank: self.rank,
+                reason,
+            });
+        }
+        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let t0 = Instant::now();
+        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some((t0, op));
+        let out = agree(&comm.0, &self.name, op, meta).and_then(|()| f(&comm.0));
+        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        drop(comm);
+        if out.is_ok() {
+            self.stats.lock().unwrap_or_else(|e| e.into_inner()).record(
+                kind,
+                bytes.0,
+                bytes.0,
+                bytes.1,
+                t0.elapsed(),
+            );
+        }
+        out
+    }
+}
+
+/// Every rank's (kind, dtype, count, aux) must be equal: an error on every rank otherwise.
+fn agree(comm: &SimpleCommunicator, group: &str, op: &str, meta: [u64; 4]) -> CommResult<()> {
+    let mut all = vec![0u64; 4 * comm.size() as usize];
+    comm.all_gather_into(&meta[..], &mut all[..]);
+    let differing: Vec<String> = all
+        .chunks(4)
+        .enumerate()
+        .filter(|(_, m)| *m != meta)
+        .map(|(r, m)| {
+            format!(
+                "rank {r} passed (kind {}, dtype {}, count {}, sizes {:x})",
+                m[0], m[1], m[2], m[3]
+            )
+        })
+        .collect();
+    if differing.is_empty() {
+        return Ok(());
+    }
+    Err(CommError::Mismatch {
+        group: group.into(),
+        op: op.into(),
+        detail: format!(
+            "this rank passed (kind {}, dtype {}, count {}, sizes {:x}); {}",
+            meta[0],
+            meta[1],
+            meta[2],
+            meta[3],
+            differing.join("; ")
+        ),
+    })
+}
+
+fn hash_counts(counts: &[usize]) -> u64 {
+    counts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &c| {
+        (h ^ c as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn displacements(counts: &[usize]) -> CommResult<(Vec<i32>, Vec<i32>)> {
+    let mut displs = Vec::with_capacity(counts.len());
+    let mut at = 0usize;
+    for &c in counts {
+        displs.push(i32::try_from(at).map_err(|_| too_large(at))?);
+        at += c;
+    }
+    let counts = counts
+        .iter()
+        .map(|&c| i32::try_from(c).map_err(|_| too_large(c)))
+        .collect::<CommResult<Vec<_>>>()?;
+    Ok((counts, displs))
+}
+
+fn too_large(n: usize) -> CommError {
+    CommError::invalid(
+        "mpi",
+        format!("{n} elements: MPI counts are 32-bit (at most {})", i32::MAX),
+    )
+}
+
+/// What MPI moves for an element type: itself, or f32 for the half types.
+trait Wire: Element {
+    /// Reduces `src` into `dst` with `op` across `comm`.
+    fn all_reduce(comm: &SimpleCommunicator, src: &[Self], dst: &mut [Self], op: ReduceOp);
+    /// Gathers / broadcasts raw values.
+    fn all_gather_v(
+        comm: &SimpleCommunicator,
+        src: &[Self],
+        dst: &mut [Self],
+        c: &[i32],
+        d: &[i32],
+    );
+    fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize);
+}
+
+macro_rules! native_wire {
+    ($t:ty, float) => {
+        native_wire!($t, |comm, src, dst| nan_max_fixup(
+            comm,
+            src,
+            dst,
+            |v: &$t| v.is_nan(),
+            <$t>::NAN
+        ));
+    };
+    ($t:ty, int) => {
+        native_wire!($t, |_comm, _src, _dst| ());
+    };
+    ($t:ty, $fixup:expr) => {
+        impl Wire for $t {
+            fn all_reduce(comm: &SimpleCommunicator, src: &[Self], dst: &mut [Self], op: ReduceOp) {
+                match op {
+                    ReduceOp::Sum => {
+                        comm.all_reduce_into(src, dst, ::mpi::collective::SystemOperation::sum())
+                    }
+                    ReduceOp::Max => {
+                        comm.all_reduce_into(src, dst, ::mpi::collective::SystemOperation::max());
+                        let fixup: fn(&SimpleCommunicator, &[$t], &mut [$t]) = $fixup;
+                        fixup(comm, src, dst);
+                    }
+                }
+            }
+            fn all_gather_v(
+                comm: &SimpleCommunicator,
+                src: &[Self],
+                dst: &mut [Self],
+                c: &[i32],
+                d: &[i32],
+            ) {
+                let mut part = PartitionMut::new(dst, c, d);
+                comm.all_gather_varcount_into(src, &mut part);
+            }
+            fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize) {
+                comm.process_at_rank(root as i32).broadcast_into(buf);
+            }
+        }
+    };
+}
+
+native_wire!(f32, float);
+native_wire!(f64, float);
+native_wire!(u8, int);
+native_wire!(u32, int);
+native_wire!(i16, int);
+native_wire!(i32, int);
+native_wire!(i64, int);
+
+/// NaN anywhere at an index makes the maximum NaN there.
+fn nan_max_fixup<T: Copy>(
+    comm: &SimpleCommunicator,
+    src: &[T],
+    dst: &mut [T],
+    is_nan: impl Fn(&T) -> bool,
+    nan: T,
+) {
+    let mine: Vec<u8> = src.iter().map(|v| u8::from(is_nan(v))).collect();
+    let mut any = vec![0u8; mine.len()];
+    comm.all_reduce_into(
+        &mine[..],
+        &mut any[..],
+        ::mpi::collective::SystemOperation::max(),
+    );
+    for (d, &n) in dst.iter_mut().zip(&any) {
+        if n != 0 {
+            *d = nan;
+        }
+    }
+}
+
+macro_rules! half_wire {
+    ($t:ty) => {
+        impl Wire for $t {
+            fn all_reduce(comm: &SimpleCommunicator, src: &[Self], dst: &mut [Self], op: ReduceOp) {
+                // Widened to f32, reduced, rounded once.
+                let wide: Vec<f32> = src.iter().map(|v| v.to_f32()).collect();
+                let mut out = vec![0f32; wide.len()];
+                <f32 as Wire>::all_reduce(comm, &wide, &mut out, op);
+                for (d, v) in dst.iter_mut().zip(out) {
+                    *d = <$t>::from_f32(v);
+                }
+            }
+            fn all_gather_v(
+                comm: &SimpleCommunicator,
+                src: &[Self],
+                dst: &mut [Self],
+                c: &[i32],
+                d: &[i32],
+            ) {
+                let s: Vec<u16> = src.iter().map(|v| v.to_bits()).collect();
+                let mut out = vec![0u16; dst.len()];
+                {
+                    let mut part = PartitionMut::new(&mut out[..], c, d);
+                    comm.all_gather_varcount_into(&s[..], &mut part);
+                }
+                for (d, b) in dst.iter_mut().zip(out) {
+                    *d = <$t>::from_bits(b);
+                }
+            }
+            fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize) {
+                let mut bits: Vec<u16> = buf.iter().map(|v| v.to_bits()).collect();
+                comm.process_at_rank(root as i32)
+                    .broadcast_into(&mut bits[..]);
+                for (d, b) in buf.iter_mut().zip(bits) {
+                    *d = <$t>::from_bits(b);
+                }
+            }
+        }
+    };
+}
+
+half_wire!(f16);
+half_wire!(bf16);
+
+/// Runs `$body` with `$t` the element type of `$dtype`, with its [`Wire`] implementation.
+macro_rules! for_wire {
+    ($dtype:expr, $what:expr, |$t:ident| $body:expr) => {
+        for_element!($dtype, $what, |$t| $body)
+    };
+}
+
+impl Backend for MpiBackend {
+    fn all_reduce(
+        &self,
+        src: Option<HostBuf<'_>>,
+        dst: HostBufMut<'_>,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let who = self.who("all_reduce");
+        let code = match op {
+            ReduceOp::Sum => 1,
+            ReduceOp::Max => 2,
+        };
+        for_wire!(dst.dtype(), who.clone(), |T| {
+            let d = typed_mut::<T>(dst, &who)?;
+            let s: Vec<T> = match src {
+                Some(s) => typed::<T>(s, &who)?.to_vec(),
+                None => d.to_vec(),
+            };
+            let bytes = std::mem::size_of_val(d);
+            let meta = [
+                CollectiveKind::AllReduce.code() as u64,
+                T::CODE as u64,
+                d.len() as u64,
+                code,
+            ];
+            self.run(CollectiveKind::AllReduce, meta, (bytes, bytes), |c| {
+                <T as Wire>::all_reduce(c, &s, d, op);
+                Ok(())
+            })
+        })
+    }
+
+    fn all_gather_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+    ) -> CommResult<()> {
+        let who = self.who("all_gather");
+        check_counts(
+            &who,
+            counts,
+            self.size,
+            self.rank,
+            src.len(),
+            dst.len(),
+            true,
+        )?;
+        let (c, d) = displacements(counts)?;
+        for_wire!(dst.dtype(), who.clone(), |T| {
+            let (s, out) = (typed::<T>(src, &who)?, typed_mut::<T>(dst, &who)?);
+            let meta = [
+                CollectiveKind::AllGather.code() as u64,
+                T::CODE as u64,
+                out.len() as u64,
+                hash_counts(counts),
+            ];
+            let bytes = (std::mem::size_of_val(s), std::mem::size_of_val(out));
+            self.run(CollectiveKind::AllGather, meta, bytes, |comm| {
+                <T as Wire>::all_gather_v(comm, s, out, &c, &d);
+                Ok(())
+            })
+        })
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let who = self.who("reduce_scatter");
+        check_counts(
+            &who,
+            counts,
+            self.size,
+            self.rank,
+            dst.len(),
+            src.len(),
+            false,
+        )?;
+        let start: usize = counts[..self.rank].iter().sum();
+        for_wire!(dst.dtype(), who.clone(), |T| {
+            let (s, out) = (typed::<T>(src, &who)?, typed_mut::<T>(dst, &who)?);
+            let meta = [
+                CollectiveKind::ReduceScatter.code() as u64,
+                T::CODE as u64,
+                s.len() as u64,
+                hash_counts(counts),
+            ];
+            let bytes = (std::mem::size_of_val(s), std::mem::size_of_val(out));
+            // MPI_Reduce_scatter with counts is not in rsmpi: reduce all, keep this block.
+            self.run(CollectiveKind::ReduceScatter, meta, bytes, |comm| {
+                let mut all = vec![T::default(); s.len()];
+                <T as Wire>::all_reduce(comm, s, &mut all, op);
+                out.copy_from_slice(&all[start..start + out.len()]);
+                Ok(())
+            })
+        })
+    }
+
+    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
+        let who = self.who("broadcast");
+        if root >= self.size {
+            return Err(CommError::invalid(
+                who,
+                format!("root {root} is not a rank of this group of {}", self.size),
+            ));
+        }
+        for_wire!(buf.dtype(), who.clone(), |T| {
+            let b = typed_mut::<T>(buf, &who)?;
+            let meta = [
+                CollectiveKind::Broadcast.code() as u64,
+                T::CODE as u64,
+                b.len() as u64,
+                root as u64,
+            ];
+            let bytes = std::mem::size_of_val(b);
+            self.run(CollectiveKind::Broadcast, meta, (bytes, bytes), |comm| {
+                <T as Wire>::broadcast(comm, b, root);
+                Ok(())
+            })
+        })
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        let meta = [CollectiveKind::Barrier.code() as u64, 0, 0, 0];
+        self.run(CollectiveKind::Barrier, meta, (0, 0), |comm| {
+            comm.barrier();
+            Ok(())
+        })
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut a = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
+        if a.is_none() {
+            *a = Some(reason.to_string());
+        }
+    }
+
+    fn stats(&self) -> CommStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reset_stats(&self) {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = CommStats::default();
+    }
+
+    fn subgroup(
+        &self,
+        _ctx: &Arc<Context>,
+        name: String,
+        _rank: usize,
+        members: &[usize],
+    ) -> CommResult<Arc<dyn Backend>> {
+        // `members` are world ranks; this communicator's ranks are this group's indices,
+        // which the caller numbered: look them up through the world group of each.
+        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let world = SimpleCommunicator::world();
+        let world_group = world.group();
+        let mine = comm.0.group();
+        let as_world: Vec<i32> = members.iter().map(|&m| m as i32).collect();
+        let ranks: Vec<i32> = world_group
+            .translate_ranks(&as_world, &mine)
+            .into_iter()
+            .map(|r| r.unwrap_or(-1))
+            .collect();
+        if ranks.iter().any(|&r| r < 0) {
+            return Err(CommError::invalid(
+                self.who("new_group"),
+                format!("members {members:?} are not all in this group"),
+            ));
+        }
+        let sub = mine.include(&ranks[..]);
+        let tag = (hash_counts(members) % 30_000) as i32;
+        let new = comm
+            .0
+            .split_by_subgroup_with_tag(&sub, tag)
+            .ok_or_else(|| {
+                CommError::invalid(
+                    self.who("new_group"),
+                    "MPI_Comm_create_group gave no communicator",
+                )
+            })?;
+        drop(comm);
+        Ok(MpiBackend::new(new, name, self.timeout))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+fn check_counts(
+    who: &str,
+    counts: &[usize],
+    size: usize,
+    rank: usize,
+    mine: usize,
+    total: usize,
+    gather: bool,
+) -> CommResult<()> {
+    let sum: usize = counts.iter().sum();
+    if counts.len() != size || counts[rank] != mine || sum != total {
+        return Err(CommError::invalid(
+            who,
+            format!(
+                "sizes {counts:?} for {size} ranks: this rank's {} has {mine} elements, the {} \
+                 {total}",
+                if gather { "input" } else { "output" },
+                if gather { "output" } else { "input" },
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The groups the watchdog looks at, and the thread itself (started with the first group).
+fn watchdog() -> &'static Mutex<Vec<Weak<MpiBackend>>> {
+    static GROUPS: OnceLock<Mutex<Vec<Weak<MpiBackend>>>> = OnceLock::new();
+    GROUPS.get_or_init(|| {
+        std::thread::Builder::new()
+            .name("candle-tp-mpi-watchdog".into())
+            .spawn(|| loop {
+                std::thread::sleep(Duration::from_millis(500));
+                let groups = watchdog().lock().unwrap_or_else(|e| e.into_inner()).clone();
+                for g in groups.iter().filter_map(Weak::upgrade) {
+                    let late = g
+                        .in_flight
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .filter(|(t0, _)| t0.elapsed() > g.timeout);
+                    if let Some((t0, op)) = late {
+                        eprintln!(
+                            "candle-tp: {} has waited {:.0} s (CANDLE_TP_TIMEOUT is {:.0} s): a peer \
+                             did not arrive (MPI does not say which); aborting the MPI job",
+                            g.who(op),
+                            t0.elapsed().as_secs_f64(),
+                            g.timeout.as_secs_f64()
+                        );
+                        SimpleCommunicator::world().abort(3);
+                    }
+                }
+            })
+            .expect("spawn the MPI watchdog");
+        Mutex::new(Vec::new())
+    })
+}
