@@ -329,11 +329,6 @@ impl Backend for NcclGroup {
 }
 
 impl NcclGroup {
-    /// The CUDA device of the communicator.
-    pub(crate) fn device(&self) -> &CudaDevice {
-        &self.device
-    }
-
     pub(crate) fn who(&self, op: &str) -> String {
         format!(
             "{op} on NCCL group '{}' (rank {} of {}, cuda:{})",
