@@ -197,3 +197,27 @@ fn a_shard_of_the_wrong_size_is_a_clear_error() {
         "{e}"
     );
 }
+
+#[test]
+fn top_p_keeps_the_exact_nucleus_when_the_ranks_best_tokens_are_not_the_global_best() {
+    // 150 tokens at 1.0, then 150 at 0.9: the 0.4 nucleus is the first 115 tokens. Each rank's
+    // 64 best put together reach 0.4 only by counting tokens at 0.9 that come after tokens at
+    // 1.0 that were not gathered.
+    let mut logits = vec![1.0f32; 150];
+    logits.extend(vec![0.9f32; 150]);
+    let want = expected(&logits, 1.0, None, Some(0.4));
+    assert_eq!(want.len(), 115);
+    assert!(want.iter().all(|w| w.0 < 115));
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: None,
+        top_p: Some(0.4),
+        seed: 13,
+    };
+    for world in 1..=3 {
+        let got = draws(&logits, world, params, 400);
+        for id in got {
+            assert!(id < 115, "world {world}: token {id} is outside the nucleus");
+        }
+    }
+}

@@ -5,8 +5,9 @@
 //! the sum of exponentials (the softmax normaliser over the whole vocabulary), then
 //! all-gathers each rank's `k` best candidates; every rank then draws the same token from the
 //! same candidates with the same seeded generator, so all ranks agree without a broadcast.
-//! (vLLM's `get_top_tokens` idea.) Only when top-p is asked without top-k and the gathered
-//! candidates do not yet cover the nucleus are more candidates gathered (doubling).
+//! (vLLM's `get_top_tokens` idea.) Only when top-p is asked without top-k and the candidates
+//! known to be the vocabulary's best in order do not yet cover the nucleus are more candidates
+//! gathered (doubling).
 //!
 //! The order of operations follows Hugging Face's warpers: temperature, then top-k, then
 //! top-p (renormalised over what top-k kept).
@@ -131,7 +132,7 @@ impl DistributedSampler {
             .min(largest_share)
             .max(1);
         loop {
-            let cands = gather_top_k(&scaled, offset, k, pg)?;
+            let (cands, exact) = gather_top_k(&scaled, offset, k, part, pg)?;
             let kept: Vec<(f64, u32)> = match self.params.top_k {
                 Some(tk) => cands.into_iter().take(tk).collect(),
                 None => cands,
@@ -150,13 +151,14 @@ impl DistributedSampler {
                 None => kept.len(),
                 Some(p) => {
                     let mut acc = 0.0;
-                    match probs.iter().position(|q| {
+                    match probs[..exact.min(probs.len())].iter().position(|q| {
                         acc += q;
                         acc >= p
                     }) {
                         Some(i) => i + 1,
-                        // The nucleus reaches past what was gathered: gather more (every rank
-                        // sees the same candidates, so every rank takes this branch).
+                        // The nucleus reaches past the candidates known to be in order:
+                        // gather more (every rank sees the same candidates, so every rank
+                        // takes this branch).
                         None if self.params.top_k.is_none() && k < largest_share => {
                             k = (k * 2).min(largest_share);
                             continue;
@@ -202,13 +204,20 @@ fn greedy(local: &[f32], offset: usize, pg: &ProcessGroup) -> Result<u32> {
     Ok(id as u32)
 }
 
-/// Each rank's `k` best (value, id), gathered and sorted: by value descending, then by id.
+/// Each rank's `k` best (value, id), gathered and sorted: by value descending, then by id; and
+/// how many of them, from the first, are the vocabulary's best in that order.
+///
+/// The union of every rank's `k` best holds the global `k` best, but past them it can skip
+/// tokens: a rank with more than `k` tokens sent nothing after its `k`-th, which may come
+/// before another rank's candidates. The candidates up to the earliest of those `k`-th tokens
+/// are exact.
 fn gather_top_k(
     scaled: &[f64],
     offset: usize,
     k: usize,
+    part: &Partition,
     pg: &ProcessGroup,
-) -> Result<Vec<(f64, u32)>> {
+) -> Result<(Vec<(f64, u32)>, usize)> {
     let mut idx: Vec<usize> = (0..scaled.len()).collect();
     let take = k.min(scaled.len());
     if take < idx.len() {
@@ -227,11 +236,30 @@ fn gather_top_k(
     }
     let mut all = vec![0f64; mine.len() * pg.size()];
     pg.all_gather_slice(&mine, &mut all)?;
+    let order = |a: &(f64, u32), b: &(f64, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    // The earliest last candidate of a rank that had more to send.
+    let bound = all
+        .chunks_exact(2 * k)
+        .enumerate()
+        .filter(|(r, _)| part.size(*r) > k)
+        .filter_map(|(_, sent)| {
+            sent.chunks_exact(2)
+                .map(|p| (p[0], p[1] as u32))
+                .max_by(order)
+        })
+        .min_by(order);
     let mut cands: Vec<(f64, u32)> = all
         .chunks_exact(2)
         .filter(|p| p[1] != f64::MAX)
         .map(|p| (p[0], p[1] as u32))
         .collect();
-    cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    Ok(cands)
+    cands.sort_by(order);
+    let exact = match bound {
+        None => cands.len(),
+        Some(b) => cands
+            .iter()
+            .take_while(|c| order(c, &b) != std::cmp::Ordering::Greater)
+            .count(),
+    };
+    Ok((cands, exact))
 }
