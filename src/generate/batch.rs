@@ -6,7 +6,7 @@
 //! of every decoding sequence and a bounded chunk of the prompts still being read (so a long
 //! prompt never stalls the running streams for more than `prefill_chunk` tokens), then samples
 //! the next token of every sequence whose prompt is complete (with one
-//! [`sample_batch`](crate::generate::sample_batch) call: the greedy and temperature-only
+//! [`sample_batch`] call: the greedy and temperature-only
 //! sequences cross ranks in one all-gather).
 //!
 //! Every rank of the model's group runs the same decoder with the same calls (the serving

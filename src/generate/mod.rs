@@ -2,6 +2,7 @@
 pub mod batch;
 mod candidates;
 mod noise;
+mod race;
 pub mod sampling;
 
 pub use batch::{BatchDecoder, FinishReason, SeqRequest, TokenEvent};

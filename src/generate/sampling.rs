@@ -8,10 +8,10 @@
 //! - Temperature alone: the whole vocabulary is drawn from, by a Gumbel-max race (the
 //!   exponential race `argmin E_i / p_i`): each rank adds to each of its logits over the
 //!   temperature the Gumbel number of its *global* token id (a pure function of seed, draw and
-//!   id, [`noise`](super::noise)) and keeps its best (score, id); one all-gather of one pair per
+//!   id, `generate/noise.rs`) and keeps its best (score, id); one all-gather of one pair per
 //!   rank picks the winner, ties to the lowest id. One pass over the shard, no sort, an exact
 //!   draw from the softmax, and the same token at every world size for the same seed.
-//! - Top-k / top-p: the candidates are gathered ([`candidates`](super::candidates)), then
+//! - Top-k / top-p: the candidates are gathered (`generate/candidates.rs`), then
 //!   drawn by the same race with the same numbers, so `top_p = 1` or a `top_k` past the
 //!   vocabulary draws what no filter draws.
 //!
@@ -22,7 +22,8 @@ use candle_core::{DType, Result, Tensor};
 
 use crate::comm::ProcessGroup;
 use crate::generate::candidates::sample_candidates;
-use crate::generate::noise::{DrawNoise, GUMBEL_MAX};
+use crate::generate::noise::DrawNoise;
+use crate::generate::race::{race_best, race_pick};
 use crate::nn::ParallelLmHead;
 use crate::Partition;
 
@@ -275,45 +276,4 @@ fn greedy_pick(mut pairs: impl Iterator<Item = (f64, f64)>) -> u32 {
         }
     }
     id as u32
-}
-
-/// This rank's entry in the Gumbel-max race: the best `logit * inv_t + gumbel(id)` of its
-/// shard and its global id (ties to the lowest id). A NaN logit enters as (NaN, its id), so
-/// that every rank sees it and fails alike. Tokens whose scaled logit is more than
-/// [`GUMBEL_MAX`] below the best score so far cannot win and are skipped unhashed.
-fn race_best(local: &[f32], offset: usize, inv_t: f64, noise: &DrawNoise) -> [f64; 2] {
-    let (mut best, mut best_id) = (f64::NEG_INFINITY, usize::MAX);
-    for (i, &v) in local.iter().enumerate() {
-        if v.is_nan() {
-            return [f64::NAN, (offset + i) as f64];
-        }
-        let s = v as f64 * inv_t;
-        if s + GUMBEL_MAX < best {
-            continue;
-        }
-        let score = s + noise.gumbel(offset + i);
-        if score > best {
-            best = score;
-            best_id = offset + i;
-        }
-    }
-    [best, best_id as f64]
-}
-
-/// The winner of the race from every rank's entry: the best score, ties to the lowest id.
-fn race_pick(pairs: impl Iterator<Item = (f64, f64)>) -> Result<u32> {
-    let (mut val, mut id) = (f64::NEG_INFINITY, f64::INFINITY);
-    for (v, i) in pairs {
-        if v.is_nan() {
-            candle_core::bail!("sampling: the logit of token {i} is NaN");
-        }
-        if v > val || (v == val && i < id) {
-            val = v;
-            id = i;
-        }
-    }
-    if val == f64::NEG_INFINITY {
-        candle_core::bail!("sampling: every logit is -inf, no token can be drawn");
-    }
-    Ok(id as u32)
 }
