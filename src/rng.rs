@@ -4,6 +4,26 @@
 
 use candle_core::{Device, Result, Tensor};
 
+/// SplitMix64's increment (the golden ratio in 64-bit fixed point): its state after `n` draws
+/// is `seed + n * GOLDEN_GAMMA`.
+pub const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// SplitMix64's output function: 64 well-mixed bits from a state. `mix64(seed + n *
+/// GOLDEN_GAMMA)` is the `n`-th draw of [`SplitMix64::new(seed)`](SplitMix64) (counting from
+/// 1), so it is also a counter-based generator: any draw computed directly, in any order.
+///
+/// ```
+/// use candle_tp::rng::{mix64, SplitMix64, GOLDEN_GAMMA};
+/// let mut g = SplitMix64::new(7);
+/// g.next_u64();
+/// assert_eq!(g.next_u64(), mix64(7u64.wrapping_add(GOLDEN_GAMMA.wrapping_mul(2))));
+/// ```
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// SplitMix64: a small, fast, seedable generator (the same stream on every rank).
 #[derive(Debug, Clone)]
 pub struct SplitMix64(u64);
@@ -16,11 +36,8 @@ impl SplitMix64 {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0 = self.0.wrapping_add(GOLDEN_GAMMA);
+        mix64(self.0)
     }
 
     /// Uniform in `[0, 1)`.

@@ -5,7 +5,9 @@
 //! position). Each [`BatchDecoder::step`] runs one [`CausalLm::forward_batch`]: one new token
 //! of every decoding sequence and a bounded chunk of the prompts still being read (so a long
 //! prompt never stalls the running streams for more than `prefill_chunk` tokens), then samples
-//! the next token of every sequence whose prompt is complete.
+//! the next token of every sequence whose prompt is complete (with one
+//! [`sample_batch`] call: the greedy and temperature-only
+//! sequences cross ranks in one all-gather).
 //!
 //! Every rank of the model's group runs the same decoder with the same calls (the serving
 //! scheduler broadcasts them from rank 0); the sampled tokens are the same on every rank, so
@@ -13,7 +15,7 @@
 
 use candle_core::{DType, IndexOp, Result, Tensor};
 
-use crate::generate::{DistributedSampler, SamplingParams};
+use crate::generate::{sample_batch, DistributedSampler, SamplingParams};
 use crate::models::{CausalLm, SeqStep};
 use crate::nn::{KvCache, ParallelLmHead};
 
@@ -253,8 +255,8 @@ impl BatchDecoder {
             model.forward_batch(&mut steps)?
         };
         let limit = self.seq_limit(model);
-        let mut events = Vec::new();
-        let mut done = Vec::new();
+        // The sequences whose prompt is complete draw their next token, all in one call.
+        let mut ready: Vec<(usize, Tensor)> = Vec::new();
         for (row, (i, tokens)) in plan.iter().enumerate() {
             let s = &mut self.seqs[*i];
             if s.next.is_none() {
@@ -267,7 +269,24 @@ impl BatchDecoder {
             if s.generated < s.req.min_tokens && !s.req.stop_ids.is_empty() {
                 row_logits = mask_ids(&row_logits, &s.req.stop_ids, model.lm_head())?;
             }
-            let token = s.sampler.sample(&row_logits, model.lm_head())?;
+            ready.push((*i, row_logits));
+        }
+        let tokens = {
+            // `plan`, hence `ready`, is in batch order.
+            let mut pending = ready.iter().peekable();
+            let mut rows: Vec<(&mut DistributedSampler, &Tensor)> = Vec::new();
+            for (i, s) in self.seqs.iter_mut().enumerate() {
+                if let Some((_, row_logits)) = pending.next_if(|r| r.0 == i) {
+                    rows.push((&mut s.sampler, row_logits));
+                }
+            }
+            let head = model.lm_head();
+            sample_batch(&mut rows, head.partition(), head.pg())?
+        };
+        let mut events = Vec::new();
+        let mut done = Vec::new();
+        for ((i, _), token) in ready.iter().zip(tokens) {
+            let s = &mut self.seqs[*i];
             s.generated += 1;
             let finish = if s.req.stop_ids.contains(&token) {
                 Some(FinishReason::Stop)

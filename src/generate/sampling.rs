@@ -1,21 +1,30 @@
 //! Sampling the next token from vocabulary-parallel logits, without gathering the vocabulary.
 //!
-//! Each rank holds the logits of its slice of the vocabulary. Greedy decoding all-gathers one
-//! (value, id) pair per rank. Temperature / top-k / top-p sampling all-reduces the maximum and
-//! the sum of exponentials (the softmax normaliser over the whole vocabulary), then
-//! all-gathers each rank's `k` best candidates; every rank then draws the same token from the
-//! same candidates with the same seeded generator, so all ranks agree without a broadcast.
-//! (vLLM's `get_top_tokens` idea.) Only when top-p is asked without top-k and the gathered
-//! candidates do not yet cover the nucleus are more candidates gathered (doubling).
+//! Each rank holds the logits of its slice of the vocabulary; every rank ends with the same
+//! token, without a broadcast:
+//!
+//! - Greedy: each rank's best (value, id); one all-gather of one pair per rank, ties to the
+//!   lowest id.
+//! - Temperature alone: the whole vocabulary is drawn from, by a Gumbel-max race (the
+//!   exponential race `argmin E_i / p_i`): each rank adds to each of its logits over the
+//!   temperature the Gumbel number of its *global* token id (a pure function of seed, draw and
+//!   id, `generate/noise.rs`) and keeps its best (score, id); one all-gather of one pair per
+//!   rank picks the winner, ties to the lowest id. One pass over the shard, no sort, an exact
+//!   draw from the softmax, and the same token at every world size for the same seed.
+//! - Top-k / top-p: the candidates are gathered (`generate/candidates.rs`), then
+//!   drawn by the same race with the same numbers, so `top_p = 1` or a `top_k` past the
+//!   vocabulary draws what no filter draws.
 //!
 //! The order of operations follows Hugging Face's warpers: temperature, then top-k, then
 //! top-p (renormalised over what top-k kept).
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::comm::{ProcessGroup, ReduceOp};
+use crate::comm::ProcessGroup;
+use crate::generate::candidates::sample_candidates;
+use crate::generate::noise::DrawNoise;
+use crate::generate::race::{race_best, race_pick};
 use crate::nn::ParallelLmHead;
-use crate::rng::SplitMix64;
 use crate::Partition;
 
 /// How the next token is chosen.
@@ -27,7 +36,7 @@ pub struct SamplingParams {
     pub top_k: Option<usize>,
     /// Keep the smallest set of most likely tokens whose probability reaches `p`.
     pub top_p: Option<f64>,
-    /// Seed of the generator; the same on every rank.
+    /// Seed of the draws; the same on every rank.
     pub seed: u64,
 }
 
@@ -42,15 +51,35 @@ impl SamplingParams {
         }
     }
 
+    /// Checks the values: a finite temperature, `top_k` at least 1, `top_p` in `[0, 1]`.
+    pub fn validate(&self) -> Result<()> {
+        if !self.temperature.is_finite() {
+            candle_core::bail!(
+                "sampling: temperature = {} must be a finite number (0 or below: greedy)",
+                self.temperature
+            );
+        }
+        if self.top_k == Some(0) {
+            candle_core::bail!("sampling: top_k = 0 keeps no token (leave it unset to keep all)");
+        }
+        if let Some(p) = self.top_p {
+            if !(0.0..=1.0).contains(&p) {
+                candle_core::bail!("sampling: top_p = {p} must be in [0, 1]");
+            }
+        }
+        Ok(())
+    }
+
+    /// Greedy: temperature 0 or below (or so small its inverse overflows), or top-k of 1.
     fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 || self.top_k == Some(1)
+        self.temperature <= 0.0 || !(1.0 / self.temperature).is_finite() || self.top_k == Some(1)
     }
 }
 
-/// Candidates gathered per rank for top-p alone, before doubling.
-const FIRST_CANDIDATES: usize = 64;
-
 /// Draws tokens from vocabulary-parallel logits; every rank of the group gets the same token.
+///
+/// The `n`-th draw of a sampler seeded `seed` uses the random numbers of (seed, `n`), whatever
+/// the world size: the same logits give the same tokens on 1, 2 or 3 ranks.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -68,16 +97,14 @@ const FIRST_CANDIDATES: usize = 64;
 #[derive(Debug, Clone)]
 pub struct DistributedSampler {
     params: SamplingParams,
-    rng: SplitMix64,
+    /// Draws made so far: the counter of the next draw's random numbers.
+    step: u64,
 }
 
 impl DistributedSampler {
-    /// A sampler with its generator seeded by `params.seed`.
+    /// A sampler whose draws are seeded by `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
-        Self {
-            params,
-            rng: SplitMix64::new(params.seed ^ 0x5DEE_CE66_D1CE_4E5B),
-        }
+        Self { params, step: 0 }
     }
 
     /// The parameters.
@@ -98,90 +125,136 @@ impl DistributedSampler {
         part: &Partition,
         pg: &ProcessGroup,
     ) -> Result<u32> {
-        let local: Vec<f32> = local_logits
-            .flatten_all()?
-            .to_dtype(DType::F32)?
-            .to_vec1()?;
-        let rank = pg.rank();
-        if part.parts() != pg.size() || local.len() != part.size(rank) {
+        let ids = sample_batch(&mut [(self, local_logits)], part, pg)?;
+        Ok(ids[0])
+    }
+}
+
+/// How one row is drawn once every rank's (score, id) pair is known.
+enum Draw {
+    Greedy,
+    Race,
+    /// Top-k / top-p: drawn after the pairs, with collectives of its own.
+    Candidates(Filtered),
+}
+
+/// A top-k / top-p row waiting for its candidates.
+struct Filtered {
+    local: Vec<f32>,
+    inv_t: f64,
+    top_k: Option<usize>,
+    top_p: Option<f64>,
+    noise: DrawNoise,
+}
+
+/// Samples the next token of several sequences at once, one row of this rank's logits each
+/// (as [`DistributedSampler::sample_shard`], and the same tokens). The greedy and
+/// temperature-only rows cross ranks together, in one all-gather of one (score, id) pair per
+/// row and rank; top-k / top-p rows then gather their candidates one row at a time.
+///
+/// Every rank must pass the same samplers (parameters and draws made) in the same order.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_tp::generate::{sample_batch, DistributedSampler, SamplingParams};
+/// use candle_tp::{run_threads, Partition};
+/// let rows: [Vec<f32>; 2] = [vec![0.1, 2.0, -1.0, 5.0, 0.3], vec![9.0, 0.0, 0.0, 0.0, 0.0]];
+/// let ids = run_threads(2, |pg| {
+///     let part = Partition::new(5, 2)?;
+///     let r = part.range(pg.rank());
+///     let a = Tensor::new(&rows[0][r.clone()], &Device::Cpu)?;
+///     let b = Tensor::new(&rows[1][r], &Device::Cpu)?;
+///     let mut s = DistributedSampler::new(SamplingParams::greedy());
+///     let mut t = DistributedSampler::new(SamplingParams::greedy());
+///     sample_batch(&mut [(&mut s, &a), (&mut t, &b)], &part, &pg)
+/// }).unwrap();
+/// assert_eq!(ids, vec![vec![3, 0], vec![3, 0]]);
+/// ```
+pub fn sample_batch(
+    rows: &mut [(&mut DistributedSampler, &Tensor)],
+    part: &Partition,
+    pg: &ProcessGroup,
+) -> Result<Vec<u32>> {
+    let rank = pg.rank();
+    if part.parts() != pg.size() {
+        candle_core::bail!(
+            "sampling on rank {rank}: the vocabulary of {} is split over {} parts, the group has {} ranks",
+            part.total(),
+            part.parts(),
+            pg.size()
+        );
+    }
+    let offset = part.offset(rank);
+    let mut draws = Vec::with_capacity(rows.len());
+    let mut mine = Vec::with_capacity(2 * rows.len());
+    for (sampler, logits) in rows.iter_mut() {
+        let local: Vec<f32> = logits.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        if local.len() != part.size(rank) {
             candle_core::bail!(
                 "sampling on rank {rank}: got {} logits, this rank's share of the vocabulary of {} over {} ranks is {}",
                 local.len(),
                 part.total(),
                 pg.size(),
-                part.size(rank.min(part.parts().saturating_sub(1)))
+                part.size(rank)
             );
         }
-        let offset = part.offset(rank);
-        if self.params.is_greedy() {
-            return greedy(&local, offset, pg);
-        }
-        let inv_t = 1.0 / self.params.temperature;
-        let scaled: Vec<f64> = local.iter().map(|&v| v as f64 * inv_t).collect();
-        // Softmax normaliser over the whole vocabulary (used when top-k is not set).
-        let mut max = [scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max)];
-        pg.all_reduce_slice(&mut max, ReduceOp::Max)?;
-        let mut sum = [scaled.iter().map(|v| (v - max[0]).exp()).sum::<f64>()];
-        pg.all_reduce_slice(&mut sum, ReduceOp::Sum)?;
-        let largest_share = (0..pg.size()).map(|r| part.size(r)).max().unwrap_or(0);
-        let mut k = self
-            .params
-            .top_k
-            .unwrap_or(FIRST_CANDIDATES)
-            .min(largest_share)
-            .max(1);
-        loop {
-            let cands = gather_top_k(&scaled, offset, k, pg)?;
-            let kept: Vec<(f64, u32)> = match self.params.top_k {
-                Some(tk) => cands.into_iter().take(tk).collect(),
-                None => cands,
-            };
-            // Probabilities: renormalised over top-k if it was applied, else over the vocabulary.
-            let norm = if self.params.top_k.is_some() {
-                kept.iter().map(|(v, _)| (v - max[0]).exp()).sum::<f64>()
-            } else {
-                sum[0]
-            };
-            let probs: Vec<f64> = kept
-                .iter()
-                .map(|(v, _)| (v - max[0]).exp() / norm)
-                .collect();
-            let kept_len = match self.params.top_p {
-                None => kept.len(),
-                Some(p) => {
-                    let mut acc = 0.0;
-                    match probs.iter().position(|q| {
-                        acc += q;
-                        acc >= p
-                    }) {
-                        Some(i) => i + 1,
-                        // The nucleus reaches past what was gathered: gather more (every rank
-                        // sees the same candidates, so every rank takes this branch).
-                        None if self.params.top_k.is_none() && k < largest_share => {
-                            k = (k * 2).min(largest_share);
-                            continue;
-                        }
-                        None => kept.len(),
-                    }
-                }
-            };
-            let total: f64 = probs[..kept_len].iter().sum();
-            let u = self.rng.next_f64() * total;
-            let mut acc = 0.0;
-            for (i, q) in probs[..kept_len].iter().enumerate() {
-                acc += q;
-                if u < acc {
-                    return Ok(kept[i].1);
+        let params = sampler.params;
+        params.validate()?;
+        let noise = DrawNoise::new(params.seed, sampler.step);
+        sampler.step += 1;
+        // Filters that keep every token are no filters (and need no candidates).
+        let top_k = params.top_k.filter(|&k| k < part.total());
+        let top_p = params.top_p.filter(|&p| p < 1.0);
+        let draw = if params.is_greedy() {
+            mine.extend_from_slice(&greedy_best(&local, offset));
+            Draw::Greedy
+        } else if top_k.is_none() && top_p.is_none() {
+            mine.extend_from_slice(&race_best(&local, offset, 1.0 / params.temperature, &noise));
+            Draw::Race
+        } else {
+            Draw::Candidates(Filtered {
+                local,
+                inv_t: 1.0 / params.temperature,
+                top_k,
+                top_p,
+                noise,
+            })
+        };
+        draws.push(draw);
+    }
+    let mut all = vec![0f64; mine.len() * pg.size()];
+    if !mine.is_empty() {
+        pg.all_gather_slice(&mine, &mut all)?;
+    }
+    let mut pair = 0;
+    let mut ids = Vec::with_capacity(draws.len());
+    for draw in draws {
+        let id = match draw {
+            Draw::Greedy | Draw::Race => {
+                let j = pair;
+                pair += 1;
+                let pairs = all
+                    .chunks_exact(mine.len())
+                    .map(move |r| (r[2 * j], r[2 * j + 1]));
+                if matches!(draw, Draw::Greedy) {
+                    greedy_pick(pairs)
+                } else {
+                    race_pick(pairs)?
                 }
             }
-            return Ok(kept[kept_len - 1].1);
-        }
+            Draw::Candidates(c) => {
+                let scaled: Vec<f64> = c.local.iter().map(|&v| v as f64 * c.inv_t).collect();
+                sample_candidates(&scaled, offset, c.top_k, c.top_p, &c.noise, part, pg)?
+            }
+        };
+        ids.push(id);
     }
+    Ok(ids)
 }
 
-/// The global argmax: one (value, id) pair per rank crosses; ties go to the lowest id, as
-/// `argmax` over the full logits does.
-fn greedy(local: &[f32], offset: usize, pg: &ProcessGroup) -> Result<u32> {
+/// This rank's largest logit and its global id (the first of equal ones; a NaN first in the
+/// shard is kept, as before the Gumbel race existed).
+fn greedy_best(local: &[f32], offset: usize) -> [f64; 2] {
     let (mut best_i, mut best_v) = (0usize, f32::NEG_INFINITY);
     for (i, &v) in local.iter().enumerate() {
         if v > best_v || (i == 0 && v.is_nan()) {
@@ -189,49 +262,18 @@ fn greedy(local: &[f32], offset: usize, pg: &ProcessGroup) -> Result<u32> {
             best_v = v;
         }
     }
-    let mine = [best_v as f64, (offset + best_i) as f64];
-    let mut all = vec![0f64; 2 * pg.size()];
-    pg.all_gather_slice(&mine, &mut all)?;
-    let (mut id, mut val) = (all[1], all[0]);
-    for pair in all.chunks_exact(2).skip(1) {
-        if pair[0] > val || (pair[0] == val && pair[1] < id) {
-            val = pair[0];
-            id = pair[1];
-        }
-    }
-    Ok(id as u32)
+    [best_v as f64, (offset + best_i) as f64]
 }
 
-/// Each rank's `k` best (value, id), gathered and sorted: by value descending, then by id.
-fn gather_top_k(
-    scaled: &[f64],
-    offset: usize,
-    k: usize,
-    pg: &ProcessGroup,
-) -> Result<Vec<(f64, u32)>> {
-    let mut idx: Vec<usize> = (0..scaled.len()).collect();
-    let take = k.min(scaled.len());
-    if take < idx.len() {
-        idx.select_nth_unstable_by(take, |&a, &b| {
-            scaled[b].total_cmp(&scaled[a]).then(a.cmp(&b))
-        });
-        idx.truncate(take);
-    }
-    // Pad to k so every rank contributes the same count.
-    let mut mine = Vec::with_capacity(2 * k);
-    for j in 0..k {
-        match idx.get(j) {
-            Some(&i) => mine.extend_from_slice(&[scaled[i], (offset + i) as f64]),
-            None => mine.extend_from_slice(&[f64::NEG_INFINITY, f64::MAX]),
+/// The global argmax from every rank's best: ties go to the lowest id, as `argmax` over the
+/// full logits does.
+fn greedy_pick(mut pairs: impl Iterator<Item = (f64, f64)>) -> u32 {
+    let (mut val, mut id) = pairs.next().expect("a group has at least one rank");
+    for (v, i) in pairs {
+        if v > val || (v == val && i < id) {
+            val = v;
+            id = i;
         }
     }
-    let mut all = vec![0f64; mine.len() * pg.size()];
-    pg.all_gather_slice(&mine, &mut all)?;
-    let mut cands: Vec<(f64, u32)> = all
-        .chunks_exact(2)
-        .filter(|p| p[1] != f64::MAX)
-        .map(|p| (p[0], p[1] as u32))
-        .collect();
-    cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    Ok(cands)
+    id as u32
 }

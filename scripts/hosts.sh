@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Emulated hosts on one machine, for the multi-host tests and benchmarks: N Linux network
+# namespaces on a bridge, each with its own address and, for the processes started in it by
+# the rsh agent below, its own hostname and its own /dev/shm (UTS and mount namespaces).
+# Traffic stays on the bridge's subnet (and loopback). Needs root and iproute2.
+#
+#   scripts/hosts.sh up N [RATE]   # hosts ctp-h1..ctp-hN at 10.77.0.11.., links limited to
+#                                  # RATE (tc tbf, e.g. 1gbit) when given
+#   scripts/hosts.sh down          # removes every namespace, link and file it made
+#   scripts/hosts.sh mpirun ARGS   # Open MPI's mpirun with the hostfile, the rsh agent and
+#                                  # the TCP transport on the bridge (e.g. -np 4 PROGRAM)
+#   scripts/hosts.sh check         # exit 0 if this machine can make hosts (root, ip, netns)
+#
+# This kernel has no netem, so latency cannot be added, only a rate limit. The hostfile and the
+# agent live in $CANDLE_TP_HOME/hosts/ (default ~/.cache/candle-tp/hosts).
+set -euo pipefail
+
+home=${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}
+dir="$home/hosts"
+bridge=ctp-br0
+subnet=10.77.0
+prefix=ctp-h
+
+check() {
+  [ "$(id -u)" = 0 ] || { echo "emulated hosts need root (network namespaces)"; return 1; }
+  command -v ip >/dev/null || { echo "emulated hosts need iproute2's ip"; return 1; }
+  command -v unshare >/dev/null || { echo "emulated hosts need util-linux's unshare"; return 1; }
+  ip netns add ctp-probe 2>/dev/null || { echo "this machine does not allow network namespaces"; return 1; }
+  ip netns del ctp-probe
+}
+
+down() {
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$prefix" || true); do
+    # Whatever still runs in a host (a rank left behind by a failed test) goes with it.
+    for pid in $(ip netns pids "$ns" 2>/dev/null || true); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  for l in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//' | grep "^v$prefix" || true); do
+    ip link del "$l" 2>/dev/null || true
+  done
+  ip link del "$bridge" 2>/dev/null || true
+  rm -rf "$dir"
+}
+
+up() {
+  local n=$1 rate=${2:-}
+  [[ "$n" =~ ^[1-9][0-9]?$ ]] || { echo "hosts.sh up N: N is 1 to 99, got '$n'" >&2; exit 2; }
+  down
+  check >/dev/null || { check; exit 1; }
+  mkdir -p "$dir"
+  ip link add "$bridge" type bridge
+  ip addr add "$subnet.1/24" dev "$bridge"
+  ip link set "$bridge" up
+  : >"$dir/hostfile"
+  for i in $(seq 1 "$n"); do
+    local ns="$prefix$i" veth="v$prefix$i"
+    ip netns add "$ns"
+    ip link add "$veth" type veth peer name eth0 netns "$ns"
+    ip link set "$veth" master "$bridge" up
+    ip netns exec "$ns" ip addr add "$subnet.$((10 + i))/24" dev eth0
+    ip netns exec "$ns" ip link set eth0 up
+    ip netns exec "$ns" ip link set lo up
+    if [ -n "$rate" ]; then
+      # Both directions: the bridge side shapes what enters the host, the host side what leaves.
+      tc qdisc add dev "$veth" root tbf rate "$rate" burst 256kb latency 100ms
+      ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 100ms
+    fi
+    echo "$ns slots=64" >>"$dir/hostfile"
+  done
+  # The rsh agent mpirun uses to start its daemon on host NAME: the command runs in the host's
+  # network namespace, with its own hostname and a private /dev/shm.
+  cat >"$dir/agent.sh" <<'AGENT'
+#!/usr/bin/env bash
+# usage (by mpirun): agent.sh [ssh options] HOST COMMAND...
+while [ $# -gt 0 ] && [[ "$1" == -* ]]; do shift; done
+host=$1; shift
+exec ip netns exec "$host" unshare --uts --mount --propagation private \
+  sh -c 'hostname "$0"; mount -t tmpfs -o mode=1777 tmpfs /dev/shm; eval "$*"' "$host" "$@"
+AGENT
+  chmod +x "$dir/agent.sh"
+  echo "$n emulated hosts (${rate:-unlimited} links): $(cut -d' ' -f1 "$dir/hostfile" | tr '\n' ' ')"
+}
+
+run_mpirun() {
+  [ -f "$dir/hostfile" ] || { echo "hosts.sh mpirun: no hosts (run hosts.sh up N first)" >&2; exit 1; }
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 exec mpirun \
+    --hostfile "$dir/hostfile" \
+    --mca plm_rsh_agent "$dir/agent.sh" \
+    --mca btl tcp,self \
+    --mca btl_tcp_if_include "$subnet.0/24" \
+    --mca oob_tcp_if_include "$subnet.0/24" \
+    "$@"
+}
+
+case "${1:-}" in
+  up) shift; up "$@" ;;
+  down) down ;;
+  mpirun) shift; run_mpirun "$@" ;;
+  check) check ;;
+  *) sed -n '2,16p' "$0" >&2; exit 2 ;;
+esac
