@@ -73,11 +73,7 @@ impl Drop for Hosts {
 }
 
 fn text(out: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    common::output_text(out)
 }
 
 fn ids(v: &serde_json::Value) -> Vec<serde_json::Value> {

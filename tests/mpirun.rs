@@ -47,11 +47,7 @@ fn mpirun(np: usize) -> Option<Command> {
 }
 
 fn text(out: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    common::output_text(out)
 }
 
 #[test]

@@ -50,11 +50,7 @@ fn run_scenario(scenario: &str, nproc: usize, extra_env: &[(&str, &str)]) -> (Ou
 }
 
 fn text(out: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    common::output_text(out)
 }
 
 /// The worker side of every scenario; a no-op unless started by one of the tests below.

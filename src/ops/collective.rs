@@ -217,24 +217,33 @@ pub(crate) fn run_kind<T: Element>(
     }
 }
 
-macro_rules! dispatch {
-    ($self:ident, $storage:ident, $layout:ident, [$($variant:ident),*]) => {{
+/// Runs `$body` on the contiguous slice of a CPU storage of any dtype collectives carry, with
+/// `$v` the typed slice; `$body` gives `(Vec<T>, shape)`, wrapped back in the same dtype.
+/// `$name` names the op in errors.
+macro_rules! map_cpu_storage {
+    ($storage:expr, $layout:expr, $name:expr, |$v:ident| $body:expr) => {{
         let Some((start, end)) = $layout.contiguous_offsets() else {
-            candle_core::bail!("{}: the input must be contiguous", $self.fwd.name());
+            candle_core::bail!("{}: the input must be contiguous", $name);
         };
-        let dims = $layout.dims();
+        map_cpu_storage!(@arms $storage, start, end, $name, |$v| $body,
+            [F32, F64, F16, BF16, U8, U32, I16, I32, I64])
+    }};
+    (@arms $storage:expr, $start:ident, $end:ident, $name:expr, |$v:ident| $body:expr,
+        [$($variant:ident),*]) => {
         match $storage {
-            $(CpuStorage::$variant(v) => {
-                let (out, d) = run_kind(&$self.pg, &$self.fwd, &v[start..end], dims)?;
-                Ok((CpuStorage::$variant(out), Shape::from(d)))
+            $(CpuStorage::$variant(all) => {
+                let $v = &all[$start..$end];
+                let (out, shape) = $body;
+                Ok((CpuStorage::$variant(out), shape))
             })*
             other => candle_core::bail!(
                 "{}: dtype {:?} is not supported by collectives (use f32, f64, f16, bf16, u8, u32, i16, i32, i64)",
-                $self.fwd.name(), candle_core::backend::BackendStorage::dtype(other)
+                $name, candle_core::backend::BackendStorage::dtype(other)
             ),
         }
-    }};
+    };
 }
+pub(super) use map_cpu_storage;
 
 impl CustomOp1 for CollectiveOp {
     fn name(&self) -> &'static str {
@@ -242,12 +251,11 @@ impl CustomOp1 for CollectiveOp {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        dispatch!(
-            self,
-            storage,
-            layout,
-            [F32, F64, F16, BF16, U8, U32, I16, I32, I64]
-        )
+        let dims = layout.dims();
+        map_cpu_storage!(storage, layout, self.fwd.name(), |v| {
+            let (out, d) = run_kind(&self.pg, &self.fwd, v, dims)?;
+            (out, Shape::from(d))
+        })
     }
 
     #[cfg(feature = "cuda")]

@@ -14,6 +14,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, Var};
 
+use super::collective::map_cpu_storage;
 use crate::comm::{Element, ProcessGroup};
 
 /// Sends `x` to rank `peer` of `pg` and returns a scalar handle (0, of `x`'s dtype). When `x`
@@ -109,24 +110,6 @@ impl P2pOp {
     }
 }
 
-macro_rules! p2p_dispatch {
-    ($self:ident, $storage:ident, $layout:ident, [$($variant:ident),*]) => {{
-        let Some((start, end)) = $layout.contiguous_offsets() else {
-            candle_core::bail!("{}: the input must be contiguous", $self.name());
-        };
-        match $storage {
-            $(CpuStorage::$variant(v) => {
-                let (out, shape) = $self.run(&v[start..end])?;
-                Ok((CpuStorage::$variant(out), shape))
-            })*
-            other => candle_core::bail!(
-                "{} to/from rank {}: dtype {:?} is not supported (use f32, f64, f16, bf16, u8, u32, i16, i32, i64)",
-                $self.name(), $self.peer, candle_core::backend::BackendStorage::dtype(other)
-            ),
-        }
-    }};
-}
-
 impl CustomOp1 for P2pOp {
     fn name(&self) -> &'static str {
         match self.dir {
@@ -136,12 +119,7 @@ impl CustomOp1 for P2pOp {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        p2p_dispatch!(
-            self,
-            storage,
-            layout,
-            [F32, F64, F16, BF16, U8, U32, I16, I32, I64]
-        )
+        map_cpu_storage!(storage, layout, self.name(), |v| self.run(v)?)
     }
 
     #[cfg(feature = "cuda")]

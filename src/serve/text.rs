@@ -223,10 +223,8 @@ impl TextStream {
 mod tests {
     use super::*;
 
-    /// The server renders through [`crate::chat_template`]: Qwen3's template (which calls
-    /// Python string methods) gives transformers' text.
-    #[test]
-    fn render_chat_is_transformers_rendering() {
+    /// The test data folder, and a checkpoint folder holding SmolLM2's tokenizer alone.
+    fn checkpoint_with_tokenizer() -> (std::path::PathBuf, tempfile::TempDir) {
         let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
         let dir = tempfile::tempdir().unwrap();
         std::fs::copy(
@@ -234,6 +232,14 @@ mod tests {
             dir.path().join("tokenizer.json"),
         )
         .unwrap();
+        (data, dir)
+    }
+
+    /// The server renders through [`crate::chat_template`]: Qwen3's template (which calls
+    /// Python string methods) gives transformers' text.
+    #[test]
+    fn render_chat_is_transformers_rendering() {
+        let (data, dir) = checkpoint_with_tokenizer();
         let template =
             std::fs::read_to_string(data.join("chat_templates/Qwen-Qwen3-0.6B.jinja")).unwrap();
         let config = serde_json::json!({"chat_template": template, "eos_token": "<|im_end|>"});
@@ -255,13 +261,7 @@ mod tests {
 
     #[test]
     fn a_checkpoint_without_template_still_loads() {
-        let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::copy(
-            data.join("smollm2/tokenizer.json"),
-            dir.path().join("tokenizer.json"),
-        )
-        .unwrap();
+        let (_, dir) = checkpoint_with_tokenizer();
         let text = ModelText::load(dir.path()).unwrap();
         let user = ChatMessage {
             role: "user".into(),

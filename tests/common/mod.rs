@@ -184,3 +184,12 @@ pub fn assert_loaded(errs: Vec<(f32, f32)>, tol: f32) {
         assert!(forward < tol, "rank {rank}: forward differs by {forward}");
     }
 }
+
+/// A finished process's stdout then stderr, as text (for assertions and failure messages).
+pub fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
