@@ -365,13 +365,6 @@ macro_rules! half_wire {
 half_wire!(f16);
 half_wire!(bf16);
 
-/// Runs `$body` with `$t` the element type of `$dtype`, with its [`Wire`] implementation.
-macro_rules! for_wire {
-    ($dtype:expr, $what:expr, |$t:ident| $body:expr) => {
-        for_element!($dtype, $what, |$t| $body)
-    };
-}
-
 impl Backend for MpiBackend {
     fn all_reduce(
         &self,
@@ -380,25 +373,24 @@ impl Backend for MpiBackend {
         op: ReduceOp,
     ) -> CommResult<()> {
         let who = self.who("all_reduce");
-        let code = match op {
-            ReduceOp::Sum => 1,
-            ReduceOp::Max => 2,
-        };
-        for_wire!(dst.dtype(), who.clone(), |T| {
+        for_element!(dst.dtype(), who.clone(), |T| {
             let d = typed_mut::<T>(dst, &who)?;
-            let s: Vec<T> = match src {
-                Some(s) => typed::<T>(s, &who)?.to_vec(),
-                None => d.to_vec(),
-            };
             let bytes = std::mem::size_of_val(d);
             let meta = [
                 CollectiveKind::AllReduce.code() as u64,
                 T::CODE as u64,
                 d.len() as u64,
-                code,
+                op.code() as u64,
             ];
             self.run(CollectiveKind::AllReduce, meta, (bytes, bytes), |c| {
-                <T as Wire>::all_reduce(c, &s, d, op);
+                match src {
+                    Some(s) => <T as Wire>::all_reduce(c, typed::<T>(s, &who)?, d, op),
+                    // In place: MPI's send and receive buffers must differ.
+                    None => {
+                        let s = d.to_vec();
+                        <T as Wire>::all_reduce(c, &s, d, op)
+                    }
+                }
                 Ok(())
             })
         })
@@ -421,7 +413,7 @@ impl Backend for MpiBackend {
             true,
         )?;
         let (c, d) = displacements(counts)?;
-        for_wire!(dst.dtype(), who.clone(), |T| {
+        for_element!(dst.dtype(), who.clone(), |T| {
             let (s, out) = (typed::<T>(src, &who)?, typed_mut::<T>(dst, &who)?);
             let meta = [
                 CollectiveKind::AllGather.code() as u64,
@@ -455,7 +447,7 @@ impl Backend for MpiBackend {
             false,
         )?;
         let start: usize = counts[..self.rank].iter().sum();
-        for_wire!(dst.dtype(), who.clone(), |T| {
+        for_element!(dst.dtype(), who.clone(), |T| {
             let (s, out) = (typed::<T>(src, &who)?, typed_mut::<T>(dst, &who)?);
             let meta = [
                 CollectiveKind::ReduceScatter.code() as u64,
@@ -482,7 +474,7 @@ impl Backend for MpiBackend {
                 format!("root {root} is not a rank of this group of {}", self.size),
             ));
         }
-        for_wire!(buf.dtype(), who.clone(), |T| {
+        for_element!(buf.dtype(), who.clone(), |T| {
             let b = typed_mut::<T>(buf, &who)?;
             let meta = [
                 CollectiveKind::Broadcast.code() as u64,

@@ -286,8 +286,8 @@ pub(crate) fn rendezvous(
     }))
 }
 
-/// `ctx.store.get(key)` within the deadline, in slices of 100 ms between which the parent
-/// group's abort is checked.
+/// `ctx.store.get(key)` within the deadline, polled every 20 ms, checking the parent group's
+/// abort between polls.
 fn wait_for_key(
     ctx: &Context,
     key: &str,
@@ -309,17 +309,10 @@ fn wait_for_key(
         if let Some(v) = ctx.store.try_get(key)? {
             return Ok(v);
         }
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
+        if std::time::Instant::now() >= deadline {
+            // The store's own timeout error, which names the key.
             return ctx.store.get(key, std::time::Duration::ZERO);
         }
-        match ctx
-            .store
-            .get(key, left.min(std::time::Duration::from_millis(100)))
-        {
-            Ok(v) => return Ok(v),
-            Err(_) if !left.is_zero() => continue,
-            Err(e) => return Err(e),
-        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
