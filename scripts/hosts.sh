@@ -86,7 +86,7 @@ run_mpirun() {
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 exec mpirun \
     --hostfile "$dir/hostfile" \
     --mca plm_rsh_agent "$dir/agent.sh" \
-    --mca btl tcp,self \
+    --mca btl self,vader,tcp \
     --mca btl_tcp_if_include "$subnet.0/24" \
     --mca oob_tcp_if_include "$subnet.0/24" \
     "$@"

@@ -1,6 +1,7 @@
 //! Jobs across emulated hosts (`scripts/hosts.sh`: network namespaces on a bridge, each with
 //! its own hostname and /dev/shm), launched by Open MPI's `mpirun` through an rsh agent, on
-//! the `mpi` backend (chosen by `init_from_env` because the ranks span hosts):
+//! the hierarchical backend (chosen by `init_from_env` because the ranks span hosts: shm inside
+//! a host, MPI between hosts):
 //!
 //! - the quickstart MLP at 2 hosts x 1 rank and 2 hosts x 2 ranks (each rank checks itself
 //!   against the dense MLP);
@@ -16,61 +17,10 @@
 
 mod common;
 
-use std::path::PathBuf;
+use common::hosts::{netns_pids, Hosts};
+
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn hosts_sh() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/hosts.sh")
-}
-
-/// The emulated hosts for the test's duration: `down` when dropped, also on a failure.
-struct Hosts;
-
-impl Hosts {
-    fn up(n: usize) -> Option<Self> {
-        let check = Command::new(hosts_sh())
-            .arg("check")
-            .output()
-            .expect("hosts.sh");
-        if !check.status.success() {
-            let why = String::from_utf8_lossy(&check.stdout).trim().to_string();
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "CI runs as root and must be able to make emulated hosts: {why}"
-            );
-            eprintln!("SKIPPED: {why}");
-            return None;
-        }
-        let out = Command::new(hosts_sh())
-            .args(["up", &n.to_string()])
-            .output()
-            .expect("hosts.sh up");
-        assert!(out.status.success(), "hosts.sh up {n}: {}", text(&out));
-        Some(Hosts)
-    }
-
-    /// `mpirun -np N --map-by node` on the hosts.
-    fn mpirun(&self, np: usize) -> Command {
-        let mut c = Command::new(hosts_sh());
-        c.args([
-            "mpirun",
-            "-np",
-            &np.to_string(),
-            "--map-by",
-            "node",
-            "--tag-output",
-        ])
-        .args(["-x", "RAYON_NUM_THREADS=1"]);
-        c
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        let _ = Command::new(hosts_sh()).arg("down").output();
-    }
-}
 
 fn text(out: &Output) -> String {
     common::output_text(out)
@@ -78,14 +28,6 @@ fn text(out: &Output) -> String {
 
 fn ids(v: &serde_json::Value) -> Vec<serde_json::Value> {
     v["token_ids"].as_array().cloned().unwrap_or_default()
-}
-
-fn netns_pids(ns: &str) -> String {
-    let out = Command::new("ip")
-        .args(["netns", "pids", ns])
-        .output()
-        .expect("ip netns pids");
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 #[test]

@@ -233,6 +233,10 @@ pub(crate) trait Backend: Send + Sync + 'static {
         members: &[usize],
     ) -> CommResult<Arc<dyn Backend>>;
 
+    /// The backend's name as `CANDLE_TP_BACKEND` spells it (`shm`, `mpi`, `hierarchical`,
+    /// `nccl`), or `single` for a group of one rank.
+    fn kind(&self) -> &'static str;
+
     /// For the code that needs one backend's own API (NCCL's device collectives).
     #[allow(dead_code)] // used with the nccl feature
     fn as_any(&self) -> &dyn Any;

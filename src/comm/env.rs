@@ -78,9 +78,10 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
     })
 }
 
-/// Chooses the backend: `auto` (the default: MPI for a CPU job that spans hosts under an MPI
-/// launcher or srun, when built with the `mpi` feature; shared memory on one host; NCCL on
-/// GPUs), `shm`, `mpi` or `nccl`.
+/// Chooses the backend: `auto` (the default: for a CPU job that spans hosts under an MPI
+/// launcher or srun, when built with the `mpi` feature, `hierarchical`; shared memory on one
+/// host; NCCL on GPUs), `shm`, `hierarchical` (shared memory inside each host, MPI between
+/// hosts), `mpi` (MPI for every byte, also inside a host) or `nccl`.
 pub const BACKEND_VAR: &str = "CANDLE_TP_BACKEND";
 
 /// The variable that gives the number of processes on this host, for messages.
@@ -137,22 +138,30 @@ pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
         launch.launcher,
         Launcher::OpenMpi | Launcher::Hydra | Launcher::Slurm
     );
+    // Some(flat) when an MPI backend is chosen: flat MPI or hierarchical.
     let use_mpi = match var(BACKEND_VAR).as_deref().map(str::trim) {
-        None | Some("auto") => cfg!(feature = "mpi") && mpi_launched && !launch.is_single_host(),
-        Some("mpi") => true,
-        Some("shm") | Some("nccl") => false,
+        None | Some("auto") => {
+            (cfg!(feature = "mpi") && mpi_launched && !launch.is_single_host()).then_some(false)
+        }
+        Some("hierarchical") => Some(false),
+        Some("mpi") => Some(true),
+        Some("shm") | Some("nccl") => None,
         Some(other) => {
             return Err(CommError::env(
                 BACKEND_VAR,
-                format!("'{other}' is not a backend (auto, shm, mpi or nccl)"),
+                format!("'{other}' is not a backend (auto, shm, hierarchical, mpi or nccl)"),
             )
             .into())
         }
     };
-    if use_mpi && device.is_cpu() {
+    if let (Some(_flat), true) = (use_mpi, device.is_cpu()) {
         #[cfg(feature = "mpi")]
         {
-            let pg = super::mpi::init_mpi(GroupOptions::default())?;
+            let pg = if _flat {
+                super::mpi::init_mpi(GroupOptions::default())?
+            } else {
+                super::hierarchical::init_hierarchical(GroupOptions::default())?
+            };
             if launch.launcher != Launcher::Alone && pg.size() != launch.world_size {
                 return Err(CommError::env(
                     launch_size_var(launch.launcher),
@@ -171,7 +180,7 @@ pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
         #[cfg(not(feature = "mpi"))]
         return Err(CommError::env(
             BACKEND_VAR,
-            "asks for the mpi backend, which this build lacks (cargo build --features mpi; \
+            "asks for an MPI backend, which this build lacks (cargo build --features mpi; \
              scripts/setup-mpi.sh installs what it needs)",
         )
         .into());

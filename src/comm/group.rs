@@ -111,6 +111,17 @@ impl ProcessGroup {
         &self.inner.name
     }
 
+    /// The backend that carries this group's collectives, as `CANDLE_TP_BACKEND` names it:
+    /// `shm` (shared memory: processes of one host, or threads), `mpi`, `hierarchical` (shm
+    /// inside each host, MPI between hosts), `nccl`, or `single` for a group of one rank.
+    ///
+    /// ```
+    /// assert_eq!(candle_tp::comm::ProcessGroup::single().backend(), "single");
+    /// ```
+    pub fn backend(&self) -> &'static str {
+        self.inner.backend.kind()
+    }
+
     /// World rank of each member, in group order.
     pub fn members(&self) -> &[usize] {
         &self.inner.members

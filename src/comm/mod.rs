@@ -5,7 +5,8 @@
 //! - Backends behind one trait (`backend.rs`; `ProcessGroup` never branches on them): the
 //!   shared-memory engine (`shm.rs`: processes of one host, [`crate::init_from_env`], or
 //!   threads of one process, [`run_threads`], for tests), NCCL on GPUs (`nccl.rs`, feature
-//!   `nccl`), MPI across hosts (`mpi.rs`, feature `mpi`) and the one-rank group (`single.rs`).
+//!   `nccl`), MPI (`mpi/`, feature `mpi`), MPI between hosts with shm inside each
+//!   (`hierarchical/`, feature `mpi`) and the one-rank group (`single.rs`).
 //! - [`launcher`]: the job's layout from tprun/torchrun, `mpirun` (Open MPI, Hydra) or `srun`.
 mod backend;
 mod context;
@@ -14,6 +15,8 @@ mod engine;
 mod env;
 pub mod error;
 mod group;
+#[cfg(feature = "mpi")]
+mod hierarchical;
 pub mod launcher;
 pub mod mesh;
 #[cfg(feature = "mpi")]
@@ -29,6 +32,8 @@ pub mod store;
 mod threads;
 mod wait;
 
+#[cfg(feature = "mpi")]
+pub use self::hierarchical::init_hierarchical;
 #[cfg(feature = "mpi")]
 pub use self::mpi::init_mpi;
 pub use context::GroupOptions;

@@ -323,6 +323,10 @@ impl Backend for NcclGroup {
         )?))
     }
 
+    fn kind(&self) -> &'static str {
+        "nccl"
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

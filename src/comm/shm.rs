@@ -190,6 +190,10 @@ impl Backend for ShmBackend {
         rendezvous(ctx, name, rank, members, Some((&self.name, &self.abort)))
     }
 
+    fn kind(&self) -> &'static str {
+        "shm"
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }

@@ -114,6 +114,10 @@ impl Backend for Single {
         Ok(Arc::new(Single::new(name)))
     }
 
+    fn kind(&self) -> &'static str {
+        "single"
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }

@@ -63,6 +63,12 @@ pub struct OpStats {
     pub received_bytes: u64,
     /// Wall time spent inside the collective, waiting included.
     pub time: Duration,
+    /// Payload of the collectives this rank ran with members on other hosts (the MPI stage of
+    /// a hierarchical collective, or a whole MPI collective whose group spans hosts), counted
+    /// as `payload_bytes` is. What goes on the wire is this times the algorithm's factor
+    /// (2(h−1)/h for an all-reduce over h hosts by a ring, (h−1)/h for the others). Zero on
+    /// one host.
+    pub cross_host_bytes: u64,
 }
 
 impl OpStats {
@@ -73,6 +79,7 @@ impl OpStats {
             sent_bytes: self.sent_bytes - earlier.sent_bytes,
             received_bytes: self.received_bytes - earlier.received_bytes,
             time: self.time.saturating_sub(earlier.time),
+            cross_host_bytes: self.cross_host_bytes - earlier.cross_host_bytes,
         }
     }
 
@@ -83,6 +90,7 @@ impl OpStats {
             sent_bytes: self.sent_bytes + other.sent_bytes,
             received_bytes: self.received_bytes + other.received_bytes,
             time: self.time + other.time,
+            cross_host_bytes: self.cross_host_bytes + other.cross_host_bytes,
         }
     }
 }
@@ -122,6 +130,12 @@ impl CommStats {
         s.sent_bytes += sent as u64;
         s.received_bytes += received as u64;
         s.time += time;
+    }
+
+    /// Adds `bytes` of payload that crossed hosts to `kind` (the call itself is counted by
+    /// [`record`](Self::record)).
+    pub(crate) fn record_cross_host(&mut self, kind: CollectiveKind, bytes: usize) {
+        self.ops[kind.index()].cross_host_bytes += bytes as u64;
     }
 
     /// What happened between `earlier` and `self`.

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod families;
+pub mod hosts;
 pub mod quantized;
 #[cfg(feature = "server")]
 pub mod serve;

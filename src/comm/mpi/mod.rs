@@ -18,11 +18,9 @@ use std::any::Any;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use ::mpi::datatype::PartitionMut;
 use ::mpi::topology::{Communicator, SimpleCommunicator};
 use ::mpi::traits::*;
 use ::mpi::Threading;
-use half::{bf16, f16};
 
 use super::backend::{for_element, typed, typed_mut, Backend, HostBuf, HostBufMut};
 use super::context::{Context, GroupOptions};
@@ -32,6 +30,9 @@ use super::group::ProcessGroup;
 use super::region::random_hex;
 use super::stats::{CollectiveKind, CommStats};
 use super::store::MemStore;
+
+mod wire;
+use wire::Wire;
 
 /// An MPI communicator of one group on this rank.
 pub(crate) struct MpiBackend {
@@ -44,6 +45,9 @@ pub(crate) struct MpiBackend {
     aborted: Mutex<Option<String>>,
     /// The collective in progress and when it started, for the watchdog.
     in_flight: Mutex<Option<(Instant, &'static str)>>,
+    /// Whether the members live on more than one host (then every byte a collective moves
+    /// is counted as crossing hosts).
+    spans_hosts: bool,
 }
 
 /// `SimpleCommunicator` behind the backend's lock.
@@ -57,6 +61,28 @@ unsafe impl Send for Comm {}
 /// returns its world group on the `mpi` backend. Initialises MPI with `MPI_THREAD_MULTIPLE`;
 /// MPI is finalised when the last group is dropped at exit.
 pub fn init_mpi(options: GroupOptions) -> CommResult<ProcessGroup> {
+    let world = mpi_world(options)?;
+    let (rank, size) = (world.rank, world.size);
+    let ctx = Context::new(
+        Arc::new(MemStore::new()),
+        super::region::RegionKind::InProcess,
+        random_hex(),
+        &options,
+        size,
+        Vec::new(),
+    );
+    Ok(ProcessGroup::new(
+        "world".into(),
+        rank,
+        (0..size).collect(),
+        world,
+        Some(ctx),
+    ))
+}
+
+/// Initialises MPI (once per process, with `MPI_THREAD_MULTIPLE`; finalised at exit) and
+/// returns the backend of `MPI_COMM_WORLD`.
+pub(crate) fn mpi_world(options: GroupOptions) -> CommResult<Arc<MpiBackend>> {
     static UNIVERSE: OnceLock<Mutex<Option<::mpi::environment::Universe>>> = OnceLock::new();
     let cell = UNIVERSE.get_or_init(|| Mutex::new(None));
     let mut u = cell.lock().unwrap_or_else(|e| e.into_inner());
@@ -86,28 +112,15 @@ pub fn init_mpi(options: GroupOptions) -> CommResult<ProcessGroup> {
         }
     }
     let world = u.as_ref().expect("initialised above").world();
-    let (rank, size) = (world.rank() as usize, world.size() as usize);
-    let ctx = Context::new(
-        Arc::new(MemStore::new()),
-        super::region::RegionKind::InProcess,
-        random_hex(),
-        &options,
-        size,
-        Vec::new(),
-    );
-    let backend = MpiBackend::new(world, "world".into(), options.timeout);
-    Ok(ProcessGroup::new(
-        "world".into(),
-        rank,
-        (0..size).collect(),
-        backend,
-        Some(ctx),
-    ))
+    Ok(MpiBackend::new(world, "world".into(), options.timeout))
 }
 
 impl MpiBackend {
+    /// Collective over `comm`'s members (it asks MPI which of them share a host).
     fn new(comm: SimpleCommunicator, name: String, timeout: Duration) -> Arc<Self> {
+        let spans_hosts = comm.split_shared(comm.rank()).size() < comm.size();
         let b = Arc::new(Self {
+            spans_hosts,
             rank: comm.rank() as usize,
             size: comm.size() as usize,
             comm: Mutex::new(Comm(comm)),
@@ -122,6 +135,25 @@ impl MpiBackend {
             .unwrap_or_else(|e| e.into_inner())
             .push(Arc::downgrade(&b));
         b
+    }
+
+    /// This rank's index in the group.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks in the group.
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The members on this rank's host (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`, ordered
+    /// by their rank here), as a group of their own. Collective over the whole group.
+    pub(crate) fn split_shared(&self, name: String) -> Arc<MpiBackend> {
+        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let local = comm.0.split_shared(self.rank as i32);
+        drop(comm);
+        MpiBackend::new(local, name, self.timeout)
     }
 
     fn who(&self, op: &str) -> String {
@@ -161,13 +193,13 @@ impl MpiBackend {
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = None;
         drop(comm);
         if out.is_ok() {
-            self.stats.lock().unwrap_or_else(|e| e.into_inner()).record(
-                kind,
-                bytes.0,
-                bytes.0,
-                bytes.1,
-                t0.elapsed(),
-            );
+            // The payload as `OpStats` defines it: the larger of input and output.
+            let payload = bytes.0.max(bytes.1);
+            let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            stats.record(kind, payload, bytes.0, bytes.1, t0.elapsed());
+            if self.spans_hosts {
+                stats.record_cross_host(kind, payload);
+            }
         }
         out
     }
@@ -231,139 +263,6 @@ fn too_large(n: usize) -> CommError {
         format!("{n} elements: MPI counts are 32-bit (at most {})", i32::MAX),
     )
 }
-
-/// What MPI moves for an element type: itself, or f32 for the half types.
-trait Wire: Element {
-    /// Reduces `src` into `dst` with `op` across `comm`.
-    fn all_reduce(comm: &SimpleCommunicator, src: &[Self], dst: &mut [Self], op: ReduceOp);
-    /// Gathers / broadcasts raw values.
-    fn all_gather_v(
-        comm: &SimpleCommunicator,
-        src: &[Self],
-        dst: &mut [Self],
-        c: &[i32],
-        d: &[i32],
-    );
-    fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize);
-}
-
-macro_rules! native_wire {
-    ($t:ty, float) => {
-        native_wire!($t, |comm, src, dst| nan_max_fixup(
-            comm,
-            src,
-            dst,
-            |v: &$t| v.is_nan(),
-            <$t>::NAN
-        ));
-    };
-    ($t:ty, int) => {
-        native_wire!($t, |_comm, _src, _dst| ());
-    };
-    ($t:ty, $fixup:expr) => {
-        impl Wire for $t {
-            fn all_reduce(comm: &SimpleCommunicator, src: &[Self], dst: &mut [Self], op: ReduceOp) {
-                match op {
-                    ReduceOp::Sum => {
-                        comm.all_reduce_into(src, dst, ::mpi::collective::SystemOperation::sum())
-                    }
-                    ReduceOp::Max => {
-                        comm.all_reduce_into(src, dst, ::mpi::collective::SystemOperation::max());
-                        let fixup: fn(&SimpleCommunicator, &[$t], &mut [$t]) = $fixup;
-                        fixup(comm, src, dst);
-                    }
-                }
-            }
-            fn all_gather_v(
-                comm: &SimpleCommunicator,
-                src: &[Self],
-                dst: &mut [Self],
-                c: &[i32],
-                d: &[i32],
-            ) {
-                let mut part = PartitionMut::new(dst, c, d);
-                comm.all_gather_varcount_into(src, &mut part);
-            }
-            fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize) {
-                comm.process_at_rank(root as i32).broadcast_into(buf);
-            }
-        }
-    };
-}
-
-native_wire!(f32, float);
-native_wire!(f64, float);
-native_wire!(u8, int);
-native_wire!(u32, int);
-native_wire!(i16, int);
-native_wire!(i32, int);
-native_wire!(i64, int);
-
-/// NaN anywhere at an index makes the maximum NaN there.
-fn nan_max_fixup<T: Copy>(
-    comm: &SimpleCommunicator,
-    src: &[T],
-    dst: &mut [T],
-    is_nan: impl Fn(&T) -> bool,
-    nan: T,
-) {
-    let mine: Vec<u8> = src.iter().map(|v| u8::from(is_nan(v))).collect();
-    let mut any = vec![0u8; mine.len()];
-    comm.all_reduce_into(
-        &mine[..],
-        &mut any[..],
-        ::mpi::collective::SystemOperation::max(),
-    );
-    for (d, &n) in dst.iter_mut().zip(&any) {
-        if n != 0 {
-            *d = nan;
-        }
-    }
-}
-
-macro_rules! half_wire {
-    ($t:ty) => {
-        impl Wire for $t {
-            fn all_reduce(comm: &SimpleCommunicator, src: &[Self], dst: &mut [Self], op: ReduceOp) {
-                // Widened to f32, reduced, rounded once.
-                let wide: Vec<f32> = src.iter().map(|v| v.to_f32()).collect();
-                let mut out = vec![0f32; wide.len()];
-                <f32 as Wire>::all_reduce(comm, &wide, &mut out, op);
-                for (d, v) in dst.iter_mut().zip(out) {
-                    *d = <$t>::from_f32(v);
-                }
-            }
-            fn all_gather_v(
-                comm: &SimpleCommunicator,
-                src: &[Self],
-                dst: &mut [Self],
-                c: &[i32],
-                d: &[i32],
-            ) {
-                let s: Vec<u16> = src.iter().map(|v| v.to_bits()).collect();
-                let mut out = vec![0u16; dst.len()];
-                {
-                    let mut part = PartitionMut::new(&mut out[..], c, d);
-                    comm.all_gather_varcount_into(&s[..], &mut part);
-                }
-                for (d, b) in dst.iter_mut().zip(out) {
-                    *d = <$t>::from_bits(b);
-                }
-            }
-            fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize) {
-                let mut bits: Vec<u16> = buf.iter().map(|v| v.to_bits()).collect();
-                comm.process_at_rank(root as i32)
-                    .broadcast_into(&mut bits[..]);
-                for (d, b) in buf.iter_mut().zip(bits) {
-                    *d = <$t>::from_bits(b);
-                }
-            }
-        }
-    };
-}
-
-half_wire!(f16);
-half_wire!(bf16);
 
 impl Backend for MpiBackend {
     fn all_reduce(
@@ -553,12 +452,16 @@ impl Backend for MpiBackend {
         Ok(MpiBackend::new(new, name, self.timeout))
     }
 
+    fn kind(&self) -> &'static str {
+        "mpi"
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }
 }
 
-fn check_counts(
+pub(crate) fn check_counts(
     who: &str,
     counts: &[usize],
     size: usize,

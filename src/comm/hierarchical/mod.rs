@@ -1,0 +1,468 @@
+//! The hierarchical backend (feature `mpi`): for a job across hosts, the shared-memory engine
+//! among the ranks of each host and MPI between hosts.
+//!
+//! The hosts are found with `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Ranks of one host meet
+//! through a store that the host's first rank serves on its loopback (its port handed out over
+//! MPI), so no address needs configuring. A group whose members all sit on one host is a plain
+//! shm group, one whose members sit on different hosts one per host a plain MPI group; only a
+//! group with several members on some host and several hosts is hierarchical. When every host
+//! holds the same number `l` of the group's members (the usual layout):
+//!
+//! - all-reduce: reduce-scatter inside the host into `l` shards, an all-reduce of shard `j`
+//!   across hosts among the members whose index on their host is `j` (one MPI communicator per
+//!   local index), then an all-gather inside the host. Each host sends its data across once,
+//!   split over `l` streams, against `l` times for a flat MPI all-reduce;
+//! - all-gather: an all-gather across hosts among the members of local index `j`, then inside
+//!   the host; reduce-scatter: inside the host, then across; broadcast: across hosts among the
+//!   root's local index, then inside each host.
+//!
+//! Uneven layouts (3 ranks: 2 on one host, 1 on another) go through each host's first member:
+//! the collective inside the host, the same collective among those leaders, and a broadcast
+//! inside the host.
+//!
+//! A stage that fails (ranks that disagree on sizes, a deadline, a dead peer) aborts the
+//! group's shm part with the reason, so that the host's other members, which may already wait
+//! in the next stage, fail too instead of waiting for the deadline; the group stays failed.
+
+mod algorithms;
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+use super::backend::{Backend, HostBuf, HostBufMut};
+use super::context::{Context, GroupOptions};
+use super::error::{CommError, CommResult};
+use super::group::ProcessGroup;
+use super::mpi::{mpi_world, MpiBackend};
+use super::region::{random_hex, RegionKind};
+use super::shm::rendezvous;
+use super::single::Single;
+use super::stats::{CollectiveKind, CommStats};
+use super::store::{Store, TcpStore, TcpStoreServer};
+
+/// Where every world rank lives, and the world's two transports, shared by all groups.
+struct HostMap {
+    /// `MPI_COMM_WORLD`: its sub-groups are the across-host stages.
+    mpi: Arc<MpiBackend>,
+    /// The shm engine over this host's world ranks: its sub-groups are the in-host stages.
+    local: Arc<dyn Backend>,
+    /// Host index of each world rank (hosts numbered in the order of their first rank).
+    host_of: Vec<usize>,
+    /// Index of each world rank among the world's ranks on its host (ordered by world rank).
+    local_of: Vec<usize>,
+}
+
+/// One group's hierarchical collectives on this rank.
+pub(crate) struct Hierarchical {
+    name: String,
+    /// This rank's index in the group.
+    rank: usize,
+    /// Group ranks on each of the group's hosts, in group order (hosts in the order of their
+    /// first member).
+    hosts: Vec<Vec<usize>>,
+    /// Host and index on that host of each group rank.
+    place: Vec<(usize, usize)>,
+    /// Whether every host holds the same number of members.
+    even: bool,
+    /// The members on this rank's host.
+    local: Arc<dyn Backend>,
+    /// The members with this rank's local index, one per host (even layouts), or the hosts'
+    /// first members (uneven layouts; `None` on the others).
+    cross: Option<Arc<dyn Backend>>,
+    map: Arc<HostMap>,
+    stats: Mutex<CommStats>,
+}
+
+/// Joins the MPI job this process was started in (`mpirun`, `mpiexec`, `srun`) and returns its
+/// world group on the hierarchical backend: shared memory among the ranks of each host, MPI
+/// between hosts. On one host it is the shm backend, with one rank per host plain MPI.
+pub fn init_hierarchical(options: GroupOptions) -> CommResult<ProcessGroup> {
+    let mpi = mpi_world(options)?;
+    let (rank, size) = (mpi.rank(), mpi.size());
+    // The host of every rank, named by its host's first world rank.
+    let node = mpi.split_shared("world/node".into());
+    let mut first = [rank as i64];
+    node.broadcast(HostBufMut::new(&mut first), 0)?;
+    let mut firsts = vec![0i64; size];
+    mpi.all_gather_v(
+        HostBuf::new(&first),
+        HostBufMut::new(&mut firsts),
+        &vec![1; size],
+    )?;
+    let mut host_of = Vec::with_capacity(size);
+    let mut local_of = Vec::with_capacity(size);
+    let mut seen: Vec<(i64, usize)> = Vec::new();
+    for &f in &firsts {
+        match seen.iter_mut().position(|(id, _)| *id == f) {
+            Some(h) => {
+                host_of.push(h);
+                local_of.push(seen[h].1);
+                seen[h].1 += 1;
+            }
+            None => {
+                host_of.push(seen.len());
+                local_of.push(0);
+                seen.push((f, 1));
+            }
+        }
+    }
+    let local_size = seen[host_of[rank]].1;
+    // The job id names the shm segments (each host has its own /dev/shm, but one host may run
+    // several jobs).
+    let mut job = [0u8; 16];
+    if rank == 0 {
+        job.copy_from_slice(random_hex().as_bytes());
+    }
+    mpi.broadcast(HostBufMut::new(&mut job), 0)?;
+    let job = String::from_utf8_lossy(&job).into_owned();
+    let ctx = host_store(&node, local_of[rank], local_size, job, &options)?;
+    let local_members: Vec<usize> = (0..local_size).collect();
+    let local = rendezvous(
+        &ctx,
+        "world/host".into(),
+        local_of[rank],
+        &local_members,
+        None,
+    )?;
+    let map = Arc::new(HostMap {
+        mpi,
+        local,
+        host_of,
+        local_of,
+    });
+    let members: Vec<usize> = (0..size).collect();
+    let backend = Hierarchical::group(&map, &ctx, "world".into(), rank, &members)?;
+    Ok(ProcessGroup::new(
+        "world".into(),
+        rank,
+        members,
+        backend,
+        Some(ctx),
+    ))
+}
+
+/// The store of this host's ranks: its first rank serves it on loopback and tells the others
+/// the port and a fresh token over MPI.
+fn host_store(
+    node: &MpiBackend,
+    local_rank: usize,
+    local_size: usize,
+    job: String,
+    options: &GroupOptions,
+) -> CommResult<Arc<Context>> {
+    const ADDR: &str = "127.0.0.1";
+    let mut keep: Vec<Box<dyn Any + Send + Sync>> = Vec::new();
+    // Port (2 bytes) then the token (16 hex characters).
+    let mut msg = [0u8; 18];
+    if local_rank == 0 {
+        let token = random_hex();
+        let server = TcpStoreServer::bind(ADDR, 0, &token)?;
+        msg[..2].copy_from_slice(&server.port().to_le_bytes());
+        msg[2..].copy_from_slice(token.as_bytes());
+        keep.push(Box::new(server));
+    }
+    node.broadcast(HostBufMut::new(&mut msg), 0)?;
+    let port = u16::from_le_bytes([msg[0], msg[1]]);
+    let token = String::from_utf8_lossy(&msg[2..]).into_owned();
+    let store: Arc<dyn Store> = Arc::new(TcpStore::connect(ADDR, port, &token, options.timeout)?);
+    Ok(Context::new(
+        store,
+        RegionKind::Shm,
+        job,
+        options,
+        local_size,
+        keep,
+    ))
+}
+
+impl Hierarchical {
+    /// The backend of the group `members` (world ranks, group order; this rank is `rank` of
+    /// them): shm, MPI or hierarchical, whichever the members' hosts call for.
+    fn group(
+        map: &Arc<HostMap>,
+        ctx: &Arc<Context>,
+        name: String,
+        rank: usize,
+        members: &[usize],
+    ) -> CommResult<Arc<dyn Backend>> {
+        let mut hosts: Vec<(usize, Vec<usize>)> = Vec::new();
+        let mut place = Vec::with_capacity(members.len());
+        for (g, &w) in members.iter().enumerate() {
+            let h = map.host_of[w];
+            let slot = match hosts.iter().position(|(id, _)| *id == h) {
+                Some(s) => s,
+                None => {
+                    hosts.push((h, Vec::new()));
+                    hosts.len() - 1
+                }
+            };
+            place.push((slot, hosts[slot].1.len()));
+            hosts[slot].1.push(g);
+        }
+        let hosts: Vec<Vec<usize>> = hosts.into_iter().map(|(_, m)| m).collect();
+        let (my_host, my_index) = place[rank];
+        let whole_host = hosts.len() == 1;
+        let one_per_host = hosts.iter().all(|m| m.len() == 1);
+        // The members on this host, as indices of the host's world ranks.
+        let local_members: Vec<usize> = hosts[my_host]
+            .iter()
+            .map(|&g| map.local_of[members[g]])
+            .collect();
+        let all_of_host = local_members.len() == map.local_size_of(map.host_of[members[rank]])
+            && local_members.iter().enumerate().all(|(i, &l)| i == l);
+        if one_per_host {
+            return map.mpi.subgroup(ctx, name, rank, members);
+        }
+        let local = if all_of_host {
+            map.local.clone()
+        } else {
+            map.local
+                .subgroup(ctx, format!("{name}/host"), my_index, &local_members)?
+        };
+        if whole_host {
+            return Ok(local);
+        }
+        let even = hosts.iter().all(|m| m.len() == hosts[0].len());
+        // Even: the members of this local index on every host; uneven: the hosts' first members.
+        let cross = if even || my_index == 0 {
+            let across: Vec<usize> = hosts.iter().map(|m| members[m[my_index]]).collect();
+            Some(
+                map.mpi
+                    .subgroup(ctx, format!("{name}/across{my_index}"), my_host, &across)?,
+            )
+        } else {
+            None
+        };
+        Ok(Arc::new(Hierarchical {
+            name,
+            rank,
+            hosts,
+            place,
+            even,
+            local,
+            cross,
+            map: map.clone(),
+            stats: Mutex::new(CommStats::default()),
+        }))
+    }
+
+    fn who(&self, op: &str) -> String {
+        format!(
+            "{op} on group '{}' (rank {} of {}, hierarchical over {} hosts)",
+            self.name,
+            self.rank,
+            self.place.len(),
+            self.hosts.len()
+        )
+    }
+
+    /// The across-host stage's group (present wherever a stage runs on this rank).
+    fn cross(&self) -> CommResult<&Arc<dyn Backend>> {
+        self.cross.as_ref().ok_or_else(|| {
+            CommError::invalid(
+                self.who("hierarchical collective"),
+                "this rank has no across-host stage (internal error)",
+            )
+        })
+    }
+
+    /// Runs one collective's stages: statistics on success (payload, the stages' sent and
+    /// received bytes, the across-host stage's payload), and on failure the in-host group
+    /// aborted with the error, so that this host's other members fail too.
+    fn run(
+        &self,
+        kind: CollectiveKind,
+        payload: usize,
+        f: impl FnOnce(&mut usize) -> CommResult<()>,
+    ) -> CommResult<()> {
+        let t0 = std::time::Instant::now();
+        let before = self.stage_totals();
+        let mut cross_bytes = 0usize;
+        match f(&mut cross_bytes) {
+            Ok(()) => {
+                let after = self.stage_totals();
+                let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+                s.record(
+                    kind,
+                    payload,
+                    (after.0 - before.0) as usize,
+                    (after.1 - before.1) as usize,
+                    t0.elapsed(),
+                );
+                s.record_cross_host(kind, cross_bytes);
+                Ok(())
+            }
+            Err(e) => {
+                let reason = format!("{} failed: {e}", self.who(kind.name()));
+                self.local.abort(&reason);
+                if let Some(c) = &self.cross {
+                    c.abort(&reason);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Bytes sent and received so far by the stages' groups.
+    fn stage_totals(&self) -> (u64, u64) {
+        let mut t = self.local.stats().total();
+        if let Some(c) = &self.cross {
+            let c = c.stats().total();
+            t.sent_bytes += c.sent_bytes;
+            t.received_bytes += c.received_bytes;
+        }
+        (t.sent_bytes, t.received_bytes)
+    }
+}
+
+impl Hierarchical {
+    fn check_counts(
+        &self,
+        who: &str,
+        counts: &[usize],
+        mine: usize,
+        total: usize,
+        gather: bool,
+    ) -> CommResult<()> {
+        super::mpi::check_counts(
+            who,
+            counts,
+            self.place.len(),
+            self.rank,
+            mine,
+            total,
+            gather,
+        )
+    }
+}
+
+impl HostMap {
+    fn local_size_of(&self, host: usize) -> usize {
+        self.host_of.iter().filter(|&&h| h == host).count()
+    }
+}
+
+impl Backend for Hierarchical {
+    fn all_reduce(
+        &self,
+        src: Option<HostBuf<'_>>,
+        dst: HostBufMut<'_>,
+        op: super::element::ReduceOp,
+    ) -> CommResult<()> {
+        let who = self.who("all_reduce");
+        super::backend::for_element!(dst.dtype(), who.clone(), |T| {
+            let d = super::backend::typed_mut::<T>(dst, &who)?;
+            let s = match src {
+                Some(s) => Some(super::backend::typed::<T>(s, &who)?),
+                None => None,
+            };
+            let payload = std::mem::size_of_val(d);
+            self.run(CollectiveKind::AllReduce, payload, |x| {
+                self.all_reduce_t(s, d, op, x)
+            })
+        })
+    }
+
+    fn all_gather_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+    ) -> CommResult<()> {
+        let who = self.who("all_gather");
+        self.check_counts(&who, counts, src.len(), dst.len(), true)?;
+        super::backend::for_element!(dst.dtype(), who.clone(), |T| {
+            let s = super::backend::typed::<T>(src, &who)?;
+            let d = super::backend::typed_mut::<T>(dst, &who)?;
+            let payload = std::mem::size_of_val(d);
+            self.run(CollectiveKind::AllGather, payload, |x| {
+                self.all_gather_t(s, d, counts, x)
+            })
+        })
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        counts: &[usize],
+        op: super::element::ReduceOp,
+    ) -> CommResult<()> {
+        let who = self.who("reduce_scatter");
+        self.check_counts(&who, counts, dst.len(), src.len(), false)?;
+        super::backend::for_element!(dst.dtype(), who.clone(), |T| {
+            let s = super::backend::typed::<T>(src, &who)?;
+            let d = super::backend::typed_mut::<T>(dst, &who)?;
+            let payload = std::mem::size_of_val(s);
+            self.run(CollectiveKind::ReduceScatter, payload, |x| {
+                self.reduce_scatter_t(s, d, counts, op, x)
+            })
+        })
+    }
+
+    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
+        let who = self.who("broadcast");
+        if root >= self.place.len() {
+            return Err(CommError::invalid(
+                who,
+                format!(
+                    "root {root} is not a rank of this group of {}",
+                    self.place.len()
+                ),
+            ));
+        }
+        super::backend::for_element!(buf.dtype(), who.clone(), |T| {
+            let b = super::backend::typed_mut::<T>(buf, &who)?;
+            let payload = std::mem::size_of_val(b);
+            self.run(CollectiveKind::Broadcast, payload, |x| {
+                self.broadcast_t(b, root, x)
+            })
+        })
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.run(CollectiveKind::Barrier, 0, |_| {
+            self.local.barrier()?;
+            if let Some(c) = &self.cross {
+                c.barrier()?;
+            }
+            self.local.barrier()
+        })
+    }
+
+    fn abort(&self, reason: &str) {
+        self.local.abort(reason);
+        if let Some(c) = &self.cross {
+            c.abort(reason);
+        }
+    }
+
+    fn stats(&self) -> CommStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reset_stats(&self) {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = CommStats::default();
+    }
+
+    fn subgroup(
+        &self,
+        ctx: &Arc<Context>,
+        name: String,
+        rank: usize,
+        members: &[usize],
+    ) -> CommResult<Arc<dyn Backend>> {
+        if members.len() == 1 {
+            return Ok(Arc::new(Single::new(name)));
+        }
+        Hierarchical::group(&self.map, ctx, name, rank, members)
+    }
+
+    fn kind(&self) -> &'static str {
+        "hierarchical"
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,81 @@
+//! Emulated hosts (`scripts/hosts.sh`) for the tests that run jobs across them: made for one
+//! test at a time (a lock), removed when the guard drops, also when the test fails.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+
+/// The script.
+pub fn hosts_sh() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/hosts.sh")
+}
+
+/// The emulated hosts for the test's duration: `down` when dropped, also on a failure. One
+/// test at a time holds them.
+pub struct Hosts {
+    _one_at_a_time: MutexGuard<'static, ()>,
+}
+
+impl Hosts {
+    /// `hosts.sh up n`, or `None` after printing `SKIPPED: why` where the machine cannot make
+    /// them (outside CI, which must be able to).
+    pub fn up(n: usize) -> Option<Self> {
+        static ONE: Mutex<()> = Mutex::new(());
+        let guard = ONE.lock().unwrap_or_else(|e| e.into_inner());
+        let check = Command::new(hosts_sh())
+            .arg("check")
+            .output()
+            .expect("hosts.sh");
+        if !check.status.success() {
+            let why = String::from_utf8_lossy(&check.stdout).trim().to_string();
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI runs as root and must be able to make emulated hosts: {why}"
+            );
+            eprintln!("SKIPPED: {why}");
+            return None;
+        }
+        let out = Command::new(hosts_sh())
+            .args(["up", &n.to_string()])
+            .output()
+            .expect("hosts.sh up");
+        assert!(
+            out.status.success(),
+            "hosts.sh up {n}: {}",
+            super::output_text(&out)
+        );
+        Some(Hosts {
+            _one_at_a_time: guard,
+        })
+    }
+
+    /// `mpirun -np N --map-by node` on the hosts.
+    pub fn mpirun(&self, np: usize) -> Command {
+        let mut c = Command::new(hosts_sh());
+        c.args([
+            "mpirun",
+            "-np",
+            &np.to_string(),
+            "--map-by",
+            "node",
+            "--tag-output",
+        ])
+        .args(["-x", "RAYON_NUM_THREADS=1"]);
+        c
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let _ = Command::new(hosts_sh()).arg("down").output();
+    }
+}
+
+/// The processes running in namespace `ns`, space-separated.
+pub fn netns_pids(ns: &str) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "pids", ns])
+        .output()
+        .expect("ip netns pids");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
