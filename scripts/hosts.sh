@@ -7,8 +7,10 @@
 #   scripts/hosts.sh up N [RATE]   # hosts ctp-h1..ctp-hN at 10.77.0.11.., links limited to
 #                                  # RATE (tc tbf, e.g. 1gbit) when given
 #   scripts/hosts.sh down          # removes every namespace, link and file it made
-#   scripts/hosts.sh mpirun ARGS   # Open MPI's mpirun with the hostfile, the rsh agent and
-#                                  # the TCP transport on the bridge (e.g. -np 4 PROGRAM)
+#   scripts/hosts.sh mpirun ARGS   # Open MPI's mpirun with the hostfile, the rsh agent, shared
+#                                  # memory inside a host and TCP on the bridge between hosts,
+#                                  # and a host that stops answering noticed within ~5 s
+#                                  # (Open MPI's default keepalive takes 8 min) (e.g. -np 4 PROGRAM)
 #   scripts/hosts.sh check         # exit 0 if this machine can make hosts (root, ip, netns)
 #
 # This kernel has no netem, so latency cannot be added, only a rate limit. The hostfile and the
@@ -89,6 +91,8 @@ run_mpirun() {
     --mca btl self,vader,tcp \
     --mca btl_tcp_if_include "$subnet.0/24" \
     --mca oob_tcp_if_include "$subnet.0/24" \
+    --mca oob_tcp_keepalive_time 2 --mca oob_tcp_keepalive_intvl 1 \
+    --mca oob_tcp_keepalive_probes 3 \
     "$@"
 }
 

@@ -5,10 +5,15 @@
 //!
 //! - the quickstart MLP at 2 hosts x 1 rank and 2 hosts x 2 ranks (each rank checks itself
 //!   against the dense MLP);
-//! - SmolLM2 greedy decoding (the Q4_1 GGUF at 2 x 2, the safetensors checkpoint at 2 x 1)
-//!   gives the token ids of one plain process;
-//! - a rank killed on the second host ends the whole job within 10 s, mpirun naming it, and
-//!   nothing is left running in any host.
+//! - SmolLM2 greedy decoding (the Q4_1 GGUF and the safetensors checkpoint, each at 2 x 1 and
+//!   2 x 2) gives the token ids of one plain process;
+//! - training (`examples/train`, TP = 2 across hosts, DP = 2 x TP = 2 with sequence
+//!   parallelism) gives the loss curve of one process;
+//! - a rank killed on the second host ends the whole job within 10 s, mpirun naming it; a rank
+//!   that stops answering (SIGSTOP) fails its peers at the deadline, naming the collective; a
+//!   host whose link goes down ends the job within 15 s, naming the host. Nothing is left
+//!   running in any host (a host's /dev/shm is a tmpfs of its own mount namespace, gone with
+//!   its last process).
 //!
 //! Needs root, iproute2 and the `mpi` feature; elsewhere it prints `SKIPPED: ...` and passes
 //! (under CI, which runs as root with the feature, a missing piece fails).
@@ -31,7 +36,7 @@ fn ids(v: &serde_json::Value) -> Vec<serde_json::Value> {
 }
 
 #[test]
-fn jobs_across_emulated_hosts() {
+fn mlp_and_decoding_across_emulated_hosts() {
     let Some(hosts) = Hosts::up(2) else { return };
 
     // The MLP, 2 hosts x 1 rank and 2 x 2.
@@ -54,11 +59,14 @@ fn jobs_across_emulated_hosts() {
         }
     }
 
-    // SmolLM2: the GGUF at 2 x 2, the safetensors checkpoint at 2 x 1, against one process.
+    // SmolLM2: the GGUF and the safetensors checkpoint at 2 x 1 and 2 x 2, against one
+    // process.
     let models = candle_tp::models::models_dir().expect("models directory");
     for (model, np) in [
+        (models.join("smollm2-135m-instruct.Q4_1.gguf"), 2),
         (models.join("smollm2-135m-instruct.Q4_1.gguf"), 4),
         (models.join("smollm2-135m-instruct"), 2),
+        (models.join("smollm2-135m-instruct"), 4),
     ] {
         assert!(
             model.exists(),
@@ -100,9 +108,160 @@ fn jobs_across_emulated_hosts() {
             model.display()
         );
     }
+}
 
+#[test]
+fn training_across_emulated_hosts() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let one = {
+        let out = Command::new(common::example("train"))
+            .args(common::train::TINY_ARGS)
+            .args(["--quiet", "--tp", "1"])
+            .output()
+            .expect("train");
+        assert!(out.status.success(), "{}", text(&out));
+        common::train::losses_of(&String::from_utf8_lossy(&out.stdout), "")
+    };
+    assert_eq!(one.len(), 4);
+    // With --map-by node the TP pair {0, 1} spans the hosts (MPI), the DP pair {0, 2} shares
+    // one (shm).
+    for (np, layout) in [
+        (2, &["--tp", "2"][..]),
+        (4, &["--tp", "2", "--dp", "2", "--sequence-parallel"][..]),
+    ] {
+        let out = hosts
+            .mpirun(np)
+            .arg(common::example("train"))
+            .args(common::train::TINY_ARGS)
+            .arg("--quiet")
+            .args(layout)
+            .output()
+            .expect("mpirun train");
+        let t = text(&out);
+        assert!(out.status.success(), "train {layout:?} on 2 hosts:\n{t}");
+        let got = common::train::losses_of(&t, "[1,0]<stdout>:");
+        assert_eq!(got.len(), 4, "{layout:?}:\n{t}");
+        for (i, (&g, &r)) in got.iter().zip(&one).enumerate() {
+            let rel = (g - r).abs() / r.abs();
+            assert!(
+                rel <= 1e-4,
+                "{layout:?} step {i}: loss {g} across hosts vs {r} in one process"
+            );
+        }
+    }
+}
+
+/// A training job that runs until it is stopped, with `CANDLE_TP_TIMEOUT=timeout_s`.
+fn endless_job(hosts: &Hosts, timeout_s: u32) -> std::process::Child {
+    let mut args: Vec<&str> = common::train::TINY_ARGS.to_vec();
+    args[1] = "1000000";
+    hosts
+        .mpirun(4)
+        .args(["-x", &format!("CANDLE_TP_TIMEOUT={timeout_s}")])
+        .arg(common::example("train"))
+        .args(args)
+        .args(["--tp", "2", "--dp", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun")
+}
+
+/// A rank of the job on host `ns` (not Open MPI's daemon), once it runs.
+fn rank_on(ns: &str, program: &str) -> String {
+    let t0 = Instant::now();
+    loop {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no rank started on {ns}"
+        );
+        let pids = netns_pids(ns);
+        let rank = pids.split_whitespace().find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains(program))
+        });
+        if let Some(p) = rank {
+            return p.to_string();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The job's output once it ends, failing the test if it runs `limit` after `since`.
+fn ended_within(
+    mut job: std::process::Child,
+    since: Instant,
+    limit: Duration,
+    what: &str,
+) -> Output {
+    loop {
+        if job.try_wait().expect("wait").is_some() {
+            return job.wait_with_output().expect("output");
+        }
+        if since.elapsed() > limit {
+            let _ = job.kill();
+            let out = job.wait_with_output().expect("output");
+            panic!("the job still ran {limit:?} after {what}:\n{}", text(&out));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn nothing_left() {
+    std::thread::sleep(Duration::from_millis(500));
+    for ns in ["ctp-h1", "ctp-h2"] {
+        assert_eq!(netns_pids(ns), "", "processes left in {ns}");
+    }
+}
+
+#[test]
+fn a_stopped_rank_fails_its_peers_at_the_deadline() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let job = endless_job(&hosts, 5);
+    let victim = rank_on("ctp-h2", "examples/train");
+    std::thread::sleep(Duration::from_secs(3));
+    Command::new("kill")
+        .args(["-STOP", &victim])
+        .status()
+        .expect("kill");
+    let stopped = Instant::now();
+    let out = ended_within(job, stopped, Duration::from_secs(15), "a rank stopped");
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("CANDLE_TP_TIMEOUT") && t.contains("waited"),
+        "no deadline error naming the wait:\n{t}"
+    );
+    nothing_left();
+}
+
+#[test]
+fn a_host_that_drops_off_the_network_ends_the_job() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let job = endless_job(&hosts, 300);
+    rank_on("ctp-h2", "examples/train");
+    std::thread::sleep(Duration::from_secs(3));
+    let status = Command::new("ip")
+        .args(["link", "set", "vctp-h2", "down"])
+        .status()
+        .expect("ip link");
+    assert!(status.success());
+    let cut = Instant::now();
+    let out = ended_within(job, cut, Duration::from_secs(15), "the link went down");
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("lost communication") && t.contains("ctp-h2"),
+        "mpirun does not name the lost host:\n{t}"
+    );
+    nothing_left();
+}
+
+#[test]
+fn a_killed_rank_ends_the_job() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let models = candle_tp::models::models_dir().expect("models directory");
     // A rank killed on the second host: the job ends within 10 s, naming it.
-    let mut job = hosts
+    let job = hosts
         .mpirun(4)
         .arg(common::example("generate"))
         .args([
@@ -121,50 +280,19 @@ fn jobs_across_emulated_hosts() {
         .spawn()
         .expect("mpirun");
     // Wait until the ranks on host 2 run, then kill one of them (not Open MPI's daemon).
-    let t0 = Instant::now();
-    let victim = loop {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "no rank started on ctp-h2"
-        );
-        let pids = netns_pids("ctp-h2");
-        let rank = pids.split_whitespace().find(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/cmdline"))
-                .is_ok_and(|c| c.contains("examples/generate"))
-        });
-        if let Some(p) = rank {
-            break p.to_string();
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let victim = rank_on("ctp-h2", "examples/generate");
     std::thread::sleep(Duration::from_secs(2));
     let killed = Instant::now();
     Command::new("kill")
         .args(["-9", &victim])
         .status()
         .expect("kill");
-    let out = loop {
-        if let Some(_status) = job.try_wait().expect("wait") {
-            break job.wait_with_output().expect("output");
-        }
-        if killed.elapsed() > Duration::from_secs(10) {
-            let _ = job.kill();
-            let out = job.wait_with_output().expect("output");
-            panic!(
-                "the job still ran 10 s after a rank was killed:\n{}",
-                text(&out)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let out = ended_within(job, killed, Duration::from_secs(10), "a rank was killed");
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
     assert!(
         t.contains(&format!("PID {victim}")) && t.contains("ctp-h2"),
         "mpirun does not name the killed rank (pid {victim} on ctp-h2):\n{t}"
     );
-    std::thread::sleep(Duration::from_millis(500));
-    for ns in ["ctp-h1", "ctp-h2"] {
-        assert_eq!(netns_pids(ns), "", "processes left in {ns}");
-    }
+    nothing_left();
 }

@@ -9,28 +9,11 @@ use common::example;
 
 use std::process::Command;
 
-const TINY: [&str; 14] = [
-    "--steps",
-    "4",
-    "--layers",
-    "2",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--kv-heads",
-    "2",
-    "--intermediate",
-    "48",
-    "--seq",
-    "17",
-];
-
 fn losses(nproc: usize, extra: &[&str]) -> Vec<f64> {
     let out = Command::new(env!("CARGO_BIN_EXE_tprun"))
         .args(["--standalone", "--nproc-per-node", &nproc.to_string()])
         .arg(example("train"))
-        .args(TINY)
+        .args(common::train::TINY_ARGS)
         .arg("--quiet")
         .args(extra)
         .output()
@@ -41,20 +24,7 @@ fn losses(nproc: usize, extra: &[&str]) -> Vec<f64> {
         "tprun {nproc} {extra:?} failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let mut v = Vec::new();
-    for line in stdout.lines() {
-        let json = line.trim_start_matches("[rank 0] ");
-        if let Ok(j) = serde_json::from_str::<serde_json::Value>(json) {
-            if let Some(l) = j["loss"].as_f64() {
-                assert_eq!(j["step"].as_u64(), Some(v.len() as u64), "{line}");
-                assert!(
-                    j["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0),
-                    "{line}"
-                );
-                v.push(l);
-            }
-        }
-    }
+    let v = common::train::losses_of(&stdout, "[rank 0] ");
     assert_eq!(v.len(), 4, "expected 4 steps in:\n{stdout}");
     v
 }

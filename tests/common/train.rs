@@ -66,3 +66,41 @@ pub fn synced_grads(
     }
     Ok(out)
 }
+
+/// `examples/train`'s arguments for a tiny model trained for 4 steps (seconds per run).
+pub const TINY_ARGS: [&str; 14] = [
+    "--steps",
+    "4",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--intermediate",
+    "48",
+    "--seq",
+    "17",
+];
+
+/// The losses of `examples/train`'s JSON lines in `stdout` (rank 0's, whose lines start with
+/// `prefix` when several ranks print; other ranks' lines are not JSON), checking that steps count up from 0 and report a positive throughput.
+pub fn losses_of(stdout: &str, prefix: &str) -> Vec<f64> {
+    let mut v = Vec::new();
+    for line in stdout.lines() {
+        let json = line.strip_prefix(prefix).unwrap_or(line);
+        if let Ok(j) = serde_json::from_str::<serde_json::Value>(json) {
+            if let Some(l) = j["loss"].as_f64() {
+                assert_eq!(j["step"].as_u64(), Some(v.len() as u64), "{line}");
+                assert!(
+                    j["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0),
+                    "{line}"
+                );
+                v.push(l);
+            }
+        }
+    }
+    v
+}

@@ -131,7 +131,7 @@ pub fn init_hierarchical(options: GroupOptions) -> CommResult<ProcessGroup> {
         local_of,
     });
     let members: Vec<usize> = (0..size).collect();
-    let backend = Hierarchical::group(&map, &ctx, "world".into(), rank, &members)?;
+    let backend = Hierarchical::group(&map, &ctx, "world".into(), rank, &members, true)?;
     Ok(ProcessGroup::new(
         "world".into(),
         rank,
@@ -184,6 +184,7 @@ impl Hierarchical {
         name: String,
         rank: usize,
         members: &[usize],
+        world: bool,
     ) -> CommResult<Arc<dyn Backend>> {
         let mut hosts: Vec<(usize, Vec<usize>)> = Vec::new();
         let mut place = Vec::with_capacity(members.len());
@@ -208,20 +209,20 @@ impl Hierarchical {
             .iter()
             .map(|&g| map.local_of[members[g]])
             .collect();
-        let all_of_host = local_members.len() == map.local_size_of(map.host_of[members[rank]])
-            && local_members.iter().enumerate().all(|(i, &l)| i == l);
         if one_per_host {
             return map.mpi.subgroup(ctx, name, rank, members);
         }
-        let local = if all_of_host {
+        if whole_host {
+            return map.local.subgroup(ctx, name, my_index, &local_members);
+        }
+        // The world's in-host stage is the host's group itself; any other group gets its own
+        // (its own shared memory and statistics).
+        let local = if world {
             map.local.clone()
         } else {
             map.local
                 .subgroup(ctx, format!("{name}/host"), my_index, &local_members)?
         };
-        if whole_host {
-            return Ok(local);
-        }
         let even = hosts.iter().all(|m| m.len() == hosts[0].len());
         // Even: the members of this local index on every host; uneven: the hosts' first members.
         let cross = if even || my_index == 0 {
@@ -293,6 +294,7 @@ impl Hierarchical {
                 Ok(())
             }
             Err(e) => {
+                let e = self.in_group_terms(e);
                 let reason = format!("{} failed: {e}", self.who(kind.name()));
                 self.local.abort(&reason);
                 if let Some(c) = &self.cross {
@@ -300,6 +302,50 @@ impl Hierarchical {
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// A deadline or a dead peer of the in-host stage (the only stage that reports them: MPI's
+    /// watchdog and launcher end the job) names the members by their rank in this group.
+    fn in_group_terms(&self, e: CommError) -> CommError {
+        let (h, _) = self.place[self.rank];
+        let on_host = &self.hosts[h];
+        let stage = |op: String, group: String| {
+            format!("{op}, the in-host stage (group '{group}') of a hierarchical collective")
+        };
+        match e {
+            CommError::PeerDied {
+                group,
+                op,
+                rank,
+                pid,
+            } => CommError::PeerDied {
+                group: self.name.clone(),
+                op: stage(op, group),
+                rank: on_host.get(rank).copied().unwrap_or(rank),
+                pid,
+            },
+            CommError::Timeout {
+                group,
+                op,
+                missing,
+                waited,
+            } => {
+                let (h, _) = self.place[self.rank];
+                let on_host = &self.hosts[h];
+                CommError::Timeout {
+                    group: self.name.clone(),
+                    op: format!(
+                        "{op}, the in-host stage (group '{group}') of a hierarchical collective"
+                    ),
+                    missing: missing
+                        .into_iter()
+                        .map(|m| on_host.get(m).copied().unwrap_or(m))
+                        .collect(),
+                    waited,
+                }
+            }
+            e => e,
         }
     }
 
@@ -333,12 +379,6 @@ impl Hierarchical {
             total,
             gather,
         )
-    }
-}
-
-impl HostMap {
-    fn local_size_of(&self, host: usize) -> usize {
-        self.host_of.iter().filter(|&&h| h == host).count()
     }
 }
 
@@ -455,7 +495,7 @@ impl Backend for Hierarchical {
         if members.len() == 1 {
             return Ok(Arc::new(Single::new(name)));
         }
-        Hierarchical::group(&self.map, ctx, name, rank, members)
+        Hierarchical::group(&self.map, ctx, name, rank, members, false)
     }
 
     fn kind(&self) -> &'static str {
