@@ -1,4 +1,5 @@
-//! Collective latency and bandwidth on the shm backend, nccl-tests style.
+//! Collective latency and bandwidth on whatever backend `init_from_env` picks (shm on one host,
+//! hierarchical across hosts, or the one `CANDLE_TP_BACKEND` names), nccl-tests style.
 //!
 //! ```text
 //! cargo build --release --examples --bins
@@ -11,7 +12,8 @@
 //! all-reduce of the per-iteration times after the loop, outside the timing), and rank 0
 //! prints the median, minimum and maximum over iterations as one JSON line per measurement:
 //! `op`, `dtype`, `world_size`, `bytes`, `iters`, `median_us`, `min_us`, `max_us`,
-//! `algbw_gbps`, `busbw_gbps`. `bytes` follows nccl-tests: the buffer of all-reduce, the
+//! `algbw_gbps`, `busbw_gbps`, and `backend` (shm, hierarchical, mpi) with `cross_host_bytes`
+//! (rank 0's payload handed to the across-host stage per iteration). `bytes` follows nccl-tests: the buffer of all-reduce, the
 //! gathered output of all-gather, the input of reduce-scatter. busbw = algbw · 2(n−1)/n for
 //! all-reduce and algbw · (n−1)/n for the other two. `scripts/bench-collectives.sh` runs the
 //! same procedure with Open MPI and prints the ratios.
@@ -27,7 +29,7 @@ mod progress;
 use half::bf16;
 
 #[derive(Parser, Debug)]
-#[command(about = "Benchmark all_reduce, all_gather and reduce_scatter on the shm backend")]
+#[command(about = "Benchmark all_reduce, all_gather and reduce_scatter")]
 struct Args {
     /// Sizes in bytes (suffixes K, M): default 4K to 64M in steps of 4x.
     #[arg(
@@ -70,12 +72,11 @@ fn iterations(bytes: usize, budget: usize) -> usize {
     (budget / bytes.max(1)).clamp(5, 1000)
 }
 
-fn time_op<T: Element>(
-    pg: &ProcessGroup,
-    op: &str,
-    bytes: usize,
-    budget: usize,
-) -> Result<Option<Vec<f64>>> {
+/// Per-iteration times (slowest rank, microseconds) and this rank's payload bytes that crossed
+/// hosts per iteration.
+type Timed = Option<(Vec<f64>, f64)>;
+
+fn time_op<T: Element>(pg: &ProcessGroup, op: &str, bytes: usize, budget: usize) -> Result<Timed> {
     let world = pg.size();
     let esz = std::mem::size_of::<T>();
     // Element counts: all_reduce buffer, all_gather output and reduce_scatter input are `bytes`.
@@ -102,13 +103,15 @@ fn time_op<T: Element>(
         run(&mut a, &mut b)?;
     }
     pg.barrier()?;
+    let before = pg.stats();
     for t in times.iter_mut() {
         let t0 = Instant::now();
         run(&mut a, &mut b)?;
         *t = t0.elapsed().as_secs_f64() * 1e6;
     }
+    let cross = pg.stats().since(&before).total().cross_host_bytes as f64 / iters as f64;
     pg.all_reduce_slice(&mut times, ReduceOp::Max)?;
-    Ok(Some(times))
+    Ok(Some((times, cross)))
 }
 
 fn main() -> Result<()> {
@@ -135,7 +138,9 @@ fn main() -> Result<()> {
                     other => bail!("unsupported dtype {other} (f32, bf16)"),
                 };
                 bar.inc();
-                let Some(mut times) = times else { continue };
+                let Some((mut times, cross)) = times else {
+                    continue;
+                };
                 if pg.rank() != 0 {
                     continue;
                 }
@@ -146,6 +151,8 @@ fn main() -> Result<()> {
                     / world as f64;
                 bar.println(serde_json::json!({
                         "impl": "candle-tp",
+                        "backend": pg.backend(),
+                        "cross_host_bytes": cross,
                         "op": op,
                         "dtype": dtype,
                         "world_size": world,

@@ -35,7 +35,7 @@ mod wait;
 #[cfg(feature = "mpi")]
 pub use self::hierarchical::init_hierarchical;
 #[cfg(feature = "mpi")]
-pub use self::mpi::init_mpi;
+pub use self::mpi::{init_mpi, CHECK_SIZES_VAR};
 pub use context::GroupOptions;
 pub use element::{Element, ReduceOp};
 pub use env::{init_from_env, rendezvous_from_env};

@@ -2,7 +2,8 @@
 //! Intel MPI; launched by `mpirun`, `mpiexec` or `srun`), through the `mpi` crate (rsmpi).
 //!
 //! - Every collective first exchanges its (kind, dtype, count, sizes) with `MPI_Allgather`,
-//!   so ranks that disagree get an error naming both values instead of a hang or corrupt data.
+//!   so ranks that disagree get an error naming both values instead of a hang or corrupt data
+//!   (`CANDLE_TP_MPI_CHECK=0` skips it, saving a network round trip per collective).
 //! - f16 and bf16, which MPI has no type for, are reduced in f32 and rounded once (as the
 //!   shared-memory engine does); gathers and broadcasts move their bits as u16.
 //! - `Max` of floats propagates NaN as PyTorch and NCCL do (MPI's `MPI_MAX` on NaN is
@@ -189,7 +190,12 @@ impl MpiBackend {
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         let t0 = Instant::now();
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some((t0, op));
-        let out = agree(&comm.0, &self.name, op, meta).and_then(|()| f(&comm.0));
+        let checked = if check_sizes() {
+            agree(&comm.0, &self.name, op, meta)
+        } else {
+            Ok(())
+        };
+        let out = checked.and_then(|()| f(&comm.0));
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = None;
         drop(comm);
         if out.is_ok() {
@@ -203,6 +209,25 @@ impl MpiBackend {
         }
         out
     }
+}
+
+/// Environment variable: `0` skips the agreement on sizes before each MPI collective (one
+/// `MPI_Allgather` of 32 bytes per rank, a network round trip). Without it, ranks that disagree
+/// get what MPI gives them (an MPI error, a hang until the watchdog's deadline, or wrong data),
+/// as with NCCL or PyTorch's own backends; the default (`1`) checks.
+pub const CHECK_SIZES_VAR: &str = "CANDLE_TP_MPI_CHECK";
+
+/// Whether collectives agree on their sizes first (`CANDLE_TP_MPI_CHECK`, read once).
+fn check_sizes() -> bool {
+    static CHECK: OnceLock<bool> = OnceLock::new();
+    *CHECK.get_or_init(|| {
+        let v = std::env::var(CHECK_SIZES_VAR).unwrap_or_default();
+        let off = matches!(v.trim(), "0" | "false" | "off");
+        if !off && !matches!(v.trim(), "" | "1" | "true" | "on") {
+            eprintln!("candle-tp: {CHECK_SIZES_VAR}={v:?} is neither 0 nor 1; checking sizes");
+        }
+        !off
+    })
 }
 
 /// Every rank's (kind, dtype, count, aux) must be equal: an error on every rank otherwise.

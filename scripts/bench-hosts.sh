@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Across emulated hosts (scripts/hosts.sh: network namespaces on one machine), side by side in
+# one run, rounds interleaved, medians:
+#
+#   scripts/bench-hosts.sh                      # all-reduce, then decoding
+#   scripts/bench-hosts.sh --only all-reduce --rates "1gbit" --sizes 4K,1M --rounds 1
+#
+# all-reduce: f32, 4K..64M, 2 hosts x 2 ranks (--map-by node: a host's ranks are not
+#   consecutive), at each link rate of --rates (tc tbf on every host link; "unlimited" for
+#   none): candle-tp's hierarchical backend (shm inside a host, MPI across; with and without
+#   the agreement on sizes before each MPI stage, CANDLE_TP_MPI_CHECK=0), candle-tp on flat
+#   MPI (CANDLE_TP_BACKEND=mpi), and Open MPI's own MPI_Allreduce (benches/mpi_collectives.c,
+#   shared memory inside a host and TCP across, as mpirun picks them). Also the payload each
+#   rank hands to the network per all-reduce (candle-tp's statistics).
+# decode: greedy decoding of --models (default SmolLM2 Q4_1, and the synthetic ~1 B Llama in
+#   Q4_1 that scripts/make-gguf-models.sh makes) at 1 host x 1 rank, 1 host x 2 ranks,
+#   2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank: tokens/s, collectives and
+#   bytes crossing hosts per token.
+#
+# Needs root (network namespaces), Open MPI (installed by scripts/setup-mpi.sh) and the mpi
+# feature. The machine's cores are shared by every emulated host: 2 hosts x 2 ranks on 2 cores
+# are oversubscribed, which the figures show as they are. This kernel has no netem: links get a
+# rate, not a latency. JSON lines go to $OUT_DIR (default $CARGO_TARGET_DIR/bench-hosts), then
+# a table with ratios from the same run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rates="1gbit unlimited"
+sizes="4K,16K,64K,256K,1M,4M,16M,64M"
+rounds=3
+only=""
+models=""
+new_tokens=48
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rates) rates="$2"; shift 2 ;;
+    --sizes) sizes="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --only) only="$2"; shift 2 ;;
+    --models) models="$2"; shift 2 ;;
+    --new-tokens) new_tokens="$2"; shift 2 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$only" in ""|all-reduce|decode) ;; *) echo "--only all-reduce or decode" >&2; exit 2 ;; esac
+
+scripts/hosts.sh check >/dev/null || { scripts/hosts.sh check; exit 1; }
+scripts/setup-mpi.sh >&2
+home=${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}
+target_dir="${CARGO_TARGET_DIR:-target}"
+out="${OUT_DIR:-$target_dir/bench-hosts}"
+mkdir -p "$out"
+results="$out/results.jsonl"
+: >"$results"
+trap 'scripts/hosts.sh down >/dev/null 2>&1 || true' EXIT
+
+echo "==> building (release, feature mpi)" >&2
+cargo build --release --quiet --features mpi --example bench_collectives --example bench_generate
+mpicc -O2 -o "$out/mpi_collectives" benches/mpi_collectives.c
+bin="$target_dir/release/examples"
+
+# mpirun on the hosts: 1 thread per rank, oversubscribed ranks yield (as candle-tp's waits do).
+on_hosts() {
+  local np=$1; shift
+  scripts/hosts.sh mpirun -np "$np" --map-by node --oversubscribe --mca mpi_yield_when_idle 1 \
+    -x RAYON_NUM_THREADS=1 "$@"
+}
+# Rank 0's JSON lines, tagged with the run's fields.
+tag() { sed -n "s/^\[1,0\]<stdout>:{/{$1, /p" | tee -a "$results" >&2; }
+
+if [ "$only" != decode ]; then
+  for rate in $rates; do
+    if [ "$rate" = unlimited ]; then scripts/hosts.sh up 2 >&2; else scripts/hosts.sh up 2 "$rate" >&2; fi
+    for r in $(seq "$rounds"); do
+      echo "==> all-reduce, $rate links, round $r/$rounds" >&2
+      # Only rank 0 of the MPI program prints.
+      on_hosts 4 "$out/mpi_collectives" all_reduce ${sizes//,/ } \
+        | sed 's/^{/[1,0]<stdout>:{/' | tag "\"round\": $r, \"rate\": \"$rate\""
+      on_hosts 4 --tag-output "$bin/bench_collectives" --ops all_reduce --dtypes f32 --sizes "$sizes" \
+        | tag "\"round\": $r, \"rate\": \"$rate\""
+      on_hosts 4 --tag-output -x CANDLE_TP_MPI_CHECK=0 "$bin/bench_collectives" --ops all_reduce \
+        --dtypes f32 --sizes "$sizes" | tag "\"round\": $r, \"rate\": \"$rate\", \"unchecked\": true"
+      on_hosts 4 --tag-output -x CANDLE_TP_BACKEND=mpi "$bin/bench_collectives" --ops all_reduce \
+        --dtypes f32 --sizes "$sizes" | tag "\"round\": $r, \"rate\": \"$rate\""
+    done
+    scripts/hosts.sh down >&2
+  done
+fi
+
+if [ "$only" != all-reduce ]; then
+  if [ -z "$models" ]; then
+    scripts/fetch-models.sh >&2
+    models="$home/models/smollm2-135m-instruct.Q4_1.gguf"
+    if [ -x scripts/make-gguf-models.sh ]; then
+      scripts/make-gguf-models.sh --types Q4_1 >&2
+      models="$models $home/models/synthetic-llama-1b.Q4_1.gguf"
+    fi
+  fi
+  scripts/hosts.sh up 2 >&2
+  common=(--new-tokens "$new_tokens" --prompt-len 16)
+  for r in $(seq "$rounds"); do
+    for m in $models; do
+      name=$(basename "$m")
+      echo "==> decode $name, round $r/$rounds" >&2
+      # 1 host x 1 rank, 1 host x 2 ranks (both on ctp-h1), 2 hosts x 1, 2 hosts x 2.
+      for layout in "1 ctp-h1:1" "2 ctp-h1:2" "2 " "4 "; do
+        set -- $layout
+        np=$1 host=${2:-}
+        label=$([ -n "$host" ] && echo "1 host x $np" || echo "2 hosts x $((np / 2))")
+        on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" --model "$m" \
+          "${common[@]}" | tag "\"round\": $r, \"model\": \"$name\", \"layout\": \"$label\""
+      done
+    done
+  done
+  scripts/hosts.sh down >&2
+fi
+
+python3 scripts/bench_hosts_table.py "$results"

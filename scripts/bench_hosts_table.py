@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Tables of scripts/bench-hosts.sh's JSON lines: medians over rounds, ratios from one run.
+
+usage: bench_hosts_table.py results.jsonl
+"""
+import collections
+import json
+import statistics
+import sys
+
+
+def size(b):
+    for unit, shift in (("M", 20), ("K", 10)):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift} {unit}iB"
+    return f"{b} B"
+
+
+def main(path):
+    rows = [json.loads(l) for l in open(path) if l.strip().startswith("{")]
+    coll = collections.defaultdict(list)
+    cross = {}
+    dec = collections.defaultdict(list)
+    for r in rows:
+        if "op" in r:
+            impl = "Open MPI" if r["impl"] == "mpi" else f"candle-tp {r.get('backend', '?')}"
+            if r.get("unchecked"):
+                impl += ", unchecked"
+            coll[(r["rate"], r["bytes"], impl)].append(r["median_us"])
+            if "cross_host_bytes" in r:
+                cross[(r["rate"], r["bytes"], impl)] = r["cross_host_bytes"]
+        elif "tokens_per_s" in r:
+            dec[(r["model"], r["layout"])].append(r)
+    if coll:
+        print("\nall-reduce f32, 2 hosts x 2 ranks: median microseconds (median over rounds)\n")
+        impls = ["Open MPI", "candle-tp hierarchical", "candle-tp hierarchical, unchecked",
+                 "candle-tp mpi"]
+        print("| link | size | " + " | ".join(impls)
+              + " | Open MPI / hierarchical | Open MPI / unchecked"
+              + " | bytes to the network per rank, hierarchical / flat |")
+        print("|---|---|" + "---|" * (len(impls) + 3))
+        for rate, b in sorted({(k[0], k[1]) for k in coll}, key=lambda k: (k[0], k[1])):
+            med = {i: statistics.median(coll[(rate, b, i)]) for i in impls if (rate, b, i) in coll}
+            cells = [f"{med[i]:.0f}" if i in med else "-" for i in impls]
+            ratio = " | ".join(
+                f"{med['Open MPI'] / med[i]:.2f}" if "Open MPI" in med and i in med else "-"
+                for i in impls[1:3])
+            h = cross.get((rate, b, "candle-tp hierarchical"))
+            f = cross.get((rate, b, "candle-tp mpi"))
+            nb = f"{size(int(h))} / {size(int(f))}" if h is not None and f is not None else "-"
+            print(f"| {rate} | {size(b)} | " + " | ".join(cells) + f" | {ratio} | {nb} |")
+    if dec:
+        print("\ndecode, 1 thread per rank: tokens/s (median over rounds)\n")
+        print("| model | layout | tokens/s | x 1 host x 1 | collectives / token "
+              "| bytes crossing hosts / token | same ids as 1 x 1 |")
+        print("|---|---|---|---|---|---|---|")
+        for model in sorted({k[0] for k in dec}):
+            base = dec.get((model, "1 host x 1"))
+            base_tps = statistics.median(r["tokens_per_s"] for r in base) if base else None
+            for layout in ["1 host x 1", "1 host x 2", "2 hosts x 1", "2 hosts x 2"]:
+                rs = dec.get((model, layout))
+                if not rs:
+                    continue
+                tps = statistics.median(r["tokens_per_s"] for r in rs)
+                comm = rs[0].get("comm", {})
+                same = (all(r["token_ids"] == base[0]["token_ids"] for r in rs)
+                        if base else "-")
+                print(f"| {model} | {layout} | {tps:.1f} | "
+                      + (f"{tps / base_tps:.2f}" if base_tps else "-")
+                      + f" | {comm.get('collectives_per_token', 0):.0f}"
+                      + f" | {comm.get('cross_host_bytes_per_token', 0):.0f} | {same} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
