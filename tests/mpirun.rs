@@ -6,7 +6,8 @@
 //! - SmolLM2 greedy decoding (safetensors and the Q4_1 GGUF) at 2 ranks gives the token ids of
 //!   one plain process;
 //! - a layout that spans hosts on the CPU is refused with a message naming the variable
-//!   (without the `mpi` feature; with it, an MPI that disagrees with the variables is);
+//!   (without the `mpi` feature; with it, an MPI that disagrees with the variables is), and
+//!   `tprun --nnodes 2` on CPUs with one that says how to launch with mpirun or srun;
 //! - with the `mpi` feature, the MPI backend's collectives at 2 and 3 ranks.
 //!
 //! Needs `mpirun` (Debian's `openmpi-bin`, which `scripts/test.sh` installs when run as root).
@@ -160,10 +161,39 @@ fn a_cpu_job_across_hosts_is_refused_with_the_variable_named() {
         assert!(
             t.contains("OMPI_COMM_WORLD_SIZE")
                 && t.contains("spans hosts")
-                && t.contains("mpi feature"),
+                && t.contains("--features mpi"),
             "{t}"
         );
     }
+}
+
+#[test]
+fn tprun_across_nodes_on_cpu_says_how_to_launch_with_mpirun_or_srun() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let out = Command::new(env!("CARGO_BIN_EXE_tprun"))
+        .args(["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1"])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+        ])
+        .arg(common::example("quickstart"))
+        .env("CANDLE_TP_TOKEN", "t")
+        .output()
+        .expect("start tprun");
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("LOCAL_WORLD_SIZE")
+            && t.contains("mpirun -np 4 --host a:2,b:2 PROGRAM")
+            && t.contains("srun -N 2")
+            && t.contains("--features mpi"),
+        "{t}"
+    );
 }
 
 /// The `mpi` backend (feature `mpi`): this test binary re-run under `mpirun` as the workers

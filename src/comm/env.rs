@@ -194,9 +194,11 @@ pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
             launch_size_var(launch.launcher),
             format!(
                 "the job spans hosts ({} processes, {} on this host, started by {}), but \
-                 the shared-memory backend serves one host: build with the mpi feature and \
-                 launch with mpirun or srun to cross hosts on CPUs (or use GPUs with the nccl \
-                 feature)",
+                 the shared-memory backend serves one host. On CPUs, cross hosts with MPI: \
+                 build with `--features mpi` (scripts/setup-mpi.sh installs Open MPI) and \
+                 launch with `mpirun -np 4 --host a:2,b:2 PROGRAM` or `srun -N 2 \
+                 --ntasks-per-node 2 PROGRAM` instead of tprun --nnodes (docs/MULTIHOST.md); \
+                 tprun --nnodes serves GPU jobs (the nccl feature)",
                 launch.world_size,
                 launch.local_world_size,
                 launch.launcher.name()
