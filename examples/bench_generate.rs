@@ -21,6 +21,12 @@
 //! `--new-tokens` steps with the KV cache. Rank 0 prints one JSON line: `impl`, `world_size`,
 //! `threads_per_rank`, `backend`, `prompt_tokens`, `new_tokens`, `prefill_ms`,
 //! `tokens_per_s` (decode), `token_ids` (to check that both implementations agree).
+//!
+//! `--prefill-lens 128,512` (candle-tp) adds prompt-processing speed as `llama-bench`'s `pp N`
+//! measures it: after one warm-up forward, for each N a forward over a fresh prompt of N
+//! tokens from an empty KV cache, timed to the sampled first token (`prefill` in the JSON
+//! line: `{"N": {"ms", "tokens_per_s"}}`); the decode run follows from an empty cache.
+//! `scripts/bench-llama-cpp.sh` runs it against llama.cpp's `llama-bench`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -57,6 +63,10 @@ struct Args {
     /// candle-transformers; a `.gguf` file keeps its own types).
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     dtype: DType,
+    /// Prompt lengths whose prefill (first forward from an empty cache) is timed on its own
+    /// before the decode run, comma-separated (candle-tp only).
+    #[arg(long, value_delimiter = ',')]
+    prefill_lens: Vec<usize>,
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -70,6 +80,44 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 
 /// Per decode token on this rank: matmul, collective and total milliseconds.
 type Profile = Option<(f64, f64, f64)>;
+
+/// `(prompt length, seconds)` of each `--prefill-lens` run.
+type Prefills = Vec<(usize, f64)>;
+
+/// Times a prefill of each of `lens` tokens from an empty KV cache (after one warm-up
+/// forward), every rank starting together; the cache is left empty.
+fn timed_prefills(
+    model: &mut Llama,
+    sampler: &mut DistributedSampler,
+    pg: &candle_tp::ProcessGroup,
+    lens: &[usize],
+) -> Result<Prefills> {
+    let device = Device::Cpu;
+    let vocab = model.config().vocab_size;
+    let max_pos = model.config().max_position_embeddings;
+    if let Some(&n) = lens.iter().find(|&&n| n == 0 || n > max_pos) {
+        bail!("--prefill-lens {n}: expected 1..={max_pos} (the model's max_position_embeddings)");
+    }
+    let mut run = |n: usize| -> Result<f64> {
+        model.clear_kv_cache();
+        let ids = prompt(n, vocab);
+        pg.barrier()?;
+        let t0 = Instant::now();
+        let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+        let logits = model.forward(&input, 0)?;
+        sampler.sample(&logits.squeeze(0)?, model.lm_head())?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    if !lens.is_empty() {
+        run(lens[0].min(32))?; // warm-up, as llama-bench's
+    }
+    let out = lens
+        .iter()
+        .map(|&n| Ok((n, run(n)?)))
+        .collect::<Result<Prefills>>()?;
+    model.clear_kv_cache();
+    Ok(out)
+}
 
 fn prompt(len: usize, vocab: usize) -> Vec<u32> {
     (0..len)
@@ -92,7 +140,11 @@ fn decode_bar(args: &Args, show: bool) -> progress::Bar {
     bar
 }
 
-fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
+/// What one implementation measured: world size, prefill and decode seconds, the greedy
+/// tokens, whether this process prints, the decode profile and the `--prefill-lens` runs.
+type Measured = (usize, f64, f64, Vec<u32>, bool, Profile, Prefills);
+
+fn run_candle_tp(args: &Args) -> Result<Measured> {
     let device = Device::Cpu;
     // Prefill and decode as the server and examples/generate do (docs/PERFORMANCE.md,
     // "Batched decode").
@@ -102,6 +154,7 @@ fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profil
     let vocab = model.config().vocab_size;
     let ids = prompt(args.prompt_len, vocab);
     let mut sampler = DistributedSampler::new(SamplingParams::greedy());
+    let prefills = timed_prefills(&mut model, &mut sampler, &pg, &args.prefill_lens)?;
     let t0 = Instant::now();
     let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
     let logits = model.forward(&input, 0)?;
@@ -129,10 +182,18 @@ fn run_candle_tp(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profil
         let comm = pg.stats().since(&comm0).total().time.as_secs_f64();
         (mm / steps * 1e3, comm / steps * 1e3, decode / steps * 1e3)
     });
-    Ok((pg.size(), prefill, decode, out, pg.rank() == 0, profile))
+    Ok((
+        pg.size(),
+        prefill,
+        decode,
+        out,
+        pg.rank() == 0,
+        profile,
+        prefills,
+    ))
 }
 
-fn run_quantized_llama(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
+fn run_quantized_llama(args: &Args) -> Result<Measured> {
     use candle_transformers::models::quantized_llama::ModelWeights;
     let device = Device::Cpu;
     let mut f = std::fs::File::open(&args.model)
@@ -155,7 +216,7 @@ fn single_process_greedy(
     args: &Args,
     ids: &[u32],
     mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
-) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
+) -> Result<Measured> {
     let device = Device::Cpu;
     let mut argmax = |x: &Tensor, pos: usize| -> Result<u32> {
         Ok(forward(x, pos)?.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?)
@@ -174,10 +235,10 @@ fn single_process_greedy(
     }
     let decode = t1.elapsed().as_secs_f64();
     bar.finish();
-    Ok((1, prefill, decode, out, true, None))
+    Ok((1, prefill, decode, out, true, None, Vec::new()))
 }
 
-fn run_candle_transformers(args: &Args) -> Result<(usize, f64, f64, Vec<u32>, bool, Profile)> {
+fn run_candle_transformers(args: &Args) -> Result<Measured> {
     use candle_transformers::models::llama as ct;
     let device = Device::Cpu;
     let text = std::fs::read_to_string(args.model.join("config.json")).context("config.json")?;
@@ -200,7 +261,11 @@ fn main() -> Result<()> {
     if args.new_tokens < 2 {
         bail!("--new-tokens must be at least 2 (the first token comes from the prefill)");
     }
-    let (world, prefill, decode, ids, print, profile) = match args.implementation.as_str() {
+    if !args.prefill_lens.is_empty() && args.implementation != "candle-tp" {
+        bail!("--prefill-lens is measured for --impl candle-tp only");
+    }
+    let (world, prefill, decode, ids, print, profile, prefills) = match args.implementation.as_str()
+    {
         "candle-tp" => run_candle_tp(&args)?,
         "candle-transformers" => run_candle_transformers(&args)?,
         "quantized_llama" => run_quantized_llama(&args)?,
@@ -222,6 +287,16 @@ fn main() -> Result<()> {
                 "tokens_per_s": (args.new_tokens - 1) as f64 / decode,
                 "token_ids": ids,
         });
+        if !prefills.is_empty() {
+            let map: serde_json::Map<String, serde_json::Value> = prefills
+                .iter()
+                .map(|&(n, s)| {
+                    let v = serde_json::json!({"ms": s * 1e3, "tokens_per_s": n as f64 / s});
+                    (n.to_string(), v)
+                })
+                .collect();
+            report["prefill"] = serde_json::Value::Object(map);
+        }
         if let Some((mm, comm, total)) = profile {
             report["profile_ms_per_token"] = serde_json::json!({
                 "matmul": mm,

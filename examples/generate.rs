@@ -14,8 +14,9 @@
 //! the same decode loop, and the next token is drawn from the vocabulary-parallel logits
 //! without gathering them (all ranks draw the same token). Rank 0 streams the text as it is
 //! produced and ends with one JSON line: `world_size`, `prompt_tokens`, `generated_tokens`,
-//! `token_ids`, `tokens_per_s` (decode), `load_s`, `rss_bytes` (anonymous resident memory of
-//! each rank after loading).
+//! `token_ids`, `tokens_per_s` (decode), `prefill_ms` and `prefill_tokens_per_s` (the first
+//! forward, over the whole prompt: prompt tokens / its time), `load_s`, `rss_bytes` (anonymous
+//! resident memory of each rank after loading).
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -294,8 +295,10 @@ fn main() -> Result<()> {
         top_p: args.top_p,
         seed: args.seed,
     });
+    let t_prefill = Instant::now();
     let x = Tensor::new(prompt.as_slice(), &device)?.unsqueeze(0)?;
     let mut logits = model.forward(&x, 0)?.squeeze(0)?;
+    let prefill_s = t_prefill.elapsed().as_secs_f64();
     if let Some(path) = &args.logits_out {
         let full = gather_from_tp(&logits, &pg, model.lm_head().partition())?;
         if pg.rank() == 0 {
@@ -334,6 +337,8 @@ fn main() -> Result<()> {
             "generated_tokens": generated.len(),
             "token_ids": generated,
             "tokens_per_s": tokens_per_s,
+            "prefill_ms": prefill_s * 1e3,
+            "prefill_tokens_per_s": prompt.len() as f64 / prefill_s,
             "load_s": load_s,
             "rss_bytes": rss,
             "backend": if cfg!(feature = "mkl") { "mkl" } else { "gemm" },

@@ -4,21 +4,43 @@
 //! ```text
 //! target/release/examples/make_synthetic_llama --out DIR      # hidden 2048, 16 heads, 8 KV heads,
 //!                                                             # intermediate 5632, 4 layers
+//! # ~1.07 B parameters (Llama 3.2 1B's shape) as an F16 GGUF that llama.cpp reads, with
+//! # SmolLM2's tokenizer and vocabulary (49152) copied from its GGUF:
+//! target/release/examples/make_synthetic_llama --gguf-out F16.gguf --tokenizer-gguf smollm2.gguf \
+//!     --heads 32 --kv-heads 8 --intermediate 8192 --layers 16
 //! ```
+//!
+//! The GGUF form is written tensor by tensor (each drawn in f32 and stored as f16, so memory
+//! peaks at the f16 file's size), in llama.cpp's names (`blk.N.attn_q.weight`, ...), with tied
+//! embeddings; `llama-quantize` makes the other block types from it
+//! (`scripts/make-gguf-models.sh`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
 #[command(about = "Write a random-weight Llama checkpoint in Hugging Face layout")]
 struct Args {
-    /// Output directory (created).
+    /// Output directory (created): a Hugging Face checkpoint.
+    #[arg(
+        long,
+        required_unless_present = "gguf_out",
+        conflicts_with = "gguf_out"
+    )]
+    out: Option<PathBuf>,
+    /// Output GGUF file (F16 weights), instead of `--out`; needs `--tokenizer-gguf`.
+    #[arg(long, requires = "tokenizer_gguf")]
+    gguf_out: Option<PathBuf>,
+    /// A Llama GGUF whose tokenizer metadata (`tokenizer.*`) the `--gguf-out` file copies; its
+    /// vocabulary size replaces `--vocab`.
     #[arg(long)]
-    out: PathBuf,
+    tokenizer_gguf: Option<PathBuf>,
     #[arg(long, default_value_t = 2048)]
     hidden: usize,
     #[arg(long, default_value_t = 16)]
@@ -33,8 +55,120 @@ struct Args {
     vocab: usize,
 }
 
+/// Writes the `--gguf-out` form: F16 matrices, f32 norms, llama.cpp's names and metadata.
+fn write_gguf(a: &Args, out: &std::path::Path, tok: &std::path::Path) -> Result<()> {
+    let dev = Device::Cpu;
+    let mut f = std::fs::File::open(tok).with_context(|| format!("opening {}", tok.display()))?;
+    let src = gguf_file::Content::read(&mut f)
+        .with_context(|| format!("{}: not a readable GGUF file", tok.display()))?;
+    let mut md: Vec<(String, Value)> = src
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let vocab = match src.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(t)) => t.len(),
+        _ => bail!("{}: no tokenizer.ggml.tokens array", tok.display()),
+    };
+    if a.hidden % a.heads != 0 || a.heads % a.kv_heads != 0 {
+        bail!(
+            "--hidden {} / --heads {} / --kv-heads {}: heads must divide hidden, KV heads heads",
+            a.hidden,
+            a.heads,
+            a.kv_heads
+        );
+    }
+    let hd = a.hidden / a.heads;
+    let u = |v: usize| Value::U32(v as u32);
+    md.extend([
+        ("general.architecture".into(), Value::String("llama".into())),
+        (
+            "general.name".into(),
+            Value::String(format!("synthetic-llama-{}x{}", a.layers, a.hidden)),
+        ),
+        ("general.file_type".into(), Value::U32(1)), // LLAMA_FTYPE_MOSTLY_F16
+        ("llama.context_length".into(), u(4096)),
+        ("llama.embedding_length".into(), u(a.hidden)),
+        ("llama.block_count".into(), u(a.layers)),
+        ("llama.feed_forward_length".into(), u(a.intermediate)),
+        ("llama.rope.dimension_count".into(), u(hd)),
+        ("llama.attention.head_count".into(), u(a.heads)),
+        ("llama.attention.head_count_kv".into(), u(a.kv_heads)),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(1e-5),
+        ),
+        ("llama.rope.freq_base".into(), Value::F32(10000.0)),
+        ("llama.vocab_size".into(), u(vocab)),
+    ]);
+    md.sort_by(|x, y| x.0.cmp(&y.0));
+    let mat = |rows: usize, cols: usize| -> Result<QTensor> {
+        let t = Tensor::randn(0f32, 0.02, (rows, cols), &dev)?;
+        Ok(QTensor::quantize(&t, GgmlDType::F16)?)
+    };
+    let norm = || -> Result<QTensor> {
+        Ok(QTensor::quantize(
+            &Tensor::ones(a.hidden, DType::F32, &dev)?,
+            GgmlDType::F32,
+        )?)
+    };
+    let mut ts: Vec<(String, QTensor)> = vec![
+        ("token_embd.weight".into(), mat(vocab, a.hidden)?),
+        ("output_norm.weight".into(), norm()?),
+    ];
+    for l in 0..a.layers {
+        let p = format!("blk.{l}");
+        ts.push((format!("{p}.attn_norm.weight"), norm()?));
+        ts.push((format!("{p}.attn_q.weight"), mat(a.heads * hd, a.hidden)?));
+        ts.push((
+            format!("{p}.attn_k.weight"),
+            mat(a.kv_heads * hd, a.hidden)?,
+        ));
+        ts.push((
+            format!("{p}.attn_v.weight"),
+            mat(a.kv_heads * hd, a.hidden)?,
+        ));
+        ts.push((
+            format!("{p}.attn_output.weight"),
+            mat(a.hidden, a.heads * hd)?,
+        ));
+        ts.push((format!("{p}.ffn_norm.weight"), norm()?));
+        ts.push((
+            format!("{p}.ffn_gate.weight"),
+            mat(a.intermediate, a.hidden)?,
+        ));
+        ts.push((format!("{p}.ffn_up.weight"), mat(a.intermediate, a.hidden)?));
+        ts.push((
+            format!("{p}.ffn_down.weight"),
+            mat(a.hidden, a.intermediate)?,
+        ));
+    }
+    let tmp = out.with_extension("gguf.partial");
+    {
+        let mut w = std::io::BufWriter::new(
+            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
+        );
+        let mdr: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tsr: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut w, &mdr, &tsr)?;
+    }
+    std::fs::rename(&tmp, out)?;
+    let params: usize = ts.iter().map(|(_, q)| q.shape().elem_count()).sum();
+    eprintln!(
+        "wrote {} ({:.1} M parameters, vocab {vocab})",
+        out.display(),
+        params as f64 / 1e6
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
+    if let (Some(out), Some(tok)) = (&a.gguf_out, &a.tokenizer_gguf) {
+        return write_gguf(&a, out, tok);
+    }
+    let out = a.out.clone().context("--out or --gguf-out is required")?;
     let dev = Device::Cpu;
     let hd = a.hidden / a.heads;
     let rand = |shape: &[usize]| -> Result<Tensor> { Ok(Tensor::randn(0f32, 0.02, shape, &dev)?) };
@@ -105,21 +239,21 @@ fn main() -> Result<()> {
         "eos_token_id": 2,
         "torch_dtype": "float32",
     });
-    let tmp = a.out.with_extension("partial");
+    let tmp = out.with_extension("partial");
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     candle_core::safetensors::save(&t, tmp.join("model.safetensors"))?;
     std::fs::write(
         tmp.join("config.json"),
         serde_json::to_string_pretty(&config)?,
     )?;
-    if a.out.exists() {
-        std::fs::remove_dir_all(&a.out)?;
+    if out.exists() {
+        std::fs::remove_dir_all(&out)?;
     }
-    std::fs::rename(&tmp, &a.out)?;
+    std::fs::rename(&tmp, &out)?;
     let params: usize = t.values().map(|x| x.elem_count()).sum();
     eprintln!(
         "wrote {} ({:.1} M parameters)",
-        a.out.display(),
+        out.display(),
         params as f64 / 1e6
     );
     Ok(())
