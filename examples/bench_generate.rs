@@ -20,7 +20,9 @@
 //! Greedy decoding from a fixed prompt of token ids (no tokenizer involved), prefill then
 //! `--new-tokens` steps with the KV cache. Rank 0 prints one JSON line: `impl`, `world_size`,
 //! `threads_per_rank`, `backend`, `prompt_tokens`, `new_tokens`, `prefill_ms`,
-//! `tokens_per_s` (decode), `token_ids` (to check that both implementations agree).
+//! `tokens_per_s` (decode), `token_ids` (to check that both implementations agree), and for
+//! candle-tp `comm`: the world group's backend, collectives and payload bytes per decode
+//! token, and the payload rank 0 handed to the network per token (`cross_host_bytes_per_token`).
 //!
 //! `--prefill-lens 128,512` (candle-tp) adds prompt-processing speed as `llama-bench`'s `pp N`
 //! measures it: after one warm-up forward, for each N a forward over a fresh prompt of N
@@ -142,7 +144,12 @@ fn decode_bar(args: &Args, show: bool) -> progress::Bar {
 
 /// What one implementation measured: world size, prefill and decode seconds, the greedy
 /// tokens, whether this process prints, the decode profile and the `--prefill-lens` runs.
-type Measured = (usize, f64, f64, Vec<u32>, bool, Profile, Prefills);
+type Measured = (usize, f64, f64, Vec<u32>, bool, Profile, Prefills, Comm);
+
+/// What rank 0's world group moved per decode token (candle-tp): `backend`,
+/// `collectives_per_token`, `bytes_per_token` (payload), `cross_host_bytes_per_token` (payload
+/// handed to the network, zero on one host).
+type Comm = Option<serde_json::Value>;
 
 fn run_candle_tp(args: &Args) -> Result<Measured> {
     let device = Device::Cpu;
@@ -177,10 +184,17 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     bar.finish();
     candle_tp::set_matmul_timing(false);
     let steps = (args.new_tokens - 1) as f64;
+    let moved = pg.stats().since(&comm0).total();
     let profile = args.profile.then(|| {
         let mm = (candle_tp::matmul_time() - mm0).as_secs_f64();
-        let comm = pg.stats().since(&comm0).total().time.as_secs_f64();
+        let comm = moved.time.as_secs_f64();
         (mm / steps * 1e3, comm / steps * 1e3, decode / steps * 1e3)
+    });
+    let comm = serde_json::json!({
+        "backend": pg.backend(),
+        "collectives_per_token": moved.calls as f64 / steps,
+        "bytes_per_token": moved.payload_bytes as f64 / steps,
+        "cross_host_bytes_per_token": moved.cross_host_bytes as f64 / steps,
     });
     Ok((
         pg.size(),
@@ -190,6 +204,7 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
         pg.rank() == 0,
         profile,
         prefills,
+        Some(comm),
     ))
 }
 
@@ -235,7 +250,7 @@ fn single_process_greedy(
     }
     let decode = t1.elapsed().as_secs_f64();
     bar.finish();
-    Ok((1, prefill, decode, out, true, None, Vec::new()))
+    Ok((1, prefill, decode, out, true, None, Vec::new(), None))
 }
 
 fn run_candle_transformers(args: &Args) -> Result<Measured> {
@@ -264,15 +279,15 @@ fn main() -> Result<()> {
     if !args.prefill_lens.is_empty() && args.implementation != "candle-tp" {
         bail!("--prefill-lens is measured for --impl candle-tp only");
     }
-    let (world, prefill, decode, ids, print, profile, prefills) = match args.implementation.as_str()
-    {
-        "candle-tp" => run_candle_tp(&args)?,
-        "candle-transformers" => run_candle_transformers(&args)?,
-        "quantized_llama" => run_quantized_llama(&args)?,
-        other => {
-            bail!("--impl {other}: expected candle-tp, candle-transformers or quantized_llama")
-        }
-    };
+    let (world, prefill, decode, ids, print, profile, prefills, comm) =
+        match args.implementation.as_str() {
+            "candle-tp" => run_candle_tp(&args)?,
+            "candle-transformers" => run_candle_transformers(&args)?,
+            "quantized_llama" => run_quantized_llama(&args)?,
+            other => {
+                bail!("--impl {other}: expected candle-tp, candle-transformers or quantized_llama")
+            }
+        };
     if print {
         let mut report = serde_json::json!({
                 "impl": args.implementation,
@@ -304,6 +319,9 @@ fn main() -> Result<()> {
                 "rest": total - mm - comm,
                 "total": total,
             });
+        }
+        if let Some(c) = comm {
+            report["comm"] = c;
         }
         println!("{report}");
     }

@@ -13,7 +13,7 @@
 #   shared memory inside a host and TCP across, as mpirun picks them). Also the payload each
 #   rank hands to the network per all-reduce (candle-tp's statistics).
 # decode: greedy decoding of --models (default SmolLM2 Q4_1, and the synthetic ~1 B Llama in
-#   Q4_1 that scripts/make-gguf-models.sh makes) at 1 host x 1 rank, 1 host x 2 ranks,
+#   Q4_0 and Q4_1 that scripts/make-gguf-models.sh makes with llama-quantize) at 1 host x 1 rank, 1 host x 2 ranks,
 #   2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank: tokens/s, collectives and
 #   bytes crossing hosts per token.
 #
@@ -91,11 +91,10 @@ fi
 if [ "$only" != all-reduce ]; then
   if [ -z "$models" ]; then
     scripts/fetch-models.sh >&2
+    # The synthetic ~1 B Llama, quantized by llama.cpp's llama-quantize (built once).
+    scripts/make-gguf-models.sh --models synthetic-1b --types "Q4_0 Q4_1" >&2
     models="$home/models/smollm2-135m-instruct.Q4_1.gguf"
-    if [ -x scripts/make-gguf-models.sh ]; then
-      scripts/make-gguf-models.sh --types Q4_1 >&2
-      models="$models $home/models/synthetic-llama-1b.Q4_1.gguf"
-    fi
+    models="$models $home/models/gguf/synthetic-llama-1b.Q4_0.gguf $home/models/gguf/synthetic-llama-1b.Q4_1.gguf"
   fi
   scripts/hosts.sh up 2 >&2
   common=(--new-tokens "$new_tokens" --prompt-len 16)
