@@ -15,7 +15,9 @@
 # decode: greedy decoding of --models (default SmolLM2 Q4_1, and the synthetic ~1 B Llama in
 #   Q4_0 and Q4_1 that scripts/make-gguf-models.sh makes with llama-quantize) at 1 host x 1 rank, 1 host x 2 ranks,
 #   2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank: tokens/s, collectives and
-#   bytes crossing hosts per token.
+#   bytes crossing hosts per token; and llama.cpp's own llama-bench on the same files, on one
+#   host (1 and 2 threads) and with its RPC backend (rpc-server on the second host), built by
+#   scripts/lib/llama-cpp.sh from the sources in the llama-cpp-python 0.3.36 sdist.
 #
 # Needs root (network namespaces), Open MPI (installed by scripts/setup-mpi.sh) and the mpi
 # feature. The machine's cores are shared by every emulated host: 2 hosts x 2 ranks on 2 cores
@@ -110,6 +112,35 @@ if [ "$only" != all-reduce ]; then
         on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" --model "$m" \
           "${common[@]}" | tag "\"round\": $r, \"model\": \"$name\", \"layout\": \"$label\""
       done
+    done
+  done
+  # llama.cpp's RPC backend on the same files and hosts: rpc-server on ctp-h2 holds part of the
+  # layers (llama.cpp splits them between its devices), llama-bench on ctp-h1 the rest; and
+  # llama-bench alone on one host with 1 and 2 threads. tg = decode tokens/s.
+  # shellcheck source=scripts/lib/llama-cpp.sh
+  . scripts/lib/llama-cpp.sh
+  lbin=$(install_llama_cpp_tools)
+  for r in $(seq "$rounds"); do
+    for m in $models; do
+      name=$(basename "$m")
+      echo "==> llama.cpp $name, round $r/$rounds" >&2
+      for t in 1 2; do
+        ip netns exec ctp-h1 "$lbin/llama-bench" -m "$m" -t "$t" -p 0 -n "$new_tokens" -r 1 -o jsonl \
+          2>/dev/null | sed -n "s/^{/{\"round\": $r, \"model\": \"$name\", \"layout\": \"llama.cpp 1 host x $t thread(s)\", /p" \
+          | tee -a "$results" >&2
+      done
+      ip netns exec ctp-h2 "$lbin/rpc-server" -H 10.77.0.12 -p 50052 -t 1 >"$out/rpc-server.log" 2>&1 &
+      rpc_pid=$!
+      for _ in $(seq 100); do
+        ip netns exec ctp-h1 bash -c 'exec 3<>/dev/tcp/10.77.0.12/50052' 2>/dev/null && break
+        sleep 0.1
+      done
+      ip netns exec ctp-h1 "$lbin/llama-bench" -m "$m" -t 1 -p 0 -n "$new_tokens" -r 1 -o jsonl \
+        --rpc 10.77.0.12:50052 2>/dev/null \
+        | sed -n "s/^{/{\"round\": $r, \"model\": \"$name\", \"layout\": \"llama.cpp RPC 2 hosts x 1 thread\", /p" \
+        | tee -a "$results" >&2
+      kill "$rpc_pid" 2>/dev/null || true
+      wait "$rpc_pid" 2>/dev/null || true
     done
   done
   scripts/hosts.sh down >&2

@@ -31,6 +31,9 @@ def main(path):
                 cross[(r["rate"], r["bytes"], impl)] = r["cross_host_bytes"]
         elif "tokens_per_s" in r:
             dec[(r["model"], r["layout"])].append(r)
+        elif "avg_ts" in r:  # llama-bench's jsonl
+            r["tokens_per_s"] = r["avg_ts"]
+            dec[(r["model"], r["layout"])].append(r)
     if coll:
         print("\nall-reduce f32, 2 hosts x 2 ranks: median microseconds (median over rounds)\n")
         impls = ["Open MPI", "candle-tp hierarchical", "candle-tp hierarchical, unchecked",
@@ -57,18 +60,21 @@ def main(path):
         for model in sorted({k[0] for k in dec}):
             base = dec.get((model, "1 host x 1"))
             base_tps = statistics.median(r["tokens_per_s"] for r in base) if base else None
-            for layout in ["1 host x 1", "1 host x 2", "2 hosts x 1", "2 hosts x 2"]:
+            for layout in ["1 host x 1", "1 host x 2", "2 hosts x 1", "2 hosts x 2",
+                           "llama.cpp 1 host x 1 thread(s)", "llama.cpp 1 host x 2 thread(s)",
+                           "llama.cpp RPC 2 hosts x 1 thread"]:
                 rs = dec.get((model, layout))
                 if not rs:
                     continue
                 tps = statistics.median(r["tokens_per_s"] for r in rs)
-                comm = rs[0].get("comm", {})
+                comm = rs[0].get("comm")
+                cpt = f"{comm['collectives_per_token']:.0f}" if comm else "-"
+                bpt = f"{comm['cross_host_bytes_per_token']:.0f}" if comm else "-"
                 same = (all(r["token_ids"] == base[0]["token_ids"] for r in rs)
-                        if base else "-")
+                        if base and "token_ids" in rs[0] else "-")
                 print(f"| {model} | {layout} | {tps:.1f} | "
                       + (f"{tps / base_tps:.2f}" if base_tps else "-")
-                      + f" | {comm.get('collectives_per_token', 0):.0f}"
-                      + f" | {comm.get('cross_host_bytes_per_token', 0):.0f} | {same} |")
+                      + f" | {cpt} | {bpt} | {same} |")
 
 
 if __name__ == "__main__":
