@@ -185,6 +185,25 @@ pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
         )
         .into());
     }
+    // GPUs under an MPI launcher: NCCL, meeting at a store found through MPI (no MASTER_ADDR).
+    #[cfg(all(feature = "nccl", feature = "mpi"))]
+    if let (true, Device::Cuda(dev), true) = (
+        mpi_launched,
+        device,
+        launch.world_size > 1 && var(BACKEND_VAR).as_deref().map(str::trim) != Some("shm"),
+    ) {
+        let options = GroupOptions::default();
+        let world = super::mpi::mpi_world(options)?;
+        let (store, keep) = super::mpi::store_over_mpi(&world, options.timeout)?;
+        return Ok(super::nccl::init_nccl_on(
+            store,
+            keep,
+            world.rank(),
+            world.size(),
+            dev,
+            options,
+        )?);
+    }
     let rv = rendezvous_from_env()?;
     if rv.world_size == 1 {
         return Ok(ProcessGroup::single());

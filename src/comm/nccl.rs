@@ -129,23 +129,28 @@ pub fn init_nccl(
         ));
     };
     let (store, keep) = connect_job_store(rv, options.timeout)?;
-    if rv.rank == 0 {
+    init_nccl_on(Arc::from(store), keep, rv.rank, rv.world_size, dev, options)
+}
+
+/// The world group on NCCL, the ranks meeting (NCCL unique ids) through `store`.
+pub(crate) fn init_nccl_on(
+    store: Arc<dyn crate::comm::store::Store>,
+    keep: crate::comm::store::Keep,
+    rank: usize,
+    world_size: usize,
+    dev: &CudaDevice,
+    options: GroupOptions,
+) -> CommResult<ProcessGroup> {
+    if rank == 0 {
         store.set("job", random_hex().as_bytes())?;
     }
     let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
-    let ctx = Context::new(
-        Arc::from(store),
-        RegionKind::Shm,
-        job,
-        &options,
-        rv.world_size,
-        keep,
-    );
-    let members: Vec<usize> = (0..rv.world_size).collect();
-    let group = rendezvous(&ctx, "world".into(), rv.rank, members.len(), dev)?;
+    let ctx = Context::new(store, RegionKind::Shm, job, &options, world_size, keep);
+    let members: Vec<usize> = (0..world_size).collect();
+    let group = rendezvous(&ctx, "world".into(), rank, members.len(), dev)?;
     Ok(ProcessGroup::new(
         "world".into(),
-        rv.rank,
+        rank,
         members,
         Arc::new(group),
         Some(ctx),

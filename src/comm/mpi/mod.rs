@@ -32,7 +32,10 @@ use super::region::random_hex;
 use super::stats::{CollectiveKind, CommStats};
 use super::store::MemStore;
 
+mod bootstrap;
 mod wire;
+#[allow(unused_imports)] // used with the nccl feature
+pub(crate) use bootstrap::store_over_mpi;
 use wire::Wire;
 
 /// An MPI communicator of one group on this rank.

@@ -1,0 +1,135 @@
+//! A job's rendezvous store found through MPI: rank 0 serves it on every interface and hands
+//! its addresses, port and a fresh token to the other ranks with one `MPI_Bcast`, so that a job
+//! launched by `mpirun` or `srun` needs no `MASTER_ADDR`/`MASTER_PORT` (as TensorRT-LLM hands out
+//! NCCL's unique id through MPI). The NCCL backend meets there when launched that way.
+
+#![cfg_attr(not(feature = "nccl"), allow(dead_code))] // the nccl backend's, tested here
+
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::comm::backend::{Backend, HostBufMut};
+use crate::comm::error::{CommError, CommResult};
+use crate::comm::region::random_hex;
+use crate::comm::store::{Keep, Store, TcpStore, TcpStoreServer};
+
+use super::MpiBackend;
+
+/// Bytes of the broadcast message: addresses, port and token as text.
+const MESSAGE: usize = 1024;
+
+/// The IPv4 addresses of this host's interfaces that are up, loopback last.
+fn addresses() -> Vec<Ipv4Addr> {
+    let mut out = Vec::new();
+    let mut ifs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `ifs` with a list we only read and then free with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut ifs) } != 0 {
+        return vec![Ipv4Addr::LOCALHOST];
+    }
+    let mut p = ifs;
+    while !p.is_null() {
+        // SAFETY: `p` is a node of the list getifaddrs returned.
+        let ifa = unsafe { &*p };
+        let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+        if up && !ifa.ifa_addr.is_null() {
+            // SAFETY: ifa_addr points to a sockaddr whose family says how to read it.
+            let family = unsafe { (*ifa.ifa_addr).sa_family } as i32;
+            if family == libc::AF_INET {
+                // SAFETY: an AF_INET address is a sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                out.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+            }
+        }
+        p = ifa.ifa_next;
+    }
+    // SAFETY: `ifs` came from getifaddrs.
+    unsafe { libc::freeifaddrs(ifs) };
+    out.sort_by_key(|a| a.is_loopback());
+    out.dedup();
+    if out.is_empty() {
+        out.push(Ipv4Addr::LOCALHOST);
+    }
+    out
+}
+
+/// Rank 0 of `world` serves the store; every rank returns a client of it (rank 0 also the
+/// server, to keep alive). Collective over `world`.
+pub(crate) fn store_over_mpi(
+    world: &MpiBackend,
+    timeout: Duration,
+) -> CommResult<(Arc<dyn Store>, Keep)> {
+    let mut keep: Keep = Vec::new();
+    let mut msg = [0u8; MESSAGE];
+    if world.rank() == 0 {
+        let token = random_hex();
+        let server = TcpStoreServer::bind("0.0.0.0", 0, &token)?;
+        let addrs: Vec<String> = addresses().iter().map(|a| a.to_string()).collect();
+        let text = format!("{} {} {}", server.port(), token, addrs.join(","));
+        let n = text.len().min(MESSAGE);
+        msg[..n].copy_from_slice(&text.as_bytes()[..n]);
+        keep.push(Box::new(server));
+    }
+    world.broadcast(HostBufMut::new(&mut msg), 0)?;
+    let text = String::from_utf8_lossy(&msg);
+    let text = text.trim_end_matches('\0');
+    let mut parts = text.split(' ');
+    let bad = || {
+        CommError::invalid(
+            "the rendezvous store over MPI",
+            format!("rank 0 sent {text:?}, not 'PORT TOKEN ADDRESSES'"),
+        )
+    };
+    let port: u16 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let token = parts.next().ok_or_else(bad)?.to_string();
+    let addrs: Vec<&str> = parts.next().ok_or_else(bad)?.split(',').collect();
+    // Rank 0 listens on all its addresses: the first that answers is one this rank can reach.
+    let mut tried = Vec::new();
+    for (i, addr) in addrs.iter().enumerate() {
+        let wait = if i + 1 == addrs.len() {
+            timeout
+        } else {
+            Duration::from_secs(2).min(timeout)
+        };
+        match TcpStore::connect(addr, port, &token, wait) {
+            Ok(store) => return Ok((Arc::new(store), keep)),
+            Err(e) => tried.push(format!("{addr}: {e}")),
+        }
+    }
+    Err(CommError::invalid(
+        format!(
+            "rank {} reaching rank 0's rendezvous store over MPI",
+            world.rank()
+        ),
+        format!("no address of rank 0 answered: {}", tried.join("; ")),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::comm::context::GroupOptions;
+
+    /// A job of one (MPI's singleton start, no mpirun): rank 0 serves the store, announces
+    /// itself over MPI and connects through one of its own addresses.
+    #[test]
+    fn one_rank_finds_its_own_store_over_mpi() {
+        let world = crate::comm::mpi::mpi_world(GroupOptions::default()).expect("MPI");
+        let (store, keep) =
+            super::store_over_mpi(&world, std::time::Duration::from_secs(10)).expect("store");
+        assert_eq!(keep.len(), 1, "rank 0 keeps its server");
+        store.set("k", b"v").unwrap();
+        assert_eq!(
+            store.get("k", std::time::Duration::from_secs(1)).unwrap(),
+            b"v"
+        );
+    }
+
+    #[test]
+    fn this_host_has_an_address() {
+        let a = super::addresses();
+        assert!(!a.is_empty());
+        // Loopback, if present, comes last.
+        let first_loop = a.iter().position(|x| x.is_loopback()).unwrap_or(a.len());
+        assert!(a[first_loop..].iter().all(|x| x.is_loopback()), "{a:?}");
+    }
+}
