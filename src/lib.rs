@@ -19,8 +19,9 @@
 //! # Ok(()) }
 //! ```
 //!
-//! - [`comm`]: [`ProcessGroup`], the shared-memory engine and its `threads` and `shm`
-//!   backends, sub-groups, [`init_from_env`], [`run_threads`].
+//! - [`comm`]: [`ProcessGroup`] and its backends (the shared-memory engine for `threads` and
+//!   `shm`; `mpi` and `hierarchical` across hosts with the `mpi` feature; `nccl`), sub-groups,
+//!   point-to-point, [`init_from_env`], [`run_threads`].
 //! - [`ops`]: Megatron's mappings (`copy_to_tp`, `reduce_from_tp`, …) with backward.
 //! - [`nn`]: [`ColumnParallelLinear`], [`RowParallelLinear`], [`Mlp`], [`GatedMlp`],
 //!   [`VocabParallelEmbedding`], [`ParallelLmHead`].
@@ -30,6 +31,7 @@
 //! - [`chat_template`]: a checkpoint's chat template, rendered as Hugging Face transformers
 //!   renders it (used by the server and `examples/generate.rs`).
 //! - [`convert`]: GGUF → Hugging Face checkpoint and tokenizer, for the demo models.
+//! - [`pipeline`]: pipeline-parallel schedules (GPipe, 1F1B) as data, and their replay.
 //! - [`Partition`]: uneven splits (9 heads on 2 ranks is 5 + 4).
 //! - [`quant`]: quantized CPU kernels ([`quant::QuantMatMul`]: SIMD Q4_1, Q8_0 and Q4_K
 //!   matmuls, f64-summed products for row-parallel layers, candle's `QMatMul` for the other
@@ -48,6 +50,7 @@ pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod partition;
+pub mod pipeline;
 pub mod quant;
 pub mod rng;
 #[cfg(feature = "server")]

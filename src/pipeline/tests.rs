@@ -1,0 +1,102 @@
+//! The schedules against the properties the literature states for them.
+
+use super::*;
+
+fn all_stages(kind: Kind, p: usize, m: usize) -> Vec<Vec<Step>> {
+    (0..p).map(|s| schedule(kind, s, p, m)).collect()
+}
+
+#[test]
+fn every_schedule_runs_each_micro_batch_once_without_deadlock() {
+    for kind in [Kind::GPipe, Kind::OneFOneB] {
+        for p in 1..=6 {
+            for m in 1..=9 {
+                let all = all_stages(kind, p, m);
+                check(&all, m).unwrap_or_else(|e| panic!("{kind:?} p={p} m={m}: {e}"));
+                replay(&all, 1.0, 2.0).unwrap_or_else(|e| panic!("{kind:?} p={p} m={m}: {e}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn the_bubble_is_p_minus_1_over_m_plus_p_minus_1() {
+    for kind in [Kind::GPipe, Kind::OneFOneB] {
+        for p in 1..=6 {
+            for m in 1..=9 {
+                let r = replay(&all_stages(kind, p, m), 1.0, 2.0).unwrap();
+                let want = (p - 1) as f64 / (m + p - 1) as f64;
+                assert!(
+                    (r.bubble() - want).abs() < 1e-12,
+                    "{kind:?} p={p} m={m}: bubble {} vs {want}",
+                    r.bubble()
+                );
+                assert_eq!(r.makespan, 3.0 * (m + p - 1) as f64, "{kind:?} p={p} m={m}");
+            }
+        }
+    }
+}
+
+#[test]
+fn activations_held_are_m_under_gpipe_and_at_most_p_minus_s_under_1f1b() {
+    for p in 1..=6 {
+        for m in 1..=9 {
+            for s in 0..p {
+                assert_eq!(peak_activations(&schedule(Kind::GPipe, s, p, m)), m);
+                assert_eq!(
+                    peak_activations(&schedule(Kind::OneFOneB, s, p, m)),
+                    (p - s).min(m),
+                    "p={p} m={m} stage {s}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_checks_can_fail() {
+    // 1F1B with Megatron's batched pairs written send-first on both sides: the first stage
+    // sends the next activation while the second sends a gradient, and both wait.
+    let naive = |s: usize, p: usize, m: usize| -> Vec<Step> {
+        let mut out = Vec::new();
+        let warmup = (p - s - 1).min(m);
+        let fwd = |mb, out: &mut Vec<Step>| {
+            if s > 0 {
+                out.push(Step::RecvActivation(mb));
+            }
+            out.push(Step::Forward(mb));
+            if s + 1 < p {
+                out.push(Step::SendActivation(mb));
+            }
+        };
+        let bwd = |mb, out: &mut Vec<Step>| {
+            if s + 1 < p {
+                out.push(Step::RecvGrad(mb));
+            }
+            out.push(Step::Backward(mb));
+            if s > 0 {
+                out.push(Step::SendGrad(mb));
+            }
+        };
+        for mb in 0..warmup {
+            fwd(mb, &mut out);
+        }
+        for i in 0..m - warmup {
+            fwd(warmup + i, &mut out);
+            bwd(i, &mut out);
+        }
+        for mb in m - warmup..m {
+            bwd(mb, &mut out);
+        }
+        out
+    };
+    let all: Vec<Vec<Step>> = (0..3).map(|s| naive(s, 3, 4)).collect();
+    check(&all, 4).unwrap();
+    let e = replay(&all, 1.0, 2.0).unwrap_err();
+    assert!(e.contains("deadlock"), "{e}");
+    // A backward before its forward, and a micro-batch run twice.
+    let bad = vec![vec![Step::Backward(0), Step::Forward(0)]];
+    assert!(check(&bad, 1).unwrap_err().contains("before its forward"));
+    let twice = vec![vec![Step::Forward(0), Step::Forward(0), Step::Backward(0)]];
+    assert!(check(&twice, 1).is_err());
+}
