@@ -18,6 +18,8 @@
 //!   [`plane`](DeviceMesh::plane)`(a, b)` the `q²` ranks that differ only in `a` and `b`.
 //! - DP × TP ([`DeviceMesh::dp_tp`], axes `dp`, `tp`): `rank = dp_index * tp + tp_index`, so
 //!   the ranks of one tensor-parallel group are consecutive (on one host, as Megatron does).
+//! - PP × DP × TP ([`DeviceMesh::pp_dp_tp`], axes `pp`, `dp`, `tp`): the pipeline stage is the
+//!   slowest axis, the tensor-parallel index the fastest.
 //!
 //! Sub-groups are created with [`ProcessGroup::new_group_named`] by every rank in the same
 //! order (axis 0, 1, …, then pairs (0,1), (0,2), …), so construction never deadlocks and every
@@ -155,6 +157,34 @@ impl DeviceMesh {
             ));
         }
         Self::new(world, &[n / tp, tp], &["dp", "tp"])
+    }
+
+    /// A pipeline × data-parallel × tensor-parallel arrangement: axes `pp`, `dp` and `tp`,
+    /// `rank = (stage * dp + dp_index) * tp + tp_index`, so that a tensor-parallel group is
+    /// consecutive ranks (on one host) and the stages are the slowest axis (across hosts), as
+    /// Megatron lays them out. `pp · tp` must divide the group size.
+    ///
+    /// ```
+    /// use candle_tp::comm::{run_threads, DeviceMesh};
+    /// let coords = run_threads(8, |pg| {
+    ///     let mesh = DeviceMesh::pp_dp_tp(&pg, 2, 2)?;
+    ///     Ok(mesh.coord().to_vec())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(coords[5], vec![1, 0, 1]); // rank 5: stage 1, data-parallel 0, tp 1
+    /// ```
+    pub fn pp_dp_tp(world: &ProcessGroup, pp: usize, tp: usize) -> CommResult<Self> {
+        let n = world.size();
+        if pp == 0 || tp == 0 || n % (pp * tp) != 0 {
+            return Err(CommError::invalid(
+                format!("PP x DP x TP mesh on group '{}'", world.name()),
+                format!(
+                    "the pipeline size {pp} times the tensor-parallel size {tp} must divide the \
+                     {n} ranks"
+                ),
+            ));
+        }
+        Self::new(world, &[pp, n / (pp * tp), tp], &["pp", "dp", "tp"])
     }
 
     /// The coordinates of `rank` in a mesh of `dims` (row-major, last axis fastest).

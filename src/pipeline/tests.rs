@@ -100,3 +100,49 @@ fn the_checks_can_fail() {
     let twice = vec![vec![Step::Forward(0), Step::Forward(0), Step::Backward(0)]];
     assert!(check(&twice, 1).is_err());
 }
+
+#[test]
+fn stage_layers_split_evenly_or_as_asked_and_refuse_bad_sizes() {
+    assert_eq!(
+        stage_layers(30, 4, None).unwrap(),
+        vec![0..8, 8..16, 16..23, 23..30]
+    );
+    assert_eq!(
+        stage_layers(4, 4, None).unwrap(),
+        vec![0..1, 1..2, 2..3, 3..4]
+    );
+    assert_eq!(stage_layers(7, 1, None).unwrap(), vec![0..7]);
+    let e = stage_layers(3, 4, None).unwrap_err().to_string();
+    assert!(e.contains("4 stages") && e.contains("3 layers"), "{e}");
+    for bad in [&[10, 10][..], &[10, 10, 9], &[30, 0, 0], &[10, 10, 11]] {
+        let e = stage_layers(30, 3, Some(bad)).unwrap_err().to_string();
+        assert!(e.contains(&format!("{bad:?}")), "{e}");
+    }
+}
+
+#[test]
+fn the_pp_dp_tp_mesh_keeps_tp_groups_consecutive() {
+    use crate::comm::{run_threads, DeviceMesh};
+    let got = run_threads(8, |pg| {
+        let mesh = DeviceMesh::pp_dp_tp(&pg, 2, 2)?;
+        let name = |axis: usize| mesh.group_along(axis).expect("a member").name().to_string();
+        Ok((mesh.coord().to_vec(), name(0), name(1), name(2)))
+    })
+    .unwrap();
+    for (rank, (coord, pp, dp, tp)) in got.iter().enumerate() {
+        assert_eq!(
+            coord,
+            &vec![rank / 4, (rank / 2) % 2, rank % 2],
+            "rank {rank}"
+        );
+        // The stage peers differ by 4, the data-parallel peers by 2, the TP pair is consecutive.
+        let (s0, d0, t0) = (rank % 4, rank - (rank / 2 % 2) * 2, rank - rank % 2);
+        assert_eq!(pp, &format!("world/pp[{},{}]", s0, s0 + 4), "rank {rank}");
+        assert_eq!(dp, &format!("world/dp[{},{}]", d0, d0 + 2), "rank {rank}");
+        assert_eq!(tp, &format!("world/tp[{},{}]", t0, t0 + 1), "rank {rank}");
+    }
+    let e = run_threads(4, |pg| Ok(DeviceMesh::pp_dp_tp(&pg, 3, 1).map(|_| ())?))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("pipeline size 3"), "{e}");
+}
