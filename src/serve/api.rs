@@ -2,11 +2,15 @@
 //! naming the field for every wrong type or value, and OpenAI's error shape
 //! (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status.
 //!
-//! Fields the server does not know (`user`, `logprobs`, `frequency_penalty`, ...) are
-//! ignored, as OpenAI-compatible servers commonly do, so that every client's defaults work.
+//! Every key of the body is first checked against [`fields::FIELDS`](crate::serve::fields):
+//! a field the server does not support (with a value that asks for something) or does not know
+//! is a 400 naming it, never silently ignored.
 
 use serde_json::{Map, Value};
 
+use crate::generate::{Penalties, MAX_TOP_LOGPROBS};
+use crate::serve::fields::{boolean, check_fields, in_range, integer, kind_of, number, short};
+use crate::serve::messages::messages;
 use crate::serve::text::ChatMessage;
 
 /// An error answer: HTTP status and OpenAI's error object.
@@ -85,8 +89,10 @@ pub struct GenRequest {
     pub model: Option<String>,
     /// Chat messages (`/v1/chat/completions`).
     pub messages: Option<Vec<ChatMessage>>,
-    /// The prompt text (`/v1/completions`).
-    pub prompt: Option<String>,
+    /// The prompts (`/v1/completions`: one, or a batch).
+    pub prompts: Vec<Prompt>,
+    /// `n`: choices per prompt.
+    pub n: usize,
     /// `max_tokens` (or `max_completion_tokens`).
     pub max_tokens: Option<usize>,
     /// `min_tokens` (vLLM's extension): end-of-sequence cannot be drawn before this many.
@@ -108,153 +114,107 @@ pub struct GenRequest {
     /// `return_token_ids` (vLLM's extension): each choice also carries the generated ids as
     /// `token_ids` (per chunk when streaming) and the prompt's as `prompt_token_ids`.
     pub return_token_ids: bool,
+    /// Log-probabilities: `None`, or the number of top entries per token (chat: `logprobs:
+    /// true` with `top_logprobs`, default 0; completions: the integer `logprobs`).
+    pub logprobs: Option<usize>,
+    /// `presence_penalty`, `frequency_penalty`, `repetition_penalty` and `logit_bias`
+    /// (ids not yet checked against the vocabulary).
+    pub penalties: Penalties,
 }
 
-fn number(o: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => Ok(n.as_f64()),
-        Some(v) => Err(ApiError::invalid(
-            key,
-            format!("'{key}' must be a number, got {}", kind_of(v)),
-        )),
-    }
+/// A completions prompt: text (tokenized by the server) or token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Text, tokenized with the tokenizer's special tokens (BOS...).
+    Text(String),
+    /// Token ids, used as they are.
+    Ids(Vec<u32>),
 }
 
-fn integer(o: &Map<String, Value>, key: &str) -> Result<Option<i128>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match (n.as_i64(), n.as_u64()) {
-            (Some(i), _) => Ok(Some(i as i128)),
-            (_, Some(u)) => Ok(Some(u as i128)),
-            _ => Err(ApiError::invalid(
-                key,
-                format!("'{key}' must be an integer, got {n}"),
-            )),
-        },
-        Some(v) => Err(ApiError::invalid(
-            key,
-            format!("'{key}' must be an integer, got {}", kind_of(v)),
-        )),
-    }
-}
+/// The most prompts one request may batch (`prompt` as an array).
+pub const MAX_PROMPTS: usize = 64;
 
-fn boolean(o: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(ApiError::invalid(
-            key,
-            format!("'{key}' must be a boolean, got {}", kind_of(v)),
-        )),
-    }
-}
-
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-fn in_range(key: &str, v: Option<f64>, lo: f64, hi: f64, lo_open: bool) -> Result<(), ApiError> {
-    if let Some(x) = v {
-        let low_ok = if lo_open { x > lo } else { x >= lo };
-        if !(low_ok && x <= hi) {
-            let open = if lo_open { "(" } else { "[" };
-            return Err(ApiError::invalid(
-                key,
-                format!("'{key}' = {x} is outside {open}{lo}, {hi}]"),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// A message's `content`: a string or an array of `{"type": "text", "text": ...}` parts; for
-/// an assistant message also null or absent (as OpenAI's: one that only calls tools), read as
-/// empty.
-fn content(v: Option<&Value>, role: &str, i: usize) -> Result<String, ApiError> {
-    let param = format!("messages[{i}].content");
-    match v {
-        None | Some(Value::Null) if role == "assistant" => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
-                (Some("text"), Some(t)) => Ok(t.to_string()),
-                _ => Err(ApiError::invalid(
-                    &param,
-                    format!("'{param}': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"),
-                )),
-            })
-            .collect(),
-        Some(v) => Err(ApiError::invalid(
-            &param,
-            format!("'{param}' must be a string or an array of text parts, got {}", kind_of(v)),
-        )),
-        None => Err(ApiError::invalid(&param, format!("'{param}' is missing"))),
-    }
-}
-
-fn messages(o: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
-    let list = match o.get("messages") {
-        Some(Value::Array(l)) => l,
-        None => return Err(ApiError::invalid("messages", "'messages' is required")),
-        Some(v) => {
-            return Err(ApiError::invalid(
-                "messages",
-                format!("'messages' must be an array, got {}", kind_of(v)),
-            ))
-        }
-    };
-    if list.is_empty() {
-        return Err(ApiError::invalid("messages", "'messages' is empty"));
-    }
-    list.iter()
+/// A JSON array of token ids (`at`: the field's name in messages).
+fn token_ids(a: &[Value], at: &str) -> Result<Vec<u32>, ApiError> {
+    a.iter()
         .enumerate()
-        .map(|(i, m)| {
-            let role = m["role"].as_str().ok_or_else(|| {
-                ApiError::invalid(
-                    &format!("messages[{i}].role"),
-                    format!("'messages[{i}].role' must be a string"),
-                )
-            })?;
-            if !matches!(role, "system" | "user" | "assistant" | "developer" | "tool") {
-                return Err(ApiError::invalid(
-                    &format!("messages[{i}].role"),
-                    format!("'messages[{i}].role' = {role:?} is not one of system, user, assistant, developer, tool"),
-                ));
-            }
-            Ok(ChatMessage {
-                role: role.to_string(),
-                content: content(m.get("content"), role, i)?,
-            })
+        .map(|(i, v)| {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "prompt",
+                        format!(
+                            "'{at}[{i}]' = {} is not a token id (an integer from 0 to 2^32 - 1)",
+                            short(v)
+                        ),
+                    )
+                })
         })
         .collect()
 }
 
-fn prompt(o: &Map<String, Value>) -> Result<String, ApiError> {
-    match o.get("prompt") {
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            Ok(a[0].as_str().unwrap_or_default().to_string())
+/// `prompt`: a string, an array of strings (a batch), an array of token ids, or an array of
+/// arrays of token ids (a batch), as OpenAI's.
+fn prompts(o: &Map<String, Value>) -> Result<Vec<Prompt>, ApiError> {
+    let list = match o.get("prompt") {
+        Some(Value::String(s)) => return Ok(vec![Prompt::Text(s.clone())]),
+        Some(Value::Array(a)) if a.first().is_some_and(Value::is_number) => {
+            return Ok(vec![Prompt::Ids(token_ids(a, "prompt")?)])
         }
-        Some(Value::Array(a)) => Err(ApiError::invalid(
+        Some(Value::Array(a)) => a,
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("prompt", "'prompt' is required"))
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "'prompt' must be a string, an array of strings, or token ids, got {}",
+                    kind_of(v)
+                ),
+            ))
+        }
+    };
+    if list.is_empty() {
+        return Err(ApiError::invalid("prompt", "'prompt' is an empty array"));
+    }
+    if list.len() > MAX_PROMPTS {
+        return Err(ApiError::invalid(
             "prompt",
             format!(
-                "'prompt' as an array must hold exactly one string (n = 1), got {} items",
-                a.len()
+                "'prompt' holds {} prompts, at most {MAX_PROMPTS}",
+                list.len()
             ),
-        )),
-        None => Err(ApiError::invalid("prompt", "'prompt' is required")),
-        Some(v) => Err(ApiError::invalid(
-            "prompt",
-            format!("'prompt' must be a string, got {}", kind_of(v)),
+        ));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, p)| match p {
+            Value::String(s) => Ok(Prompt::Text(s.clone())),
+            Value::Array(ids) => Ok(Prompt::Ids(token_ids(ids, &format!("prompt[{i}]"))?)),
+            v => Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "'prompt[{i}]' must be a string or an array of token ids, got {}",
+                    kind_of(v)
+                ),
+            )),
+        })
+        .collect()
+}
+
+/// The most choices one request may ask for (`n` times the prompts).
+pub const MAX_CHOICES: usize = 64;
+
+/// `n`: choices per prompt, 1 to [`MAX_CHOICES`].
+fn choices(o: &Map<String, Value>) -> Result<usize, ApiError> {
+    match integer(o, "n")? {
+        None => Ok(1),
+        Some(n) if (1..=MAX_CHOICES as i128).contains(&n) => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid(
+            "n",
+            format!("'n' = {n} is outside [1, {MAX_CHOICES}]"),
         )),
     }
 }
@@ -290,6 +250,95 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
+/// `logprobs` (and `top_logprobs` for chat): `None` or the top entries per token.
+fn logprobs(o: &Map<String, Value>, chat: bool) -> Result<Option<usize>, ApiError> {
+    let top = |key: &str| -> Result<Option<usize>, ApiError> {
+        match integer(o, key)? {
+            None => Ok(None),
+            Some(n) if (0..=MAX_TOP_LOGPROBS as i128).contains(&n) => Ok(Some(n as usize)),
+            Some(n) => Err(ApiError::invalid(
+                key,
+                format!("'{key}' = {n} is outside [0, {MAX_TOP_LOGPROBS}]"),
+            )),
+        }
+    };
+    if !chat {
+        return top("logprobs");
+    }
+    let on = boolean(o, "logprobs")?;
+    let n = top("top_logprobs")?;
+    match (on, n) {
+        (false, Some(n)) => Err(ApiError::invalid(
+            "top_logprobs",
+            format!("'top_logprobs' = {n} needs 'logprobs': true"),
+        )),
+        (false, None) => Ok(None),
+        (true, n) => Ok(Some(n.unwrap_or(0))),
+    }
+}
+
+/// The penalties: OpenAI's presence and frequency penalties in [-2, 2], vLLM's repetition
+/// penalty in (0, 100], `logit_bias` as OpenAI's (token id strings to biases in [-100, 100]).
+fn penalties(o: &Map<String, Value>) -> Result<Penalties, ApiError> {
+    let presence = number(o, "presence_penalty")?;
+    in_range("presence_penalty", presence, -2.0, 2.0, false)?;
+    let frequency = number(o, "frequency_penalty")?;
+    in_range("frequency_penalty", frequency, -2.0, 2.0, false)?;
+    let repetition = number(o, "repetition_penalty")?;
+    in_range("repetition_penalty", repetition, 0.0, 100.0, true)?;
+    let mut logit_bias = Vec::new();
+    match o.get("logit_bias") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) => {
+            for (k, v) in m {
+                let id: u32 = k.trim().parse().map_err(|_| {
+                    ApiError::invalid(
+                        "logit_bias",
+                        format!(
+                            "'logit_bias' key {k:?} is not a token id (a non-negative integer)"
+                        ),
+                    )
+                })?;
+                let bias = match v.as_f64() {
+                    Some(b) if (-100.0..=100.0).contains(&b) => b,
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "logit_bias",
+                            format!(
+                                "'logit_bias' of token {id} = {} must be a number in [-100, 100]",
+                                short(v)
+                            ),
+                        ))
+                    }
+                };
+                logit_bias.push((id, bias as f32));
+            }
+            logit_bias.sort_by_key(|e| e.0);
+            if let Some(w) = logit_bias.windows(2).find(|w| w[0].0 == w[1].0) {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("'logit_bias' names token {} twice", w[0].0),
+                ));
+            }
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!(
+                    "'logit_bias' must be an object of token ids to biases, got {}",
+                    kind_of(v)
+                ),
+            ))
+        }
+    }
+    Ok(Penalties {
+        presence: presence.unwrap_or(0.0) as f32,
+        frequency: frequency.unwrap_or(0.0) as f32,
+        repetition: repetition.unwrap_or(1.0) as f32,
+        logit_bias,
+    })
+}
+
 impl GenRequest {
     /// Reads a body; `chat` picks `messages` (chat) or `prompt` (completions).
     pub fn parse(body: &[u8], chat: bool) -> Result<Self, ApiError> {
@@ -319,14 +368,7 @@ impl GenRequest {
                 ))
             }
         };
-        if let Some(n) = integer(&o, "n")? {
-            if n != 1 {
-                return Err(ApiError::invalid(
-                    "n",
-                    format!("'n' = {n}: only n = 1 is supported"),
-                ));
-            }
-        }
+        check_fields(&o, chat)?;
         let key = if o.contains_key("max_completion_tokens") {
             "max_completion_tokens"
         } else {
@@ -374,13 +416,36 @@ impl GenRequest {
         };
         let seed = integer(&o, "seed")?.map(|s| s as u64);
         let include_usage = match o.get("stream_options") {
-            Some(Value::Object(so)) => boolean(so, "include_usage")?,
-            _ => false,
+            None | Some(Value::Null) => false,
+            Some(Value::Object(so)) => {
+                if let Some(k) = so
+                    .keys()
+                    .find(|k| !matches!(k.as_str(), "include_usage" | "include_obfuscation"))
+                {
+                    return Err(ApiError::invalid(
+                        "stream_options",
+                        format!(
+                            "unknown field 'stream_options.{k}' (the server reads include_usage)"
+                        ),
+                    ));
+                }
+                boolean(so, "include_usage").map_err(|e| ApiError {
+                    param: Some("stream_options.include_usage".into()),
+                    ..e
+                })?
+            }
+            Some(v) => {
+                return Err(ApiError::invalid(
+                    "stream_options",
+                    format!("'stream_options' must be an object, got {}", kind_of(v)),
+                ))
+            }
         };
         Ok(Self {
             model,
             messages: if chat { Some(messages(&o)?) } else { None },
-            prompt: if chat { None } else { Some(prompt(&o)?) },
+            prompts: if chat { Vec::new() } else { prompts(&o)? },
+            n: choices(&o)?,
             max_tokens,
             min_tokens,
             temperature: temperature.unwrap_or(1.0),
@@ -391,6 +456,8 @@ impl GenRequest {
             stream: boolean(&o, "stream")?,
             include_usage,
             return_token_ids: boolean(&o, "return_token_ids")?,
+            logprobs: logprobs(&o, chat)?,
+            penalties: penalties(&o)?,
         })
     }
 }
@@ -415,17 +482,17 @@ mod tests {
 
     #[test]
     fn fields_and_errors() {
-        let r = GenRequest::parse(
-            br#"{"prompt": "hi", "max_tokens": 5, "stop": "x", "foo": 1}"#,
-            false,
-        )
-        .unwrap();
+        let r =
+            GenRequest::parse(br#"{"prompt": "hi", "max_tokens": 5, "stop": "x"}"#, false).unwrap();
         assert_eq!(
-            (r.prompt.as_deref(), r.max_tokens, r.stop.len()),
-            (Some("hi"), Some(5), 1)
+            (r.prompts.clone(), r.max_tokens, r.stop.len()),
+            (vec![Prompt::Text("hi".into())], Some(5), 1)
         );
         let bad = |b: &str, chat| GenRequest::parse(b.as_bytes(), chat).unwrap_err();
         assert_eq!(bad("{", false).status, 400);
+        let e = bad(r#"{"prompt": "hi", "foo": 1}"#, false);
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("foo")), "{e:?}");
+        assert!(e.message.contains("'foo'"), "{}", e.message);
         assert_eq!(
             bad(r#"{"prompt": 3}"#, false).param.as_deref(),
             Some("prompt")
@@ -443,7 +510,7 @@ mod tests {
             Some("temperature")
         );
         assert_eq!(
-            bad(r#"{"prompt": "a", "n": 2}"#, false).param.as_deref(),
+            bad(r#"{"prompt": "a", "n": 0}"#, false).param.as_deref(),
             Some("n")
         );
         assert_eq!(
@@ -482,5 +549,122 @@ mod tests {
         assert!(!r.return_token_ids);
         let r = GenRequest::parse(br#"{"prompt": "a", "return_token_ids": true}"#, false);
         assert!(r.unwrap().return_token_ids);
+    }
+
+    #[test]
+    fn logprobs_and_penalties() {
+        let parse = |b: &str, chat| GenRequest::parse(b.as_bytes(), chat);
+        let chat = |extra: &str| {
+            parse(
+                &format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#),
+                true,
+            )
+        };
+        assert_eq!(chat("").unwrap().logprobs, None);
+        assert_eq!(chat(r#", "logprobs": true"#).unwrap().logprobs, Some(0));
+        assert_eq!(
+            chat(r#", "logprobs": true, "top_logprobs": 20"#)
+                .unwrap()
+                .logprobs,
+            Some(20)
+        );
+        assert_eq!(chat(r#", "logprobs": false"#).unwrap().logprobs, None);
+        for (extra, param, says) in [
+            (
+                r#", "logprobs": true, "top_logprobs": 21"#,
+                "top_logprobs",
+                "21",
+            ),
+            (r#", "top_logprobs": 2"#, "top_logprobs", "logprobs"),
+            (r#", "logprobs": 3"#, "logprobs", "boolean"),
+            (r#", "presence_penalty": 2.5"#, "presence_penalty", "2.5"),
+            (
+                r#", "frequency_penalty": "x""#,
+                "frequency_penalty",
+                "number",
+            ),
+            (r#", "repetition_penalty": 0"#, "repetition_penalty", "0"),
+            (r#", "logit_bias": {"abc": 1}"#, "logit_bias", "abc"),
+            (r#", "logit_bias": {"5": 101}"#, "logit_bias", "101"),
+            (
+                r#", "logit_bias": {"5": 1, "05": 2}"#,
+                "logit_bias",
+                "twice",
+            ),
+            (r#", "logit_bias": [1]"#, "logit_bias", "object"),
+            (
+                r#", "stream_options": {"foo": true}"#,
+                "stream_options",
+                "foo",
+            ),
+            (r#", "tools": [{"type": "function"}]"#, "tools", "tool"),
+            (r#", "messages2": 1"#, "messages2", "unknown"),
+        ] {
+            let e = chat(extra).unwrap_err();
+            assert_eq!(e.status, 400, "{extra}");
+            assert_eq!(e.param.as_deref(), Some(param), "{extra}: {e:?}");
+            assert!(e.message.contains(says), "{extra}: {}", e.message);
+        }
+        let e = parse(
+            r#"{"messages": [{"role": "user", "content": "hi", "image": 1}]}"#,
+            true,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].image"), "{e:?}");
+        let r = parse(
+            r#"{"messages": [{"role": "user", "content": "hi", "name": "ann", "refusal": null}]}"#,
+            true,
+        )
+        .unwrap();
+        assert_eq!(r.messages.unwrap()[0].extra["name"], "ann");
+        let r = parse(
+            r#"{"prompt": "a", "logprobs": 3, "presence_penalty": -1, "frequency_penalty": 0.5,
+                "repetition_penalty": 1.2, "logit_bias": {"7": -100, "3": 2.5}}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(r.logprobs, Some(3));
+        let ps = |b: &str| parse(b, false).map(|r| (r.prompts, r.n));
+        assert_eq!(
+            ps(r#"{"prompt": [1, 2, 3], "n": 3}"#).unwrap(),
+            (vec![Prompt::Ids(vec![1, 2, 3])], 3)
+        );
+        assert_eq!(
+            ps(r#"{"prompt": ["a", [4, 5]]}"#).unwrap(),
+            (vec![Prompt::Text("a".into()), Prompt::Ids(vec![4, 5])], 1)
+        );
+        for b in [
+            r#"{"prompt": []}"#,
+            r#"{"prompt": [1, -2]}"#,
+            r#"{"prompt": [1, "a"]}"#,
+            r#"{"prompt": [[1], {}]}"#,
+            r#"{"prompt": [1.5]}"#,
+        ] {
+            let e = ps(b).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("prompt"), "{b}: {e:?}");
+        }
+        assert_eq!(
+            ps(r#"{"prompt": "a", "n": 65}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            r.penalties,
+            Penalties {
+                presence: -1.0,
+                frequency: 0.5,
+                repetition: 1.2,
+                logit_bias: vec![(3, 2.5), (7, -100.0)],
+            }
+        );
+        assert_eq!(
+            parse(r#"{"prompt": "a", "logprobs": -1}"#, false)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("logprobs")
+        );
     }
 }

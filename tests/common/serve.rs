@@ -164,11 +164,26 @@ impl Drop for Server {
 
 /// One HTTP/1.1 exchange (`Connection: close`): status and body (chunked decoded).
 pub fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    http_with(port, method, path, body, &[])
+}
+
+/// [`http`] with extra request headers.
+pub fn http_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
