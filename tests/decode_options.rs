@@ -57,10 +57,11 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-/// At each position: (token, its dense logprob, the dense top ids and logprobs).
+/// At each position: (token, its logprob, the top ids and logprobs); the decoder's, or the
+/// dense reference's (the penalised argmax, the dense logprob of the decoder's token).
 type Dense = Vec<(u32, f64, Vec<(u32, f64)>)>;
 
-fn run(world: usize, penalties: Penalties) -> (Vec<(u32, f64, Vec<(u32, f64)>)>, Dense) {
+fn run(world: usize, penalties: Penalties) -> (Dense, Dense) {
     let dir = model_dir();
     let mut results = run_threads(world, |pg| {
         candle_tp::set_batch_invariant_matmul(true);

@@ -377,8 +377,11 @@ fn prometheus_python() -> PathBuf {
     python
 }
 
+/// Samples of `/metrics` by name: `[(labels, value)]`.
+type Samples = HashMap<String, Vec<(HashMap<String, String>, f64)>>;
+
 /// `/metrics` parsed by prometheus_client: `{sample name: [(labels, value)]}`.
-fn scrape(port: u16) -> HashMap<String, Vec<(HashMap<String, String>, f64)>> {
+fn scrape(port: u16) -> Samples {
     // /metrics is open: no key.
     let (status, text) = http_with(port, "GET", "/metrics", "", &[]);
     assert_eq!(status, 200, "{text}");
@@ -401,11 +404,7 @@ fn scrape(port: u16) -> HashMap<String, Vec<(HashMap<String, String>, f64)>> {
     serde_json::from_slice(&out.stdout).expect("parser output")
 }
 
-fn value(
-    m: &HashMap<String, Vec<(HashMap<String, String>, f64)>>,
-    name: &str,
-    label: Option<(&str, &str)>,
-) -> f64 {
+fn value(m: &Samples, name: &str, label: Option<(&str, &str)>) -> f64 {
     let samples = m.get(name).unwrap_or_else(|| panic!("no {name} in {m:?}"));
     samples
         .iter()
@@ -577,7 +576,7 @@ fn n_and_batches(port: u16) {
     );
     assert_eq!(status, 200, "{raw}");
     let mut per = vec![String::new(); 6];
-    let mut finished = vec![false; 6];
+    let mut finished = [false; 6];
     let data = sse_data(&raw);
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{raw}");
     for d in &data[..data.len() - 1] {

@@ -2,7 +2,7 @@
 //! naming the field for every wrong type or value, and OpenAI's error shape
 //! (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status.
 //!
-//! Every key of the body is first checked against [`fields::FIELDS`](crate::serve::fields):
+//! Every key of the body is first checked against [`FIELDS`](crate::serve::fields::FIELDS):
 //! a field the server does not support (with a value that asks for something) or does not know
 //! is a 400 naming it, never silently ignored.
 

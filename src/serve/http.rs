@@ -1,6 +1,6 @@
 //! The HTTP side (rank 0 only): axum routes for `POST /v1/chat/completions` and `POST
 //! /v1/completions` (answers as JSON or, with `stream: true`, as server-sent events), and
-//! those of [`endpoints`](crate::serve::endpoints) (`/v1/models`, `/health`, `/metrics`,
+//! those of [`endpoints`] (`/v1/models`, `/health`, `/metrics`,
 //! `/tokenize`, `/detokenize`, the API key); every error in OpenAI's shape.
 
 use std::hash::{BuildHasher, Hasher};
