@@ -116,6 +116,11 @@ fn refused_fields(port: u16) {
         ("/v1/completions", json!({"echo": true}), "echo"),
         ("/v1/completions", json!({"best_of": 2}), "best_of"),
         ("/v1/completions", json!({"suffix": " end."}), "suffix"),
+        (
+            "/v1/completions",
+            json!({"repeat_penalty": 1.1}),
+            "repeat_penalty",
+        ),
         ("/v1/completions", json!({"n": 65}), "n"),
         (
             "/v1/completions",
@@ -175,7 +180,7 @@ fn refused_fields(port: u16) {
         port,
         "/v1/completions",
         &json!({"prompt": "Hi", "max_tokens": 2, "echo": false, "best_of": 1, "suffix": null,
-                "logprobs": null, "user": "u"}),
+                "logprobs": null, "user": "u", "repeat_penalty": 1.0}),
     );
     assert_eq!(status, 200, "{v}");
 }

@@ -97,6 +97,9 @@ pub const FIELDS: &[Field] = &[
     f("echo", Completions, Refused("false")),
     f("best_of", Completions, Refused("1")),
     f("suffix", Completions, Refused("\"\"")),
+    // llama.cpp's name (over its last 64 tokens): only the neutral value, so that one request
+    // serves both servers (scripts/bench-serve.sh); `repetition_penalty` is the supported one.
+    f("repeat_penalty", Both, Refused("1")),
     // vLLM's extensions.
     f("top_k", Both, Supported),
     f("min_tokens", Both, Supported),
@@ -115,6 +118,7 @@ fn neutral(name: &str, v: &Value) -> bool {
         ("tools" | "functions", Value::Array(a)) => a.is_empty(),
         ("tool_choice" | "function_call", Value::String(s)) => s == "none",
         ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
+        ("repeat_penalty", Value::Number(n)) => n.as_f64() == Some(1.0),
         ("suffix", Value::String(s)) => s.is_empty(),
         _ => false,
     }
@@ -136,6 +140,7 @@ fn why_refused(name: &str) -> &'static str {
         "echo" => "echoing the prompt is not implemented",
         "best_of" => "best-of sampling is not implemented",
         "suffix" => "insertion (a suffix) is not implemented",
+        "repeat_penalty" => "it is llama.cpp's windowed penalty; use repetition_penalty",
         _ => "not implemented",
     }
 }
@@ -310,6 +315,11 @@ mod tests {
                 "top_logprobs",
             ),
             (serde_json::json!({"suffix": "x"}), true, "suffix"),
+            (
+                serde_json::json!({"repeat_penalty": 1.1}),
+                false,
+                "repeat_penalty",
+            ),
         ] {
             let e = check(body.clone(), chat).unwrap_err();
             assert_eq!(e.status, 400, "{body}");
@@ -324,7 +334,7 @@ mod tests {
         )
         .unwrap();
         check(
-            serde_json::json!({"echo": false, "best_of": 1, "suffix": "", "user": "u"}),
+            serde_json::json!({"echo": false, "best_of": 1, "suffix": "", "user": "u", "repeat_penalty": 1.0}),
             false,
         )
         .unwrap();
