@@ -233,6 +233,7 @@ fn logprobs_chat(port: u16) {
     );
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
     let (status, text) = http_with(
         port,
         "POST",
@@ -572,6 +573,7 @@ fn n_and_batches(port: u16) {
 
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
     let (status, raw) = http_with(
         port,
         "POST",
@@ -582,10 +584,15 @@ fn n_and_batches(port: u16) {
     assert_eq!(status, 200, "{raw}");
     let mut per = vec![String::new(); 6];
     let mut finished = [false; 6];
+    let mut usage_chunks = 0;
     let data = sse_data(&raw);
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{raw}");
     for d in &data[..data.len() - 1] {
         let c: Value = serde_json::from_str(d).expect("chunk");
+        if !c["usage"].is_null() {
+            assert_eq!(c["usage"], v["usage"], "the streamed usage: {raw}");
+            usage_chunks += 1;
+        }
         for ch in c["choices"].as_array().expect("choices") {
             let i = ch["index"].as_u64().expect("index") as usize;
             per[i].push_str(ch["text"].as_str().unwrap_or_default());
@@ -593,6 +600,7 @@ fn n_and_batches(port: u16) {
         }
     }
     assert_eq!(per, got, "streamed choices");
+    assert_eq!(usage_chunks, 1, "one usage chunk: {raw}");
     assert!(finished.iter().all(|&f| f), "{raw}");
 }
 
@@ -662,6 +670,19 @@ fn models_and_tokens(port: u16) {
         assert_eq!(status, 400, "{path} {body}: {v}");
         assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
     }
+}
+
+/// `CANDLE_TP_API_KEY` in the environment is the key when `--api-key` is not given.
+#[test]
+fn the_api_key_from_the_environment() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start_env(1, &[], &[("CANDLE_TP_API_KEY", "env-key-5")]);
+    let body = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
+    let (status, text) = http_with(server.port, "POST", "/v1/completions", &body, &[]);
+    assert_eq!(status, 401, "{text}");
+    let auth = [("Authorization", "Bearer env-key-5")];
+    let (status, text) = http_with(server.port, "POST", "/v1/completions", &body, &auth);
+    assert_eq!(status, 200, "{text}");
 }
 
 #[test]

@@ -52,7 +52,17 @@ impl Server {
 
     /// `nproc` ranks on `model` (a directory or a `.gguf` file).
     pub fn start_model(nproc: usize, model: &Path, extra: &[&str]) -> Self {
+        Self::start_with(nproc, model, extra, &[])
+    }
+
+    /// `nproc` ranks on SmolLM2 with `extra` arguments and `env` in the job's environment.
+    pub fn start_env(nproc: usize, extra: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::start_with(nproc, &model_dir(), extra, env)
+    }
+
+    fn start_with(nproc: usize, model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(binary("CANDLE_TP_TPRUN", env!("CARGO_BIN_EXE_tprun")))
+            .envs(env.iter().copied())
             .args(["--standalone", "--grace-period", "3", "--nproc-per-node"])
             .arg(nproc.to_string())
             .arg(binary(
