@@ -15,6 +15,7 @@ pub mod job;
 pub mod logprobs;
 mod messages;
 pub mod metrics;
+mod options;
 pub mod scheduler;
 pub mod step;
 pub mod text;
