@@ -13,8 +13,9 @@
 # $CANDLE_TP_HOME/venv-llama-cpp) with as many threads as candle-tp's ranks use in all (the
 # same cores), one server at a time; the table puts both side by side with the tokens/s ratio.
 # Every request carries `min_tokens` = max_tokens and `repeat_penalty` 1.0: llama.cpp then
-# decodes exactly max_tokens greedily, without its default repeat penalty (candle-tp ignores
-# both fields; a request of its that ends early shows in `short_requests`). --rounds N
+# decodes exactly max_tokens greedily, without its default repeat penalty (candle-tp honours
+# min_tokens and accepts repeat_penalty only as 1.0; a request that ends early shows in
+# `short_requests`). --rounds N
 # alternates the servers N times (candle-tp, llama.cpp, candle-tp, ...); the table shows medians.
 #
 #   scripts/bench-serve.sh                   # 2 ranks, SmolLM2 f32, 64 tokens per request

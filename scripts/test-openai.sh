@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Drives candle-tp-serve with the official `openai` Python client (installed from PyPI into a
-# venv under $CANDLE_TP_HOME) and with curl: chat and completions, streaming and not, at
-# temperature 0 (the streamed text must equal the whole answer), plus a bad request (the
-# client must raise its typed error). Prints what it got; exits non-zero on a mismatch.
+# venv under $CANDLE_TP_HOME, with prometheus_client) and with curl: chat and completions,
+# streaming and not, at temperature 0 (the streamed text must equal the whole answer);
+# log-probabilities (chat and completions, streamed too), penalties and logit_bias, refused
+# fields (tools, response_format: the client's typed BadRequestError naming the field), n and
+# batched prompts (text and token ids), the
+# API key (the client without it gets AuthenticationError), models.retrieve, /tokenize and
+# /detokenize, and /metrics parsed by prometheus_client. Prints what it got; exits non-zero
+# on a mismatch.
 #
 #   scripts/test-openai.sh            # 2 ranks, SmolLM2 (MODEL=... for another, e.g. a .gguf),
 #                                     # debug binaries (what `cargo test --features server` built)
@@ -16,30 +21,38 @@ VENV="$HOME_DIR/venv-openai"
 target_dir="${CARGO_TARGET_DIR:-target}"
 profile=debug
 [ "${1:-}" = --release ] && profile=release
-if [ ! -f "$VENV/.complete" ] || ! "$VENV/bin/python" -c 'import openai' 2>/dev/null; then
-  echo "==> installing the openai client into $VENV" >&2
+if [ ! -f "$VENV/.complete" ] || ! "$VENV/bin/python" -c 'import openai, prometheus_client' 2>/dev/null; then
+  echo "==> installing the openai client and prometheus_client into $VENV" >&2
   rm -rf "$VENV"
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet 'openai>=1.40,<3'
+  "$VENV/bin/pip" install --quiet 'openai>=1.40,<3' 'prometheus_client>=0.20,<1'
   touch "$VENV/.complete"
 fi
+KEY="sk-candle-tp-$$"
 # shellcheck source=scripts/lib/start-server.sh
 . scripts/lib/start-server.sh
-start_server "$profile"
-model=$(curl -sf "localhost:$port/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+start_server "$profile" --api-key "$KEY"
+auth=(-H "Authorization: Bearer $KEY")
+model=$(curl -sf "${auth[@]}" "localhost:$port/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 echo "==> curl, non-streaming"
-curl -sf "localhost:$port/v1/chat/completions" -H 'Content-Type: application/json' \
+curl -sf "${auth[@]}" "localhost:$port/v1/chat/completions" -H 'Content-Type: application/json' \
   -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0}'
 echo
 echo "==> curl, streaming"
-curl -sfN "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
+curl -sfN "${auth[@]}" "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
   -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": true}'
+echo "==> curl, without the API key: 401"
+[ "$(curl -s -o /dev/null -w '%{http_code}' "localhost:$port/v1/models")" = 401 ]
 echo "==> the openai client"
-"$VENV/bin/python" - "$port" "$model" <<'PY'
+"$VENV/bin/python" - "$port" "$model" "$KEY" <<'PY'
+import json
+import math
 import sys
+import urllib.request
 import openai
-port, model = sys.argv[1], sys.argv[2]
-client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+from prometheus_client.parser import text_string_to_metric_families
+port, model, key = sys.argv[1], sys.argv[2], sys.argv[3]
+client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
 msgs = [{"role": "user", "content": "Name three colors."}]
 whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=32, temperature=0)
 print("chat:", repr(whole.choices[0].message.content), whole.usage)
@@ -70,5 +83,90 @@ try:
     raise SystemExit("max_tokens = 0 was accepted")
 except openai.BadRequestError as e:
     print("max_tokens = 0:", e.status_code, e.body)
+
+# Log-probabilities: chat (top_logprobs) and completions (an integer), streamed too.
+lp = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+content = lp.choices[0].logprobs.content
+assert len(content) == lp.usage.completion_tokens, (len(content), lp.usage)
+for e in content:
+    assert e.logprob <= 0 and len(e.top_logprobs) == 3, e
+    assert e.top_logprobs[0].token == e.token, e  # greedy takes the most likely
+    assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-9, e
+print("chat logprobs:", [(e.token, round(e.logprob, 4)) for e in content])
+streamed = []
+for chunk in client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True):
+    if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+        streamed.extend(chunk.choices[0].logprobs.content)
+assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content], "streamed logprobs differ"
+clp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                temperature=0, logprobs=2)
+print("completion logprobs:", clp.choices[0].logprobs.tokens, clp.choices[0].logprobs.token_logprobs)
+assert "".join(clp.choices[0].logprobs.tokens) == clp.choices[0].text
+assert all(len(t) <= 2 for t in clp.choices[0].logprobs.top_logprobs)
+
+# Penalties and logit_bias (repetition_penalty is vLLM's: through extra_body).
+count = "I like apples and"  # greedy repeats "I'm" at its 10th token
+plain = client.completions.create(model=model, prompt=count, max_tokens=12, temperature=0)
+for kw in [dict(presence_penalty=2), dict(frequency_penalty=2),
+           dict(extra_body={"repetition_penalty": 3.0})]:
+    p = client.completions.create(model=model, prompt=count, max_tokens=12, temperature=0, **kw)
+    print("penalty", kw, repr(p.choices[0].text))
+    assert p.choices[0].text != plain.choices[0].text, ("no effect", kw)
+forced = client.completions.create(model=model, prompt=count, max_tokens=3, temperature=0,
+                                   logit_bias={"28": 100}, extra_body={"return_token_ids": True})
+print("logit_bias +100 on 28:", forced.choices[0].model_extra.get("token_ids"))
+assert forced.choices[0].model_extra.get("token_ids") == [28, 28, 28]
+
+# Refused fields: the typed error names the field.
+for kw, param in [(dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+                  (dict(response_format={"type": "json_object"}), "response_format"),
+                  (dict(n=0), "n"),
+                  (dict(extra_body={"min_p": 0.1}), "min_p")]:
+    try:
+        client.chat.completions.create(model=model, messages=msgs, max_tokens=2, **kw)
+        raise SystemExit(f"{param} was accepted")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == param, e.body
+        print(f"{param}: 400 {e.body['message']}")
+
+# n and batched prompts (text and token ids).
+two = client.completions.create(model=model, prompt=["Tensor parallelism splits", [504, 3575, 282]],
+                                n=2, max_tokens=4, temperature=0)
+print("n = 2 over 2 prompts:", [(c.index, c.text) for c in two.choices])
+assert [c.index for c in two.choices] == [0, 1, 2, 3]
+assert two.choices[0].text == two.choices[1].text == comp.choices[0].text[:len(two.choices[0].text)]
+many = client.chat.completions.create(model=model, messages=msgs, n=3, max_tokens=8, temperature=1, seed=3)
+assert len(many.choices) == 3, many
+
+# The API key.
+try:
+    openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong").models.list()
+    raise SystemExit("a wrong API key was accepted")
+except openai.AuthenticationError as e:
+    print("wrong key:", e.status_code, e.body)
+print("models.retrieve:", client.models.retrieve(model).id)
+assert client.models.retrieve(model).id == model
+
+def post(path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    return json.load(urllib.request.urlopen(req))
+
+tok = post("/tokenize", {"prompt": "Tensor parallelism"})
+back = post("/detokenize", {"tokens": tok["tokens"]})
+print("tokenize:", tok["tokens"], "detokenize:", repr(back["prompt"]))
+assert back["prompt"].endswith("Tensor parallelism")
+
+# /metrics, parsed by prometheus_client.
+text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if "le" not in s.labels and "finished_reason" not in s.labels}
+print("metrics:", {k: samples[k] for k in ["candle_tp:generation_tokens_total",
+                                            "candle_tp:prompt_tokens_total",
+                                            "candle_tp:time_to_first_token_seconds_count"]})
+assert samples["candle_tp:generation_tokens_total"] > 0
+assert samples["candle_tp:time_to_first_token_seconds_count"] >= 10
 print("OK")
 PY

@@ -131,6 +131,7 @@ fn batched(model: &mut CausalLm, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> 
                     min_tokens: 0,
                     params: params(joined),
                     stop_ids: Vec::new(),
+                    options: Default::default(),
                 },
             )?;
             joined += 1;
@@ -243,6 +244,7 @@ fn bad_batches_are_refused() -> Result<()> {
         min_tokens: 0,
         params: SamplingParams::greedy(),
         stop_ids: Vec::new(),
+        options: Default::default(),
     };
     assert!(dec
         .check(&req(vec![], 4))

@@ -276,7 +276,7 @@ fn bad_input(port: u16) {
         ),
         (
             "/v1/completions",
-            json!({"prompt": "a", "n": 3}).to_string(),
+            json!({"prompt": "a", "n": 0}).to_string(),
             400,
             Some("n"),
         ),

@@ -204,7 +204,7 @@ fn collect(
     let mut tokens = Vec::new();
     while let Some(e) = rx.blocking_recv() {
         match e {
-            Event::Token { token, finish } => {
+            Event::Token { token, finish, .. } => {
                 tokens.push(token);
                 if let Some(f) = finish {
                     return (tokens, Ok(f));
@@ -249,6 +249,7 @@ fn scheduler_ends_only_the_request_the_model_cannot_run() {
                 min_tokens: 0,
                 params: SamplingParams::greedy(),
                 stop_ids: Vec::new(),
+                options: Default::default(),
                 events: tx,
             })
             .expect("queued");

@@ -1,9 +1,14 @@
-//! Decoding helpers: sampling from vocabulary-parallel logits, and continuous batching.
+//! Decoding helpers: sampling from vocabulary-parallel logits, log-probabilities and penalties
+//! on the same shards, and continuous batching.
 pub mod batch;
 mod candidates;
+pub mod logprobs;
 mod noise;
+pub mod penalties;
 mod race;
 pub mod sampling;
 
-pub use batch::{BatchDecoder, FinishReason, SeqRequest, TokenEvent};
+pub use batch::{BatchDecoder, FinishReason, SeqOptions, SeqRequest, TokenEvent};
+pub use logprobs::{shard_logprobs, LogprobRow, TokenLogprobs, MAX_TOP_LOGPROBS};
+pub use penalties::{apply_penalties, History, Penalties};
 pub use sampling::{sample_batch, DistributedSampler, SamplingParams};

@@ -2,11 +2,17 @@
 //! naming the field for every wrong type or value, and OpenAI's error shape
 //! (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status.
 //!
-//! Fields the server does not know (`user`, `logprobs`, `frequency_penalty`, ...) are
-//! ignored, as OpenAI-compatible servers commonly do, so that every client's defaults work.
+//! Every key of the body is first checked against [`FIELDS`](crate::serve::fields::FIELDS):
+//! a field the server does not support (with a value that asks for something) or does not know
+//! is a 400 naming it, never silently ignored.
 
 use serde_json::{Map, Value};
 
+use crate::generate::Penalties;
+use crate::serve::fields::{boolean, check_fields, in_range, integer, kind_of, number};
+use crate::serve::messages::messages;
+use crate::serve::options::{choices, logprobs, penalties, prompts};
+pub use crate::serve::options::{Prompt, MAX_CHOICES, MAX_PROMPTS};
 use crate::serve::text::ChatMessage;
 
 /// An error answer: HTTP status and OpenAI's error object.
@@ -85,8 +91,10 @@ pub struct GenRequest {
     pub model: Option<String>,
     /// Chat messages (`/v1/chat/completions`).
     pub messages: Option<Vec<ChatMessage>>,
-    /// The prompt text (`/v1/completions`).
-    pub prompt: Option<String>,
+    /// The prompts (`/v1/completions`: one, or a batch).
+    pub prompts: Vec<Prompt>,
+    /// `n`: choices per prompt.
+    pub n: usize,
     /// `max_tokens` (or `max_completion_tokens`).
     pub max_tokens: Option<usize>,
     /// `min_tokens` (vLLM's extension): end-of-sequence cannot be drawn before this many.
@@ -108,155 +116,12 @@ pub struct GenRequest {
     /// `return_token_ids` (vLLM's extension): each choice also carries the generated ids as
     /// `token_ids` (per chunk when streaming) and the prompt's as `prompt_token_ids`.
     pub return_token_ids: bool,
-}
-
-fn number(o: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => Ok(n.as_f64()),
-        Some(v) => Err(ApiError::invalid(
-            key,
-            format!("'{key}' must be a number, got {}", kind_of(v)),
-        )),
-    }
-}
-
-fn integer(o: &Map<String, Value>, key: &str) -> Result<Option<i128>, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match (n.as_i64(), n.as_u64()) {
-            (Some(i), _) => Ok(Some(i as i128)),
-            (_, Some(u)) => Ok(Some(u as i128)),
-            _ => Err(ApiError::invalid(
-                key,
-                format!("'{key}' must be an integer, got {n}"),
-            )),
-        },
-        Some(v) => Err(ApiError::invalid(
-            key,
-            format!("'{key}' must be an integer, got {}", kind_of(v)),
-        )),
-    }
-}
-
-fn boolean(o: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
-    match o.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(ApiError::invalid(
-            key,
-            format!("'{key}' must be a boolean, got {}", kind_of(v)),
-        )),
-    }
-}
-
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-fn in_range(key: &str, v: Option<f64>, lo: f64, hi: f64, lo_open: bool) -> Result<(), ApiError> {
-    if let Some(x) = v {
-        let low_ok = if lo_open { x > lo } else { x >= lo };
-        if !(low_ok && x <= hi) {
-            let open = if lo_open { "(" } else { "[" };
-            return Err(ApiError::invalid(
-                key,
-                format!("'{key}' = {x} is outside {open}{lo}, {hi}]"),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// A message's `content`: a string or an array of `{"type": "text", "text": ...}` parts; for
-/// an assistant message also null or absent (as OpenAI's: one that only calls tools), read as
-/// empty.
-fn content(v: Option<&Value>, role: &str, i: usize) -> Result<String, ApiError> {
-    let param = format!("messages[{i}].content");
-    match v {
-        None | Some(Value::Null) if role == "assistant" => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
-                (Some("text"), Some(t)) => Ok(t.to_string()),
-                _ => Err(ApiError::invalid(
-                    &param,
-                    format!("'{param}': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"),
-                )),
-            })
-            .collect(),
-        Some(v) => Err(ApiError::invalid(
-            &param,
-            format!("'{param}' must be a string or an array of text parts, got {}", kind_of(v)),
-        )),
-        None => Err(ApiError::invalid(&param, format!("'{param}' is missing"))),
-    }
-}
-
-fn messages(o: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
-    let list = match o.get("messages") {
-        Some(Value::Array(l)) => l,
-        None => return Err(ApiError::invalid("messages", "'messages' is required")),
-        Some(v) => {
-            return Err(ApiError::invalid(
-                "messages",
-                format!("'messages' must be an array, got {}", kind_of(v)),
-            ))
-        }
-    };
-    if list.is_empty() {
-        return Err(ApiError::invalid("messages", "'messages' is empty"));
-    }
-    list.iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let role = m["role"].as_str().ok_or_else(|| {
-                ApiError::invalid(
-                    &format!("messages[{i}].role"),
-                    format!("'messages[{i}].role' must be a string"),
-                )
-            })?;
-            if !matches!(role, "system" | "user" | "assistant" | "developer" | "tool") {
-                return Err(ApiError::invalid(
-                    &format!("messages[{i}].role"),
-                    format!("'messages[{i}].role' = {role:?} is not one of system, user, assistant, developer, tool"),
-                ));
-            }
-            Ok(ChatMessage {
-                role: role.to_string(),
-                content: content(m.get("content"), role, i)?,
-            })
-        })
-        .collect()
-}
-
-fn prompt(o: &Map<String, Value>) -> Result<String, ApiError> {
-    match o.get("prompt") {
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            Ok(a[0].as_str().unwrap_or_default().to_string())
-        }
-        Some(Value::Array(a)) => Err(ApiError::invalid(
-            "prompt",
-            format!(
-                "'prompt' as an array must hold exactly one string (n = 1), got {} items",
-                a.len()
-            ),
-        )),
-        None => Err(ApiError::invalid("prompt", "'prompt' is required")),
-        Some(v) => Err(ApiError::invalid(
-            "prompt",
-            format!("'prompt' must be a string, got {}", kind_of(v)),
-        )),
-    }
+    /// Log-probabilities: `None`, or the number of top entries per token (chat: `logprobs:
+    /// true` with `top_logprobs`, default 0; completions: the integer `logprobs`).
+    pub logprobs: Option<usize>,
+    /// `presence_penalty`, `frequency_penalty`, `repetition_penalty` and `logit_bias`
+    /// (ids not yet checked against the vocabulary).
+    pub penalties: Penalties,
 }
 
 fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
@@ -319,14 +184,7 @@ impl GenRequest {
                 ))
             }
         };
-        if let Some(n) = integer(&o, "n")? {
-            if n != 1 {
-                return Err(ApiError::invalid(
-                    "n",
-                    format!("'n' = {n}: only n = 1 is supported"),
-                ));
-            }
-        }
+        check_fields(&o, chat)?;
         let key = if o.contains_key("max_completion_tokens") {
             "max_completion_tokens"
         } else {
@@ -374,13 +232,36 @@ impl GenRequest {
         };
         let seed = integer(&o, "seed")?.map(|s| s as u64);
         let include_usage = match o.get("stream_options") {
-            Some(Value::Object(so)) => boolean(so, "include_usage")?,
-            _ => false,
+            None | Some(Value::Null) => false,
+            Some(Value::Object(so)) => {
+                if let Some(k) = so
+                    .keys()
+                    .find(|k| !matches!(k.as_str(), "include_usage" | "include_obfuscation"))
+                {
+                    return Err(ApiError::invalid(
+                        "stream_options",
+                        format!(
+                            "unknown field 'stream_options.{k}' (the server reads include_usage)"
+                        ),
+                    ));
+                }
+                boolean(so, "include_usage").map_err(|e| ApiError {
+                    param: Some("stream_options.include_usage".into()),
+                    ..e
+                })?
+            }
+            Some(v) => {
+                return Err(ApiError::invalid(
+                    "stream_options",
+                    format!("'stream_options' must be an object, got {}", kind_of(v)),
+                ))
+            }
         };
         Ok(Self {
             model,
             messages: if chat { Some(messages(&o)?) } else { None },
-            prompt: if chat { None } else { Some(prompt(&o)?) },
+            prompts: if chat { Vec::new() } else { prompts(&o)? },
+            n: choices(&o)?,
             max_tokens,
             min_tokens,
             temperature: temperature.unwrap_or(1.0),
@@ -391,6 +272,8 @@ impl GenRequest {
             stream: boolean(&o, "stream")?,
             include_usage,
             return_token_ids: boolean(&o, "return_token_ids")?,
+            logprobs: logprobs(&o, chat)?,
+            penalties: penalties(&o)?,
         })
     }
 }
@@ -415,17 +298,17 @@ mod tests {
 
     #[test]
     fn fields_and_errors() {
-        let r = GenRequest::parse(
-            br#"{"prompt": "hi", "max_tokens": 5, "stop": "x", "foo": 1}"#,
-            false,
-        )
-        .unwrap();
+        let r =
+            GenRequest::parse(br#"{"prompt": "hi", "max_tokens": 5, "stop": "x"}"#, false).unwrap();
         assert_eq!(
-            (r.prompt.as_deref(), r.max_tokens, r.stop.len()),
-            (Some("hi"), Some(5), 1)
+            (r.prompts.clone(), r.max_tokens, r.stop.len()),
+            (vec![Prompt::Text("hi".into())], Some(5), 1)
         );
         let bad = |b: &str, chat| GenRequest::parse(b.as_bytes(), chat).unwrap_err();
         assert_eq!(bad("{", false).status, 400);
+        let e = bad(r#"{"prompt": "hi", "foo": 1}"#, false);
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("foo")), "{e:?}");
+        assert!(e.message.contains("'foo'"), "{}", e.message);
         assert_eq!(
             bad(r#"{"prompt": 3}"#, false).param.as_deref(),
             Some("prompt")
@@ -443,7 +326,7 @@ mod tests {
             Some("temperature")
         );
         assert_eq!(
-            bad(r#"{"prompt": "a", "n": 2}"#, false).param.as_deref(),
+            bad(r#"{"prompt": "a", "n": 0}"#, false).param.as_deref(),
             Some("n")
         );
         assert_eq!(

@@ -1,29 +1,30 @@
-//! The HTTP side (rank 0 only): axum routes for `POST /v1/chat/completions`, `POST
-//! /v1/completions`, `GET /v1/models` and `GET /health`, answers as JSON or, with `stream:
-//! true`, as server-sent events; every error in OpenAI's shape.
+//! The HTTP side (rank 0 only): axum routes for `POST /v1/chat/completions` and `POST
+//! /v1/completions` (answers as JSON or, with `stream: true`, as server-sent events), and
+//! those of [`endpoints`] (`/v1/models`, `/health`, `/metrics`,
+//! `/tokenize`, `/detokenize`, the API key); every error in OpenAI's shape.
 
-use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use serde_json::{json, Value};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use serde_json::Value;
+use tokio::sync::mpsc::unbounded_channel;
 
-use crate::generate::{FinishReason, SamplingParams};
-use crate::serve::api::{ApiError, GenRequest};
-use crate::serve::scheduler::{Event, Queue, Submission, SubmitError};
+use crate::generate::{SamplingParams, SeqOptions};
+use crate::serve::api::{client_message, ApiError, GenRequest, Prompt};
+use crate::serve::endpoints;
+use crate::serve::job::{self, server_error, Head, Job};
+use crate::serve::logprobs::LogprobsOut;
+use crate::serve::scheduler::{Queue, Submission, SubmitError};
 use crate::serve::text::{ModelText, TextStream};
 
 /// What the handlers share.
@@ -41,6 +42,8 @@ pub struct AppState {
     pub vocab_size: usize,
     /// The scheduler's queue.
     pub queue: Queue,
+    /// The key clients must send as `Authorization: Bearer KEY` (`None`: no check).
+    pub api_key: Option<String>,
 }
 
 /// `max_tokens` of a `/v1/completions` request that gives none (OpenAI's default; chat
@@ -92,7 +95,8 @@ impl IntoResponse for ApiError {
     }
 }
 
-fn json_response(status: StatusCode, v: &Value) -> Response {
+/// A JSON answer.
+pub(crate) fn json_response(status: StatusCode, v: &Value) -> Response {
     (
         status,
         [(header::CONTENT_TYPE, "application/json")],
@@ -104,17 +108,25 @@ fn json_response(status: StatusCode, v: &Value) -> Response {
 /// The router over `state`.
 pub fn router(state: AppState) -> Router {
     Router::new()
-        .route("/health", get(health))
-        .route("/v1/models", get(models))
+        .route("/health", get(endpoints::health))
+        .route("/metrics", get(endpoints::metrics))
+        .route("/v1/models", get(endpoints::models))
+        .route("/v1/models/{id}", get(endpoints::model))
+        .route("/tokenize", post(endpoints::tokenize))
+        .route("/detokenize", post(endpoints::detokenize))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            endpoints::require_key,
+        ))
         .with_state(state)
 }
 
 async fn not_found() -> ApiError {
-    ApiError::new(404, "invalid_request_error", Some("not_found"), "no such endpoint: the server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health")
+    ApiError::new(404, "invalid_request_error", Some("not_found"), "no such endpoint: the server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /health, GET /metrics")
 }
 
 async fn method_not_allowed() -> ApiError {
@@ -126,35 +138,11 @@ async fn method_not_allowed() -> ApiError {
     )
 }
 
-async fn health(State(s): State<AppState>) -> Response {
-    if s.queue.is_shutting_down() {
-        return ApiError::new(
-            503,
-            "server_error",
-            Some("shutting_down"),
-            "the server is shutting down",
-        )
-        .into_response();
-    }
-    json_response(
-        StatusCode::OK,
-        &json!({"status": "ok", "active": s.queue.active()}),
-    )
-}
-
-fn unix_now() -> u64 {
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
-}
-
-async fn models(State(s): State<AppState>) -> Response {
-    json_response(
-        StatusCode::OK,
-        &json!({"object": "list", "data": [{
-            "id": s.model_name, "object": "model", "created": unix_now(), "owned_by": "candle-tp"
-        }]}),
-    )
 }
 
 async fn completions(State(s): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
@@ -172,119 +160,6 @@ async fn chat_completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// One accepted request: what the answer needs besides the tokens.
-struct Job {
-    chat: bool,
-    id: String,
-    created: u64,
-    model: String,
-    prompt_tokens: usize,
-    include_usage: bool,
-    text: Arc<ModelText>,
-    stream: TextStream,
-    rx: UnboundedReceiver<Event>,
-    completion_tokens: usize,
-    /// The prompt's ids when the request asked for `return_token_ids`.
-    prompt_ids: Option<Vec<u32>>,
-    /// Generated ids not yet sent (kept only for `return_token_ids`).
-    pending_ids: Vec<u32>,
-}
-
-fn finish_name(f: FinishReason) -> &'static str {
-    match f {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-    }
-}
-
-fn event_error(msg: String) -> ApiError {
-    ApiError::new(503, "server_error", Some("unavailable"), msg)
-}
-
-impl Job {
-    /// Waits for the next piece of text: `Ok((text, Some(finish)))` at the end.
-    async fn next(&mut self) -> Result<(String, Option<&'static str>), ApiError> {
-        match self.rx.recv().await {
-            Some(Event::Token { token, finish }) => {
-                self.completion_tokens += 1;
-                if self.prompt_ids.is_some() {
-                    self.pending_ids.push(token);
-                }
-                let mut piece = self.stream.push(&self.text, token).map_err(server_error)?;
-                if self.stream.stopped() {
-                    self.rx.close(); // the scheduler drops the sequence
-                    return Ok((piece, Some("stop")));
-                }
-                if let Some(f) = finish {
-                    piece.push_str(&self.stream.finish(&self.text).map_err(server_error)?);
-                    return Ok((piece, Some(finish_name(f))));
-                }
-                Ok((piece, None))
-            }
-            Some(Event::Error(e)) => Err(event_error(e)),
-            None => Err(event_error("the server is shutting down".into())),
-        }
-    }
-
-    fn usage(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        })
-    }
-
-    /// A choice; with `return_token_ids` it also takes the ids generated since the last one.
-    fn choice(&mut self, text: &str, finish: Option<&str>, delta: bool) -> Value {
-        let mut c = self.choice_text(text, finish, delta);
-        if let Some(prompt) = &self.prompt_ids {
-            c["token_ids"] = json!(std::mem::take(&mut self.pending_ids));
-            if !delta {
-                c["prompt_token_ids"] = json!(prompt);
-            }
-        }
-        c
-    }
-
-    fn choice_text(&self, text: &str, finish: Option<&str>, delta: bool) -> Value {
-        match (self.chat, delta) {
-            (true, true) => {
-                json!({"index": 0, "delta": {"content": text}, "finish_reason": finish})
-            }
-            (true, false) => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
-            }
-            (false, _) => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
-            }
-        }
-    }
-
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.chat, chunk) {
-            (true, true) => "chat.completion.chunk",
-            (true, false) => "chat.completion",
-            (false, _) => "text_completion",
-        }
-    }
-
-    fn envelope(&self, choices: Value, chunk: bool) -> Value {
-        json!({
-            "id": self.id, "object": self.object(chunk), "created": self.created,
-            "model": self.model, "choices": choices,
-        })
-    }
-}
-
-fn server_error(e: candle_core::Error) -> ApiError {
-    ApiError::new(
-        500,
-        "server_error",
-        None,
-        crate::serve::api::client_message(&e),
-    )
-}
-
 async fn serve(
     s: AppState,
     body: Result<Bytes, BytesRejection>,
@@ -299,44 +174,169 @@ async fn serve(
         )
     })?;
     let req = GenRequest::parse(&body, chat)?;
+    if let Some((id, _)) = req
+        .penalties
+        .logit_bias
+        .iter()
+        .find(|(id, _)| *id as usize >= s.vocab_size)
+    {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!(
+                "'logit_bias' names token {id}, outside the model's vocabulary of {} ids",
+                s.vocab_size
+            ),
+        ));
+    }
     if let Some(m) = &req.model {
         if m != &s.model_name {
-            return Err(ApiError {
-                param: Some("model".into()),
-                ..ApiError::new(
-                    404,
-                    "invalid_request_error",
-                    Some("model_not_found"),
-                    format!(
-                        "the model '{m}' does not exist: this server serves '{}'",
-                        s.model_name
-                    ),
-                )
-            });
+            return Err(endpoints::model_not_found(&s, m));
         }
     }
     let text = s.text.clone();
-    let (prompt_text, add_special) = match &req.messages {
-        Some(msgs) => (
-            text.render_chat(msgs).map_err(|e| {
-                ApiError::invalid("messages", crate::serve::api::client_message(&e))
-            })?,
-            false,
-        ),
-        None => (req.prompt.clone().unwrap_or_default(), true),
-    };
-    if prompt_text.is_empty() {
+    let param = if chat { "messages" } else { "prompt" };
+    // Each prompt's ids (chat: the one rendered conversation).
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    if let Some(msgs) = &req.messages {
+        let rendered = text
+            .render_chat(msgs)
+            .map_err(|e| ApiError::invalid("messages", client_message(&e)))?;
+        if rendered.is_empty() {
+            return Err(ApiError::invalid("messages", "the prompt is empty"));
+        }
+        prompts.push(text.encode(&rendered, false).map_err(server_error)?);
+    }
+    for p in &req.prompts {
+        prompts.push(match p {
+            Prompt::Text(t) if t.is_empty() => {
+                return Err(ApiError::invalid("prompt", "the prompt is empty"))
+            }
+            Prompt::Text(t) => text.encode(t, true).map_err(server_error)?,
+            Prompt::Ids(ids) => ids.clone(),
+        });
+    }
+    let batch = prompts.len() > 1;
+    let mut limits = Vec::with_capacity(prompts.len());
+    for (k, ids) in prompts.iter().enumerate() {
+        let which = if batch {
+            format!("prompt {k}")
+        } else {
+            "the prompt".to_string()
+        };
+        limits.push(check_prompt(&s, &req, ids, param, &which, chat)?);
+    }
+    if prompts.len() * req.n > s.queue.capacity().max(1) {
         return Err(ApiError::invalid(
-            if chat { "messages" } else { "prompt" },
-            "the prompt is empty",
+            "n",
+            format!(
+                "{} prompts x n = {} make {} choices; this server queues at most {} (--max-queue)",
+                prompts.len(),
+                req.n,
+                prompts.len() * req.n,
+                s.queue.capacity()
+            ),
         ));
     }
-    let ids = text
-        .encode(&prompt_text, add_special)
-        .map_err(server_error)?;
-    let param = if chat { "messages" } else { "prompt" };
+    let seed = req.seed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let queued = Instant::now();
+    let mut jobs = Vec::with_capacity(prompts.len() * req.n);
+    for (k, (ids, max_tokens)) in prompts.into_iter().zip(limits).enumerate() {
+        for j in 0..req.n {
+            let index = k * req.n + j;
+            let (tx, rx) = unbounded_channel();
+            let prompt_tokens = if j == 0 { ids.len() } else { 0 };
+            let prompt_ids = req.return_token_ids.then(|| ids.clone());
+            s.queue
+                .submit(Submission {
+                    prompt: ids.clone(),
+                    max_tokens,
+                    // Capped where the context has no room for it (max_tokens absent).
+                    min_tokens: req.min_tokens.min(max_tokens),
+                    params: SamplingParams {
+                        temperature: req.temperature,
+                        top_k: req.top_k,
+                        top_p: req.top_p,
+                        // Choices differ; the first has the request's seed (n = 1 as before).
+                        seed: seed.wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                    },
+                    stop_ids: s.eos.clone(),
+                    options: SeqOptions {
+                        logprobs: req.logprobs,
+                        penalties: req.penalties.clone(),
+                    },
+                    events: tx,
+                })
+                .map_err(|e| submit_error(&s, e))?;
+            s.queue
+                .metrics()
+                .prompt_tokens
+                .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+            jobs.push(Job {
+                index,
+                prompt_tokens,
+                text: text.clone(),
+                stream: TextStream::new(req.stop.clone()),
+                rx,
+                completion_tokens: 0,
+                prompt_ids,
+                pending_ids: Vec::new(),
+                logprobs: req.logprobs.map(|_| LogprobsOut::default()),
+                metrics: s.queue.metrics().clone(),
+                queued,
+                last_token: None,
+            });
+        }
+    }
+    let head = Head {
+        chat,
+        id: completion_id(chat),
+        created: unix_now(),
+        model: s.model_name.clone(),
+        include_usage: req.include_usage,
+    };
+    if req.stream {
+        return Ok(job::streamed(head, jobs));
+    }
+    job::whole(head, jobs).await
+}
+
+/// The 503 of a refused submission.
+fn submit_error(s: &AppState, e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Full => ApiError::new(
+            503,
+            "server_error",
+            Some("queue_full"),
+            format!(
+                "the server is busy: {} requests are already waiting (--max-queue); retry later",
+                s.queue.capacity()
+            ),
+        ),
+        SubmitError::ShuttingDown => ApiError::new(
+            503,
+            "server_error",
+            Some("shutting_down"),
+            "the server is shutting down",
+        ),
+    }
+}
+
+/// Checks one prompt's ids (not empty, inside the vocabulary, shorter than the longest
+/// sequence) and returns its `max_tokens`.
+fn check_prompt(
+    s: &AppState,
+    req: &GenRequest,
+    ids: &[u32],
+    param: &str,
+    which: &str,
+    chat: bool,
+) -> Result<usize, ApiError> {
     if ids.is_empty() {
-        return Err(ApiError::invalid(param, "the prompt has no tokens"));
+        return Err(ApiError::invalid(param, format!("{which} has no tokens")));
     }
     // An id the model has no embedding for (an added token of the tokenizer) would fail the
     // whole batch's step.
@@ -348,7 +348,7 @@ async fn serve(
         return Err(ApiError::invalid(
             param,
             format!(
-                "token {i} of the prompt has id {id}, outside the model's vocabulary of {} ids (the tokenizer knows more tokens than the model)",
+                "token {i} of {which} has id {id}, outside the model's vocabulary of {} ids (the tokenizer knows more tokens than the model)",
                 s.vocab_size
             ),
         ));
@@ -356,157 +356,27 @@ async fn serve(
     if ids.len() >= s.max_seq_len {
         return Err(ApiError {
             code: Some("context_length_exceeded"),
-            ..ApiError::invalid(param, format!(
-                "the prompt has {} tokens; the longest sequence is {} tokens (prompt and completion)",
-                ids.len(), s.max_seq_len))
+            ..ApiError::invalid(
+                param,
+                format!(
+                "{which} has {} tokens; the longest sequence is {} tokens (prompt and completion)",
+                ids.len(), s.max_seq_len),
+            )
         });
     }
     let room = s.max_seq_len - ids.len();
-    let max_tokens = match req.max_tokens {
-        None if chat => room,
+    match req.max_tokens {
+        None if chat => Ok(room),
         // At least min_tokens, which the client asked for explicitly.
-        None => COMPLETIONS_DEFAULT_MAX_TOKENS
-            .max(req.min_tokens)
-            .min(room),
-        Some(n) if n > room => {
-            return Err(ApiError {
-                code: Some("context_length_exceeded"),
-                ..ApiError::invalid("max_tokens", format!(
-                    "max_tokens = {n} with a prompt of {} tokens exceeds the longest sequence of {} tokens (at most {room})",
-                    ids.len(), s.max_seq_len))
-            })
-        }
-        Some(n) => n,
-    };
-    let (tx, rx) = unbounded_channel();
-    let seed = req.seed.unwrap_or_else(|| {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-    });
-    let prompt_tokens = ids.len();
-    let prompt_ids = req.return_token_ids.then(|| ids.clone());
-    s.queue
-        .submit(Submission {
-            prompt: ids,
-            max_tokens,
-            // Capped where the context has no room for it (max_tokens absent).
-            min_tokens: req.min_tokens.min(max_tokens),
-            params: SamplingParams {
-                temperature: req.temperature,
-                top_k: req.top_k,
-                top_p: req.top_p,
-                seed,
-            },
-            stop_ids: s.eos.clone(),
-            events: tx,
-        })
-        .map_err(|e| match e {
-            SubmitError::Full => ApiError::new(
-                503,
-                "server_error",
-                Some("queue_full"),
-                format!(
-                "the server is busy: {} requests are already waiting (--max-queue); retry later",
-                s.queue.capacity()),
-            ),
-            SubmitError::ShuttingDown => ApiError::new(
-                503,
-                "server_error",
-                Some("shutting_down"),
-                "the server is shutting down",
-            ),
-        })?;
-    let created = unix_now();
-    let mut job = Job {
-        chat,
-        id: completion_id(chat),
-        created,
-        model: s.model_name.clone(),
-        prompt_tokens,
-        include_usage: req.include_usage,
-        text,
-        stream: TextStream::new(req.stop.clone()),
-        rx,
-        completion_tokens: 0,
-        prompt_ids,
-        pending_ids: Vec::new(),
-    };
-    if req.stream {
-        return Ok(stream_response(job));
+        None => Ok(COMPLETIONS_DEFAULT_MAX_TOKENS.max(req.min_tokens).min(room)),
+        Some(n) if n > room => Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::invalid("max_tokens", format!(
+                "max_tokens = {n} with {which} of {} tokens exceeds the longest sequence of {} tokens (at most {room})",
+                ids.len(), s.max_seq_len))
+        }),
+        Some(n) => Ok(n),
     }
-    let mut out = String::new();
-    let finish = loop {
-        let (piece, finish) = job.next().await?;
-        out.push_str(&piece);
-        if let Some(f) = finish {
-            break f;
-        }
-    };
-    let choice = job.choice(&out, Some(finish), false);
-    let mut v = job.envelope(json!([choice]), false);
-    v["usage"] = job.usage();
-    Ok(json_response(StatusCode::OK, &v))
-}
-
-/// State of one SSE answer.
-struct Sending {
-    job: Job,
-    queued: VecDeque<String>,
-    done: bool,
-}
-
-fn stream_response(job: Job) -> Response {
-    let mut queued = VecDeque::new();
-    if job.chat {
-        let first = json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null});
-        queued.push_back(job.envelope(json!([first]), true).to_string());
-    }
-    let state = Sending {
-        job,
-        queued,
-        done: false,
-    };
-    let events = futures_util::stream::unfold(state, |mut st| async move {
-        loop {
-            if let Some(data) = st.queued.pop_front() {
-                return Some((Ok::<_, Infallible>(SseEvent::default().data(data)), st));
-            }
-            if st.done {
-                return None;
-            }
-            match st.job.next().await {
-                Ok((piece, None)) => {
-                    if !piece.is_empty() {
-                        let c = st.job.choice(&piece, None, true);
-                        st.queued
-                            .push_back(st.job.envelope(json!([c]), true).to_string());
-                    }
-                }
-                Ok((piece, Some(f))) => {
-                    let c = st.job.choice(&piece, Some(f), true);
-                    let mut last = st.job.envelope(json!([c]), true);
-                    if !st.job.include_usage {
-                        last["usage"] = st.job.usage();
-                    }
-                    st.queued.push_back(last.to_string());
-                    if st.job.include_usage {
-                        let mut u = st.job.envelope(json!([]), true);
-                        u["usage"] = st.job.usage();
-                        st.queued.push_back(u.to_string());
-                    }
-                    st.queued.push_back("[DONE]".into());
-                    st.done = true;
-                }
-                Err(e) => {
-                    st.queued.push_back(e.body().to_string());
-                    st.queued.push_back("[DONE]".into());
-                    st.done = true;
-                }
-            }
-        }
-    });
-    Sse::new(events).into_response()
 }
 
 #[cfg(test)]

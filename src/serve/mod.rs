@@ -5,14 +5,22 @@
 //! - [`step`]: the per-step decision rank 0 broadcasts to every rank.
 //! - [`scheduler`]: the replicated loop over a
 //!   [`BatchDecoder`](crate::generate::BatchDecoder) (rank 0 plans, every rank steps).
-//! - [`api`] and [`http`]: the OpenAI request fields and errors, and the axum routes (rank 0).
+//! - [`api`], [`fields`] and [`http`]: the OpenAI request fields (each one honoured or
+//!   refused) and errors, and the axum routes (rank 0).
 pub mod api;
+pub mod endpoints;
+pub mod fields;
 pub mod http;
+pub mod job;
+pub mod logprobs;
+mod messages;
+pub mod metrics;
+mod options;
 pub mod scheduler;
 pub mod step;
 pub mod text;
 
-pub use api::{ApiError, GenRequest};
+pub use api::{ApiError, GenRequest, Prompt};
 pub use http::{default_model_name, router, AppState, COMPLETIONS_DEFAULT_MAX_TOKENS};
 pub use scheduler::{
     queue, run_follower, run_leader, Event, Inbox, Queue, Submission, SubmitError,

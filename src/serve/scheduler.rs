@@ -11,7 +11,7 @@
 //! broadcast.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,8 +19,11 @@ use std::time::Duration;
 use candle_core::Result;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::generate::{BatchDecoder, FinishReason, SamplingParams, SeqRequest};
+use crate::generate::{
+    BatchDecoder, FinishReason, SamplingParams, SeqOptions, SeqRequest, TokenLogprobs,
+};
 use crate::models::CausalLm;
+use crate::serve::metrics::Metrics;
 use crate::serve::step::StepPlan;
 
 /// What the loop sends back for one request.
@@ -32,6 +35,8 @@ pub enum Event {
         token: u32,
         /// Why the sequence ended, on its last token.
         finish: Option<FinishReason>,
+        /// Its log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The request was ended without finishing (shutdown, a failed step, a refused request).
     Error(String),
@@ -50,6 +55,8 @@ pub struct Submission {
     pub params: SamplingParams,
     /// Tokens that end the sequence.
     pub stop_ids: Vec<u32>,
+    /// Log-probabilities and penalties.
+    pub options: SeqOptions,
     /// Where its events go (dropping the receiver cancels the request).
     pub events: UnboundedSender<Event>,
 }
@@ -73,7 +80,7 @@ enum Msg {
 pub struct Queue {
     tx: SyncSender<Msg>,
     shutdown: Arc<AtomicBool>,
-    active: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
     capacity: usize,
 }
 
@@ -90,25 +97,25 @@ impl std::fmt::Debug for Queue {
 pub struct Inbox {
     rx: Receiver<Msg>,
     shutdown: Arc<AtomicBool>,
-    active: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
 }
 
 /// A queue holding at most `capacity` requests that wait for a slot in the batch.
 pub fn queue(capacity: usize) -> (Queue, Inbox) {
     let (tx, rx) = mpsc::sync_channel(capacity.max(1));
     let shutdown = Arc::new(AtomicBool::new(false));
-    let active = Arc::new(AtomicUsize::new(0));
+    let metrics = Arc::new(Metrics::default());
     (
         Queue {
             tx,
             shutdown: shutdown.clone(),
-            active: active.clone(),
+            metrics: metrics.clone(),
             capacity,
         },
         Inbox {
             rx,
             shutdown,
-            active,
+            metrics,
         },
     )
 }
@@ -119,16 +126,29 @@ impl Queue {
         if self.is_shutting_down() {
             return Err(SubmitError::ShuttingDown);
         }
+        // Counted before it is sent, so that the loop never takes it out first.
+        self.metrics.waiting.fetch_add(1, Ordering::SeqCst);
         match self.tx.try_send(Msg::Submit(s)) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(SubmitError::Full),
-            Err(TrySendError::Disconnected(_)) => Err(SubmitError::ShuttingDown),
+            Err(e) => {
+                self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
+                Err(e)
+            }
         }
+        .map_err(|e| match e {
+            TrySendError::Full(_) => SubmitError::Full,
+            TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+        })
     }
 
     /// Sequences in the batch after the last step.
     pub fn active(&self) -> usize {
-        self.active.load(Ordering::SeqCst)
+        self.metrics.running.load(Ordering::SeqCst)
+    }
+
+    /// The server's metrics (the loop sets the gauges, the HTTP side the rest).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// The most requests that wait.
@@ -193,10 +213,12 @@ impl Leader {
             let _ = tx.send(Event::Error(why.to_string()));
         }
         for s in self.waiting.drain(..) {
+            inbox.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
             let _ = s.events.send(Event::Error(why.to_string()));
         }
         while let Ok(m) = inbox.rx.try_recv() {
             if let Msg::Submit(s) = m {
+                inbox.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
                 let _ = s.events.send(Event::Error(why.to_string()));
             }
         }
@@ -232,6 +254,7 @@ impl Leader {
                 continue;
             }
             let s = self.waiting.pop_front().expect("not empty");
+            inbox.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
             if s.events.is_closed() {
                 continue;
             }
@@ -242,6 +265,7 @@ impl Leader {
                 min_tokens: s.min_tokens,
                 params: s.params,
                 stop_ids: s.stop_ids,
+                options: s.options,
             };
             self.next_id += 1;
             // What the model cannot run (an id outside its vocabulary, a prompt beyond its
@@ -320,7 +344,15 @@ pub fn run_leader(
             dec.clear();
             return Ok(());
         }
-        inbox.active.store(dec.len(), Ordering::SeqCst);
+        inbox.metrics.running.store(dec.len(), Ordering::SeqCst);
+        inbox
+            .metrics
+            .kv_used
+            .store(dec.cached_tokens(), Ordering::SeqCst);
+        inbox
+            .metrics
+            .kv_capacity
+            .store(dec.max_batch() * dec.max_seq_len(), Ordering::SeqCst);
         for e in events {
             let Some(tx) = leader.active.get(&e.id) else {
                 continue;
@@ -328,6 +360,7 @@ pub fn run_leader(
             let _ = tx.send(Event::Token {
                 token: e.token,
                 finish: e.finish,
+                logprobs: e.logprobs,
             });
             if e.finish.is_some() {
                 leader.active.remove(&e.id);

@@ -6,7 +6,7 @@
 use candle_core::Result;
 
 use crate::comm::ProcessGroup;
-use crate::generate::{SamplingParams, SeqRequest};
+use crate::generate::{Penalties, SamplingParams, SeqOptions, SeqRequest};
 
 /// One step's decision.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -79,6 +79,48 @@ impl Reader<'_> {
     }
 }
 
+/// A sequence's options: `logprobs` (0: none, else top entries + 1), the penalties as f32
+/// bits, then `logit_bias` as (id, bias bits) pairs.
+fn encode_options(w: &mut Vec<u32>, o: &SeqOptions) -> Result<()> {
+    push_len(w, o.logprobs.map_or(0, |n| n.saturating_add(1)), "logprobs")?;
+    let p = &o.penalties;
+    w.extend_from_slice(&[
+        p.presence.to_bits(),
+        p.frequency.to_bits(),
+        p.repetition.to_bits(),
+    ]);
+    push_len(w, p.logit_bias.len(), "logit_bias entries")?;
+    for &(id, bias) in &p.logit_bias {
+        w.extend_from_slice(&[id, bias.to_bits()]);
+    }
+    Ok(())
+}
+
+fn decode_options(r: &mut Reader<'_>) -> Result<SeqOptions> {
+    let logprobs = match r.u32("logprobs")? {
+        0 => None,
+        n => Some(n as usize - 1),
+    };
+    let presence = f32::from_bits(r.u32("presence_penalty")?);
+    let frequency = f32::from_bits(r.u32("frequency_penalty")?);
+    let repetition = f32::from_bits(r.u32("repetition_penalty")?);
+    let n = r.u32("the logit_bias count")? as usize;
+    let mut logit_bias = Vec::with_capacity(n.min(1024));
+    for _ in 0..n {
+        let id = r.u32("a logit_bias id")?;
+        logit_bias.push((id, f32::from_bits(r.u32("a logit_bias value")?)));
+    }
+    Ok(SeqOptions {
+        logprobs,
+        penalties: Penalties {
+            presence,
+            frequency,
+            repetition,
+            logit_bias,
+        },
+    })
+}
+
 impl StepPlan {
     /// Whether the plan changes nothing (an idle heartbeat).
     pub fn is_empty(&self) -> bool {
@@ -109,6 +151,7 @@ impl StepPlan {
             w.extend_from_slice(&r.stop_ids);
             push_len(&mut w, r.prompt.len(), "prompt tokens")?;
             w.extend_from_slice(&r.prompt);
+            encode_options(&mut w, &r.options)?;
         }
         Ok(w)
     }
@@ -136,6 +179,7 @@ impl StepPlan {
             let seed = r.u64("seed")?;
             let stop_ids = r.ids("stop ids")?;
             let prompt = r.ids("the prompt")?;
+            let options = decode_options(&mut r)?;
             add.push(SeqRequest {
                 id,
                 prompt,
@@ -148,6 +192,7 @@ impl StepPlan {
                     seed,
                 },
                 stop_ids,
+                options,
             });
         }
         if r.at != words.len() {
@@ -208,6 +253,15 @@ mod tests {
                     seed: 99,
                 },
                 stop_ids: vec![2],
+                options: SeqOptions {
+                    logprobs: Some(3),
+                    penalties: Penalties {
+                        presence: 0.5,
+                        frequency: -0.25,
+                        repetition: 1.3,
+                        logit_bias: vec![(7, -100.0), (49151, 2.5)],
+                    },
+                },
             }],
         };
         let w = plan.encode()?;

@@ -22,13 +22,17 @@ fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&text).map_err(|e| err(format!("parsing {}: {e}", path.display())))
 }
 
-/// One chat message (`role`: `system`, `user`, `assistant`).
+/// One chat message (`role`: `system`, `user`, `assistant`, `developer`, `tool`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     /// Who speaks.
     pub role: String,
     /// What is said.
     pub content: String,
+    /// Further keys passed to the chat template as they are (`name`, `tool_calls`,
+    /// `tool_call_id`, `reasoning_content`).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 /// A checkpoint's tokenizer, chat template and special tokens.
@@ -104,6 +108,13 @@ impl ModelText {
             .map_err(|e| err(format!("decoding: {e}")))
     }
 
+    /// The text of one token alone, special tokens kept (for log-probabilities).
+    pub fn token_text(&self, id: u32) -> Result<String> {
+        self.tokenizer
+            .decode(&[id], false)
+            .map_err(|e| err(format!("decoding token {id}: {e}")))
+    }
+
     /// End-of-sequence ids: the model's (`config_eos`) and the tokenizer config's
     /// `eos_token`.
     pub fn eos_ids(&self, config_eos: &[u32]) -> Vec<u32> {
@@ -127,11 +138,25 @@ impl ModelText {
 
     /// The chat template applied to `messages`, with the generation prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.render_messages(messages, true)
+    }
+
+    /// The chat template applied to `messages` without the generation prompt (`/tokenize`
+    /// with `add_generation_prompt: false`).
+    pub fn render_chat_without_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.render_messages(messages, false)
+    }
+
+    fn render_messages(&self, messages: &[ChatMessage], generation_prompt: bool) -> Result<String> {
         let messages = messages
             .iter()
             .map(crate::chat_template::Value::from_serialize)
             .collect();
-        self.chat_template()?.render(&ChatInput::new(messages))
+        let input = ChatInput {
+            add_generation_prompt: generation_prompt,
+            ..ChatInput::new(messages)
+        };
+        self.chat_template()?.render(&input)
     }
 }
 
@@ -266,6 +291,7 @@ mod tests {
         let user = ChatMessage {
             role: "user".into(),
             content: "hi".into(),
+            extra: Default::default(),
         };
         let e = text.render_chat(&[user]).unwrap_err().to_string();
         assert!(e.contains("no chat template"), "{e}");

@@ -52,7 +52,17 @@ impl Server {
 
     /// `nproc` ranks on `model` (a directory or a `.gguf` file).
     pub fn start_model(nproc: usize, model: &Path, extra: &[&str]) -> Self {
+        Self::start_with(nproc, model, extra, &[])
+    }
+
+    /// `nproc` ranks on SmolLM2 with `extra` arguments and `env` in the job's environment.
+    pub fn start_env(nproc: usize, extra: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::start_with(nproc, &model_dir(), extra, env)
+    }
+
+    fn start_with(nproc: usize, model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(binary("CANDLE_TP_TPRUN", env!("CARGO_BIN_EXE_tprun")))
+            .envs(env.iter().copied())
             .args(["--standalone", "--grace-period", "3", "--nproc-per-node"])
             .arg(nproc.to_string())
             .arg(binary(
@@ -164,11 +174,26 @@ impl Drop for Server {
 
 /// One HTTP/1.1 exchange (`Connection: close`): status and body (chunked decoded).
 pub fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    http_with(port, method, path, body, &[])
+}
+
+/// [`http`] with extra request headers.
+pub fn http_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();

@@ -64,6 +64,10 @@ struct Args {
     /// Weight dtype for safetensors checkpoints: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Clients must send `Authorization: Bearer KEY` (401 otherwise) on /v1/*, /tokenize and
+    /// /detokenize; /health and /metrics stay open. Default: $CANDLE_TP_API_KEY, else none.
+    #[arg(long)]
+    api_key: Option<String>,
 }
 
 /// How long a rank other than 0 waits, after SIGTERM or SIGINT, for rank 0's shutdown plan
@@ -193,6 +197,11 @@ fn main() -> Result<()> {
         max_seq_len,
         vocab_size: model.config().vocab_size,
         queue: queue.clone(),
+        api_key: args
+            .api_key
+            .clone()
+            .or_else(|| std::env::var("CANDLE_TP_API_KEY").ok())
+            .filter(|k| !k.is_empty()),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

@@ -1,0 +1,296 @@
+//! `candle-tp-serve`'s operational side over real HTTP: `/metrics` parsed by Python's
+//! `prometheus_client` around known requests, the API key (`--api-key`, and
+//! `CANDLE_TP_API_KEY` from the environment), `/v1/models/{id}`, `/tokenize` and
+//! `/detokenize` (checked against the `tokenizers` crate's own encoding). Needs `--features
+//! server`, `scripts/fetch-models.sh`, and Python 3 with network access to PyPI the first
+//! time (the parser is installed into `$CANDLE_TP_HOME/venv-openai`, as
+//! scripts/test-openai.sh does).
+#![cfg(feature = "server")]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use serde_json::{json, Value};
+
+mod common;
+
+use common::serve::{http_with, model_dir, Server, SERIAL};
+
+const KEY: &str = "sk-test-7f3a";
+
+fn call(port: u16, method: &str, path: &str, body: &Value) -> (u16, Value) {
+    let body = if body.is_null() {
+        String::new()
+    } else {
+        body.to_string()
+    };
+    let auth = format!("Bearer {KEY}");
+    let (status, text) = http_with(port, method, path, &body, &[("Authorization", &auth)]);
+    let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, v)
+}
+
+fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
+    call(port, "POST", path, body)
+}
+
+fn chat(content: &str) -> Value {
+    json!([{"role": "user", "content": content}])
+}
+
+/// The venv's Python with `prometheus_client` (installed on first use).
+fn prometheus_python() -> PathBuf {
+    let home = candle_tp::models::models_dir()
+        .expect("models dir")
+        .parent()
+        .expect("CANDLE_TP_HOME")
+        .to_path_buf();
+    let venv = home.join("venv-openai");
+    let python = venv.join("bin/python");
+    let ok = |py: &PathBuf| {
+        Command::new(py)
+            .args(["-c", "import prometheus_client"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ok(&python) {
+        if !python.exists() {
+            let s = Command::new("python3")
+                .arg("-m")
+                .arg("venv")
+                .arg(&venv)
+                .status();
+            assert!(s.is_ok_and(|s| s.success()), "creating {}", venv.display());
+        }
+        let s = Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet", "prometheus_client>=0.20,<1"])
+            .status();
+        assert!(
+            s.is_ok_and(|s| s.success()),
+            "pip install prometheus_client"
+        );
+    }
+    python
+}
+
+/// Samples of `/metrics` by name: `[(labels, value)]`.
+type Samples = HashMap<String, Vec<(HashMap<String, String>, f64)>>;
+
+/// `/metrics` parsed by prometheus_client: `{sample name: [(labels, value)]}`.
+fn scrape(port: u16) -> Samples {
+    // /metrics is open: no key.
+    let (status, text) = http_with(port, "GET", "/metrics", "", &[]);
+    assert_eq!(status, 200, "{text}");
+    let script = "import json, sys\nfrom prometheus_client.parser import text_string_to_metric_families\nout = {}\nfor fam in text_string_to_metric_families(sys.stdin.read()):\n    for s in fam.samples:\n        out.setdefault(s.name, []).append([s.labels, s.value])\nprint(json.dumps(out))\n";
+    let mut child = Command::new(prometheus_python())
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().expect("python");
+    assert!(out.status.success(), "the parser refused:\n{text}");
+    serde_json::from_slice(&out.stdout).expect("parser output")
+}
+
+fn value(m: &Samples, name: &str, label: Option<(&str, &str)>) -> f64 {
+    let samples = m.get(name).unwrap_or_else(|| panic!("no {name} in {m:?}"));
+    samples
+        .iter()
+        .find(|(l, _)| {
+            l.get("model_name").map(String::as_str) == Some("smollm2-135m-instruct")
+                && label.is_none_or(|(k, v)| l.get(k).map(String::as_str) == Some(v))
+        })
+        .unwrap_or_else(|| panic!("{name} {label:?}: {samples:?}"))
+        .1
+}
+
+/// Counters and histograms move by what three known requests did.
+fn metrics(port: u16) {
+    let before = scrape(port);
+    let mut prompt = 0.0;
+    let mut generated = 0.0;
+    for n in [3, 5, 7] {
+        let (status, v) = post(
+            port,
+            "/v1/completions",
+            &json!({"prompt": "Once upon a time", "max_tokens": n, "min_tokens": n, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{v}");
+        prompt += v["usage"]["prompt_tokens"].as_f64().unwrap();
+        generated += v["usage"]["completion_tokens"].as_f64().unwrap();
+    }
+    assert_eq!(generated, 15.0);
+    let after = scrape(port);
+    let delta = |name: &str, label| value(&after, name, label) - value(&before, name, label);
+    assert_eq!(delta("candle_tp:prompt_tokens_total", None), prompt);
+    assert_eq!(delta("candle_tp:generation_tokens_total", None), generated);
+    assert_eq!(
+        delta(
+            "candle_tp:request_success_total",
+            Some(("finished_reason", "length"))
+        ),
+        3.0
+    );
+    assert_eq!(
+        delta("candle_tp:time_to_first_token_seconds_count", None),
+        3.0
+    );
+    assert_eq!(
+        delta("candle_tp:time_per_output_token_seconds_count", None),
+        12.0
+    );
+    assert_eq!(
+        delta("candle_tp:e2e_request_latency_seconds_count", None),
+        3.0
+    );
+    assert_eq!(
+        value(
+            &after,
+            "candle_tp:time_to_first_token_seconds_bucket",
+            Some(("le", "+Inf"))
+        ),
+        value(&after, "candle_tp:time_to_first_token_seconds_count", None)
+    );
+    assert!(delta("candle_tp:e2e_request_latency_seconds_sum", None) > 0.0);
+    assert_eq!(value(&after, "candle_tp:num_requests_running", None), 0.0);
+    assert_eq!(value(&after, "candle_tp:num_requests_waiting", None), 0.0);
+    let kv = value(&after, "candle_tp:kv_cache_usage_perc", None);
+    assert!((0.0..=1.0).contains(&kv), "{kv}");
+}
+
+/// 401 without the key or with a wrong one; `/health` and `/metrics` stay open.
+fn api_key(port: u16) {
+    let body = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
+    for headers in [
+        vec![],
+        vec![("Authorization", "Bearer wrong")],
+        vec![("Authorization", KEY)],
+    ] {
+        for (method, path) in [
+            ("POST", "/v1/completions"),
+            ("GET", "/v1/models"),
+            ("POST", "/tokenize"),
+        ] {
+            let (status, text) = http_with(port, method, path, &body, &headers);
+            assert_eq!(status, 401, "{path} {headers:?}: {text}");
+            let v: Value = serde_json::from_str(&text).expect("JSON");
+            assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+        }
+    }
+    assert_eq!(http_with(port, "GET", "/health", "", &[]).0, 200);
+    let (status, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{v}");
+}
+
+/// `/v1/models/{id}`; `/tokenize` as the tokenizers crate encodes; `/detokenize` back.
+fn models_and_tokens(port: u16) {
+    let (status, v) = call(
+        port,
+        "GET",
+        "/v1/models/smollm2-135m-instruct",
+        &Value::Null,
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["id"], "smollm2-135m-instruct", "{v}");
+    let (status, v) = call(port, "GET", "/v1/models/gpt-4", &Value::Null);
+    assert_eq!(
+        (status, v["error"]["code"].clone()),
+        (404, json!("model_not_found")),
+        "{v}"
+    );
+
+    let tok =
+        tokenizers::Tokenizer::from_file(model_dir().join("tokenizer.json")).expect("tokenizer");
+    let text = "Tensor parallelism splits a model, café.";
+    let want: Vec<u32> = tok.encode(text, true).unwrap().get_ids().to_vec();
+    let (status, v) = post(
+        port,
+        "/tokenize",
+        &json!({"prompt": text, "return_token_strs": true}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(ids, want, "{v}");
+    assert_eq!(v["count"], want.len(), "{v}");
+    assert_eq!(
+        v["token_strs"].as_array().map(Vec::len),
+        Some(want.len()),
+        "{v}"
+    );
+    let (status, v) = post(port, "/detokenize", &json!({"tokens": ids}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["prompt"], tok.decode(&want, false).unwrap(), "{v}");
+    // The chat's prompt tokens are what /tokenize counts for the same messages.
+    let msgs = chat("What is 2 + 2?");
+    let (_, v) = post(port, "/tokenize", &json!({"messages": msgs}));
+    let (status, c) = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(v["count"], c["usage"]["prompt_tokens"], "{v} {c}");
+    for (path, body, param) in [
+        ("/detokenize", json!({"tokens": [1, -2]}), "tokens"),
+        ("/detokenize", json!({"tokens": "1 2"}), "tokens"),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "messages": msgs}),
+            "prompt",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "truncate": 3}),
+            "truncate",
+        ),
+    ] {
+        let (status, v) = post(port, path, &body);
+        assert_eq!(status, 400, "{path} {body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
+    }
+}
+
+/// `CANDLE_TP_API_KEY` in the environment is the key when `--api-key` is not given.
+#[test]
+fn the_api_key_from_the_environment() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start_env(1, &[], &[("CANDLE_TP_API_KEY", "env-key-5")]);
+    let body = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
+    let (status, text) = http_with(server.port, "POST", "/v1/completions", &body, &[]);
+    assert_eq!(status, 401, "{text}");
+    let auth = [("Authorization", "Bearer env-key-5")];
+    let (status, text) = http_with(server.port, "POST", "/v1/completions", &body, &auth);
+    assert_eq!(status, 200, "{text}");
+}
+
+#[test]
+fn metrics_keys_models_and_tokens() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(2, &["--api-key", KEY, "--max-seq-len", "256"]);
+    let port = server.port;
+    let checks: &[(&str, &dyn Fn())] = &[
+        ("metrics", &|| metrics(port)),
+        ("api_key", &|| api_key(port)),
+        ("models_and_tokens", &|| models_and_tokens(port)),
+    ];
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|(_, check)| std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)).is_err())
+        .map(|(name, _)| *name)
+        .collect();
+    drop(server);
+    assert!(failed.is_empty(), "failed: {failed:?}");
+}
