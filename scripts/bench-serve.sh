@@ -18,22 +18,32 @@
 # `short_requests`). --rounds N
 # alternates the servers N times (candle-tp, llama.cpp, candle-tp, ...); the table shows medians.
 #
+# With --llama-server instead: llama.cpp's own C++ `llama-server` (built once from the same
+# pinned llama.cpp by scripts/lib/llama-cpp.sh's install_llama_cpp_tools, into
+# $CANDLE_TP_HOME/llama-cpp-0.3.36) with PARALLEL slots (8) and continuous batching, N_CTX
+# tokens of context per slot, the same threads; its requests also carry `ignore_eos` (it has
+# no `min_tokens`), so both servers decode exactly max_tokens.
+#
 #   scripts/bench-serve.sh                   # 2 ranks, SmolLM2 f32, 64 tokens per request
 #   scripts/bench-serve.sh --llama-cpp       # 2 ranks against llama.cpp with 2 threads, Q4_1 GGUF
+#   scripts/bench-serve.sh --llama-server --rounds 2   # against llama-server --parallel 8
 #   NPROC=1 MODEL=~/.cache/candle-tp/models/smollm2-135m-instruct.Q4_1.gguf scripts/bench-serve.sh
 #   PROFILE=debug scripts/bench-serve.sh     # the test build (dependencies optimised, the crate not)
 #
 # Environment: NPROC (2), MODEL, MAX_TOKENS (64), LEVELS (1,4,8,16), REQUESTS (2 per stream),
-# PROFILE (release), LLAMA_THREADS (the threads candle-tp's ranks use in all), N_CTX (2048).
+# PROFILE (release), LLAMA_THREADS (the threads candle-tp's ranks use in all), N_CTX (2048),
+# PARALLEL (llama-server's slots, 8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 llama_cpp=0
+llama_server=0
 rounds=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --llama-cpp) llama_cpp=1; shift ;;
+    --llama-server) llama_cpp=1; llama_server=1; shift ;;
     --rounds) rounds="$2"; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -53,6 +63,7 @@ LEVELS="${LEVELS:-1,4,8,16}"
 REQUESTS="${REQUESTS:-2}"
 PROFILE="${PROFILE:-release}"
 N_CTX="${N_CTX:-2048}"
+PARALLEL="${PARALLEL:-8}"
 cores=$(nproc)
 # tprun gives each rank max(cores / NPROC, 1) threads.
 per_rank=$((cores / NPROC > 0 ? cores / NPROC : 1))
@@ -70,10 +81,14 @@ loadavg() { cut -d' ' -f1-3 /proc/loadavg; }
 load_start=$(loadavg)
 
 py=""
-if [ "$llama_cpp" = 1 ]; then
+lbin=""
+if [ "$llama_server" = 1 ]; then
+  lbin=$(install_llama_cpp_tools)
+elif [ "$llama_cpp" = 1 ]; then
   py=$(install_llama_cpp_server)
 fi
 extra=$(printf '{"min_tokens": %d, "repeat_penalty": 1.0}' "$MAX_TOKENS")
+[ "$llama_server" = 1 ] && extra=$(printf '{"min_tokens": %d, "repeat_penalty": 1.0, "ignore_eos": true}' "$MAX_TOKENS")
 
 # bench SERVER ROUND PORT: one bench_serve.py run, appended to $tmp/runs.jsonl.
 bench() {
@@ -100,7 +115,12 @@ for r in $(seq "$rounds"); do
   echo "==> round $r: candle-tp-serve on port $port ($NPROC ranks x $per_rank threads, $MODEL)" >&2
   bench candle-tp "$r" "$port"
   stop_server
-  if [ "$llama_cpp" = 1 ]; then
+  if [ "$llama_server" = 1 ]; then
+    start_llama_server "$lbin" "$MODEL" "$LLAMA_THREADS" "$PARALLEL" "$N_CTX"
+    echo "==> round $r: llama-server on port $llama_port ($LLAMA_THREADS threads, $PARALLEL slots, $MODEL)" >&2
+    bench llama.cpp "$r" "$llama_port"
+    stop_llama_cpp_server
+  elif [ "$llama_cpp" = 1 ]; then
     start_llama_cpp_server "$py" "$MODEL" "$LLAMA_THREADS" --n_ctx "$N_CTX" --logits_all False
     echo "==> round $r: llama.cpp server on port $llama_port ($LLAMA_THREADS threads, $MODEL)" >&2
     bench llama.cpp "$r" "$llama_port"
@@ -124,7 +144,14 @@ meta = {
     "candle-tp": {"world_size": $NPROC, "threads_per_rank": $per_rank, "profile": "$PROFILE",
                   "options": "--max-batch 16 --max-seq-len $N_CTX", "token_count": "usage (stream_options.include_usage)"},
 }
-if "$llama_version":
+if "$lbin":
+    meta["llama.cpp"] = {
+        "server": "llama-server from llama-cpp-python 0.3.36's vendored llama.cpp ($lbin)",
+        "options": "-t $LLAMA_THREADS -tb $LLAMA_THREADS --parallel $PARALLEL --cont-batching -c $((N_CTX * PARALLEL)) (N_CTX per slot)",
+        "concurrency": "$PARALLEL slots, continuous batching",
+        "token_count": "usage (llama-server sends it in the last chunk of a stream)",
+    }
+elif "$llama_version":
     meta["llama.cpp"] = {
         "server": "llama-cpp-python[server] $llama_version (python -m llama_cpp.server)",
         "options": "--n_threads $LLAMA_THREADS --n_threads_batch $LLAMA_THREADS --n_ctx $N_CTX --logits_all False --interrupt_requests False --verbose False",

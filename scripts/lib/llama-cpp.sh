@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by scripts/bench-generate.sh and scripts/bench-serve.sh: llama.cpp through
+# Sourced by scripts/bench-generate.sh, bench-serve.sh and bench-llama-cpp.sh: llama.cpp through
 # llama-cpp-python 0.3.36 (PyPI), built once for this CPU into $CANDLE_TP_HOME/venv-llama-cpp.
 #
 #   py=$(install_llama_cpp)          # the venv's python (about 15 minutes the first time)
@@ -55,7 +55,95 @@ start_llama_cpp_server() {
     's/.*Uvicorn running on http:\/\/[^:]*:\([0-9]*\).*/\1/p' "the llama.cpp server")
 }
 
+# start_llama_server BIN_DIR FILE.gguf THREADS PARALLEL CTX_PER_SLOT [llama-server options...]:
+# llama.cpp's own server with PARALLEL slots and continuous batching, on a free port; sets
+# llama_pid, llama_log and llama_port like start_llama_cpp_server (stop_llama_cpp_server
+# stops it).
+start_llama_server() {
+  local bin="$1" model="$2" threads="$3" parallel="$4" ctx="$5"; shift 5
+  llama_log=$(mktemp)
+  # A free port from the kernel (closed again at once; llama-server binds it right after).
+  llama_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  "$bin/llama-server" -m "$model" --host 127.0.0.1 --port "$llama_port" -t "$threads" \
+    -tb "$threads" --parallel "$parallel" --cont-batching -c $((ctx * parallel)) \
+    --no-webui "$@" >"$llama_log" 2>&1 &
+  llama_pid=$!
+  # It logs "listening on ADDRESS" once the model is loaded.
+  wait_for_port "$llama_pid" "$llama_log" 's/.*listening on [^ ]*:\([0-9][0-9]*\).*/\1/p' \
+    "llama-server" >/dev/null
+}
+
 stop_llama_cpp_server() {
   stop_job "${llama_pid:-}" "${llama_log:-}" # scripts/lib/start-server.sh
   llama_pid="" llama_log=""
+}
+
+# llama.cpp's own C++ tools (llama-bench, llama-server, llama-quantize, llama-cli,
+# llama-simple, rpc-server), built once for this CPU from the llama.cpp sources vendored in
+# the llama-cpp-python 0.3.36 sdist (the same pinned llama.cpp the Python binding above
+# compiles), with GGML_NATIVE=ON and GGML_RPC=ON, into $CANDLE_TP_HOME/llama-cpp-0.3.36.
+#
+#   bin=$(install_llama_cpp_tools)   # the bin dir (about 20-30 minutes the first time)
+#
+# Built in a temporary directory next to the cache and renamed into place at the end, so an
+# interrupted build leaves nothing that a later call trusts. Installs cmake with apt-get when
+# it is missing. LLAMA_CPP_JOBS (default 2) sets the build's parallelism; the compiler runs
+# under `nice -n 10`.
+llama_cpp_tools_version=0.3.36
+# CMake targets; ggml-rpc-server is installed as bin/rpc-server too (its name before 2025).
+llama_cpp_tools=(llama-bench llama-server llama-quantize llama-cli llama-simple ggml-rpc-server)
+
+install_llama_cpp_tools() {
+  local home dest tmp src t ok=1
+  home=$(llama_cpp_home)
+  dest="$home/llama-cpp-$llama_cpp_tools_version"
+  for t in "${llama_cpp_tools[@]}" rpc-server; do [ -x "$dest/bin/$t" ] || ok=0; done
+  if [ "$ok" = 1 ] && [ -f "$dest/.complete" ]; then
+    echo "$dest/bin"; return
+  fi
+  if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+    echo "==> installing cmake and build-essential (apt-get)" >&2
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq cmake build-essential >&2
+  fi
+  echo "==> building llama.cpp's tools ($llama_cpp_tools_version) into $dest (20-30 minutes on 2 cores)" >&2
+  mkdir -p "$home"
+  tmp=$(mktemp -d "$home/.llama-cpp-build.XXXXXX")
+  local sdist="$home/downloads/llama_cpp_python-$llama_cpp_tools_version.tar.gz"
+  # The build directory is removed however the function ends (the subshell's trap); on
+  # success the finished tree has been moved out of it first.
+  (
+    set -euo pipefail
+    trap 'rm -rf "$tmp"' EXIT
+    if [ ! -f "$sdist" ]; then
+      # --no-binary for this package only: with `:all:` pip would also compile the build
+      # dependencies it installs to read the sdist's metadata (cmake itself, 10+ minutes).
+      python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+        "llama-cpp-python==$llama_cpp_tools_version" -d "$tmp/sdist" >&2
+      mkdir -p "$(dirname "$sdist")"
+      mv "$tmp/sdist/$(basename "$sdist")" "$sdist.part" && mv "$sdist.part" "$sdist"
+    fi
+    tar -xzf "$sdist" -C "$tmp"
+    src=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
+    [ -f "$src/CMakeLists.txt" ] || { echo "no vendor/llama.cpp in the sdist" >&2; exit 1; }
+    nice -n 10 cmake -S "$src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release \
+      -DGGML_NATIVE=ON -DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >&2
+    nice -n 10 cmake --build "$tmp/build" --config Release -j "${LLAMA_CPP_JOBS:-2}" \
+      --target "${llama_cpp_tools[@]}" >&2
+    mkdir -p "$tmp/out/bin"
+    for t in "${llama_cpp_tools[@]}"; do cp "$tmp/build/bin/$t" "$tmp/out/bin/"; done
+    cp "$tmp/build/bin/ggml-rpc-server" "$tmp/out/bin/rpc-server"
+    # The vendored converter and its gguf-py, for whoever wants an f16 GGUF from a
+    # Hugging Face checkpoint (scripts/make-gguf-models.sh uses the project's own converter).
+    cp "$src/convert_hf_to_gguf.py" "$tmp/out/"
+    cp -r "$src/gguf-py" "$tmp/out/"
+    "$tmp/out/bin/llama-bench" --help >/dev/null
+    touch "$tmp/out/.complete"
+    rm -rf "$dest"
+    mv "$tmp/out" "$dest"
+  )
+  echo "$dest/bin"
 }
