@@ -62,11 +62,11 @@ cargo build --release --quiet --features mpi --example bench_collectives --examp
 mpicc -O2 -o "$out/mpi_collectives" benches/mpi_collectives.c
 bin="$target_dir/release/examples"
 
-# mpirun on the hosts: 1 thread per rank, oversubscribed ranks yield (as candle-tp's waits do).
+# mpirun on the hosts (hosts.sh makes waiting ranks yield: the hosts share the cores), 1 thread
+# per rank.
 on_hosts() {
   local np=$1; shift
-  scripts/hosts.sh mpirun -np "$np" --map-by node --oversubscribe --mca mpi_yield_when_idle 1 \
-    -x RAYON_NUM_THREADS=1 "$@"
+  scripts/hosts.sh mpirun -np "$np" --map-by node --oversubscribe -x RAYON_NUM_THREADS=1 "$@"
 }
 # Rank 0's JSON lines, tagged with the run's fields.
 tag() { sed -n "s/^\[1,0\]<stdout>:{/{$1, /p" | tee -a "$results" >&2; }
