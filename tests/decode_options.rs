@@ -4,6 +4,8 @@
 //! rank's logits into the whole vocabulary with its own all-gather, and computes the
 //! log-softmax (f64) and the penalised greedy choice itself. Needs `scripts/fetch-models.sh`.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use candle_tp::generate::{BatchDecoder, Penalties, SamplingParams, SeqOptions, SeqRequest};
 use candle_tp::models::CausalLm;
@@ -12,18 +14,6 @@ use candle_tp::run_threads;
 const PROMPT: [u32; 6] = [504, 3575, 282, 4649, 314, 1155];
 const NEW_TOKENS: usize = 12;
 const TOP_N: usize = 5;
-
-fn model_dir() -> std::path::PathBuf {
-    let dir = candle_tp::models::models_dir()
-        .expect("models directory")
-        .join("smollm2-135m-instruct");
-    assert!(
-        dir.join("model.safetensors").is_file(),
-        "{} is missing: run scripts/fetch-models.sh",
-        dir.display()
-    );
-    dir
-}
 
 /// Penalties as their definitions read, on the whole vocabulary.
 fn penalise(v: &mut [f32], p: &Penalties, prompt: &[u32], out: &[u32]) {
@@ -62,7 +52,7 @@ fn argmax(v: &[f32]) -> u32 {
 type Dense = Vec<(u32, f64, Vec<(u32, f64)>)>;
 
 fn run(world: usize, penalties: Penalties) -> (Dense, Dense) {
-    let dir = model_dir();
+    let dir = common::smollm2_dir();
     let mut results = run_threads(world, |pg| {
         candle_tp::set_batch_invariant_matmul(true);
         let mut model = CausalLm::from_path(&dir, DType::F32, &Device::Cpu, pg.clone())?;

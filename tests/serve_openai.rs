@@ -9,29 +9,7 @@ use serde_json::{json, Value};
 
 mod common;
 
-use common::serve::{http_with, sse_data, Server, SERIAL};
-
-const KEY: &str = "sk-test-7f3a";
-
-fn call(port: u16, method: &str, path: &str, body: &Value) -> (u16, Value) {
-    let body = if body.is_null() {
-        String::new()
-    } else {
-        body.to_string()
-    };
-    let auth = format!("Bearer {KEY}");
-    let (status, text) = http_with(port, method, path, &body, &[("Authorization", &auth)]);
-    let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
-    (status, v)
-}
-
-fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
-    call(port, "POST", path, body)
-}
-
-fn chat(content: &str) -> Value {
-    json!([{"role": "user", "content": content}])
-}
+use common::serve::{chat, http_with, post_with_key as post, sse_data, Server, KEY, SERIAL};
 
 /// Each refused field with a value that asks for something is a 400 naming it; the neutral
 /// values and the fields without effect are accepted; unknown fields are refused.

@@ -15,29 +15,9 @@ use serde_json::{json, Value};
 
 mod common;
 
-use common::serve::{http_with, model_dir, Server, SERIAL};
-
-const KEY: &str = "sk-test-7f3a";
-
-fn call(port: u16, method: &str, path: &str, body: &Value) -> (u16, Value) {
-    let body = if body.is_null() {
-        String::new()
-    } else {
-        body.to_string()
-    };
-    let auth = format!("Bearer {KEY}");
-    let (status, text) = http_with(port, method, path, &body, &[("Authorization", &auth)]);
-    let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
-    (status, v)
-}
-
-fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
-    call(port, "POST", path, body)
-}
-
-fn chat(content: &str) -> Value {
-    json!([{"role": "user", "content": content}])
-}
+use common::serve::{
+    call_with_key as call, chat, http_with, model_dir, post_with_key as post, Server, KEY, SERIAL,
+};
 
 /// The venv's Python with `prometheus_client` (installed on first use).
 fn prometheus_python() -> PathBuf {

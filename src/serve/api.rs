@@ -155,25 +155,31 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
+/// A request body as a JSON object, or a 400 saying what it is instead.
+pub(crate) fn json_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            400,
+            "invalid_request_error",
+            None,
+            format!("the body is not valid JSON: {e}"),
+        )
+    })?;
+    let Value::Object(o) = v else {
+        return Err(ApiError::new(
+            400,
+            "invalid_request_error",
+            None,
+            format!("the body must be a JSON object, got {}", kind_of(&v)),
+        ));
+    };
+    Ok(o)
+}
+
 impl GenRequest {
     /// Reads a body; `chat` picks `messages` (chat) or `prompt` (completions).
     pub fn parse(body: &[u8], chat: bool) -> Result<Self, ApiError> {
-        let v: Value = serde_json::from_slice(body).map_err(|e| {
-            ApiError::new(
-                400,
-                "invalid_request_error",
-                None,
-                format!("the body is not valid JSON: {e}"),
-            )
-        })?;
-        let Value::Object(o) = v else {
-            return Err(ApiError::new(
-                400,
-                "invalid_request_error",
-                None,
-                format!("the body must be a JSON object, got {}", kind_of(&v)),
-            ));
-        };
+        let o = json_object(body)?;
         let model = match o.get("model") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),

@@ -133,22 +133,7 @@ fn object(
             format!("reading the body: {e}"),
         )
     })?;
-    let v: Value = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            400,
-            "invalid_request_error",
-            None,
-            format!("the body is not valid JSON: {e}"),
-        )
-    })?;
-    let Value::Object(o) = v else {
-        return Err(ApiError::new(
-            400,
-            "invalid_request_error",
-            None,
-            format!("the body must be a JSON object, got {}", kind_of(&v)),
-        ));
-    };
+    let o = super::api::json_object(&body)?;
     if let Some(k) = o.keys().find(|k| !known.contains(&k.as_str())) {
         return Err(ApiError {
             code: Some("unknown_parameter"),

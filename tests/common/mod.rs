@@ -10,6 +10,20 @@ pub mod train;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
+/// The converted SmolLM2-135M-Instruct directory (`scripts/fetch-models.sh`), checked to hold
+/// its weights.
+pub fn smollm2_dir() -> std::path::PathBuf {
+    let dir = candle_tp::models::models_dir()
+        .expect("models directory")
+        .join("smollm2-135m-instruct");
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "{} is missing: run scripts/fetch-models.sh",
+        dir.display()
+    );
+    dir
+}
+
 /// A tensor of deterministic pseudo-random values in [-1, 1), the same on every rank and
 /// every run.
 pub fn seeded(shape: &[usize], seed: u64) -> Tensor {

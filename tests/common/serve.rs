@@ -18,15 +18,34 @@ pub static SERIAL: Mutex<()> = Mutex::new(());
 
 /// The converted SmolLM2-135M-Instruct directory (`scripts/fetch-models.sh`).
 pub fn model_dir() -> PathBuf {
-    let dir = candle_tp::models::models_dir()
-        .expect("models directory")
-        .join("smollm2-135m-instruct");
-    assert!(
-        dir.join("model.safetensors").is_file(),
-        "{} is missing: run scripts/fetch-models.sh",
-        dir.display()
-    );
-    dir
+    super::smollm2_dir()
+}
+
+/// The key the tests that need one give `--api-key`.
+pub const KEY: &str = "sk-test-7f3a";
+
+/// `method path` with `body` (none when null) and the Bearer [`KEY`]: the status and the
+/// answer as JSON (or as a JSON string when it is not JSON).
+pub fn call_with_key(port: u16, method: &str, path: &str, body: &Value) -> (u16, Value) {
+    let body = if body.is_null() {
+        String::new()
+    } else {
+        body.to_string()
+    };
+    let auth = format!("Bearer {KEY}");
+    let (status, text) = http_with(port, method, path, &body, &[("Authorization", &auth)]);
+    let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, v)
+}
+
+/// [`call_with_key`] with POST.
+pub fn post_with_key(port: u16, path: &str, body: &Value) -> (u16, Value) {
+    call_with_key(port, "POST", path, body)
+}
+
+/// The `messages` of one user message.
+pub fn chat(content: &str) -> Value {
+    serde_json::json!([{"role": "user", "content": content}])
 }
 
 /// The binary that cargo built as `cargo_path`, or `$var` when that is set: worktrees that
