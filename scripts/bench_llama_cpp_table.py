@@ -28,7 +28,7 @@ samples = {}
 
 
 def add(r, impl, test, tps):
-    samples.setdefault((r.get("bench_model", r["model"]), r["type"], r["world"], impl, test), []).append(tps)
+    samples.setdefault((r.get("bench_model") or r["model"], r["type"], r["world"], impl, test), []).append(tps)
 
 
 for r in rows:
