@@ -27,8 +27,10 @@ use common::hosts::{netns_pids, Hosts};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// The job's output, every `[1,R]` tag starting a line: mpirun may run one rank's output into
+/// another's line.
 fn text(out: &Output) -> String {
-    common::output_text(out)
+    common::output_text(out).replace("[1,", "\n[1,")
 }
 
 fn ids(v: &serde_json::Value) -> Vec<serde_json::Value> {

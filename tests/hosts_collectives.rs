@@ -38,16 +38,13 @@ fn run(hosts: &Hosts, np: usize, extra: &[&str], expect: &str) -> Report {
     let t = common::output_text(&out);
     assert!(out.status.success(), "{np} ranks, {extra:?}:\n{t}");
     let mut report = Report::new();
-    for l in t.lines() {
-        // "[1,R]<stdout>:check NAME VALUE"
-        let Some(rest) = l.strip_prefix("[1,") else {
+    // "[1,R]<stdout>:check NAME VALUE"; mpirun may run one rank's output into another's line
+    // ("[1,1]<stdout>:ok[1,0]<stdout>:check done ok"), so every tag starts a segment.
+    for segment in t.lines().flat_map(|l| l.split("[1,").skip(1)) {
+        let Some((rank, line)) = segment.split_once("]<stdout>:check ") else {
             continue;
         };
-        let Some((rank, line)) = rest.split_once("]<stdout>:check ") else {
-            continue;
-        };
-        // A line that two ranks' output ran into is skipped; a check missing for it fails below.
-        let (Ok(rank), Some((name, value))) = (rank.parse(), line.split_once(' ')) else {
+        let (Ok(rank), Some((name, value))) = (rank.parse(), line.trim().split_once(' ')) else {
             continue;
         };
         report
