@@ -325,9 +325,23 @@ fn bad_input(port: u16) {
     );
 }
 
+/// Requests the server finished (`stop` or `length`), from `/metrics`.
+fn finished_requests(port: u16) -> f64 {
+    let (status, text) = http(port, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{text}");
+    text.lines()
+        .filter(|l| l.starts_with("candle_tp:request_success_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
 fn disconnect_frees_the_slot(port: u16) {
+    let finished_before = finished_requests(port);
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let body = json!({"prompt": PROMPTS[0], "max_tokens": 1000, "stream": true}).to_string();
+    // min_tokens: no end-of-sequence token can end it before the disconnect does.
+    let body =
+        json!({"prompt": PROMPTS[0], "max_tokens": 1000, "min_tokens": 1000, "stream": true})
+            .to_string();
     write!(
         s,
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
@@ -359,6 +373,12 @@ fn disconnect_frees_the_slot(port: u16) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    // It was dropped, not finished (neither a stop nor its length ended it).
+    assert_eq!(
+        finished_requests(port),
+        finished_before,
+        "the request finished instead of being dropped on disconnect"
+    );
 }
 
 fn many_connections(port: u16) {
