@@ -432,11 +432,7 @@ fn openai_generation_fields() {
         ("penalties", &|| penalties(port)),
         ("n_and_batches", &|| n_and_batches(port)),
     ];
-    let failed: Vec<&str> = checks
-        .iter()
-        .filter(|(_, check)| std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)).is_err())
-        .map(|(name, _)| *name)
-        .collect();
+    let failed = common::serve::failed_checks(checks);
     drop(server);
     assert!(failed.is_empty(), "failed: {failed:?}");
 }

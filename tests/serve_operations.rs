@@ -266,11 +266,7 @@ fn metrics_keys_models_and_tokens() {
         ("api_key", &|| api_key(port)),
         ("models_and_tokens", &|| models_and_tokens(port)),
     ];
-    let failed: Vec<&str> = checks
-        .iter()
-        .filter(|(_, check)| std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)).is_err())
-        .map(|(name, _)| *name)
-        .collect();
+    let failed = common::serve::failed_checks(checks);
     drop(server);
     assert!(failed.is_empty(), "failed: {failed:?}");
 }

@@ -437,11 +437,7 @@ fn openai_defaults() {
             assistant_content_may_be_null(port)
         }),
     ];
-    let failed: Vec<&str> = checks
-        .iter()
-        .filter(|(_, check)| std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)).is_err())
-        .map(|(name, _)| *name)
-        .collect();
+    let failed = common::serve::failed_checks(checks);
     drop(server);
     assert!(failed.is_empty(), "failed: {failed:?}");
 }

@@ -282,3 +282,13 @@ pub fn wait_active(port: u16, n: u64, within: Duration) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Runs every named check (each may panic) and returns the names of those that failed, so that
+/// one server serves several checks and a failure does not hide the ones after it.
+pub fn failed_checks<'a>(checks: &[(&'a str, &dyn Fn())]) -> Vec<&'a str> {
+    checks
+        .iter()
+        .filter(|(_, check)| std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)).is_err())
+        .map(|(name, _)| *name)
+        .collect()
+}
