@@ -10,10 +10,12 @@
 #   scripts/hosts.sh mpirun ARGS   # Open MPI's mpirun with the hostfile, the rsh agent, shared
 #                                  # memory inside a host and TCP on the bridge between hosts,
 #                                  # a host that stops answering noticed within ~5 s (Open
-#                                  # MPI's default keepalive takes 8 min), and waiting ranks
-#                                  # yielding the CPU (every emulated host shares this
-#                                  # machine's cores: busy polling starves the ranks that
-#                                  # compute, 1.3 against 32 tokens/s) (e.g. -np 4 PROGRAM)
+#                                  # MPI's default keepalive takes 8 min), ranks not bound to
+#                                  # cores (each host's daemon would bind its first rank to
+#                                  # core 0, so every host's first rank shared one core: 2
+#                                  # hosts x 1 rank decoded at half the speed of 1 rank), and
+#                                  # waiting ranks yielding the CPU (every emulated host
+#                                  # shares this machine's cores) (e.g. -np 4 PROGRAM)
 #   scripts/hosts.sh check         # exit 0 if this machine can make hosts (root, ip, netns)
 #
 # This kernel has no netem, so latency cannot be added, only a rate limit. The hostfile and the
@@ -96,6 +98,7 @@ run_mpirun() {
     --mca oob_tcp_if_include "$subnet.0/24" \
     --mca oob_tcp_keepalive_time 2 --mca oob_tcp_keepalive_intvl 1 \
     --mca oob_tcp_keepalive_probes 3 --mca mpi_yield_when_idle 1 \
+    --bind-to none \
     "$@"
 }
 

@@ -197,13 +197,15 @@ fn tprun_across_nodes_on_cpu_says_how_to_launch_with_mpirun_or_srun() {
 }
 
 /// The `mpi` backend (feature `mpi`): this test binary re-run under `mpirun` as the workers
-/// of [`mpi_worker`], at 2 and 3 ranks: every collective and element type against the
-/// values computed here, f16/bf16 reduced in f32, NaN through `Max`, sizes that disagree
-/// (an error on every rank, then the group still works), sub-groups and point-to-point.
+/// of [`mpi_worker`], at 2, 3 and 5 ranks (the small all-reduce's recursive doubling with
+/// none, one and one folded pair and two steps): every collective and element type against the
+/// values computed here, f16/bf16 reduced in f32, NaN through `Max`, small f32 sums equal in
+/// every bit on every rank, sizes or collectives that disagree (an error on every rank, then
+/// the group still works), sub-groups and point-to-point.
 #[cfg(feature = "mpi")]
 #[test]
 fn mpi_backend_collectives() {
-    for np in [2, 3] {
+    for np in [2, 3, 5] {
         let Some(mut c) = mpirun(np) else { return };
         let out = c
             .args([
@@ -297,13 +299,64 @@ fn mpi_worker() {
     let mut b = vec![rank as u32; 4];
     pg.broadcast_slice(&mut b, world - 1).unwrap();
     assert_eq!(b, vec![world as u32 - 1; 4]);
-    // Sizes that disagree: an error on every rank, naming both, and the group goes on.
+    // A small f32 sum (sizes and data in one exchange per step) whose rounding depends on the
+    // order: within 1e-6 of the exact sum, and the same bits on every rank.
+    let value = |i: usize, r: usize| ((i * 7 + r * 13) % 101) as f32 * 0.0137 + 1e-3 * r as f32;
+    let mut x: Vec<f32> = (0..1000).map(|i| value(i, rank)).collect();
+    pg.all_reduce_slice(&mut x, ReduceOp::Sum).unwrap();
+    for (i, v) in x.iter().enumerate() {
+        let exact: f64 = (0..world).map(|r| value(i, r) as f64).sum();
+        assert!(v.is_finite(), "small f32 sum at {i}: {v}");
+        assert!(
+            (*v as f64 - exact).abs() <= 1e-6 * exact.abs().max(1.0),
+            "small f32 sum at {i}: {v} against {exact}"
+        );
+    }
+    let bits: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+    let mut every = vec![0u32; bits.len() * world];
+    pg.all_gather_slice(&bits, &mut every).unwrap();
+    for (r, theirs) in every.chunks(bits.len()).enumerate() {
+        assert!(
+            theirs == &bits[..],
+            "rank {r}'s small sum differs in bits from rank {rank}'s"
+        );
+    }
+    // Sizes that disagree: an error on every rank, naming two ranks that disagree and their
+    // sizes, and the group goes on.
     let mut bad = vec![1f32; 3 + rank];
     let e = pg
         .all_reduce_slice(&mut bad, ReduceOp::Sum)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("count 3") && e.contains("count 4"), "{e}");
+    let named = (0..world)
+        .filter(|r| {
+            e.contains(&format!(
+                "rank {r} passed (kind 1, dtype 1, count {},",
+                3 + r
+            ))
+        })
+        .count();
+    assert!(e.contains("ranks disagree") && named == 2, "{e}");
+    pg.barrier().unwrap();
+    // A small all-reduce on rank 0 against a broadcast elsewhere, and a large all-reduce (MPI's
+    // own, after the agreement) against a small one: errors on every rank, naming rank 0.
+    let e = if rank == 0 {
+        pg.all_reduce_slice(&mut [1f32; 2], ReduceOp::Sum)
+    } else {
+        pg.broadcast_slice(&mut [0u32; 2], 1)
+    }
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("ranks disagree") && e.contains("rank 0 passed"),
+        "{e}"
+    );
+    let mut mixed = vec![1f64; if rank == 0 { 3 } else { 100_000 }];
+    let e = pg
+        .all_reduce_slice(&mut mixed, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("count 3") && e.contains("count 100000"), "{e}");
     pg.barrier().unwrap();
     // A sub-group of the even ranks, and point-to-point from the last rank to rank 0.
     let sub = pg.split(Some((rank % 2) as u32)).unwrap().expect("member");

@@ -1,9 +1,12 @@
 //! The `mpi` backend (cargo feature `mpi`): CPU ranks anywhere MPI reaches (Open MPI, MPICH,
 //! Intel MPI; launched by `mpirun`, `mpiexec` or `srun`), through the `mpi` crate (rsmpi).
 //!
-//! - Every collective first exchanges its (kind, dtype, count, sizes) with `MPI_Allgather`,
-//!   so ranks that disagree get an error naming both values instead of a hang or corrupt data
-//!   (`CANDLE_TP_MPI_CHECK=0` skips it, saving a network round trip per collective).
+//! - Every collective first exchanges its (kind, dtype, count, sizes) with every rank
+//!   ([`exchange`]: recursive doubling of a small header), so ranks that disagree get an error
+//!   naming the rank and both values instead of a hang or corrupt data. All-reduces up to
+//!   64 KiB (decoding's) carry their data in the same exchange: one network round trip per
+//!   step, as MPI's own small all-reduce, with the check included. `CANDLE_TP_MPI_CHECK=0`
+//!   skips the separate agreement before larger collectives.
 //! - f16 and bf16, which MPI has no type for, are reduced in f32 and rounded once (as the
 //!   shared-memory engine does); gathers and broadcasts move their bits as u16.
 //! - `Max` of floats propagates NaN as PyTorch and NCCL do (MPI's `MPI_MAX` on NaN is
@@ -33,6 +36,7 @@ use super::stats::{CollectiveKind, CommStats};
 use super::store::MemStore;
 
 mod bootstrap;
+mod exchange;
 mod wire;
 #[allow(unused_imports)] // used with the nccl feature
 pub(crate) use bootstrap::store_over_mpi;
@@ -54,8 +58,12 @@ pub(crate) struct MpiBackend {
     spans_hosts: bool,
 }
 
-/// `SimpleCommunicator` behind the backend's lock.
-struct Comm(SimpleCommunicator);
+/// The group's communicator behind the backend's lock, and a duplicate of it for the
+/// header exchanges of [`exchange`] (its own context: no other message can match them).
+struct Comm {
+    main: SimpleCommunicator,
+    exchange: SimpleCommunicator,
+}
 
 // SAFETY: MPI was initialised with MPI_THREAD_MULTIPLE (checked in `init_mpi`), so a
 // communicator may be used from any thread; the Mutex around it serialises this group's calls.
@@ -127,7 +135,10 @@ impl MpiBackend {
             spans_hosts,
             rank: comm.rank() as usize,
             size: comm.size() as usize,
-            comm: Mutex::new(Comm(comm)),
+            comm: Mutex::new(Comm {
+                exchange: comm.duplicate(),
+                main: comm,
+            }),
             name,
             timeout,
             stats: Mutex::new(CommStats::default()),
@@ -155,7 +166,7 @@ impl MpiBackend {
     /// by their rank here), as a group of their own. Collective over the whole group.
     pub(crate) fn split_shared(&self, name: String) -> Arc<MpiBackend> {
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-        let local = comm.0.split_shared(self.rank as i32);
+        let local = comm.main.split_shared(self.rank as i32);
         drop(comm);
         MpiBackend::new(local, name, self.timeout)
     }
@@ -167,14 +178,32 @@ impl MpiBackend {
         )
     }
 
-    /// Runs `f` on the communicator: checks the abort state, agrees on `meta` with every rank,
-    /// records the collective for the watchdog and the statistics.
+    /// Runs `f` on the communicator: checks the abort state, agrees on `meta` with every rank
+    /// (unless `CANDLE_TP_MPI_CHECK=0`), records the collective for the watchdog and the
+    /// statistics.
     fn run<R>(
         &self,
         kind: CollectiveKind,
         meta: [u64; 4],
         bytes: (usize, usize),
         f: impl FnOnce(&SimpleCommunicator) -> CommResult<R>,
+    ) -> CommResult<R> {
+        self.run_with(kind, bytes, |comm| {
+            if check_sizes() {
+                exchange::agree(&comm.exchange, meta)
+                    .map_err(|d| self.disagreement(kind, meta, d))?;
+            }
+            f(&comm.main)
+        })
+    }
+
+    /// Runs `f` (which makes its own agreement) under the abort check, the watchdog and the
+    /// statistics.
+    fn run_with<R>(
+        &self,
+        kind: CollectiveKind,
+        bytes: (usize, usize),
+        f: impl FnOnce(&Comm) -> CommResult<R>,
     ) -> CommResult<R> {
         let op = kind.name();
         if let Some(reason) = self
@@ -193,12 +222,7 @@ impl MpiBackend {
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         let t0 = Instant::now();
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some((t0, op));
-        let checked = if check_sizes() {
-            agree(&comm.0, &self.name, op, meta)
-        } else {
-            Ok(())
-        };
-        let out = checked.and_then(|()| f(&comm.0));
+        let out = f(&comm);
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) = None;
         drop(comm);
         if out.is_ok() {
@@ -212,10 +236,44 @@ impl MpiBackend {
         }
         out
     }
+
+    /// The error every rank returns when a rank passed other sizes than `meta`.
+    fn disagreement(
+        &self,
+        kind: CollectiveKind,
+        meta: [u64; 4],
+        d: exchange::Disagreement,
+    ) -> CommError {
+        let show = |m: &[u64; 4]| {
+            if *m == [u64::MAX; 4] {
+                "a message that is not a collective's header (another collective)".to_string()
+            } else {
+                format!(
+                    "(kind {}, dtype {}, count {}, sizes {:x})",
+                    m[0], m[1], m[2], m[3]
+                )
+            }
+        };
+        CommError::Mismatch {
+            group: self.name.clone(),
+            op: kind.name().into(),
+            detail: format!(
+                "rank {} passed {} and rank {} passed {} (this rank, {} of {}, passed {})",
+                d.first.0,
+                show(&d.first.1),
+                d.second.0,
+                show(&d.second.1),
+                self.rank,
+                self.size,
+                show(&meta)
+            ),
+        }
+    }
 }
 
-/// Environment variable: `0` skips the agreement on sizes before each MPI collective (one
-/// `MPI_Allgather` of 32 bytes per rank, a network round trip). Without it, ranks that disagree
+/// Environment variable: `0` skips the agreement on sizes before each MPI collective that
+/// does not carry it with its data (all but the all-reduces up to 64 KiB: one exchange of
+/// a small header, a network round trip per step). Without it, ranks that disagree
 /// get what MPI gives them (an MPI error, a hang until the watchdog's deadline, or wrong data),
 /// as with NCCL or PyTorch's own backends; the default (`1`) checks.
 pub const CHECK_SIZES_VAR: &str = "CANDLE_TP_MPI_CHECK";
@@ -230,38 +288,6 @@ fn check_sizes() -> bool {
             eprintln!("candle-tp: {CHECK_SIZES_VAR}={v:?} is neither 0 nor 1; checking sizes");
         }
         !off
-    })
-}
-
-/// Every rank's (kind, dtype, count, aux) must be equal: an error on every rank otherwise.
-fn agree(comm: &SimpleCommunicator, group: &str, op: &str, meta: [u64; 4]) -> CommResult<()> {
-    let mut all = vec![0u64; 4 * comm.size() as usize];
-    comm.all_gather_into(&meta[..], &mut all[..]);
-    let differing: Vec<String> = all
-        .chunks(4)
-        .enumerate()
-        .filter(|(_, m)| *m != meta)
-        .map(|(r, m)| {
-            format!(
-                "rank {r} passed (kind {}, dtype {}, count {}, sizes {:x})",
-                m[0], m[1], m[2], m[3]
-            )
-        })
-        .collect();
-    if differing.is_empty() {
-        return Ok(());
-    }
-    Err(CommError::Mismatch {
-        group: group.into(),
-        op: op.into(),
-        detail: format!(
-            "this rank passed (kind {}, dtype {}, count {}, sizes {:x}); {}",
-            meta[0],
-            meta[1],
-            meta[2],
-            meta[3],
-            differing.join("; ")
-        ),
     })
 }
 
@@ -300,18 +326,36 @@ impl Backend for MpiBackend {
         op: ReduceOp,
     ) -> CommResult<()> {
         let who = self.who("all_reduce");
+        let kind = CollectiveKind::AllReduce;
         for_element!(dst.dtype(), who.clone(), |T| {
             let d = typed_mut::<T>(dst, &who)?;
+            let s = src.map(|s| typed::<T>(s, &who)).transpose()?;
+            if let Some(s) = s.filter(|s| s.len() != d.len()) {
+                return Err(CommError::invalid(
+                    who,
+                    format!("input of {} elements, output of {}", s.len(), d.len()),
+                ));
+            }
             let bytes = std::mem::size_of_val(d);
             let meta = [
-                CollectiveKind::AllReduce.code() as u64,
+                kind.code() as u64,
                 T::CODE as u64,
                 d.len() as u64,
                 op.code() as u64,
             ];
-            self.run(CollectiveKind::AllReduce, meta, (bytes, bytes), |c| {
-                match src {
-                    Some(s) => <T as Wire>::all_reduce(c, typed::<T>(s, &who)?, d, op),
+            if bytes <= exchange::SMALL_ALL_REDUCE_BYTES {
+                if let Some(s) = s {
+                    d.copy_from_slice(s);
+                }
+                // Sizes and data in one exchange per step (the agreement costs nothing more).
+                return self.run_with(kind, (bytes, bytes), |comm| {
+                    <T as Wire>::all_reduce_small(&comm.exchange, meta, d, op)
+                        .map_err(|e| self.disagreement(kind, meta, e))
+                });
+            }
+            self.run(kind, meta, (bytes, bytes), |c| {
+                match s {
+                    Some(s) => <T as Wire>::all_reduce(c, s, d, op),
                     // In place: MPI's send and receive buffers must differ.
                     None => {
                         let s = d.to_vec();
@@ -452,7 +496,7 @@ impl Backend for MpiBackend {
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         let world = SimpleCommunicator::world();
         let world_group = world.group();
-        let mine = comm.0.group();
+        let mine = comm.main.group();
         let as_world: Vec<i32> = members.iter().map(|&m| m as i32).collect();
         let ranks: Vec<i32> = world_group
             .translate_ranks(&as_world, &mine)
@@ -468,7 +512,7 @@ impl Backend for MpiBackend {
         let sub = mine.include(&ranks[..]);
         let tag = (hash_counts(members) % 30_000) as i32;
         let new = comm
-            .0
+            .main
             .split_by_subgroup_with_tag(&sub, tag)
             .ok_or_else(|| {
                 CommError::invalid(

@@ -6,12 +6,21 @@ use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::*;
 use half::{bf16, f16};
 
+use super::exchange::{self, Disagreement};
 use crate::comm::element::{Element, ReduceOp};
 
 /// What MPI moves for an element type: itself, or f32 for the half types.
 pub(super) trait Wire: Element {
     /// Reduces `src` into `dst` with `op` across `comm`.
     fn all_reduce(comm: &SimpleCommunicator, src: &[Self], dst: &mut [Self], op: ReduceOp);
+    /// Agrees on `meta` and reduces `data` in place with `op`, in one exchange per step
+    /// ([`exchange::all_reduce`]; `comm` the exchange's communicator).
+    fn all_reduce_small(
+        comm: &SimpleCommunicator,
+        meta: [u64; 4],
+        data: &mut [Self],
+        op: ReduceOp,
+    ) -> Result<(), Disagreement>;
     /// Gathers / broadcasts raw values.
     fn all_gather_v(
         comm: &SimpleCommunicator,
@@ -49,6 +58,14 @@ macro_rules! native_wire {
                         fixup(comm, src, dst);
                     }
                 }
+            }
+            fn all_reduce_small(
+                comm: &SimpleCommunicator,
+                meta: [u64; 4],
+                data: &mut [Self],
+                op: ReduceOp,
+            ) -> Result<(), Disagreement> {
+                exchange::all_reduce(comm, meta, data, op)
             }
             fn all_gather_v(
                 comm: &SimpleCommunicator,
@@ -108,6 +125,20 @@ macro_rules! half_wire {
                 for (d, v) in dst.iter_mut().zip(out) {
                     *d = <$t>::from_f32(v);
                 }
+            }
+            fn all_reduce_small(
+                comm: &SimpleCommunicator,
+                meta: [u64; 4],
+                data: &mut [Self],
+                op: ReduceOp,
+            ) -> Result<(), Disagreement> {
+                // Widened to f32 for every step, rounded once at the end.
+                let mut wide: Vec<f32> = data.iter().map(|v| v.to_f32()).collect();
+                exchange::all_reduce(comm, meta, &mut wide, op)?;
+                for (d, v) in data.iter_mut().zip(wide) {
+                    *d = <$t>::from_f32(v);
+                }
+                Ok(())
             }
             fn all_gather_v(
                 comm: &SimpleCommunicator,
