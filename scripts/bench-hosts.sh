@@ -13,11 +13,15 @@
 #   shared memory inside a host and TCP across, as mpirun picks them). Also the payload each
 #   rank hands to the network per all-reduce (candle-tp's statistics).
 # decode: greedy decoding of --models (default SmolLM2 Q4_1, and the synthetic ~1 B Llama in
-#   Q4_0 and Q4_1 that scripts/make-gguf-models.sh makes with llama-quantize) at 1 host x 1 rank, 1 host x 2 ranks,
-#   2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank: tokens/s, collectives and
-#   bytes crossing hosts per token; and llama.cpp's own llama-bench on the same files, on one
-#   host (1 and 2 threads) and with its RPC backend (rpc-server on the second host), built by
-#   scripts/lib/llama-cpp.sh from the sources in the llama-cpp-python 0.3.36 sdist.
+#   Q4_0 and Q4_1 that scripts/make-gguf-models.sh makes with llama-quantize) at 1 host x 1
+#   rank, 1 host x 2 ranks, 2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank, at each
+#   link rate: tokens/s, collectives and bytes crossing hosts per token; llama.cpp's own
+#   llama-bench on the same files, on one host (1 and 2 threads) and with its RPC backend
+#   (rpc-server on the second host), built by scripts/lib/llama-cpp.sh from the sources in
+#   the llama-cpp-python 0.3.36 sdist; and, with DLLAMA_SRC=CHECKOUT, distributed-llama
+#   (b4rtaz/distributed-llama, on no registry: clone it yourself; built here with make) on a
+#   random-weight model of the synthetic 1 B Llama's shape in its own Q40 format
+#   (scripts/dllama_model.py), 1 host x 1 thread and 2 hosts x 1 thread.
 #
 # Needs root (network namespaces), Open MPI (installed by scripts/setup-mpi.sh) and the mpi
 # feature. The machine's cores are shared by every emulated host: 2 hosts x 2 ranks on 2 cores
@@ -71,6 +75,27 @@ on_hosts() {
 # Rank 0's JSON lines, tagged with the run's fields.
 tag() { sed -n "s/^\[1,0\]<stdout>:{/{$1, /p" | tee -a "$results" >&2; }
 
+# Waits up to 10 s for a TCP port on an emulated host to accept (from ctp-h1).
+wait_port() {
+  for _ in $(seq 100); do
+    ip netns exec ctp-h1 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null && return 0
+    sleep 0.1
+  done
+}
+# distributed-llama's dllama built from the checkout $1 (make, -march=native, as its README
+# says), cached under $CANDLE_TP_HOME by the checkout's commit; prints the binary's path.
+build_dllama() {
+  local src=$1 rev dir
+  rev=$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo local)
+  dir="$home/distributed-llama-$rev"
+  if [ ! -x "$dir/dllama" ]; then
+    echo "==> building distributed-llama $rev (make dllama)" >&2
+    rm -rf "$dir.tmp" && cp -r "$src" "$dir.tmp"
+    (cd "$dir.tmp" && nice -n 10 make dllama >&2) && rm -rf "$dir" && mv "$dir.tmp" "$dir"
+  fi
+  echo "$dir/dllama"
+}
+
 if [ "$only" != decode ]; then
   for rate in $rates; do
     if [ "$rate" = unlimited ]; then scripts/hosts.sh up 2 >&2; else scripts/hosts.sh up 2 "$rate" >&2; fi
@@ -98,52 +123,81 @@ if [ "$only" != all-reduce ]; then
     models="$home/models/smollm2-135m-instruct.Q4_1.gguf"
     models="$models $home/models/gguf/synthetic-llama-1b.Q4_0.gguf $home/models/gguf/synthetic-llama-1b.Q4_1.gguf"
   fi
-  scripts/hosts.sh up 2 >&2
-  common=(--new-tokens "$new_tokens" --prompt-len 16)
-  for r in $(seq "$rounds"); do
-    for m in $models; do
-      name=$(basename "$m")
-      echo "==> decode $name, round $r/$rounds" >&2
-      # 1 host x 1 rank, 1 host x 2 ranks (both on ctp-h1), 2 hosts x 1, 2 hosts x 2.
-      for layout in "1 ctp-h1:1" "2 ctp-h1:2" "2 " "4 "; do
-        set -- $layout
-        np=$1 host=${2:-}
-        label=$([ -n "$host" ] && echo "1 host x $np" || echo "2 hosts x $((np / 2))")
-        on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" --model "$m" \
-          "${common[@]}" | tag "\"round\": $r, \"model\": \"$name\", \"layout\": \"$label\""
-      done
-    done
-  done
-  # llama.cpp's RPC backend on the same files and hosts: rpc-server on ctp-h2 holds part of the
-  # layers (llama.cpp splits them between its devices), llama-bench on ctp-h1 the rest; and
-  # llama-bench alone on one host with 1 and 2 threads. tg = decode tokens/s.
   # shellcheck source=scripts/lib/llama-cpp.sh
   . scripts/lib/llama-cpp.sh
   lbin=$(install_llama_cpp_tools)
-  for r in $(seq "$rounds"); do
-    for m in $models; do
-      name=$(basename "$m")
-      echo "==> llama.cpp $name, round $r/$rounds" >&2
-      for t in 1 2; do
-        ip netns exec ctp-h1 "$lbin/llama-bench" -m "$m" -t "$t" -p 0 -n "$new_tokens" -r 1 -o jsonl \
-          2>/dev/null | sed -n "s/^{/{\"round\": $r, \"model\": \"$name\", \"layout\": \"llama.cpp 1 host x $t thread(s)\", /p" \
+  # distributed-llama (tensor parallelism over TCP between CPU hosts), when a checkout of it is
+  # given: it is on no registry this project installs from.
+  dllama=""
+  if [ -n "${DLLAMA_SRC:-}" ]; then
+    dllama=$(build_dllama "$DLLAMA_SRC")
+    dmodel="$home/models/dllama-synthetic-1b"
+    [ -f "$dmodel/model.m" ] || python3 scripts/dllama_model.py "$dmodel" \
+      "$home/models/smollm2-135m-instruct/tokenizer.json" >&2
+  else
+    echo "==> distributed-llama skipped: set DLLAMA_SRC to a checkout of b4rtaz/distributed-llama" >&2
+  fi
+  common=(--new-tokens "$new_tokens" --prompt-len 16)
+  for rate in $rates; do
+    if [ "$rate" = unlimited ]; then scripts/hosts.sh up 2 >&2; else scripts/hosts.sh up 2 "$rate" >&2; fi
+    for r in $(seq "$rounds"); do
+      for m in $models; do
+        name=$(basename "$m")
+        echo "==> decode $name, $rate links, round $r/$rounds" >&2
+        # 1 host x 1 rank, 1 host x 2 ranks (both on ctp-h1), 2 hosts x 1, 2 hosts x 2.
+        for layout in "1 ctp-h1:1" "2 ctp-h1:2" "2 " "4 "; do
+          set -- $layout
+          np=$1 host=${2:-}
+          label=$([ -n "$host" ] && echo "1 host x $np" || echo "2 hosts x $((np / 2))")
+          on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" --model "$m" \
+            "${common[@]}" \
+            | tag "\"round\": $r, \"rate\": \"$rate\", \"model\": \"$name\", \"layout\": \"$label\""
+        done
+        # llama.cpp's RPC backend on the same file and hosts: rpc-server on ctp-h2 holds part
+        # of the layers (llama.cpp splits them between its devices), llama-bench on ctp-h1 the
+        # rest; and llama-bench alone on one host with 1 and 2 threads. tg = decode tokens/s.
+        for t in 1 2; do
+          ip netns exec ctp-h1 "$lbin/llama-bench" -m "$m" -t "$t" -p 0 -n "$new_tokens" -r 1 -o jsonl \
+            2>/dev/null | sed -n "s/^{/{\"round\": $r, \"rate\": \"$rate\", \"model\": \"$name\", \"layout\": \"llama.cpp 1 host x $t thread(s)\", /p" \
+            | tee -a "$results" >&2
+        done
+        ip netns exec ctp-h2 "$lbin/rpc-server" -H 10.77.0.12 -p 50052 -t 1 >"$out/rpc-server.log" 2>&1 &
+        rpc_pid=$!
+        wait_port 10.77.0.12 50052
+        ip netns exec ctp-h1 "$lbin/llama-bench" -m "$m" -t 1 -p 0 -n "$new_tokens" -r 1 -o jsonl \
+          --rpc 10.77.0.12:50052 2>/dev/null \
+          | sed -n "s/^{/{\"round\": $r, \"rate\": \"$rate\", \"model\": \"$name\", \"layout\": \"llama.cpp RPC 2 hosts x 1 thread\", /p" \
           | tee -a "$results" >&2
+        kill "$rpc_pid" 2>/dev/null || true
+        wait "$rpc_pid" 2>/dev/null || true
       done
-      ip netns exec ctp-h2 "$lbin/rpc-server" -H 10.77.0.12 -p 50052 -t 1 >"$out/rpc-server.log" 2>&1 &
-      rpc_pid=$!
-      for _ in $(seq 100); do
-        ip netns exec ctp-h1 bash -c 'exec 3<>/dev/tcp/10.77.0.12/50052' 2>/dev/null && break
-        sleep 0.1
-      done
-      ip netns exec ctp-h1 "$lbin/llama-bench" -m "$m" -t 1 -p 0 -n "$new_tokens" -r 1 -o jsonl \
-        --rpc 10.77.0.12:50052 2>/dev/null \
-        | sed -n "s/^{/{\"round\": $r, \"model\": \"$name\", \"layout\": \"llama.cpp RPC 2 hosts x 1 thread\", /p" \
-        | tee -a "$results" >&2
-      kill "$rpc_pid" 2>/dev/null || true
-      wait "$rpc_pid" 2>/dev/null || true
+      if [ -n "$dllama" ]; then
+        echo "==> distributed-llama, $rate links, round $r/$rounds" >&2
+        for hosts in 1 2; do
+          workers=()
+          if [ "$hosts" = 2 ]; then
+            ip netns exec ctp-h2 "$dllama" worker --port 9999 --nthreads 1 >"$out/dllama-worker.log" 2>&1 &
+            worker_pid=$!
+            wait_port 10.77.0.12 9999
+            workers=(--workers 10.77.0.12:9999)
+          fi
+          # A 16-token prompt, then $new_tokens predicted tokens; "Prediction ... tokens/s".
+          tps=$(ip netns exec ctp-h1 "$dllama" inference --model "$dmodel/model.m" \
+            --tokenizer "$dmodel/tokenizer.t" --buffer-float-type q80 --nthreads 1 \
+            --max-seq-len 512 --steps $((16 + new_tokens)) "${workers[@]}" \
+            --prompt "$(printf 'one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen')" \
+            2>&1 | awk '/^Prediction/ {p = 1} p && /tokens\/s:/ {print $2; exit}')
+          if [ "$hosts" = 2 ]; then
+            kill "$worker_pid" 2>/dev/null || true
+            wait "$worker_pid" 2>/dev/null || true
+          fi
+          [ -n "$tps" ] && echo "{\"round\": $r, \"rate\": \"$rate\", \"model\": \"synthetic-llama-1b (distributed-llama Q40)\", \"layout\": \"distributed-llama $hosts host(s) x 1 thread\", \"tokens_per_s\": $tps}" \
+            | tee -a "$results" >&2
+        done
+      fi
     done
+    scripts/hosts.sh down >&2
   done
-  scripts/hosts.sh down >&2
 fi
 
 python3 scripts/bench_hosts_table.py "$results"

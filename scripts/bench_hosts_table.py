@@ -30,10 +30,10 @@ def main(path):
             if "cross_host_bytes" in r:
                 cross[(r["rate"], r["bytes"], impl)] = r["cross_host_bytes"]
         elif "tokens_per_s" in r:
-            dec[(r["model"], r["layout"])].append(r)
+            dec[(r["model"], r.get("rate", "unlimited"), r["layout"])].append(r)
         elif "avg_ts" in r:  # llama-bench's jsonl
             r["tokens_per_s"] = r["avg_ts"]
-            dec[(r["model"], r["layout"])].append(r)
+            dec[(r["model"], r.get("rate", "unlimited"), r["layout"])].append(r)
     if coll:
         print("\nall-reduce f32, 2 hosts x 2 ranks: median microseconds (median over rounds)\n")
         impls = ["Open MPI", "candle-tp hierarchical", "candle-tp hierarchical, unchecked",
@@ -53,28 +53,36 @@ def main(path):
             nb = f"{size(int(h))} / {size(int(f))}" if h is not None and f is not None else "-"
             print(f"| {rate} | {size(b)} | " + " | ".join(cells) + f" | {ratio} | {nb} |")
     if dec:
-        print("\ndecode, 1 thread per rank: tokens/s (median over rounds)\n")
-        print("| model | layout | tokens/s | x 1 host x 1 | collectives / token "
-              "| bytes crossing hosts / token | same ids as 1 x 1 |")
-        print("|---|---|---|---|---|---|---|")
-        for model in sorted({k[0] for k in dec}):
-            base = dec.get((model, "1 host x 1"))
-            base_tps = statistics.median(r["tokens_per_s"] for r in base) if base else None
-            for layout in ["1 host x 1", "1 host x 2", "2 hosts x 1", "2 hosts x 2",
-                           "llama.cpp 1 host x 1 thread(s)", "llama.cpp 1 host x 2 thread(s)",
-                           "llama.cpp RPC 2 hosts x 1 thread"]:
-                rs = dec.get((model, layout))
+        print("\ndecode, 1 thread per rank: tokens/s (median over rounds); x 1 host x 1: against"
+              " the same engine's one host, one thread\n")
+        print("| model | link | layout | tokens/s | x 1 host x 1 | collectives / token "
+              "| bytes crossing hosts / token / rank | same ids as 1 x 1 |")
+        print("|---|---|---|---|---|---|---|---|")
+        layouts = [("1 host x 1", "1 host x 1"), ("1 host x 2", "1 host x 1"),
+                   ("2 hosts x 1", "1 host x 1"), ("2 hosts x 2", "1 host x 1"),
+                   ("llama.cpp 1 host x 1 thread(s)", "llama.cpp 1 host x 1 thread(s)"),
+                   ("llama.cpp 1 host x 2 thread(s)", "llama.cpp 1 host x 1 thread(s)"),
+                   ("llama.cpp RPC 2 hosts x 1 thread", "llama.cpp 1 host x 1 thread(s)"),
+                   ("distributed-llama 1 host(s) x 1 thread",
+                    "distributed-llama 1 host(s) x 1 thread"),
+                   ("distributed-llama 2 host(s) x 1 thread",
+                    "distributed-llama 1 host(s) x 1 thread")]
+        tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in dec.items()}
+        for model, rate in sorted({(k[0], k[1]) for k in dec}):
+            for layout, base in layouts:
+                rs = dec.get((model, rate, layout))
                 if not rs:
                     continue
-                tps = statistics.median(r["tokens_per_s"] for r in rs)
+                b = tps.get((model, rate, base))
                 comm = rs[0].get("comm")
                 cpt = f"{comm['collectives_per_token']:.0f}" if comm else "-"
                 bpt = f"{comm['cross_host_bytes_per_token']:.0f}" if comm else "-"
-                same = (all(r["token_ids"] == base[0]["token_ids"] for r in rs)
-                        if base and "token_ids" in rs[0] else "-")
-                print(f"| {model} | {layout} | {tps:.1f} | "
-                      + (f"{tps / base_tps:.2f}" if base_tps else "-")
-                      + f" | {cpt} | {bpt} | {same} |")
+                ones = dec.get((model, rate, "1 host x 1"))
+                same = (all(r["token_ids"] == ones[0]["token_ids"] for r in rs)
+                        if ones and "token_ids" in rs[0] else "-")
+                t = tps[(model, rate, layout)]
+                print(f"| {model} | {rate} | {layout} | {t:.1f} | "
+                      + (f"{t / b:.2f}" if b else "-") + f" | {cpt} | {bpt} | {same} |")
 
 
 if __name__ == "__main__":

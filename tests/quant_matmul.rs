@@ -224,7 +224,7 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     let dev = Device::Cpu;
     let w = seeded_uniform(&[32, 256], 1, 1.0, &dev)?;
     let x = seeded_uniform(&[3, 256], 2, 1.0, &dev)?;
-    for dtype in [GgmlDType::Q4_0, GgmlDType::Q5_1, GgmlDType::Q6K] {
+    for dtype in [GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q6K] {
         let q = Arc::new(QTensor::quantize(&w, dtype)?);
         let mm = QuantMatMul::from_arc(q.clone())?;
         assert_eq!(mm.kernel(), None);
@@ -238,7 +238,7 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     Ok(())
 }
 
-/// Q8_0 and Q4_K run the crate's f64-summing kernel rounded to f32, for decode and prefill
+/// Q4_0, Q8_0 and Q4_K run the crate's f64-summing kernel rounded to f32, for decode and prefill
 /// shapes, with every kernel under test (`CANDLE_TP_KERNEL` forces one):
 /// - against the exact product of the quantized operands (above): within the f32 rounding of
 ///   the result and of candle's dequantized weight;
@@ -249,12 +249,12 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
 ///   ggml's Q8_0 activations and agrees to f32 rounding;
 /// - and each row's result does not depend on how many rows are in the batch.
 #[test]
-fn q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
+fn q4_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
     let dev = Device::Cpu;
     // 48 rows × 768 columns: the shape candle repacks (a multiple of 16 × 256).
     let w = seeded_uniform(&[48, 768], 3, 1.0, &dev)?;
     let x = seeded_uniform(&[5, 768], 4, 2.0, &dev)?;
-    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K] {
+    for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4K] {
         let q = Arc::new(QTensor::quantize(&w, dtype)?);
         let (exact, mag) = common::quantized::exact_product(&q, &x)?;
         let scale = exact.iter().fold(0f64, |a, v| a.max(v.abs()));

@@ -61,6 +61,7 @@ fn quantized_row_parallel_sums_do_not_depend_on_the_world_size() -> Result<()> {
     let x = Tensor::randn(0f32, 1.0, (3, K), &dev)?.broadcast_add(&spikes)?;
     let mut f32_path_differs = 0;
     for dtype in [
+        GgmlDType::Q4_0,
         GgmlDType::Q4_1,
         GgmlDType::Q8_0,
         GgmlDType::Q4K,
@@ -94,7 +95,7 @@ fn quantized_row_parallel_sums_do_not_depend_on_the_world_size() -> Result<()> {
             }
         }
         // The reference: the exact product of the quantized operands where the kernel sums
-        // exactly (Q8_0, the k-quants), within one f32 rounding; for Q4_1, whose kernel uses
+        // exactly (Q4_0, Q8_0, the k-quants), within one f32 rounding; for Q4_1, whose kernel uses
         // Q8_1's f16-rounded block sums as ggml does, candle's QMatMul (portable scalar code
         // for Q4_1 in candle 0.11.1, the same on every CPU). Candle's QMatMul on the other
         // types only loosely: on AVX-512 VNNI / AVX-VNNI CPUs it may quantize activations

@@ -3,6 +3,7 @@
 //! crate's optimisations in every profile.
 
 use crate::f64_dot::{dot_f64, F64Dot};
+use crate::q4_0::BlockQ4_0;
 use crate::q4_1::{BlockQ4_1, Kernel};
 use crate::q4_k::BlockQ4K;
 use crate::q6_k::BlockQ6K;
@@ -16,6 +17,8 @@ const MIN_ROWS_PER_TASK: usize = 16;
 /// A weight of `n` rows of blocks, of one of the types with an f64 kernel.
 #[derive(Debug, Clone, Copy)]
 pub enum F64Weights<'a> {
+    /// Q4_0 blocks.
+    Q4_0(&'a [BlockQ4_0]),
     /// Q4_1 blocks.
     Q4_1(&'a [BlockQ4_1]),
     /// Q8_0 blocks.
@@ -115,6 +118,7 @@ pub fn matmul_f64(
     dst: &mut [f64],
 ) -> Result<()> {
     match w {
+        F64Weights::Q4_0(w) => matmul::<BlockQ4_0>(kernel, dims, x, w, dst),
         F64Weights::Q4_1(w) => matmul::<BlockQ4_1>(kernel, dims, x, w, dst),
         F64Weights::Q8_0(w) => matmul::<BlockQ8_0>(kernel, dims, x, w, dst),
         F64Weights::Q4K(w) => matmul::<BlockQ4K>(kernel, dims, x, w, dst),

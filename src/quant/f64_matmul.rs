@@ -14,7 +14,7 @@ use std::sync::Arc;
 pub fn has_f64_kernel(dtype: GgmlDType) -> bool {
     matches!(
         dtype,
-        GgmlDType::Q4_1 | GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K
     )
 }
 
@@ -55,6 +55,7 @@ impl CustomOp1 for F64MatMul {
         let mut dst = vec![0f64; m * self.n];
         let data = self.w.data()?;
         let w = match dtype {
+            GgmlDType::Q4_0 => F64Weights::Q4_0(blocks_from_bytes(&data)?),
             GgmlDType::Q4_1 => F64Weights::Q4_1(blocks_from_bytes(&data)?),
             GgmlDType::Q8_0 => F64Weights::Q8_0(blocks_from_bytes(&data)?),
             GgmlDType::Q4K => F64Weights::Q4K(blocks_from_bytes(&data)?),

@@ -92,7 +92,7 @@ impl CustomOp1 for Q4_1MatMul {
 enum Inner {
     /// The crate's kernel (CPU).
     Q4_1(Q4_1MatMul),
-    /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q8_0 and Q4_K: at one
+    /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q4_0, Q8_0 and Q4_K: at one
     /// thread as fast as candle's or faster, and batch-invariant).
     Sum64(F64MatMul),
     /// Everything else: candle's own quantized matmul.
@@ -105,7 +105,7 @@ enum Inner {
 /// | weight type | CPU | other devices |
 /// |---|---|---|
 /// | Q4_1 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
-/// | Q8_0, Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
+/// | Q4_0, Q8_0, Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
 /// | anything else | `QMatMul` | `QMatMul` |
 ///
 /// [`QuantMatMul::forward_f64`] sums in f64 instead (crate kernels for Q4_1, Q8_0, Q4_K and
@@ -178,7 +178,12 @@ impl QuantMatMul {
             kernel,
             f32_out: false,
         });
-        if w.device().is_cpu() && matches!(w.dtype(), GgmlDType::Q8_0 | GgmlDType::Q4K) {
+        if w.device().is_cpu()
+            && matches!(
+                w.dtype(),
+                GgmlDType::Q4_0 | GgmlDType::Q8_0 | GgmlDType::Q4K
+            )
+        {
             let block = w.dtype().block_size();
             if k % block != 0 {
                 candle_core::bail!(
@@ -230,7 +235,7 @@ impl QuantMatMul {
     }
 
     /// `x · Wᵀ` with the blocks' products summed in f64, as an f64 tensor `[.., n]`, for the
-    /// weight types with an f64 kernel (Q4_1, Q8_0, Q4_K, Q6_K) on the CPU; `None` for the
+    /// weight types with an f64 kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on the CPU; `None` for the
     /// others (and when candle's `CANDLE_DEQUANTIZE_ALL` is set).
     ///
     /// A row-parallel layer all-reduces these partials in f64 and rounds the total to f32

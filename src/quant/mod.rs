@@ -9,7 +9,7 @@
 //! - [`vec_dot_q4_1_q8_1`]: the Q4_1 × Q8_1 dot product, [`Kernel::Scalar`] or
 //!   [`Kernel::Avx2`] (AVX2 + FMA + F16C, runtime-detected), any block count;
 //! - [`matmul_q4_1`]: `x · Wᵀ` over rayon, quantizing each activation row once;
-//! - [`matmul_f64`] and [`QuantMatMul::forward_f64`]: Q4_1, Q8_0, Q4_K and Q6_K products
+//! - [`matmul_f64`] and [`QuantMatMul::forward_f64`]: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K products
 //!   summed in f64, so that a row-parallel layer gives the same values at every world size;
 //! - [`QuantMatMul`]: the one-call `Module` for a quantized weight, the crate's kernel where it
 //!   has one and candle's `QMatMul` otherwise (other types, other devices);
