@@ -181,11 +181,11 @@ if [ "$only" != all-reduce ]; then
             wait_port 10.77.0.12 9999
             workers=(--workers 10.77.0.12:9999)
           fi
-          # A 16-token prompt, then $new_tokens predicted tokens; "Prediction ... tokens/s".
+          # A short prompt, then at least $new_tokens predicted tokens; "Prediction ... tokens/s".
           tps=$(ip netns exec ctp-h1 "$dllama" inference --model "$dmodel/model.m" \
             --tokenizer "$dmodel/tokenizer.t" --buffer-float-type q80 --nthreads 1 \
             --max-seq-len 512 --steps $((16 + new_tokens)) "${workers[@]}" \
-            --prompt "$(printf 'one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen')" \
+            --prompt "Hello world" \
             2>&1 | awk '/^Prediction/ {p = 1} p && /tokens\/s:/ {print $2; exit}')
           if [ "$hosts" = 2 ]; then
             kill "$worker_pid" 2>/dev/null || true

@@ -222,3 +222,36 @@ mod tests {
         assert!(Kernel::under_test().contains(&Kernel::detect()));
     }
 }
+
+/// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
+/// activation rows `xq` (rows of `kb` blocks), into `out[(row - row0) * m + i]`: four weight
+/// rows at a time (`dot4`) share each activation load, the rest one at a time (`dot1`).
+pub(crate) fn rows_dot_by<W, X>(
+    (w, kb): (&[W], usize),
+    (xq, m): (&[X], usize),
+    row0: usize,
+    out: &mut [f32],
+    dot4: impl Fn([&[W]; 4], &[X], &mut [f32; 4]),
+    dot1: impl Fn([&[W]; 1], &[X], &mut [f32; 1]),
+) {
+    let w_row = |r: usize| &w[(row0 + r) * kb..(row0 + r + 1) * kb];
+    let rows = out.len() / m;
+    let quads = rows / 4 * 4;
+    for r in (0..quads).step_by(4) {
+        let ws = [w_row(r), w_row(r + 1), w_row(r + 2), w_row(r + 3)];
+        for (i, x) in xq.chunks_exact(kb).enumerate() {
+            let mut o = [0f32; 4];
+            dot4(ws, x, &mut o);
+            for (t, v) in o.into_iter().enumerate() {
+                out[(r + t) * m + i] = v;
+            }
+        }
+    }
+    for r in quads..rows {
+        for (i, x) in xq.chunks_exact(kb).enumerate() {
+            let mut o = [0f32];
+            dot1([w_row(r)], x, &mut o);
+            out[r * m + i] = o[0];
+        }
+    }
+}

@@ -5,6 +5,7 @@
 //!
 //! - [`q8_1`]: ggml's Q8_1 activation blocks and their quantization;
 //! - [`q4_1`]: the Q4_1 × Q8_1 dot product (scalar and AVX2 + FMA + F16C);
+//! - [`q4_0`]: the Q4_0 × Q8_0 dot products, in f32 for whole rows and in f64 (below);
 //! - [`f64_dot`]: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K dot products accumulated in f64, whose sums
 //!   do not depend on how a row's blocks are split between ranks ([`q4_0`], [`q8_0`], [`q8_k`],
 //!   [`q4_k`], [`q6_k`]: the block types), and [`f64_matmul`], their matmul over rayon;

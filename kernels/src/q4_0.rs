@@ -2,13 +2,17 @@
 //! Q8_0 activations, summed in f64 ([`crate::f64_dot`]).
 //!
 //! `w[j] = d · (q[j] − 8)`, low nibbles holding values 0..16 and high nibbles 16..32. Against a
-//! Q8_0 block `x[j] = d' · q'[j]`: `Σ w·x = d·d' · Σ (q − 8)·q'`. The AVX2 kernel computes the
+//! Q8_0 block `x[j] = d' · q'[j]`: `Σ w·x = d·d' · Σ (q − 8)·q'`. The AVX2 kernels compute the
 //! integer sum 32 lanes at a time as ggml's `ggml_vec_dot_q4_0_q8_0` does (nibbles widened to
-//! bytes, 8 subtracted, then `sign`/`maddubs`/`madd`), four blocks at once, and adds the blocks'
-//! f64 products in block order: bit for bit the scalar sum. Candle 0.11 multiplies Q4_0 with
-//! f32 sums whose order depends on how a row is split between ranks; this one does not.
+//! bytes, 8 subtracted, then `sign`/`maddubs`/`madd`). Two kernels:
+//! - [`F64Dot`] (row-parallel layers): four blocks at once, the blocks' f64 products added in
+//!   block order, bit for bit the scalar sum, so a row's value does not depend on how its
+//!   blocks are split between ranks;
+//! - [`dot_rows`] / [`rows_dot`] (whole rows: column-parallel layers, one rank): f32 FMA
+//!   chains, four weight rows sharing each activation load, as fast as ggml's.
 
 use crate::f64_dot::F64Dot;
+use crate::kernel::Kernel;
 use crate::q8_0::{quantize_row_q8_0, BlockQ8_0, QK8_0};
 use half::f16;
 
@@ -33,6 +37,80 @@ impl BlockQ4_0 {
         d: f16::ZERO,
         qs: [0; QK4_0 / 2],
     };
+}
+
+/// Dot products of `R` weight rows with one activation row in f32, sharing its loads (`R` = 1
+/// or 4 in the matmul).
+///
+/// # Panics
+/// If a row's length differs from `xs`'s, or `kernel` is not available on this CPU.
+pub fn dot_rows<const R: usize>(
+    kernel: Kernel,
+    ws: [&[BlockQ4_0]; R],
+    xs: &[BlockQ8_0],
+    out: &mut [f32; R],
+) {
+    for w in ws {
+        assert_eq!(
+            w.len(),
+            xs.len(),
+            "Q4_0 row of {} blocks against {} Q8_0 blocks",
+            w.len(),
+            xs.len()
+        );
+    }
+    match kernel {
+        Kernel::Scalar => {
+            for (o, w) in out.iter_mut().zip(ws) {
+                *o = dot_scalar(w, xs);
+            }
+        }
+        Kernel::Avx2 => {
+            assert!(
+                kernel.is_available(),
+                "the AVX2 kernel needs avx2, fma and f16c"
+            );
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU features were checked just above; the rows have xs.len() blocks.
+            unsafe {
+                *out = avx2::dot_rows(ws, xs)
+            }
+        }
+    }
+}
+
+/// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
+/// activation rows `xq`, into `out[(row - row0) * m + i]`, four rows at a time. Non-generic,
+/// so that it is compiled with this crate's optimisations even in a caller's debug build.
+pub fn rows_dot(
+    kernel: Kernel,
+    w: &[BlockQ4_0],
+    kb: usize,
+    xq: &[BlockQ8_0],
+    m: usize,
+    row0: usize,
+    out: &mut [f32],
+) {
+    crate::kernel::rows_dot_by(
+        (w, kb),
+        (xq, m),
+        row0,
+        out,
+        |ws, x, o| dot_rows(kernel, ws, x, o),
+        |ws, x, o| dot_rows(kernel, ws, x, o),
+    )
+}
+
+/// Scalar reference in f32 (ggml's generic `ggml_vec_dot_q4_0_q8_0`, block after block).
+fn dot_scalar(ws: &[BlockQ4_0], xs: &[BlockQ8_0]) -> f32 {
+    ws.iter().zip(xs).fold(0f32, |sum, (w, x)| {
+        let mut sumi = 0i32;
+        for j in 0..QK8_0 / 2 {
+            sumi += ((w.qs[j] & 0x0F) as i32 - 8) * x.qs[j] as i32
+                + ((w.qs[j] >> 4) as i32 - 8) * x.qs[j + QK8_0 / 2] as i32;
+        }
+        sum + sumi as f32 * (w.d.to_f32() * x.d.to_f32())
+    })
 }
 
 // SAFETY: repr(C) plain data (f16 is a transparent u16), every bit pattern valid.
@@ -92,22 +170,27 @@ mod avx2 {
         acc
     }
 
+    /// The integer sum `Σ (q − 8)·q'` of one block pair, in eight i32 lanes.
+    #[inline(always)]
+    unsafe fn block_sums(w: &BlockQ4_0, qx: __m256i) -> __m256i {
+        let packed = _mm_loadu_si128(w.qs.as_ptr() as *const __m128i);
+        let nibbles = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+            _mm256_set1_epi8(0x0F),
+        );
+        let qw = _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8)); // -8..7
+                                                                // |w| times x with w's sign: maddubs needs an unsigned left operand.
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    }
+
     /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
     #[inline(always)]
     unsafe fn four(w: *const BlockQ4_0, x: *const BlockQ8_0) -> __m256d {
-        let low = _mm256_set1_epi8(0x0F);
-        let eight = _mm256_set1_epi8(8);
-        let ones = _mm256_set1_epi16(1);
         let mut sums = [_mm256_setzero_si256(); 4];
         for (t, s) in sums.iter_mut().enumerate() {
-            let packed = _mm_loadu_si128((*w.add(t)).qs.as_ptr() as *const __m128i);
-            let nibbles =
-                _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-            let qw = _mm256_sub_epi8(nibbles, eight); // -8..7
             let qx = _mm256_loadu_si256((*x.add(t)).qs.as_ptr() as *const __m256i);
-            // |w| times x with w's sign: maddubs needs an unsigned left operand.
-            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
-            *s = _mm256_madd_epi16(pairs, ones);
+            *s = block_sums(&*w.add(t), qx);
         }
         // Each block starts with its f16 `d` (the next two bytes are values: unused lanes).
         let dd = deinterleave(_mm256_mul_ps(f16_pairs(w), f16_pairs(x)));
@@ -115,6 +198,38 @@ mod avx2 {
             _mm256_cvtepi32_pd(hsum4(sums)),
             _mm256_cvtps_pd(_mm256_castps256_ps128(dd)),
         )
+    }
+
+    /// `R` rows at once in f32: `R` independent FMA chains hide the FMA latency, and each
+    /// activation block is loaded once for all rows.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every row must have `xs.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_rows<const R: usize>(
+        ws: [&[BlockQ4_0]; R],
+        xs: &[BlockQ8_0],
+    ) -> [f32; R] {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (b, x) in xs.iter().enumerate() {
+            let xd = _mm_cvtph_ps(_mm_cvtsi32_si128(x.d.to_bits() as i32));
+            let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+            for r in 0..R {
+                let w = ws[r].get_unchecked(b);
+                let wd = _mm_cvtph_ps(_mm_cvtsi32_si128(w.d.to_bits() as i32));
+                let dd = _mm256_broadcastss_ps(_mm_mul_ss(wd, xd));
+                acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(block_sums(w, qx)), acc[r]);
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            let a = acc[r];
+            let s = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            out[r] = _mm_cvtss_f32(s);
+        }
+        out
     }
 }
 
@@ -137,5 +252,53 @@ mod tests {
     #[test]
     fn nan_and_inf_activations_give_nan() {
         nan_and_inf_activations_propagate::<BlockQ4_0>(GgmlDType::Q4_0);
+    }
+
+    /// The f32 kernels against the exact f64 sum of the same blocks, for every block count
+    /// and 1 or 4 rows at once; the AVX2 one against the scalar one within f32 rounding.
+    #[test]
+    fn f32_rows_match_the_f64_sum() {
+        use crate::f64_dot::{dot_f64, testing::pseudo};
+        for nb in [1usize, 2, 3, 5, 18, 19] {
+            let rows: Vec<Vec<BlockQ4_0>> = (0..4)
+                .map(|r| {
+                    (0..nb)
+                        .map(|b| BlockQ4_0 {
+                            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b).abs()),
+                            qs: std::array::from_fn(|j| {
+                                (pseudo(r * 1000 + b * 16 + j + 99).to_bits() & 0xFF) as u8
+                            }),
+                        })
+                        .collect()
+                })
+                .collect();
+            let x: Vec<f32> = (0..nb * 32).map(|i| pseudo(i + 1000) * 3.0).collect();
+            let mut xs = vec![BlockQ8_0::ZERO; nb];
+            quantize_row_q8_0(&x, &mut xs);
+            let ws = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+            for kernel in Kernel::under_test() {
+                let mut four = [0f32; 4];
+                dot_rows(kernel, ws, &xs, &mut four);
+                for (r, &got) in four.iter().enumerate() {
+                    let exact = dot_f64(Kernel::Scalar, ws[r], &xs);
+                    let mut one = [0f32];
+                    dot_rows(kernel, [ws[r]], &xs, &mut one);
+                    assert!(
+                        got.is_finite() && exact.is_finite(),
+                        "{kernel:?} {got} {exact}"
+                    );
+                    assert_eq!(got.to_bits(), one[0].to_bits(), "{kernel:?}: 4 rows vs 1");
+                    let mag: f64 = ws[r]
+                        .iter()
+                        .zip(&xs)
+                        .map(|(w, x)| BlockQ4_0::block_dot(w, x).abs())
+                        .sum();
+                    assert!(
+                        (got as f64 - exact).abs() <= 4.0 * f32::EPSILON as f64 * mag,
+                        "{kernel:?} nb={nb} row {r}: f32 {got}, exact {exact}"
+                    );
+                }
+            }
+        }
     }
 }

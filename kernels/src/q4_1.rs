@@ -103,26 +103,14 @@ pub fn rows_dot(
     row0: usize,
     out: &mut [f32],
 ) {
-    let w_row = |r: usize| &w[(row0 + r) * kb..(row0 + r + 1) * kb];
-    let rows = out.len() / m;
-    let quads = rows / 4 * 4;
-    for r in (0..quads).step_by(4) {
-        let ws = [w_row(r), w_row(r + 1), w_row(r + 2), w_row(r + 3)];
-        for (i, x) in xq.chunks_exact(kb).enumerate() {
-            let mut o = [0f32; 4];
-            dot_rows(kernel, ws, x, &mut o);
-            for (t, v) in o.into_iter().enumerate() {
-                out[(r + t) * m + i] = v;
-            }
-        }
-    }
-    for r in quads..rows {
-        for (i, x) in xq.chunks_exact(kb).enumerate() {
-            let mut o = [0f32];
-            dot_rows(kernel, [w_row(r)], x, &mut o);
-            out[r * m + i] = o[0];
-        }
-    }
+    crate::kernel::rows_dot_by(
+        (w, kb),
+        (xq, m),
+        row0,
+        out,
+        |ws, x, o| dot_rows(kernel, ws, x, o),
+        |ws, x, o| dot_rows(kernel, ws, x, o),
+    )
 }
 
 /// Scalar reference (ggml's generic `ggml_vec_dot_q4_1_q8_1`, block after block).

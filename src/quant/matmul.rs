@@ -1,12 +1,15 @@
 //! `QuantMatMul`: `y = x · Wᵀ` with W a GGUF-quantized [`QTensor`], the crate's kernels where
-//! it has one (Q4_1 on CPU) and candle's [`QMatMul`] everywhere else.
+//! it has one (Q4_0, Q4_1, Q8_0, Q4_K on CPU) and candle's [`QMatMul`] everywhere else.
 
 use super::f64_matmul::{has_f64_kernel, F64MatMul};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
+use candle_tp_kernels::f64_dot::blocks_from_bytes;
 use candle_tp_kernels::f64_matmul::{check_matmul, fill_by_weight_rows};
-use candle_tp_kernels::q4_1::{rows_dot, BlockQ4_1, Kernel, QK4_1};
-use candle_tp_kernels::q8_1::quantize_row_q8_1_into;
+use candle_tp_kernels::q4_0::{self, BlockQ4_0, QK4_0};
+use candle_tp_kernels::q4_1::{self, BlockQ4_1, Kernel, QK4_1};
+use candle_tp_kernels::q8_0::{quantize_row_q8_0, BlockQ8_0, QK8_0};
+use candle_tp_kernels::q8_1::{quantize_row_q8_1_into, BlockQ8_1};
 use std::sync::Arc;
 
 /// `dst[m, n] = x[m, k] · W[n, k]ᵀ` for a Q4_1 weight given as its `n * k / 32` blocks (the
@@ -18,16 +21,64 @@ use std::sync::Arc;
 /// are in L1. `k` may be any multiple of 32 (odd block counts included).
 pub fn matmul_q4_1(
     kernel: Kernel,
-    (m, k, n): (usize, usize, usize),
+    dims: (usize, usize, usize),
     x: &[f32],
     w: &[BlockQ4_1],
     dst: &mut [f32],
 ) -> Result<()> {
-    let kb = check_matmul(
+    let quantize = |x: &[f32], k: usize, xq: &mut Vec<BlockQ8_1>| quantize_row_q8_1_into(x, k, xq);
+    matmul_rows(
         "Q4_1 matmul",
         kernel,
-        (m, k, n),
+        dims,
+        (x, w, dst),
         QK4_1,
+        quantize,
+        q4_1::rows_dot,
+    )
+}
+
+/// As [`matmul_q4_1`] for a Q4_0 weight (activations quantized to Q8_0, candle's rounding).
+pub fn matmul_q4_0(
+    kernel: Kernel,
+    dims: (usize, usize, usize),
+    x: &[f32],
+    w: &[BlockQ4_0],
+    dst: &mut [f32],
+) -> Result<()> {
+    let quantize = |x: &[f32], _k: usize, xq: &mut Vec<BlockQ8_0>| {
+        xq.clear();
+        xq.resize(x.len() / QK8_0, BlockQ8_0::ZERO);
+        quantize_row_q8_0(x, xq);
+    };
+    matmul_rows(
+        "Q4_0 matmul",
+        kernel,
+        dims,
+        (x, w, dst),
+        QK4_0,
+        quantize,
+        q4_0::rows_dot,
+    )
+}
+
+/// The driver of the f32 block kernels: checks, quantizes the activations once, fills the
+/// output by ranges of weight rows over rayon.
+#[allow(clippy::type_complexity)]
+fn matmul_rows<W: Sync, X: Sync>(
+    what: &str,
+    kernel: Kernel,
+    (m, k, n): (usize, usize, usize),
+    (x, w, dst): (&[f32], &[W], &mut [f32]),
+    block: usize,
+    quantize: impl Fn(&[f32], usize, &mut Vec<X>),
+    rows_dot: fn(Kernel, &[W], usize, &[X], usize, usize, &mut [f32]),
+) -> Result<()> {
+    let kb = check_matmul(
+        what,
+        kernel,
+        (m, k, n),
+        block,
         (x.len(), w.len(), dst.len()),
     )?;
     if m == 0 || n == 0 {
@@ -38,36 +89,36 @@ pub fn matmul_q4_1(
         return Ok(());
     }
     let mut xq = Vec::new();
-    quantize_row_q8_1_into(x, k, &mut xq);
+    quantize(x, k, &mut xq);
     let xq = &xq[..];
-
     let fill = |row0: usize, out: &mut [f32]| rows_dot(kernel, w, kb, xq, m, row0, out);
     fill_by_weight_rows(n, m, dst, fill);
     Ok(())
 }
 
-/// The Q4_1 product as a candle op (CPU, f32 input; inference only, no backward).
+/// The Q4_1 or Q4_0 product as a candle op (CPU, f32 input; inference only, no backward).
 #[derive(Clone)]
-struct Q4_1MatMul {
+struct BlockMatMul {
     w: Arc<QTensor>,
     n: usize,
     k: usize,
     kernel: Kernel,
 }
 
-impl CustomOp1 for Q4_1MatMul {
+impl CustomOp1 for BlockMatMul {
     fn name(&self) -> &'static str {
-        "q4_1-matmul"
+        "quantized-matmul-f32"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let shape = layout.shape();
+        let dtype = self.w.dtype();
         let Some(&k) = shape.dims().last() else {
             candle_core::bail!("QuantMatMul: input is a scalar, expected [.., {}]", self.k)
         };
         if k != self.k {
             candle_core::bail!(
-                "QuantMatMul: input {shape:?} has last dim {k}, the Q4_1 weight [n, k] = [{}, {}] needs k = {}",
+                "QuantMatMul: input {shape:?} has last dim {k}, the {dtype:?} weight [n, k] = [{}, {}] needs k = {}",
                 self.n,
                 self.k,
                 self.k
@@ -78,10 +129,18 @@ impl CustomOp1 for Q4_1MatMul {
         };
         let x = &storage.as_slice::<f32>()?[start..end];
         let data = self.w.data()?;
-        let w = BlockQ4_1::slice_from_bytes(&data)?;
         let m = shape.elem_count() / k.max(1);
         let mut dst = vec![0f32; m * self.n];
-        matmul_q4_1(self.kernel, (m, k, self.n), x, w, &mut dst)?;
+        let dims = (m, k, self.n);
+        match dtype {
+            GgmlDType::Q4_1 => {
+                matmul_q4_1(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
+            }
+            GgmlDType::Q4_0 => {
+                matmul_q4_0(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
+            }
+            other => candle_core::bail!("QuantMatMul: no f32 block kernel for {other:?}"),
+        }
         let mut dims = shape.dims().to_vec();
         *dims.last_mut().expect("rank checked above") = self.n;
         Ok((CpuStorage::F32(dst), Shape::from(dims)))
@@ -90,9 +149,9 @@ impl CustomOp1 for Q4_1MatMul {
 
 #[derive(Clone)]
 enum Inner {
-    /// The crate's kernel (CPU).
-    Q4_1(Q4_1MatMul),
-    /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q4_0, Q8_0 and Q4_K: at one
+    /// The crate's f32 kernel (CPU Q4_1 and Q4_0).
+    Block(BlockMatMul),
+    /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q8_0 and Q4_K: at one
     /// thread as fast as candle's or faster, and batch-invariant).
     Sum64(F64MatMul),
     /// Everything else: candle's own quantized matmul.
@@ -104,8 +163,8 @@ enum Inner {
 ///
 /// | weight type | CPU | other devices |
 /// |---|---|---|
-/// | Q4_1 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
-/// | Q4_0, Q8_0, Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
+/// | Q4_1, Q4_0 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
+/// | Q8_0, Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
 /// | anything else | `QMatMul` | `QMatMul` |
 ///
 /// [`QuantMatMul::forward_f64`] sums in f64 instead (crate kernels for Q4_1, Q8_0, Q4_K and
@@ -203,27 +262,32 @@ impl QuantMatMul {
                 dims: (n, k),
             });
         }
-        if !(w.device().is_cpu() && w.dtype() == GgmlDType::Q4_1) {
+        let dtype = w.dtype();
+        if !(w.device().is_cpu() && matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q4_0)) {
             return Ok(Self {
                 inner: Inner::Candle(QMatMul::from_arc(w)?),
                 f64_op,
                 dims: (n, k),
             });
         }
-        if k % QK4_1 != 0 {
+        let (block, block_bytes) = match dtype {
+            GgmlDType::Q4_1 => (QK4_1, std::mem::size_of::<BlockQ4_1>()),
+            _ => (QK4_0, std::mem::size_of::<BlockQ4_0>()),
+        };
+        if k % block != 0 {
             candle_core::bail!(
-                "QuantMatMul: Q4_1 weight [{n}, {k}]: k is not a multiple of the block size {QK4_1}"
+                "QuantMatMul: {dtype:?} weight [{n}, {k}]: k is not a multiple of the block size {block}"
             )
         }
         let bytes = w.storage_size_in_bytes();
-        let expected = n * (k / QK4_1) * std::mem::size_of::<BlockQ4_1>();
+        let expected = n * (k / block) * block_bytes;
         if bytes != expected {
             candle_core::bail!(
-                "QuantMatMul: Q4_1 weight [{n}, {k}] holds {bytes} bytes, expected {expected}"
+                "QuantMatMul: {dtype:?} weight [{n}, {k}] holds {bytes} bytes, expected {expected}"
             )
         }
         Ok(Self {
-            inner: Inner::Q4_1(Q4_1MatMul { w, n, k, kernel }),
+            inner: Inner::Block(BlockMatMul { w, n, k, kernel }),
             f64_op,
             dims: (n, k),
         })
@@ -264,7 +328,7 @@ impl QuantMatMul {
     /// The crate's kernel this matmul runs, or `None` where it defers to candle's `QMatMul`.
     pub fn kernel(&self) -> Option<Kernel> {
         match &self.inner {
-            Inner::Q4_1(op) => Some(op.kernel),
+            Inner::Block(op) => Some(op.kernel),
             Inner::Sum64(op) => Some(op.kernel),
             Inner::Candle(_) => None,
         }
@@ -275,7 +339,7 @@ impl Module for QuantMatMul {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match &self.inner {
             Inner::Candle(mm) => mm.forward(xs),
-            Inner::Q4_1(op) => crate_op(xs, op, "Q4_1", (op.n, op.k)),
+            Inner::Block(op) => crate_op(xs, op, &format!("{:?}", op.w.dtype()), (op.n, op.k)),
             Inner::Sum64(op) => crate_op(xs, op, &format!("{:?}", op.w.dtype()), (op.n, op.k)),
         }
     }
@@ -304,7 +368,14 @@ fn crate_op(
 impl std::fmt::Debug for QuantMatMul {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.inner {
-            Inner::Q4_1(op) => write!(f, "QuantMatMul(Q4_1 [{}, {}], {:?})", op.n, op.k, op.kernel),
+            Inner::Block(op) => write!(
+                f,
+                "QuantMatMul({:?} [{}, {}], {:?})",
+                op.w.dtype(),
+                op.n,
+                op.k,
+                op.kernel
+            ),
             Inner::Sum64(op) => write!(
                 f,
                 "QuantMatMul({:?} [{}, {}] summed in f64, {:?})",

@@ -8,7 +8,8 @@
 //! - [`BlockQ8_1`] and [`quantize_row_q8_1`]: the activation format (ggml's `block_q8_1`);
 //! - [`vec_dot_q4_1_q8_1`]: the Q4_1 × Q8_1 dot product, [`Kernel::Scalar`] or
 //!   [`Kernel::Avx2`] (AVX2 + FMA + F16C, runtime-detected), any block count;
-//! - [`matmul_q4_1`]: `x · Wᵀ` over rayon, quantizing each activation row once;
+//! - [`matmul_q4_1`], [`matmul_q4_0`]: `x · Wᵀ` over rayon, quantizing each activation row
+//!   once, four weight rows sharing each activation load;
 //! - [`matmul_f64`] and [`QuantMatMul::forward_f64`]: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K products
 //!   summed in f64, so that a row-parallel layer gives the same values at every world size;
 //! - [`QuantMatMul`]: the one-call `Module` for a quantized weight, the crate's kernel where it
@@ -31,5 +32,5 @@ pub use candle_tp_kernels::f64_matmul::{matmul_f64, F64Weights};
 pub use candle_tp_kernels::q4_1::{vec_dot_q4_1_q8_1, BlockQ4_1, Kernel, QK4_1};
 pub use candle_tp_kernels::q8_1::{quantize_row_q8_1, BlockQ8_1, QK8_1};
 pub use f64_matmul::has_f64_kernel;
-pub use matmul::{matmul_q4_1, QuantMatMul};
+pub use matmul::{matmul_q4_0, matmul_q4_1, QuantMatMul};
 pub use small_m::{matmul_small_m, SMALL_M_MAX_ROWS};
