@@ -196,33 +196,6 @@ pub fn cpu_features() -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_round_trip_and_bad_values_are_named() {
-        for k in Kernel::ALL {
-            assert_eq!(Kernel::parse(k.name()), Ok(Some(k)));
-        }
-        assert_eq!(Kernel::parse(" Scalar "), Ok(Some(Kernel::Scalar)));
-        assert_eq!(Kernel::parse(""), Ok(None));
-        let e = Kernel::parse("avx512").unwrap_err();
-        assert!(e.contains(KERNEL_ENV) && e.contains("avx512"), "{e}");
-    }
-
-    #[test]
-    fn detect_honours_the_switch() {
-        // The test process's own environment decides: whatever it forces is what runs.
-        match Kernel::forced() {
-            Ok(Some(k)) if k.is_available() => assert_eq!(Kernel::detect(), k),
-            _ => assert_eq!(Kernel::detect(), Kernel::fastest()),
-        }
-        assert!(Kernel::detect().is_available());
-        assert!(Kernel::under_test().contains(&Kernel::detect()));
-    }
-}
-
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
 /// activation rows `xq` (rows of `kb` blocks), into `out[(row - row0) * m + i]`: four weight
 /// rows at a time (`dot4`) share each activation load, the rest one at a time (`dot1`).
@@ -253,5 +226,32 @@ pub(crate) fn rows_dot_by<W, X>(
             dot1([w_row(r)], x, &mut o);
             out[r * m + i] = o[0];
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_bad_values_are_named() {
+        for k in Kernel::ALL {
+            assert_eq!(Kernel::parse(k.name()), Ok(Some(k)));
+        }
+        assert_eq!(Kernel::parse(" Scalar "), Ok(Some(Kernel::Scalar)));
+        assert_eq!(Kernel::parse(""), Ok(None));
+        let e = Kernel::parse("avx512").unwrap_err();
+        assert!(e.contains(KERNEL_ENV) && e.contains("avx512"), "{e}");
+    }
+
+    #[test]
+    fn detect_honours_the_switch() {
+        // The test process's own environment decides: whatever it forces is what runs.
+        match Kernel::forced() {
+            Ok(Some(k)) if k.is_available() => assert_eq!(Kernel::detect(), k),
+            _ => assert_eq!(Kernel::detect(), Kernel::fastest()),
+        }
+        assert!(Kernel::detect().is_available());
+        assert!(Kernel::under_test().contains(&Kernel::detect()));
     }
 }
