@@ -45,6 +45,7 @@ pub mod comm;
 pub mod convert;
 mod device;
 pub mod generate;
+pub mod gguf;
 pub mod loader;
 pub mod models;
 pub mod nn;

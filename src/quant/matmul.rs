@@ -1,8 +1,9 @@
 //! `QuantMatMul`: `y = x · Wᵀ` with W a GGUF-quantized [`QTensor`], the crate's kernels where
 //! it has one (Q4_1 on CPU) and candle's [`QMatMul`] everywhere else.
 
-use super::f64_matmul::{has_f64_kernel, F64MatMul};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use super::f64_matmul::F64MatMul;
+use super::types::{CpuProduct, QuantType};
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
 use candle_tp_kernels::f64_matmul::{check_matmul, fill_by_weight_rows};
 use candle_tp_kernels::q4_1::{rows_dot, BlockQ4_1, Kernel, QK4_1};
@@ -171,39 +172,49 @@ impl QuantMatMul {
                 w.dtype()
             ))
         })?;
-        let f64_op = (w.device().is_cpu() && has_f64_kernel(w.dtype())).then(|| F64MatMul {
+        let cpu = w.device().is_cpu();
+        let qtype = QuantType::of(w.dtype());
+        let f64_op = (cpu && qtype.sums_in_f64()).then(|| F64MatMul {
             w: w.clone(),
             n,
             k,
             kernel,
             f32_out: false,
         });
-        if w.device().is_cpu() && matches!(w.dtype(), GgmlDType::Q8_0 | GgmlDType::Q4K) {
-            let block = w.dtype().block_size();
-            if k % block != 0 {
-                candle_core::bail!(
-                    "QuantMatMul: {:?} weight [{n}, {k}]: k is not a multiple of the block size {block}",
-                    w.dtype()
-                )
+        let product = if cpu {
+            qtype.cpu_product
+        } else {
+            CpuProduct::Candle
+        };
+        match product {
+            CpuProduct::Candle => {
+                return Ok(Self {
+                    inner: Inner::Candle(QMatMul::from_arc(w)?),
+                    f64_op,
+                    dims: (n, k),
+                })
             }
-            return Ok(Self {
-                inner: Inner::Sum64(F64MatMul {
-                    w,
-                    n,
-                    k,
-                    kernel,
-                    f32_out: true,
-                }),
-                f64_op,
-                dims: (n, k),
-            });
-        }
-        if !(w.device().is_cpu() && w.dtype() == GgmlDType::Q4_1) {
-            return Ok(Self {
-                inner: Inner::Candle(QMatMul::from_arc(w)?),
-                f64_op,
-                dims: (n, k),
-            });
+            CpuProduct::Sum64 => {
+                let block = qtype.block_size();
+                if k % block != 0 {
+                    candle_core::bail!(
+                        "QuantMatMul: {:?} weight [{n}, {k}]: k is not a multiple of the block size {block}",
+                        w.dtype()
+                    )
+                }
+                return Ok(Self {
+                    inner: Inner::Sum64(F64MatMul {
+                        w,
+                        n,
+                        k,
+                        kernel,
+                        f32_out: true,
+                    }),
+                    f64_op,
+                    dims: (n, k),
+                });
+            }
+            CpuProduct::Q4_1 => {}
         }
         if k % QK4_1 != 0 {
             candle_core::bail!(
