@@ -13,6 +13,7 @@ use std::path::PathBuf;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::Llama;
 use candle_tp::{run_threads, ProcessGroup};
 

@@ -15,6 +15,7 @@
 
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{Device, Tensor};
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::Llama;
 use candle_tp::ProcessGroup;
 use candle_transformers::models::quantized_llama::ModelWeights;
