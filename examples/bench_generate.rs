@@ -36,6 +36,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::{Llama, LlamaConfig};
 use clap::Parser;
 

@@ -21,6 +21,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::DType;
 use candle_tp::models::bert::BertModel;
+use candle_tp::models::FromCheckpoint;
 use candle_tp::ProcessGroup;
 use clap::Parser;
 use tokenizers::{Tokenizer, TruncationParams};

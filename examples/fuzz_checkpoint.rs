@@ -1,6 +1,6 @@
 //! A bounded-time mutation fuzzer for the safetensors header and index parsers
 //! (`SafetensorsSource::from_files` / `from_dir`), the GGUF header and tensor-info parser
-//! (`loader::gguf_header::scan`, then Candle's metadata reader as `GgufSource` calls it) and
+//! (`gguf::header::scan`, then Candle's metadata reader as `GgufSource` calls it) and
 //! the tensor loads behind them (quantized shards by rows and by blocks).
 //!
 //! ```text
@@ -29,9 +29,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use candle_tp::loader::gguf_header;
+use candle_tp::gguf::header as gguf_header;
 use candle_tp::loader::quant_shard::{self, Named, RowOrder};
-use candle_tp::loader::{SafetensorsSource, TensorSource};
+use candle_tp::loader::{RangeRequest, SafetensorsSource, TensorSource};
 use clap::Parser;
 use serde_json::{json, Value};
 
@@ -418,20 +418,18 @@ fn exercise(dir: &Path, input: &Input) -> candle_core::Result<bool> {
         };
         let _ = src.load(&name, DType::F32, &cpu);
         if let Some(&rows) = shape.dims().first() {
-            let _ = src.load_ranges(
-                &name,
-                0,
-                &[0..rows.min(1), rows / 2..rows],
-                DType::F32,
-                &cpu,
-            );
-            let _ = src.load_ranges(
-                &name,
-                0,
+            for ranges in [
+                &[0..rows.min(1), rows / 2..rows][..],
                 std::slice::from_ref(&(rows..rows + 1)),
-                DType::F32,
-                &cpu,
-            );
+            ] {
+                let _ = src.load_ranges(&RangeRequest {
+                    name: &name,
+                    dim: 0,
+                    ranges,
+                    dtype: DType::F32,
+                    device: &cpu,
+                });
+            }
         }
     }
     Ok(true)

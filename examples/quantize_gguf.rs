@@ -10,7 +10,8 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use candle_tp::convert::{parse_ggml_dtype, requantize_gguf, smollm2_gguf};
+use candle_core::quantized::GgmlDType;
+use candle_tp::convert::{parse_ggml_dtype, requantize_gguf};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -44,4 +45,26 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// SmolLM2's `dtype` GGUF in the model cache, written from the shipped Q4_1 file when missing
+/// (an existing file is kept).
+fn smollm2_gguf(dtype: GgmlDType) -> Result<PathBuf> {
+    let dir = candle_tp::models::models_dir()?;
+    let shipped = dir.join("smollm2-135m-instruct.Q4_1.gguf");
+    if dtype == GgmlDType::Q4_1 {
+        return Ok(shipped);
+    }
+    let name = format!("{dtype:?}").replace('K', "_K");
+    let path = dir.join(format!("smollm2-135m-instruct.{name}.gguf"));
+    if !path.is_file() {
+        if !shipped.is_file() {
+            bail!(
+                "{} is missing: run scripts/fetch-models.sh",
+                shipped.display()
+            );
+        }
+        requantize_gguf(&shipped, dtype, &path)?;
+    }
+    Ok(path)
 }

@@ -19,25 +19,49 @@
 //! # Ok(()) }
 //! ```
 //!
-//! - [`comm`]: [`ProcessGroup`] and its backends (the shared-memory engine for `threads` and
-//!   `shm`; `mpi` and `hierarchical` across hosts with the `mpi` feature; `nccl`), sub-groups,
-//!   point-to-point, [`init_from_env`], [`run_threads`].
-//! - [`ops`]: Megatron's mappings (`copy_to_tp`, `reduce_from_tp`, …) with backward.
-//! - [`nn`]: [`ColumnParallelLinear`], [`RowParallelLinear`], [`Mlp`], [`GatedMlp`],
-//!   [`VocabParallelEmbedding`], [`ParallelLmHead`].
-//! - [`loader`]: [`ShardedVarBuilder`] over memory-mapped safetensors (each rank reads only
-//!   its slice) or tensors in memory.
-//! - [`generate`]: sampling from vocabulary-parallel logits without gathering them.
-//! - [`chat_template`]: a checkpoint's chat template, rendered as Hugging Face transformers
+//! # The layers, top to bottom
+//!
+//! Data flows down; nothing calls up. A newcomer reads them in this order:
+//!
+//! ```text
+//! tprun, candle-tp-serve, serve, examples      launch a job, serve a model over HTTP
+//!   generate | train | pipeline                decode and sample | train | pipeline schedules
+//!     models                                   CausalLm (Llama, Qwen3, Gemma, Phi-3, Mixtral), BERT
+//!       nn            quant -> kernels/        parallel layers | quantized matmuls
+//!         ops         loader -> gguf           collectives as Candle ops | sharded weights
+//!           comm                               process groups and their backends
+//! ```
+//!
+//! - [`models`]: one decoder for every causal-LM family ([`models::CausalLm`]; a family is a
+//!   `config.json` parser, [`models::family`]), [`models::Llama`] and BERT; every model loads a
+//!   Hugging Face directory or a GGUF file through [`models::FromCheckpoint`].
+//! - [`generate`]: sampling from vocabulary-parallel logits without gathering them, batched
+//!   decoding. [`train`]: sharded initialisation, vocabulary-parallel cross-entropy, training
+//!   with TP, SP and DP × TP. [`pipeline`]: pipeline-parallel schedules (GPipe, 1F1B) as data,
+//!   and their replay.
+//! - `serve` (feature `server`): the OpenAI-compatible server (binary `candle-tp-serve`).
+//!   [`chat_template`]: a checkpoint's chat template, rendered as Hugging Face transformers
 //!   renders it (used by the server and `examples/generate.rs`).
-//! - [`convert`]: GGUF → Hugging Face checkpoint and tokenizer, for the demo models.
-//! - [`pipeline`]: pipeline-parallel schedules (GPipe, 1F1B) as data, and their replay.
-//! - [`Partition`]: uneven splits (9 heads on 2 ranks is 5 + 4).
+//! - [`nn`]: [`ColumnParallelLinear`], [`RowParallelLinear`], [`Mlp`], [`GatedMlp`],
+//!   [`VocabParallelEmbedding`], [`ParallelLmHead`], [`ParallelAttention`], [`SparseMoe`];
+//!   2D and 3D layers ([`Linear2d`], [`Linear3d`], …).
 //! - [`quant`]: quantized CPU kernels ([`quant::QuantMatMul`]: SIMD Q4_1, Q8_0 and Q4_K
 //!   matmuls, f64-summed products for row-parallel layers, candle's `QMatMul` for the other
-//!   types).
+//!   types; [`quant::QuantType`] describes each type once).
+//! - [`ops`]: Megatron's mappings (`copy_to_tp`, `reduce_from_tp`, …) with backward.
+//! - [`loader`]: [`ShardedVarBuilder`] over memory-mapped safetensors or GGUF files (each
+//!   rank reads only its slice) or tensors in memory. [`gguf`]: reading GGUF files (header,
+//!   metadata, configuration, tokenizer, tensor names), for the loader and [`convert`] (GGUF →
+//!   Hugging Face checkpoint and tokenizer, for the demo models).
+//! - [`comm`]: [`ProcessGroup`] and its backends (the shared-memory engine for `threads` and
+//!   `shm`; `mpi` and `hierarchical` across hosts with the `mpi` feature; `nccl`), sub-groups,
+//!   [`DeviceMesh`], point-to-point, [`init_from_env`], [`run_threads`].
+//! - [`Partition`]: uneven splits (9 heads on 2 ranks is 5 + 4); [`rng`]: the same random
+//!   stream on every rank.
 //! - GPUs: cargo features `cuda` and `nccl` (one process per GPU, NCCL collectives on the
 //!   tensors' stream), [`device_from_arg`] for `--device cpu|cuda`; see `docs/GPU.md`.
+//!
+//! `docs/ARCHITECTURE.md` describes each layer and the invariants it relies on.
 #![warn(missing_docs)]
 
 pub mod chat_template;
@@ -45,6 +69,7 @@ pub mod comm;
 pub mod convert;
 mod device;
 pub mod generate;
+pub mod gguf;
 pub mod loader;
 pub mod models;
 pub mod nn;

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use candle_tp::models::bert::{BertConfig, BertModel};
+use candle_tp::models::FromCheckpoint;
 use candle_tp::{run_threads, ShardedVarBuilder};
 use candle_transformers::models::bert as reference;
 use common::{max_abs_diff, seeded};

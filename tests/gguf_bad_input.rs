@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::Llama;
 use candle_tp::run_threads;
 

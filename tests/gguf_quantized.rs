@@ -1,6 +1,6 @@
 //! The tensor-parallel Llama straight from GGUF files of SmolLM2-135M (9 heads, 3 KV heads):
 //! the shipped Q4_1 file and Q8_0 / Q4_K / Q6_K files written from it once into the model
-//! cache by `candle_tp::convert::smollm2_gguf`.
+//! cache by `common::smollm2_gguf`.
 //!
 //! Worlds 2 and 3 (uneven: 5 + 4 and 3 + 3 + 3 heads; the down projection's 6 k-quant
 //! super-blocks 3 + 3 and 2 + 2 + 2) against world 1, four prompts x 32 greedy tokens each:
@@ -13,11 +13,12 @@ use std::path::PathBuf;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::Llama;
 use candle_tp::{run_threads, ProcessGroup};
 
 fn gguf(dtype: GgmlDType) -> PathBuf {
-    candle_tp::convert::smollm2_gguf(dtype).expect("SmolLM2 GGUF (run scripts/fetch-models.sh)")
+    common::smollm2_gguf(dtype).expect("SmolLM2 GGUF (run scripts/fetch-models.sh)")
 }
 
 mod common;

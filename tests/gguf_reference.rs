@@ -15,6 +15,7 @@
 
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{Device, Tensor};
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::Llama;
 use candle_tp::ProcessGroup;
 use candle_transformers::models::quantized_llama::ModelWeights;
@@ -31,7 +32,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 /// Greedy decode in both models: (ids equal?, max logit difference over all steps, ids).
 fn compare(dtype: GgmlDType) -> candle_core::Result<(Vec<u32>, Vec<u32>, f32)> {
-    let path = candle_tp::convert::smollm2_gguf(dtype)?;
+    let path = common::smollm2_gguf(dtype)?;
     let mut f = std::fs::File::open(&path)?;
     let content = gguf_file::Content::read(&mut f)?;
     let mut reference = ModelWeights::from_gguf(content, &mut f, &Device::Cpu)?;

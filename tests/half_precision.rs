@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
 use candle_tp::models::bert::BertModel;
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::Llama;
 use candle_tp::run_threads;
 use candle_transformers::models::{bert as ref_bert, llama as ref_llama};

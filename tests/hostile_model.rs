@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::Llama;
 use candle_tp::{run_threads, ProcessGroup};
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
+use candle_tp::models::FromCheckpoint;
 use candle_tp::models::Llama;
 use candle_tp::run_threads;
 use candle_transformers::models::{llama as ref_llama, mistral as ref_mistral, qwen2 as ref_qwen2};

@@ -14,8 +14,26 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_tp::loader::{SafetensorsSource, TensorSource};
+use candle_tp::loader::{RangeRequest, SafetensorsSource, TensorSource};
 use candle_tp::Partition;
+
+/// `src.load_ranges` of the request for `ranges` along `dim` of `name`.
+fn load_ranges(
+    src: &impl TensorSource,
+    name: &str,
+    dim: usize,
+    ranges: &[Range<usize>],
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    src.load_ranges(&RangeRequest {
+        name,
+        dim,
+        ranges,
+        dtype,
+        device,
+    })
+}
 
 /// A unique temporary directory, removed on drop.
 struct TempDir(PathBuf);
@@ -147,7 +165,7 @@ fn every_dim_every_split_matches_narrow_and_cat() -> Result<()> {
                 let p = Partition::new(size, parts)?;
                 for rank in 0..parts {
                     let r = [p.range(rank)];
-                    let got = src.load_ranges(name, dim, &r, *dtype, &cpu)?;
+                    let got = load_ranges(&src, name, dim, &r, *dtype, &cpu)?;
                     let what = format!("{name} dim {dim} rank {rank}/{parts}");
                     assert_same(&got, &reference(full, dim, &r)?, &what)?;
                 }
@@ -155,7 +173,7 @@ fn every_dim_every_split_matches_narrow_and_cat() -> Result<()> {
             // Several ranges, out of order, one of them empty.
             if size >= 3 {
                 let ranges = [size - 1..size, 0..1, 1..1, 1..size - 1];
-                let got = src.load_ranges(name, dim, &ranges, *dtype, &cpu)?;
+                let got = load_ranges(&src, name, dim, &ranges, *dtype, &cpu)?;
                 let what = format!("{name} dim {dim} multi-range");
                 assert_same(&got, &reference(full, dim, &ranges)?, &what)?;
             }
@@ -183,10 +201,10 @@ fn fused_qkv_rows_of_one_rank() -> Result<()> {
             shift(kp.range(rank), q * hd),
             shift(kp.range(rank), (q + kv) * hd),
         ];
-        let got = src.load_ranges("qkv", 0, &ranges, DType::F32, &Device::Cpu)?;
+        let got = load_ranges(&src, "qkv", 0, &ranges, DType::F32, &Device::Cpu)?;
         assert_same(&got, &reference(&full, 0, &ranges)?, "fused qkv")?;
         // The same along the columns of the transposed layout.
-        let got_t = src.load_ranges("qkv", 1, &[0..3, 5..8], DType::F32, &Device::Cpu)?;
+        let got_t = load_ranges(&src, "qkv", 1, &[0..3, 5..8], DType::F32, &Device::Cpu)?;
         assert_same(&got_t, &reference(&full, 1, &[0..3, 5..8])?, "cols")?;
     }
     Ok(())
@@ -206,11 +224,11 @@ fn converts_only_the_slice_like_to_dtype() -> Result<()> {
         let r = [p.range(rank)];
         for to in [DType::F16, DType::BF16, DType::F64] {
             let want = reference(&f, 1, &r)?.to_dtype(to)?;
-            assert_same(&src.load_ranges("f", 1, &r, to, &cpu)?, &want, "f32->x")?;
+            assert_same(&load_ranges(&src, "f", 1, &r, to, &cpu)?, &want, "f32->x")?;
         }
         let want = reference(&b, 0, &r)?.to_dtype(DType::F32)?;
         assert_same(
-            &src.load_ranges("b", 0, &r, DType::F32, &cpu)?,
+            &load_ranges(&src, "b", 0, &r, DType::F32, &cpu)?,
             &want,
             "bf16->f32",
         )?;
@@ -249,12 +267,12 @@ fn sharded_checkpoint_with_index() -> Result<()> {
     assert_same(&src.load("layer.0.b", DType::BF16, &cpu)?, &b, "b")?;
     let r = [1..3];
     assert_same(
-        &src.load_ranges("layer.0.a", 1, &r, DType::F32, &cpu)?,
+        &load_ranges(&src, "layer.0.a", 1, &r, DType::F32, &cpu)?,
         &reference(&a, 1, &r)?,
         "a",
     )?;
     assert_same(
-        &src.load_ranges("layer.1.c", 2, &[1..2], DType::F16, &cpu)?,
+        &load_ranges(&src, "layer.1.c", 2, &[1..2], DType::F16, &cpu)?,
         &reference(&c, 2, &[1..2])?,
         "c",
     )?;
@@ -297,14 +315,14 @@ fn missing_files_and_tensors_are_named() -> Result<()> {
     );
     let name = "model.layers.0.mlp.up_proj.weight";
     let cpu = Device::Cpu;
-    let msg = err_of(src.load_ranges(name, 0, &[5..8], DType::F32, &cpu));
+    let msg = err_of(load_ranges(&src, name, 0, &[5..8], DType::F32, &cpu));
     assert_mentions(
         &msg,
         &[name, "5..8", "out of bounds", "size 7", "model.safetensors"],
     );
-    let msg = err_of(src.load_ranges(name, 2, &[0..1], DType::F32, &cpu));
+    let msg = err_of(load_ranges(&src, name, 2, &[0..1], DType::F32, &cpu));
     assert_mentions(&msg, &[name, "dimension 2", "[7, 3]"]);
-    let msg = err_of(src.load_ranges(name, 0, &[], DType::F32, &cpu));
+    let msg = err_of(load_ranges(&src, name, 0, &[], DType::F32, &cpu));
     assert_mentions(&msg, &[name, "empty"]);
     Ok(())
 }

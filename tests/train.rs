@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_tp::models::llama::Llama;
+use candle_tp::models::FromCheckpoint;
 use candle_tp::train::{
     all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama,
 };
@@ -230,23 +231,7 @@ fn too_many_ranks_for_kv_heads_is_an_error() -> Result<()> {
 #[test]
 fn training_through_replicated_kv_heads_is_refused_with_the_sizes() -> Result<()> {
     use candle_tp::{AttentionConfig, ParallelAttention, RotaryEmbedding};
-    let cfg = AttentionConfig {
-        hidden_size: 12,
-        num_heads: 6,
-        num_kv_heads: 2,
-        head_dim: 2,
-        qkv_bias: false,
-        o_bias: false,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 8,
-        sliding_window: None,
-        qk_norm: None,
-        softmax_scale: None,
-        logit_softcapping: None,
-        fused_qkv: false,
-        rotary_dim: None,
-    };
+    let cfg = AttentionConfig::new(12, 6, 2, 2, 10000.0, 8);
     let names = [("q_proj", 12), ("k_proj", 4), ("v_proj", 4), ("o_proj", 12)];
     let x = common::seeded(&[1, 3, 12], 9);
     let out = run_threads(3, |pg| {

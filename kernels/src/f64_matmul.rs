@@ -2,32 +2,13 @@
 //! [`crate::f64_dot`], here (not in candle-tp) so that its generic code is compiled with this
 //! crate's optimisations in every profile.
 
-use crate::f64_dot::{dot_f64, F64Dot};
-use crate::q4_0::BlockQ4_0;
-use crate::q4_1::{BlockQ4_1, Kernel};
-use crate::q4_k::BlockQ4K;
-use crate::q6_k::BlockQ6K;
-use crate::q8_0::BlockQ8_0;
+use crate::f64_dot::{blocks_from_bytes, dot_f64, F64Dot};
+use crate::q4_1::Kernel;
 use candle_core::Result;
 use rayon::prelude::*;
 
 /// Weight rows per rayon task at least: below this the task costs more than its work.
 const MIN_ROWS_PER_TASK: usize = 16;
-
-/// A weight of `n` rows of blocks, of one of the types with an f64 kernel.
-#[derive(Debug, Clone, Copy)]
-pub enum F64Weights<'a> {
-    /// Q4_0 blocks.
-    Q4_0(&'a [BlockQ4_0]),
-    /// Q4_1 blocks.
-    Q4_1(&'a [BlockQ4_1]),
-    /// Q8_0 blocks.
-    Q8_0(&'a [BlockQ8_0]),
-    /// Q4_K super-blocks.
-    Q4K(&'a [BlockQ4K]),
-    /// Q6_K super-blocks.
-    Q6K(&'a [BlockQ6K]),
-}
 
 /// Fills `dst` (`[m, n]`, activation-row major) by calls `fill(row0, out)`, `out` the
 /// weight-row-major block `[rows, m]` of weight rows `row0..row0 + rows`, over the current
@@ -110,23 +91,7 @@ pub fn check_matmul(
 /// type's activation blocks (candle's rounding), so the result is candle's quantized product
 /// up to the order and precision of the sum; every output is one [`dot_f64`], so a row's
 /// result does not depend on `m` or on the thread count.
-pub fn matmul_f64(
-    kernel: Kernel,
-    dims: (usize, usize, usize),
-    x: &[f32],
-    w: F64Weights<'_>,
-    dst: &mut [f64],
-) -> Result<()> {
-    match w {
-        F64Weights::Q4_0(w) => matmul::<BlockQ4_0>(kernel, dims, x, w, dst),
-        F64Weights::Q4_1(w) => matmul::<BlockQ4_1>(kernel, dims, x, w, dst),
-        F64Weights::Q8_0(w) => matmul::<BlockQ8_0>(kernel, dims, x, w, dst),
-        F64Weights::Q4K(w) => matmul::<BlockQ4K>(kernel, dims, x, w, dst),
-        F64Weights::Q6K(w) => matmul::<BlockQ6K>(kernel, dims, x, w, dst),
-    }
-}
-
-fn matmul<B: F64Dot>(
+pub fn matmul_f64<B: F64Dot>(
     kernel: Kernel,
     (m, k, n): (usize, usize, usize),
     x: &[f32],
@@ -160,3 +125,18 @@ fn matmul<B: F64Dot>(
     fill_by_weight_rows(n, m, dst, fill);
     Ok(())
 }
+
+/// [`matmul_f64`] of a weight given as GGUF bytes (a `QTensor`'s data), viewed as blocks of
+/// `B` without copying: one function per block type, which a caller can pick from a table.
+pub fn matmul_f64_bytes<B: F64Dot>(
+    kernel: Kernel,
+    dims: (usize, usize, usize),
+    x: &[f32],
+    w: &[u8],
+    dst: &mut [f64],
+) -> Result<()> {
+    matmul_f64(kernel, dims, x, blocks_from_bytes::<B>(w)?, dst)
+}
+
+/// The signature of [`matmul_f64_bytes`] for one block type.
+pub type F64MatMulFn = fn(Kernel, (usize, usize, usize), &[f32], &[u8], &mut [f64]) -> Result<()>;

@@ -121,30 +121,3 @@ pub fn requantize_gguf(
     })?;
     Ok(counts)
 }
-
-/// The path of SmolLM2's `dtype` GGUF in the model cache, written from the shipped Q4_1 file
-/// when missing (idempotent: an existing file is kept).
-pub fn smollm2_gguf(dtype: GgmlDType) -> Result<std::path::PathBuf> {
-    let dir = crate::models::models_dir()?;
-    let shipped = dir.join("smollm2-135m-instruct.Q4_1.gguf");
-    let name = format!("{dtype:?}").replace('K', "_K");
-    let path = dir.join(format!("smollm2-135m-instruct.{name}.gguf"));
-    // One writer per process (tests run in threads); processes write under their own names.
-    static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = WRITING.lock().unwrap_or_else(|p| p.into_inner());
-    if dtype == GgmlDType::Q4_1 || path.is_file() {
-        return Ok(if dtype == GgmlDType::Q4_1 {
-            shipped
-        } else {
-            path
-        });
-    }
-    if !shipped.is_file() {
-        candle_core::bail!(
-            "{} is missing: run scripts/fetch-models.sh",
-            shipped.display()
-        );
-    }
-    requantize_gguf(&shipped, dtype, &path)?;
-    Ok(path)
-}

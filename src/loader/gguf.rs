@@ -8,7 +8,6 @@
 //! back by copying rows, never by dequantizing.
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::Content;
@@ -16,10 +15,11 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use memmap2::Mmap;
 
-use super::gguf_header::{scan, GgufTensorEntry};
 use super::quant_shard::{self, RowOrder};
-use super::source::{TensorSource, WeightShard};
-use crate::convert::{hf_tensor_name, GgufTokenizer, LlamaGgufConfig, Metadata};
+use super::source::{RangeRequest, TensorSource, WeightShard};
+use crate::gguf::{checked_hf_name, rotary_heads, scan, GgufTensorEntry};
+use crate::gguf::{GgufTokenizer, LlamaGgufConfig, Metadata};
+use crate::quant::QuantType;
 
 /// Where a Hugging Face tensor lives in the GGUF file.
 #[derive(Debug, Clone)]
@@ -60,33 +60,8 @@ impl GgufSource {
         let tokenizer = GgufTokenizer::from_metadata(&meta)?;
         let mut entries = HashMap::new();
         for t in header.tensors {
-            let Some(hf) = hf_tensor_name(&t.name) else {
-                candle_core::bail!(
-                    "{file_name}: tensor {} (shape {:?}) has no Hugging Face Llama equivalent",
-                    t.name,
-                    t.dims
-                );
-            };
-            let expected = config.expected_shape(&hf).ok_or_else(|| {
-                candle_core::Error::msg(format!(
-                    "{file_name}: tensor {} ({hf}) is not expected in this model",
-                    t.name
-                ))
-            })?;
-            if t.dims != expected {
-                candle_core::bail!(
-                    "{file_name}: tensor {} ({hf}) has shape {:?}, expected {expected:?} from the metadata",
-                    t.name,
-                    t.dims
-                );
-            }
-            let rotary_heads = if hf.contains(".self_attn.q_proj.") {
-                Some(config.num_attention_heads)
-            } else if hf.contains(".self_attn.k_proj.") {
-                Some(config.num_key_value_heads)
-            } else {
-                None
-            };
+            let hf = checked_hf_name(&config, &file_name, &t.name, &t.dims)?;
+            let rotary_heads = rotary_heads(&config, &hf);
             entries.insert(
                 hf,
                 Entry {
@@ -95,11 +70,7 @@ impl GgufSource {
                 },
             );
         }
-        for req in config.required_tensors() {
-            if !entries.contains_key(&req) {
-                candle_core::bail!("{file_name}: no tensor maps to the required {req}");
-            }
-        }
+        config.check_required(&file_name, |hf| entries.contains_key(hf))?;
         Ok(Self {
             path,
             mmap,
@@ -166,31 +137,25 @@ impl TensorSource for GgufSource {
 
     fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         let n = self.entry(name)?.tensor.dims[0];
-        self.load_ranges(name, 0, std::slice::from_ref(&(0..n)), dtype, device)
+        self.load_ranges(&RangeRequest {
+            name,
+            dim: 0,
+            ranges: std::slice::from_ref(&(0..n)),
+            dtype,
+            device,
+        })
     }
 
-    fn load_ranges(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        match self.load_weight(name, dim, ranges, dtype, device)? {
+    fn load_ranges(&self, req: &RangeRequest<'_>) -> Result<Tensor> {
+        match self.load_weight(req)? {
             WeightShard::Dense(t) => Ok(t),
-            WeightShard::Quantized(q) => q.dequantize(device)?.to_dtype(dtype),
+            WeightShard::Quantized(q) => q.dequantize(req.device)?.to_dtype(req.dtype),
         }
     }
 
-    fn load_weight(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<WeightShard> {
+    fn load_weight(&self, req: &RangeRequest<'_>) -> Result<WeightShard> {
+        let (name, dim, ranges, dtype, device) =
+            (req.name, req.dim, req.ranges, req.dtype, req.device);
         let e = self.entry(name)?;
         let t = &e.tensor;
         // Vectors (norms, biases) are matrices of one row here.
@@ -222,7 +187,7 @@ impl TensorSource for GgufSource {
         )?;
         let vector = t.dims.len() == 1;
         match shard {
-            WeightShard::Quantized(q) if !is_dense_type(q.dtype()) && !vector => {
+            WeightShard::Quantized(q) if !QuantType::of(q.dtype()).dense && !vector => {
                 Ok(WeightShard::Quantized(q))
             }
             WeightShard::Quantized(q) => {
@@ -248,10 +213,6 @@ impl TensorSource for GgufSource {
         }
         Ok(quant_shard::kernel_unit(e.tensor.dtype))
     }
-}
-
-fn is_dense_type(d: GgmlDType) -> bool {
-    matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
 }
 
 impl std::fmt::Debug for GgufSource {

@@ -1,6 +1,5 @@
 //! Loading weights: tensor sources and the sharded var builder.
 pub mod gguf;
-pub mod gguf_header;
 pub mod progress;
 pub use progress::{LoadProgress, ProgressSource};
 pub mod quant_shard;
@@ -8,6 +7,8 @@ pub mod safetensors;
 pub use gguf::GgufSource;
 pub mod source;
 pub use safetensors::SafetensorsSource;
-pub use source::{slice_ranges, TensorMapSource, TensorSource, VarBuilderSource, WeightShard};
+pub use source::{
+    slice_ranges, RangeRequest, TensorMapSource, TensorSource, VarBuilderSource, WeightShard,
+};
 pub mod var_builder;
 pub use var_builder::ShardedVarBuilder;

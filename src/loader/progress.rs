@@ -2,12 +2,11 @@
 //! `examples/generate.rs`). The library prints nothing itself.
 
 use std::collections::HashSet;
-use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Shape, Tensor};
 
-use super::source::{TensorSource, WeightShard};
+use super::source::{RangeRequest, TensorSource, WeightShard};
 
 /// Called after each tensor a rank reads: `(tensors read so far, tensors in the checkpoint,
 /// name)`. The total is what the source holds (a model may read fewer: tied embeddings); when
@@ -56,32 +55,12 @@ impl TensorSource for ProgressSource {
         self.report(name, self.inner.load(name, dtype, device))
     }
 
-    fn load_ranges(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        self.report(
-            name,
-            self.inner.load_ranges(name, dim, ranges, dtype, device),
-        )
+    fn load_ranges(&self, req: &RangeRequest<'_>) -> Result<Tensor> {
+        self.report(req.name, self.inner.load_ranges(req))
     }
 
-    fn load_weight(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<WeightShard> {
-        self.report(
-            name,
-            self.inner.load_weight(name, dim, ranges, dtype, device),
-        )
+    fn load_weight(&self, req: &RangeRequest<'_>) -> Result<WeightShard> {
+        self.report(req.name, self.inner.load_weight(req))
     }
 
     fn split_unit(&self, name: &str, dim: usize) -> Result<usize> {

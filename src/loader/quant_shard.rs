@@ -25,6 +25,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Result, Tensor};
 
 use super::source::WeightShard;
+use crate::quant::QuantType;
 
 /// Names of the tensor being cut, for errors and the fallback log.
 #[derive(Debug, Clone, Copy)]
@@ -78,13 +79,10 @@ impl RowOrder {
 
 /// The number of columns a row-parallel split of a `dtype` tensor keeps together: the block
 /// size, twice it where Candle's dot product needs an even number of blocks per row (Q5_0,
-/// Q5_1; Q4_1 runs through the crate's kernel, which takes any block count).
+/// Q5_1; Q4_1 runs through the crate's kernel, which takes any block count): the type's
+/// [`QuantType::split_unit`].
 pub fn kernel_unit(dtype: GgmlDType) -> usize {
-    let bs = dtype.block_size();
-    match dtype {
-        GgmlDType::Q5_0 | GgmlDType::Q5_1 => 2 * bs,
-        _ => bs,
-    }
+    QuantType::of(dtype).split_unit()
 }
 
 /// Whether Candle's kernels accept rows of `cols` columns of `dtype`.

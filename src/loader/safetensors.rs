@@ -24,7 +24,7 @@ use memmap2::Mmap;
 use serde_json::Value;
 
 use self::header::open_file;
-use super::source::TensorSource;
+use super::source::{RangeRequest, TensorSource};
 
 /// The single-file checkpoint name.
 const SINGLE_FILE: &str = "model.safetensors";
@@ -334,16 +334,9 @@ impl TensorSource for SafetensorsSource {
         convert_and_move(t, dtype, device)
     }
 
-    fn load_ranges(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let t = self.read_slice(name, dim, ranges)?;
-        convert_and_move(t, dtype, device)
+    fn load_ranges(&self, req: &RangeRequest<'_>) -> Result<Tensor> {
+        let t = self.read_slice(req.name, req.dim, req.ranges)?;
+        convert_and_move(t, req.dtype, req.device)
     }
 }
 

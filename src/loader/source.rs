@@ -30,6 +30,32 @@ impl WeightShard {
     }
 }
 
+/// What to read of one tensor: the elements of `name` whose index along `dim` lies in
+/// `ranges` (concatenated in the order given), converted to `dtype`, on `device`.
+///
+/// One range is a plain shard; several are the pieces of a fused tensor (for example the
+/// rank's q, k and v rows of a `qkv_proj`).
+#[derive(Debug, Clone, Copy)]
+pub struct RangeRequest<'a> {
+    /// The tensor's full name in the source.
+    pub name: &'a str,
+    /// The dimension the ranges index.
+    pub dim: usize,
+    /// The ranges along `dim`, in the order they are concatenated.
+    pub ranges: &'a [Range<usize>],
+    /// The element type of the result.
+    pub dtype: DType,
+    /// Where the result lives.
+    pub device: &'a Device,
+}
+
+impl RangeRequest<'_> {
+    /// Narrows `full` (the whole tensor) to the request's ranges: [`slice_ranges`].
+    pub fn slice(&self, full: &Tensor) -> Result<Tensor> {
+        slice_ranges(full, self.name, self.dim, self.ranges)
+    }
+}
+
 /// A named collection of tensors that can be read whole or by slices along one dimension.
 ///
 /// Implementations: [`TensorMapSource`] (tensors already in memory, e.g. a dense model's
@@ -42,38 +68,17 @@ pub trait TensorSource: Send + Sync {
     /// Loads the whole tensor `name`, converted to `dtype`, on `device`.
     fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor>;
 
-    /// Loads the elements of `name` whose index along `dim` lies in `ranges`, concatenated in
-    /// the order given, converted to `dtype`, on `device`.
-    ///
-    /// One range is a plain shard; several are the pieces of a fused tensor (for example the
-    /// rank's q, k and v rows of a `qkv_proj`). A source that can read byte ranges reads only
-    /// those.
-    fn load_ranges(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let full = self.load(name, dtype, device)?;
-        slice_ranges(&full, name, dim, ranges)
+    /// Loads what `req` asks for (see [`RangeRequest`]). A source that can read byte ranges
+    /// reads only those; this default loads the whole tensor and narrows it.
+    fn load_ranges(&self, req: &RangeRequest<'_>) -> Result<Tensor> {
+        req.slice(&self.load(req.name, req.dtype, req.device)?)
     }
 
-    /// Loads the elements of the 2-D weight `name` whose index along `dim` lies in `ranges`
-    /// as the source stores them: quantized blocks where the source holds a quantized tensor
-    /// (a GGUF file), otherwise a dense tensor as [`TensorSource::load_ranges`] gives it.
-    fn load_weight(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<WeightShard> {
-        Ok(WeightShard::Dense(
-            self.load_ranges(name, dim, ranges, dtype, device)?,
-        ))
+    /// Loads what `req` asks for of a 2-D weight as the source stores it: quantized blocks
+    /// where the source holds a quantized tensor (a GGUF file), otherwise a dense tensor as
+    /// [`TensorSource::load_ranges`] gives it.
+    fn load_weight(&self, req: &RangeRequest<'_>) -> Result<WeightShard> {
+        Ok(WeightShard::Dense(self.load_ranges(req)?))
     }
 
     /// The number of columns that a split of `name` along `dim` should keep together so that
@@ -162,20 +167,11 @@ impl TensorSource for TensorMapSource {
         }
     }
 
-    fn load_ranges(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
+    fn load_ranges(&self, req: &RangeRequest<'_>) -> Result<Tensor> {
         // Slice before converting, so only the rank's part is converted and copied.
-        match self.tensors.get(name) {
-            Some(t) => slice_ranges(t, name, dim, ranges)?
-                .to_dtype(dtype)?
-                .to_device(device),
-            None => candle_core::bail!("tensor '{name}' is not in the tensor map"),
+        match self.tensors.get(req.name) {
+            Some(t) => req.slice(t)?.to_dtype(req.dtype)?.to_device(req.device),
+            None => candle_core::bail!("tensor '{}' is not in the tensor map", req.name),
         }
     }
 }

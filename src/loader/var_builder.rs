@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Result, Shape, Tensor};
 use super::gguf::GgufSource;
 use super::progress::{LoadProgress, ProgressSource};
 use super::safetensors::SafetensorsSource;
-use super::source::{TensorMapSource, TensorSource, VarBuilderSource, WeightShard};
+use super::source::{RangeRequest, TensorMapSource, TensorSource, VarBuilderSource, WeightShard};
 use crate::comm::ProcessGroup;
 use crate::Partition;
 
@@ -208,8 +208,7 @@ impl ShardedVarBuilder {
     ) -> Result<Tensor> {
         let shape = full_shape.into();
         let full = self.checked_shape(name, &shape)?;
-        self.source
-            .load_ranges(&full, dim, ranges, self.dtype, &self.device)
+        self.source.load_ranges(&self.request(&full, dim, ranges))
     }
 }
 
@@ -225,6 +224,23 @@ impl ShardedVarBuilder {
     ) -> Result<WeightShard> {
         let (shape, range) = self.rank_range(full_shape.into(), name, dim, part)?;
         self.get_weight_ranges(shape, name, dim, &[range])
+    }
+
+    /// The request for `ranges` along `dim` of the tensor `full` (a full name), in the
+    /// builder's dtype and on its device.
+    fn request<'a>(
+        &'a self,
+        full: &'a str,
+        dim: usize,
+        ranges: &'a [Range<usize>],
+    ) -> RangeRequest<'a> {
+        RangeRequest {
+            name: full,
+            dim,
+            ranges,
+            dtype: self.dtype,
+            device: &self.device,
+        }
     }
 
     /// This rank's range of `part`, checked against dim `dim` of `shape`.
@@ -257,7 +273,7 @@ impl ShardedVarBuilder {
         let shape = full_shape.into();
         let full = self.checked_shape(name, &shape)?;
         self.source
-            .load_weight(&full, dim, ranges, self.dtype, &self.device)
+            .load_weight(&self.request(&full, dim, ranges))
             .map_err(|e| {
                 candle_core::Error::msg(format!(
                     "{e} (rank {} of group '{}')",

@@ -330,7 +330,8 @@ struct BertLayer {
 }
 
 /// A tensor-parallel BERT encoder: token ids in, last hidden states `[batch, seq, hidden]`
-/// out, replicated on every rank.
+/// out, replicated on every rank. It loads through
+/// [`FromCheckpoint`](crate::models::FromCheckpoint) (`BertModel::from_dir`).
 #[derive(Debug, Clone)]
 pub struct BertModel {
     embeddings: BertEmbeddings,
@@ -373,24 +374,6 @@ impl BertModel {
             pg,
             device: vb.device().clone(),
         })
-    }
-
-    /// Loads a Hugging Face model directory (`config.json` and `model.safetensors` or an
-    /// index with shards), memory-mapped: each rank reads only its slices.
-    pub fn from_dir(
-        dir: impl AsRef<Path>,
-        dtype: DType,
-        device: &Device,
-        pg: ProcessGroup,
-    ) -> Result<Self> {
-        let dir = dir.as_ref();
-        let cfg_path = dir.join("config.json");
-        if !cfg_path.is_file() {
-            candle_core::bail!("BERT model directory {}: no config.json", dir.display());
-        }
-        let config = BertConfig::from_file(&cfg_path)?;
-        let vb = ShardedVarBuilder::from_safetensors_dir(dir, dtype, device, pg)?;
-        Self::load(&config, vb)
     }
 
     /// The model's configuration.
@@ -539,4 +522,10 @@ pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
         .sqrt()?
         .clamp(1e-12, f64::INFINITY)?;
     x.broadcast_div(&norm)
+}
+
+impl crate::models::checkpoint::FromCheckpoint for BertModel {
+    fn from_config_json(text: &str, origin: &str, vb: ShardedVarBuilder) -> Result<Self> {
+        Self::load(&BertConfig::from_json_str(text, origin)?, vb)
+    }
 }

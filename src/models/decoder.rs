@@ -14,6 +14,10 @@ pub use batch::SeqStep;
 
 use crate::comm::ProcessGroup;
 use crate::loader::{LoadProgress, ShardedVarBuilder};
+use crate::models::checkpoint::FromCheckpoint;
+// `serve::text` asks whether a model path is a GGUF file here.
+#[cfg(feature = "server")]
+pub(crate) use crate::models::checkpoint::is_gguf;
 use crate::nn::{
     load_rms_norm, AttentionConfig, GatedMlp, MoeConfig, ParallelAttention, ParallelLmHead,
     RmsNormSpec, RotaryEmbedding, SparseMoe, VocabParallelEmbedding,
@@ -79,6 +83,35 @@ pub struct DecoderConfig {
 }
 
 impl DecoderConfig {
+    /// A decoder with every layer's settings in `layers` and RmsNorms `norm`, and none of the
+    /// families' hooks: an untied LM head, no embedding multiplier, no soft-capping, no
+    /// sandwich norms, the feed-forward block under `mlp`, no special token ids. Families set
+    /// the rest on top of it.
+    pub fn new(
+        architecture: impl Into<String>,
+        hidden_size: usize,
+        vocab_size: usize,
+        max_position_embeddings: usize,
+        norm: RmsNormSpec,
+        layers: Vec<LayerConfig>,
+    ) -> Self {
+        Self {
+            architecture: architecture.into(),
+            hidden_size,
+            vocab_size,
+            max_position_embeddings,
+            norm,
+            layers,
+            tie_word_embeddings: false,
+            embedding_multiplier: None,
+            final_logit_softcapping: None,
+            sandwich_norms: false,
+            feed_forward_name: "mlp".into(),
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+        }
+    }
+
     /// Reads `path` (a `config.json`) with the family its `architectures` names.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         crate::models::family::config_from_file(path)
@@ -277,8 +310,7 @@ impl CausalLm {
         device: &Device,
         pg: ProcessGroup,
     ) -> Result<Self> {
-        let (config, vb) = open_dir(dir.as_ref(), dtype, device, pg)?;
-        Self::load(&DecoderConfig::from_file(config)?, vb)
+        <Self as FromCheckpoint>::from_dir(dir, dtype, device, pg)
     }
 
     /// Loads a llama.cpp GGUF file: the configuration comes from its metadata (as a Hugging
@@ -286,12 +318,7 @@ impl CausalLm {
     /// quantized blocks of its shards out of the memory-mapped file and keeps them quantized.
     /// Activations are f32.
     pub fn from_gguf(path: impl AsRef<Path>, device: &Device, pg: ProcessGroup) -> Result<Self> {
-        let (config, vb) = open_gguf(path.as_ref(), device, pg)?;
-        let origin = path.as_ref().display().to_string();
-        Self::load(
-            &crate::models::family::config_from_json(&config, &origin)?,
-            vb,
-        )
+        <Self as FromCheckpoint>::from_gguf(path, device, pg)
     }
 
     /// [`CausalLm::from_gguf`] for a `.gguf` file, [`CausalLm::from_dir`] (in `dtype`)
@@ -302,12 +329,7 @@ impl CausalLm {
         device: &Device,
         pg: ProcessGroup,
     ) -> Result<Self> {
-        let path = path.as_ref();
-        if is_gguf(path) {
-            Self::from_gguf(path, device, pg)
-        } else {
-            Self::from_dir(path, dtype, device, pg)
-        }
+        <Self as FromCheckpoint>::from_path(path, dtype, device, pg)
     }
 
     /// [`CausalLm::from_path`], reporting every tensor this rank reads to `progress` (for a
@@ -319,19 +341,7 @@ impl CausalLm {
         pg: ProcessGroup,
         progress: LoadProgress,
     ) -> Result<Self> {
-        let path = path.as_ref();
-        if is_gguf(path) {
-            let (config, vb) = open_gguf(path, device, pg)?;
-            let origin = path.display().to_string();
-            let config = crate::models::family::config_from_json(&config, &origin)?;
-            Self::load(&config, vb.with_progress(progress))
-        } else {
-            let (config, vb) = open_dir(path, dtype, device, pg)?;
-            Self::load(
-                &DecoderConfig::from_file(config)?,
-                vb.with_progress(progress),
-            )
-        }
+        <Self as FromCheckpoint>::from_path_with_progress(path, dtype, device, pg, progress)
     }
 
     /// The hidden states after the final norm, `[batch, seq, hidden]`, running `ids`
@@ -431,46 +441,8 @@ impl CausalLm {
     }
 }
 
-/// A model directory's `config.json` path (an error naming the directory when it is
-/// missing) and a builder over its safetensors.
-pub(crate) fn open_dir(
-    dir: &Path,
-    dtype: DType,
-    device: &Device,
-    pg: ProcessGroup,
-) -> Result<(std::path::PathBuf, ShardedVarBuilder)> {
-    let path = dir.join("config.json");
-    if !path.is_file() {
-        candle_core::bail!(
-            "model directory {}: config.json is missing ({})",
-            dir.display(),
-            path.display()
-        );
+impl FromCheckpoint for CausalLm {
+    fn from_config_json(text: &str, origin: &str, vb: ShardedVarBuilder) -> Result<Self> {
+        Self::load(&crate::models::family::config_from_json(text, origin)?, vb)
     }
-    Ok((
-        path,
-        ShardedVarBuilder::from_safetensors_dir(dir, dtype, device, pg)?,
-    ))
-}
-
-/// Whether `path` names a GGUF file (by its extension).
-pub(crate) fn is_gguf(path: &Path) -> bool {
-    path.extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-}
-
-/// A GGUF file's configuration, written as a Hugging Face `config.json` text from its
-/// metadata, and a builder over its memory-mapped blocks.
-pub(crate) fn open_gguf(
-    path: &Path,
-    device: &Device,
-    pg: ProcessGroup,
-) -> Result<(String, ShardedVarBuilder)> {
-    let source = crate::loader::GgufSource::open(path)?;
-    let config = source
-        .config()
-        .to_hf_config(source.tokenizer())?
-        .to_string();
-    let vb = ShardedVarBuilder::new(std::sync::Arc::new(source), DType::F32, device, pg);
-    Ok((config, vb))
 }

@@ -9,9 +9,74 @@ use candle_core::Result;
 use candle_nn::Activation;
 use serde::Deserialize;
 
-use crate::models::llama_config::{TokenIds, MAX_ROPE_ELEMENTS};
 use crate::models::{gemma, mixtral, phi3, qwen3, DecoderConfig, LlamaConfig};
 use crate::nn::AttentionConfig;
+
+/// Most values one RoPE table may hold (`max_position_embeddings` x `head_dim`): 2^30, so
+/// 4 GiB in f32; Llama 3.1's 131072 positions x 128 need 2^24.
+pub(crate) const MAX_ROPE_ELEMENTS: usize = 1 << 30;
+
+/// `eos_token_id`: one id or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    /// The ids, none when the key is absent.
+    pub(crate) fn to_vec(ids: Option<&Self>) -> Vec<u32> {
+        match ids {
+            None => Vec::new(),
+            Some(Self::One(t)) => vec![*t],
+            Some(Self::Many(v)) => v.clone(),
+        }
+    }
+}
+
+/// The KV heads and the head width of a `config.json` (`num_key_value_heads` defaults to the
+/// query heads, `head_dim` to `hidden_size / num_attention_heads`), checked; the error is
+/// the message, without the file.
+pub(crate) fn heads_and_dim(
+    hidden_size: usize,
+    heads: usize,
+    num_kv_heads: Option<usize>,
+    head_dim: Option<usize>,
+) -> std::result::Result<(usize, usize), String> {
+    let num_kv_heads = num_kv_heads.unwrap_or(heads);
+    if heads == 0 || num_kv_heads == 0 || heads % num_kv_heads != 0 {
+        return Err(format!(
+            "num_attention_heads = {heads} must be a positive multiple of num_key_value_heads = {num_kv_heads}"
+        ));
+    }
+    let head_dim = match head_dim {
+        Some(d) => d,
+        None if hidden_size % heads == 0 => hidden_size / heads,
+        None => {
+            return Err(format!(
+                "hidden_size = {hidden_size} is not a multiple of num_attention_heads = {heads} and there is no head_dim"
+            ))
+        }
+    };
+    Ok((num_kv_heads, head_dim))
+}
+
+/// Bounds the RoPE tables (`max_position_embeddings` x `head_dim` values each, built before
+/// any forward pass), so that a hostile config cannot ask for terabytes.
+pub(crate) fn check_rope_tables(
+    max_position_embeddings: usize,
+    head_dim: usize,
+) -> std::result::Result<(), String> {
+    let rope_elems = max_position_embeddings.checked_mul(head_dim);
+    if max_position_embeddings == 0 || rope_elems.is_none_or(|n| n > MAX_ROPE_ELEMENTS) {
+        return Err(format!(
+            "max_position_embeddings = {max_position_embeddings} with head_dim = {head_dim} is \
+             out of range: the RoPE tables would hold more than {MAX_ROPE_ELEMENTS} values each"
+        ));
+    }
+    Ok(())
+}
 
 /// Every architecture (`config.json` `architectures`) [`crate::models::CausalLm`] loads.
 pub const SUPPORTED_ARCHITECTURES: [&str; 9] = [
@@ -112,23 +177,13 @@ impl Base {
         let raw: Common = serde_json::from_str(text)
             .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))?;
         let err = |m: String| candle_core::Error::msg(format!("{origin}: {m}"));
-        let heads = raw.num_attention_heads;
-        let num_kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        if heads == 0 || num_kv_heads == 0 || heads % num_kv_heads != 0 {
-            return Err(err(format!(
-                "num_attention_heads = {heads} must be a positive multiple of num_key_value_heads = {num_kv_heads}"
-            )));
-        }
-        let head_dim = match raw.head_dim {
-            Some(d) => d,
-            None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
-            None => {
-                return Err(err(format!(
-                    "hidden_size = {} is not a multiple of num_attention_heads = {heads} and there is no head_dim",
-                    raw.hidden_size
-                )))
-            }
-        };
+        let (num_kv_heads, head_dim) = heads_and_dim(
+            raw.hidden_size,
+            raw.num_attention_heads,
+            raw.num_key_value_heads,
+            raw.head_dim,
+        )
+        .map_err(err)?;
         let rope_theta = raw
             .rope_theta
             .ok_or_else(|| err("'rope_theta' is not set (no default is assumed)".into()))?;
@@ -137,24 +192,13 @@ impl Base {
                 "rope_scaling {s} is not supported for {architecture} (only none)"
             )));
         }
-        let rope_elems = raw.max_position_embeddings.checked_mul(head_dim);
-        if raw.max_position_embeddings == 0 || rope_elems.is_none_or(|n| n > MAX_ROPE_ELEMENTS) {
-            return Err(err(format!(
-                "max_position_embeddings = {} with head_dim = {head_dim} is out of range: the \
-                 RoPE tables would hold more than {MAX_ROPE_ELEMENTS} values each",
-                raw.max_position_embeddings
-            )));
-        }
+        check_rope_tables(raw.max_position_embeddings, head_dim).map_err(err)?;
         if raw.sliding_window == Some(0) {
             return Err(err(
                 "sliding_window = 0: a query must see at least itself".into()
             ));
         }
-        let eos_token_ids = match &raw.eos_token_id {
-            None => Vec::new(),
-            Some(TokenIds::One(t)) => vec![*t],
-            Some(TokenIds::Many(v)) => v.clone(),
-        };
+        let eos_token_ids = TokenIds::to_vec(raw.eos_token_id.as_ref());
         Ok(Self {
             raw,
             origin: origin.to_string(),
@@ -195,21 +239,16 @@ impl Base {
     pub fn attention(&self) -> AttentionConfig {
         let bias = self.raw.attention_bias.unwrap_or(false);
         AttentionConfig {
-            hidden_size: self.raw.hidden_size,
-            num_heads: self.raw.num_attention_heads,
-            num_kv_heads: self.num_kv_heads,
-            head_dim: self.head_dim,
             qkv_bias: bias,
             o_bias: bias,
-            rope_theta: self.rope_theta as f32,
-            rope_scaling: None,
-            max_position_embeddings: self.raw.max_position_embeddings,
-            sliding_window: None,
-            qk_norm: None,
-            softmax_scale: None,
-            logit_softcapping: None,
-            fused_qkv: false,
-            rotary_dim: None,
+            ..AttentionConfig::new(
+                self.raw.hidden_size,
+                self.raw.num_attention_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.rope_theta as f32,
+                self.raw.max_position_embeddings,
+            )
         }
     }
 
@@ -222,19 +261,17 @@ impl Base {
         tie_default: bool,
     ) -> DecoderConfig {
         DecoderConfig {
-            architecture: self.architecture.clone(),
-            hidden_size: self.raw.hidden_size,
-            vocab_size: self.raw.vocab_size,
-            max_position_embeddings: self.raw.max_position_embeddings,
-            norm,
-            layers,
             tie_word_embeddings: self.raw.tie_word_embeddings.unwrap_or(tie_default),
-            embedding_multiplier: None,
-            final_logit_softcapping: None,
-            sandwich_norms: false,
-            feed_forward_name: "mlp".into(),
             bos_token_id: self.raw.bos_token_id,
             eos_token_ids: self.eos_token_ids.clone(),
+            ..DecoderConfig::new(
+                self.architecture.clone(),
+                self.raw.hidden_size,
+                self.raw.vocab_size,
+                self.raw.max_position_embeddings,
+                norm,
+                layers,
+            )
         }
     }
 }

@@ -2,17 +2,16 @@
 //! [`CausalLm`] with Llama's settings ([`LlamaConfig::decoder`]), keeping the typed
 //! [`LlamaConfig`] at hand.
 
-use std::path::Path;
-
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
-use crate::models::decoder::{is_gguf, open_dir, open_gguf};
+use crate::models::checkpoint::FromCheckpoint;
 use crate::models::{CausalLm, LlamaConfig};
 use crate::nn::{ParallelAttention, ParallelLmHead};
 
-/// A Llama-family causal LM whose weights are split across the ranks of a group.
+/// A Llama-family causal LM whose weights are split across the ranks of a group. It loads
+/// through [`FromCheckpoint`] (`Llama::from_dir`, `from_gguf`, `from_path`).
 ///
 /// Every rank of the group calls [`Llama::forward`] with the same ids; each gets its slice of
 /// the vocabulary's logits (or, with [`Llama::forward_gathered`], the full logits).
@@ -30,45 +29,6 @@ impl Llama {
             inner: CausalLm::load(&cfg.decoder(), vb)?,
             config: cfg.clone(),
         })
-    }
-
-    /// Loads a Hugging Face model directory (`config.json` and `model.safetensors` or its
-    /// index and shards); each rank reads only its slices.
-    pub fn from_dir(
-        dir: impl AsRef<Path>,
-        dtype: DType,
-        device: &Device,
-        pg: ProcessGroup,
-    ) -> Result<Self> {
-        let (config, vb) = open_dir(dir.as_ref(), dtype, device, pg)?;
-        Self::load(&LlamaConfig::from_file(config)?, vb)
-    }
-
-    /// Loads a llama.cpp GGUF file (configuration from its metadata): each rank copies only
-    /// the quantized blocks of its shards out of the memory-mapped file and keeps them
-    /// quantized; norms are dequantized to f32. Activations are f32.
-    pub fn from_gguf(path: impl AsRef<Path>, device: &Device, pg: ProcessGroup) -> Result<Self> {
-        let path = path.as_ref();
-        let (config, vb) = open_gguf(path, device, pg)?;
-        Self::load(
-            &LlamaConfig::from_json(&config, &path.display().to_string())?,
-            vb,
-        )
-    }
-
-    /// [`Llama::from_gguf`] for a `.gguf` file, [`Llama::from_dir`] (in `dtype`) otherwise.
-    pub fn from_path(
-        path: impl AsRef<Path>,
-        dtype: DType,
-        device: &Device,
-        pg: ProcessGroup,
-    ) -> Result<Self> {
-        let path = path.as_ref();
-        if is_gguf(path) {
-            Self::from_gguf(path, device, pg)
-        } else {
-            Self::from_dir(path, dtype, device, pg)
-        }
     }
 
     /// The hidden state after the final norm at the last position, `[batch, hidden]`,
@@ -115,5 +75,11 @@ impl Llama {
     /// The shared decoder underneath.
     pub fn decoder(&self) -> &CausalLm {
         &self.inner
+    }
+}
+
+impl FromCheckpoint for Llama {
+    fn from_config_json(text: &str, origin: &str, vb: ShardedVarBuilder) -> Result<Self> {
+        Self::load(&LlamaConfig::from_json(text, origin)?, vb)
     }
 }

@@ -7,6 +7,7 @@ use std::path::Path;
 use candle_core::Result;
 use serde::Deserialize;
 
+use crate::models::family::{check_rope_tables, heads_and_dim, TokenIds};
 use crate::models::{DecoderConfig, FeedForward, LayerConfig};
 use crate::nn::{AttentionConfig, Llama3RopeScaling, RmsNormSpec};
 
@@ -14,10 +15,6 @@ use crate::nn::{AttentionConfig, Llama3RopeScaling, RmsNormSpec};
 /// [`crate::models::SUPPORTED_ARCHITECTURES`] lists every family's.
 pub const LLAMA_ARCHITECTURES: [&str; 3] =
     ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
-
-/// Most values one RoPE table may hold (`max_position_embeddings` x `head_dim`): 2^30, so
-/// 4 GiB in f32; Llama 3.1's 131072 positions x 128 need 2^24.
-pub(crate) const MAX_ROPE_ELEMENTS: usize = 1 << 30;
 
 #[derive(Debug, Deserialize)]
 struct RawRope {
@@ -28,13 +25,6 @@ struct RawRope {
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<usize>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub(crate) enum TokenIds {
-    One(u32),
-    Many(Vec<u32>),
 }
 
 #[derive(Debug, Deserialize)]
@@ -150,21 +140,14 @@ impl LlamaConfig {
             return bail("mlp_bias = true is not supported".into());
         }
         let heads = raw.num_attention_heads;
-        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
-            return bail(format!(
-                "num_attention_heads = {heads} must be a positive multiple of num_key_value_heads = {kv_heads}"
-            ));
-        }
-        let head_dim = match raw.head_dim {
-            Some(d) => d,
-            None if raw.hidden_size % heads == 0 => raw.hidden_size / heads,
-            None => {
-                return bail(format!(
-                    "hidden_size = {} is not a multiple of num_attention_heads = {heads} and there is no head_dim",
-                    raw.hidden_size
-                ))
-            }
+        let (kv_heads, head_dim) = match heads_and_dim(
+            raw.hidden_size,
+            heads,
+            raw.num_key_value_heads,
+            raw.head_dim,
+        ) {
+            Ok(v) => v,
+            Err(m) => return bail(m),
         };
         let nested_theta = raw.rope_parameters.as_ref().and_then(|p| p.rope_theta);
         let rope_theta = match (raw.rope_theta, nested_theta) {
@@ -214,15 +197,8 @@ impl LlamaConfig {
                 }
             }
         }
-        // The RoPE tables hold max_position_embeddings x head_dim values each, built before any
-        // forward pass: bound them so that a hostile config cannot ask for terabytes.
-        let rope_elems = raw.max_position_embeddings.checked_mul(head_dim);
-        if raw.max_position_embeddings == 0 || rope_elems.is_none_or(|n| n > MAX_ROPE_ELEMENTS) {
-            return bail(format!(
-                "max_position_embeddings = {} with head_dim = {head_dim} is out of range: the \
-                 RoPE tables would hold more than {MAX_ROPE_ELEMENTS} values each",
-                raw.max_position_embeddings
-            ));
+        if let Err(m) = check_rope_tables(raw.max_position_embeddings, head_dim) {
+            return bail(m);
         }
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let qwen2 = architecture == "Qwen2ForCausalLM";
@@ -258,11 +234,7 @@ impl LlamaConfig {
             qkv_bias: qwen2 || attention_bias,
             o_bias: !qwen2 && attention_bias,
             bos_token_id: raw.bos_token_id,
-            eos_token_ids: match raw.eos_token_id {
-                None => Vec::new(),
-                Some(TokenIds::One(t)) => vec![t],
-                Some(TokenIds::Many(v)) => v,
-            },
+            eos_token_ids: TokenIds::to_vec(raw.eos_token_id.as_ref()),
             sliding_window,
         })
     }
@@ -270,21 +242,18 @@ impl LlamaConfig {
     /// The attention layers' settings.
     pub fn attention(&self) -> AttentionConfig {
         AttentionConfig {
-            hidden_size: self.hidden_size,
-            num_heads: self.num_attention_heads,
-            num_kv_heads: self.num_key_value_heads,
-            head_dim: self.head_dim,
             qkv_bias: self.qkv_bias,
             o_bias: self.o_bias,
-            rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
-            max_position_embeddings: self.max_position_embeddings,
             sliding_window: self.sliding_window,
-            qk_norm: None,
-            softmax_scale: None,
-            logit_softcapping: None,
-            fused_qkv: false,
-            rotary_dim: None,
+            ..AttentionConfig::new(
+                self.hidden_size,
+                self.num_attention_heads,
+                self.num_key_value_heads,
+                self.head_dim,
+                self.rope_theta,
+                self.max_position_embeddings,
+            )
         }
     }
 
@@ -299,19 +268,17 @@ impl LlamaConfig {
             },
         };
         DecoderConfig {
-            architecture: self.architecture.clone(),
-            hidden_size: self.hidden_size,
-            vocab_size: self.vocab_size,
-            max_position_embeddings: self.max_position_embeddings,
-            norm: RmsNormSpec::plain(self.rms_norm_eps),
-            layers: vec![layer; self.num_hidden_layers],
             tie_word_embeddings: self.tie_word_embeddings,
-            embedding_multiplier: None,
-            final_logit_softcapping: None,
-            sandwich_norms: false,
-            feed_forward_name: "mlp".into(),
             bos_token_id: self.bos_token_id,
             eos_token_ids: self.eos_token_ids.clone(),
+            ..DecoderConfig::new(
+                self.architecture.clone(),
+                self.hidden_size,
+                self.vocab_size,
+                self.max_position_embeddings,
+                RmsNormSpec::plain(self.rms_norm_eps),
+                vec![layer; self.num_hidden_layers],
+            )
         }
     }
 }

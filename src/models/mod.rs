@@ -3,6 +3,7 @@
 //! Decoder-only families share one decoder ([`CausalLm`]); a family is a config parser that
 //! sets the decoder's hooks, picked by `config.json` `architectures` ([`family`]).
 pub mod bert;
+pub mod checkpoint;
 pub mod decoder;
 pub mod family;
 pub mod gemma;
@@ -12,6 +13,7 @@ pub mod mixtral;
 pub mod phi3;
 pub mod qwen3;
 
+pub use checkpoint::FromCheckpoint;
 pub use decoder::{CausalLm, DecoderConfig, FeedForward, LayerConfig, SeqStep};
 pub use family::SUPPORTED_ARCHITECTURES;
 pub use llama::Llama;

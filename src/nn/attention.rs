@@ -78,6 +78,37 @@ pub struct AttentionConfig {
     pub rotary_dim: Option<usize>,
 }
 
+impl AttentionConfig {
+    /// Plain (grouped-query) attention: no biases, full unscaled RoPE, no window, scores
+    /// scaled by `1 / sqrt(head_dim)`, separate q/k/v. Families set their hooks on top.
+    pub fn new(
+        hidden_size: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        rope_theta: f32,
+        max_position_embeddings: usize,
+    ) -> Self {
+        Self {
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            qkv_bias: false,
+            o_bias: false,
+            rope_theta,
+            rope_scaling: None,
+            max_position_embeddings,
+            sliding_window: None,
+            qk_norm: None,
+            softmax_scale: None,
+            logit_softcapping: None,
+            fused_qkv: false,
+            rotary_dim: None,
+        }
+    }
+}
+
 /// Which heads one rank holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeadAssignment {

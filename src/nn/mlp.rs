@@ -8,14 +8,38 @@ use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use crate::loader::ShardedVarBuilder;
 use crate::ops::{copy_to_tp, reduce_from_tp};
 
-/// The two-layer MLP `fc2(act(fc1(x)))` (the seeds' d → 4d → d block with GELU, BERT's
-/// feed-forward, GPT-2's MLP).
+/// The two-layer MLP `fc2(act(fc1(x)))` over any two layers: the 1D [`Mlp`], the 2D
+/// [`Mlp2d`](crate::Mlp2d) and the 3D [`Mlp3d`](crate::Mlp3d). Each has its own `new` and
+/// `load` (what makes two layers fit differs); the rest is shared.
 #[derive(Debug, Clone)]
-pub struct Mlp {
-    fc1: ColumnParallelLinear,
-    fc2: RowParallelLinear,
-    act: Activation,
+pub struct TwoLayerMlp<A, B> {
+    pub(crate) fc1: A,
+    pub(crate) fc2: B,
+    pub(crate) act: Activation,
 }
+
+impl<A, B> TwoLayerMlp<A, B> {
+    /// The first layer.
+    pub fn fc1(&self) -> &A {
+        &self.fc1
+    }
+
+    /// The second layer.
+    pub fn fc2(&self) -> &B {
+        &self.fc2
+    }
+}
+
+impl<A: Module, B: Module> Module for TwoLayerMlp<A, B> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc2.forward(&self.act.forward(&self.fc1.forward(x)?)?)
+    }
+}
+
+/// The tensor-parallel two-layer MLP (the seeds' d → 4d → d block with GELU, BERT's
+/// feed-forward, GPT-2's MLP): a column-parallel `fc1` that leaves its output split, a
+/// row-parallel `fc2`.
+pub type Mlp = TwoLayerMlp<ColumnParallelLinear, RowParallelLinear>;
 
 impl Mlp {
     /// From built layers (`fc1` must leave its output split, `fc2` take a split input).
@@ -36,22 +60,6 @@ impl Mlp {
         let fc1 = ColumnParallelLinear::load(d_model, d_ff, true, 1, vb.pp(fc1_name))?;
         let fc2 = RowParallelLinear::load(d_ff, d_model, true, 1, vb.pp(fc2_name))?;
         Ok(Self::new(fc1, fc2, act))
-    }
-
-    /// The first (column-parallel) layer.
-    pub fn fc1(&self) -> &ColumnParallelLinear {
-        &self.fc1
-    }
-
-    /// The second (row-parallel) layer.
-    pub fn fc2(&self) -> &RowParallelLinear {
-        &self.fc2
-    }
-}
-
-impl Module for Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fc2.forward(&self.act.forward(&self.fc1.forward(x)?)?)
     }
 }
 

@@ -8,7 +8,7 @@ pub mod moe;
 pub mod norm;
 pub mod parallel_2d;
 pub mod parallel_3d;
-pub mod parallel_load;
+mod parallel_parts;
 pub mod rotary;
 pub mod weight;
 
@@ -19,7 +19,7 @@ pub use linear::{
     column_linear, column_linear_no_bias, replicated_linear, replicated_linear_no_bias, row_linear,
     row_linear_no_bias, ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
 };
-pub use mlp::{gated_mlp, mlp, GatedMlp, Mlp};
+pub use mlp::{gated_mlp, mlp, GatedMlp, Mlp, TwoLayerMlp};
 pub use moe::{MoeConfig, SparseMoe};
 pub use norm::{load_rms_norm, RmsNormSpec};
 pub use parallel_2d::{LayerNorm2d, Linear2d, Mlp2d};

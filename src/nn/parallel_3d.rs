@@ -36,10 +36,11 @@ use std::ops::Range;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::Activation;
 
-use super::parallel_2d::split_layer_norm;
+use super::mlp::TwoLayerMlp;
+use super::parallel_parts::{part_accessors, LinearParts, NormParts, Placement};
 use crate::comm::{DeviceMesh, ProcessGroup};
 use crate::ops::{copy_to_tp, gather_from_sp, reduce_scatter_to_sp};
-use crate::Partition;
+use crate::{Partition, ShardedVarBuilder};
 
 /// Which axis of the cube splits an activation's features and which splits its rows a second
 /// time (axis 0, `i`, always splits the rows first). See the [module docs](self).
@@ -150,21 +151,9 @@ impl Grid3d {
         })
     }
 
-    /// The part of a full `[n]` vector that this rank stores: block `coord[block_axis]`, part
-    /// `coord[part_axis]` of it.
-    fn slice_vector(
-        &self,
-        layer: &str,
-        v: &Tensor,
-        block_axis: usize,
-        part_axis: usize,
-    ) -> Result<Tensor> {
-        let r = self.vector_range(layer, v.dims1()?, block_axis, part_axis)?;
-        v.narrow(0, r.start, r.len())
-    }
-
-    /// The elements of a full `[n]` vector that this rank stores (see `slice_vector`).
-    pub(crate) fn vector_range(
+    /// The elements of a full `[n]` vector that this rank stores: block `coord[block_axis]`,
+    /// part `coord[part_axis]` of it.
+    fn vector_range(
         &self,
         layer: &str,
         n: usize,
@@ -178,7 +167,7 @@ impl Grid3d {
 
     /// The rows (output features) and columns (input features) of a dense `[out, in]` weight
     /// that make this rank's block for a layer whose input has `input`'s layout.
-    pub(crate) fn weight_ranges(
+    fn weight_ranges(
         &self,
         layer: &str,
         out: usize,
@@ -198,6 +187,35 @@ impl Grid3d {
         let part = self.block_part(layer, n)?;
         let v = copy_to_tp(v, &self.groups[0])?;
         gather_from_sp(&v, &self.groups[part_axis], &part, 0)
+    }
+}
+
+/// A grid and the layout of a layer's input: which parts of its tensors the rank holds (a
+/// bias is split by the layout's rows axis within its features block, a layer norm's scale
+/// and shift the other way round).
+struct Placed<'a> {
+    grid: &'a Grid3d,
+    layout: Layout3d,
+}
+
+impl Placement for Placed<'_> {
+    fn weight_ranges(
+        &self,
+        layer: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<(Range<usize>, Range<usize>)> {
+        self.grid.weight_ranges(layer, out, inp, self.layout)
+    }
+
+    fn bias_range(&self, layer: &str, n: usize) -> Result<Range<usize>> {
+        let l = self.layout;
+        self.grid.vector_range(layer, n, l.rows, l.features)
+    }
+
+    fn norm_range(&self, layer: &str, n: usize) -> Result<Range<usize>> {
+        let l = self.layout;
+        self.grid.vector_range(layer, n, l.features, l.rows)
     }
 }
 
@@ -241,10 +259,7 @@ pub fn gather_3d(x: &Tensor, layout: Layout3d, mesh: &DeviceMesh) -> Result<Tens
 /// (`[batch / q², …, in / q]`), output in `input.swapped()` (`[batch / q², …, out / q]`).
 #[derive(Debug, Clone)]
 pub struct Linear3d {
-    weight: Tensor,
-    bias: Option<Tensor>,
-    in_features: usize,
-    out_features: usize,
+    parts: LinearParts,
     input: Layout3d,
     grid: Grid3d,
 }
@@ -261,20 +276,25 @@ impl Linear3d {
         input: Layout3d,
         mesh: &DeviceMesh,
     ) -> Result<Self> {
+        let parts = LinearParts::new(weight, bias, in_features, out_features);
+        Self::from_parts(parts, input, mesh)
+    }
+
+    fn from_parts(parts: LinearParts, input: Layout3d, mesh: &DeviceMesh) -> Result<Self> {
         let name = "Linear3d";
         input.check(name)?;
         let grid = Grid3d::new(mesh)?;
-        let i = grid.divide(name, "in_features", in_features, grid.q)?;
-        let part = grid.block_part(name, out_features)?;
+        let i = grid.divide(name, "in_features", parts.in_features, grid.q)?;
+        let part = grid.block_part(name, parts.out_features)?;
         let o = part.size(grid.coord[0]);
-        if weight.dims() != [i, o] {
+        if parts.weight.dims() != [i, o] {
             candle_core::bail!(
                 "{name}: rank {:?} has a weight part of shape {:?}, expected [in / q, part of out / q] = [{i}, {o}]",
                 grid.coord,
-                weight.dims()
+                parts.weight.dims()
             );
         }
-        if let Some(b) = &bias {
+        if let Some(b) = &parts.bias {
             let want = part.size(grid.coord[input.features]);
             if b.dims() != [want] {
                 candle_core::bail!(
@@ -284,14 +304,7 @@ impl Linear3d {
                 );
             }
         }
-        Ok(Self {
-            weight,
-            bias,
-            in_features,
-            out_features,
-            input,
-            grid,
-        })
+        Ok(Self { parts, input, grid })
     }
 
     /// A layer from the full dense weight in candle's `[out, in]` layout and bias `[out]`.
@@ -303,18 +316,36 @@ impl Linear3d {
     ) -> Result<Self> {
         let name = "Linear3d";
         input.check(name)?;
-        let g = Grid3d::new(mesh)?;
-        let (out, inp) = weight.dims2()?;
-        let (rows, cols) = g.weight_ranges(name, out, inp, input)?;
-        let w = weight
-            .narrow(0, rows.start, rows.len())?
-            .narrow(1, cols.start, cols.len())?
-            .t()?
-            .contiguous()?;
-        let bias = bias
-            .map(|v| g.slice_vector(name, v, input.rows, input.features))
-            .transpose()?;
-        Self::new(w, bias, inp, out, input, mesh)
+        let grid = Grid3d::new(mesh)?;
+        let place = Placed {
+            grid: &grid,
+            layout: input,
+        };
+        let parts = LinearParts::from_dense(&place, name, weight, bias)?;
+        Self::from_parts(parts, input, mesh)
+    }
+
+    /// Loads this rank's block of `weight` `[out_features, in_features]` and its part of
+    /// `bias` `[out_features]` (if `bias`) from `vb`, for an input in layout `input`: each
+    /// rank reads only the rows of the weight that hold its block (`1 / q²` of the tensor)
+    /// and keeps what [`Linear3d::from_dense`] would have cut.
+    pub fn load(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        input: Layout3d,
+        mesh: &DeviceMesh,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        let layer = format!("Linear3d '{}'", vb.prefix());
+        input.check(&layer)?;
+        let grid = Grid3d::new(mesh)?;
+        let place = Placed {
+            grid: &grid,
+            layout: input,
+        };
+        let parts = LinearParts::load(&place, &layer, &vb, (in_features, out_features), bias)?;
+        Self::from_parts(parts, input, mesh)
     }
 
     /// The layout the input must have.
@@ -327,32 +358,14 @@ impl Linear3d {
         self.input.swapped()
     }
 
-    /// This rank's part of the weight.
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
-    /// This rank's part of the bias.
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.bias.as_ref()
-    }
-
-    /// Input features (full).
-    pub fn in_features(&self) -> usize {
-        self.in_features
-    }
-
-    /// Output features (full).
-    pub fn out_features(&self) -> usize {
-        self.out_features
-    }
+    part_accessors!(linear);
 }
 
 impl Module for Linear3d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let g = &self.grid;
         let q = g.q;
-        let i = self.in_features / q;
+        let i = self.parts.in_features / q;
         if x.rank() < 2 || x.dims()[x.rank() - 1] != i {
             candle_core::bail!(
                 "Linear3d on rank {:?}: the input block has shape {:?}, expected [batch / q², ..., in / q = {i}]",
@@ -360,19 +373,20 @@ impl Module for Linear3d {
                 x.dims()
             );
         }
+        let out_features = self.parts.out_features;
         let (a, b) = (self.input.features, self.input.rows);
         let rows = x.dims()[0];
         let row_part = Partition::new(rows * q, q).map_err(candle_core::Error::wrap)?;
         // X[i, a]: rows block i, features block coord[a].
         let x = gather_from_sp(x, &g.groups[b], &row_part, 0)?;
         // W[a, b]: features block coord[a], outputs block coord[b].
-        let out_part = g.block_part("Linear3d", self.out_features)?;
-        let w = gather_from_sp(&self.weight, &g.groups[0], &out_part, 1)?;
+        let out_part = g.block_part("Linear3d", out_features)?;
+        let w = gather_from_sp(&self.parts.weight, &g.groups[0], &out_part, 1)?;
         let y = x.broadcast_matmul(&w)?;
         let y = reduce_scatter_to_sp(&y, &g.groups[a], &row_part, 0)?;
-        match &self.bias {
+        match &self.parts.bias {
             None => Ok(y),
-            Some(v) => y.broadcast_add(&g.gather_vector("Linear3d", v, self.out_features, a)?),
+            Some(v) => y.broadcast_add(&g.gather_vector("Linear3d", v, out_features, a)?),
         }
     }
 }
@@ -381,9 +395,7 @@ impl Module for Linear3d {
 /// axis group; the output has the input's layout.
 #[derive(Debug, Clone)]
 pub struct LayerNorm3d {
-    weight: Tensor,
-    bias: Option<Tensor>,
-    hidden: usize,
+    parts: NormParts,
     eps: f64,
     layout: Layout3d,
     grid: Grid3d,
@@ -400,25 +412,20 @@ impl LayerNorm3d {
         layout: Layout3d,
         mesh: &DeviceMesh,
     ) -> Result<Self> {
+        let parts = NormParts::new(weight, bias, hidden);
+        Self::from_parts(parts, eps, layout, mesh)
+    }
+
+    fn from_parts(parts: NormParts, eps: f64, layout: Layout3d, mesh: &DeviceMesh) -> Result<Self> {
         let name = "LayerNorm3d";
         layout.check(name)?;
         let grid = Grid3d::new(mesh)?;
-        let want = grid.block_part(name, hidden)?.size(grid.coord[layout.rows]);
-        for (what, t) in [("scale", Some(&weight)), ("shift", bias.as_ref())] {
-            if let Some(t) = t {
-                if t.dims() != [want] {
-                    candle_core::bail!(
-                        "{name}: rank {:?} has a {what} part of shape {:?}, expected [{want}]",
-                        grid.coord,
-                        t.dims()
-                    );
-                }
-            }
-        }
+        let want = grid
+            .block_part(name, parts.hidden)?
+            .size(grid.coord[layout.rows]);
+        parts.check(name, &format!("{:?}", grid.coord), want)?;
         Ok(Self {
-            weight,
-            bias,
-            hidden,
+            parts,
             eps,
             layout,
             grid,
@@ -435,11 +442,33 @@ impl LayerNorm3d {
     ) -> Result<Self> {
         let name = "LayerNorm3d";
         layout.check(name)?;
-        let g = Grid3d::new(mesh)?;
-        let hidden = weight.dims1()?;
-        let s = |v: &Tensor| g.slice_vector(name, v, layout.features, layout.rows);
-        let b = bias.map(s).transpose()?;
-        Self::new(s(weight)?, b, hidden, eps, layout, mesh)
+        let grid = Grid3d::new(mesh)?;
+        let place = Placed {
+            grid: &grid,
+            layout,
+        };
+        let parts = NormParts::from_dense(&place, name, weight, bias)?;
+        Self::from_parts(parts, eps, layout, mesh)
+    }
+
+    /// Loads this rank's parts of `weight` and `bias` `[hidden]` from `vb`, for activations
+    /// in `layout`.
+    pub fn load(
+        hidden: usize,
+        eps: f64,
+        layout: Layout3d,
+        mesh: &DeviceMesh,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        let layer = format!("LayerNorm3d '{}'", vb.prefix());
+        layout.check(&layer)?;
+        let grid = Grid3d::new(mesh)?;
+        let place = Placed {
+            grid: &grid,
+            layout,
+        };
+        let parts = NormParts::load(&place, &layer, &vb, hidden)?;
+        Self::from_parts(parts, eps, layout, mesh)
     }
 
     /// The layout of the input and output.
@@ -447,81 +476,61 @@ impl LayerNorm3d {
         self.layout
     }
 
-    /// This rank's part of the scale.
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
-    /// This rank's part of the shift.
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.bias.as_ref()
-    }
+    part_accessors!(norm);
 }
 
 impl Module for LayerNorm3d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let g = &self.grid;
-        let h = self.hidden / g.q;
-        if x.dims().last() != Some(&h) {
-            candle_core::bail!(
-                "LayerNorm3d on rank {:?}: the input block has shape {:?}, its last dim must be hidden / q = {h}",
-                g.coord,
-                x.dims()
-            );
-        }
-        let name = "LayerNorm3d";
         let (f, r) = (self.layout.features, self.layout.rows);
-        let xn = split_layer_norm(x, &g.groups[f], self.hidden, self.eps)?;
-        let y = xn.broadcast_mul(&g.gather_vector(name, &self.weight, self.hidden, r)?)?;
-        match &self.bias {
-            None => Ok(y),
-            Some(b) => y.broadcast_add(&g.gather_vector(name, b, self.hidden, r)?),
-        }
+        let who = || format!("LayerNorm3d on rank {:?}", g.coord);
+        let gather = |v: &Tensor| g.gather_vector("LayerNorm3d", v, self.parts.hidden, r);
+        self.parts
+            .forward(&who, x, g.q, &g.groups[f], self.eps, gather)
     }
 }
 
 /// The two-layer MLP `fc2(act(fc1(x)))` on a cube: `fc1` takes layout `L`, `fc2` takes
 /// `L.swapped()`, so the output is back in `L`.
-#[derive(Debug, Clone)]
-pub struct Mlp3d {
-    fc1: Linear3d,
-    fc2: Linear3d,
-    act: Activation,
-}
+pub type Mlp3d = TwoLayerMlp<Linear3d, Linear3d>;
 
 impl Mlp3d {
     /// From two layers; `fc2` must take `fc1`'s output layout and features.
     pub fn new(fc1: Linear3d, fc2: Linear3d, act: Activation) -> Result<Self> {
-        if fc1.out_features != fc2.in_features || fc1.output_layout() != fc2.input_layout() {
+        if fc1.out_features() != fc2.in_features() || fc1.output_layout() != fc2.input_layout() {
             candle_core::bail!(
                 "Mlp3d: fc1 gives {} features in layout {:?} but fc2 takes {} in layout {:?}",
-                fc1.out_features,
+                fc1.out_features(),
                 fc1.output_layout(),
-                fc2.in_features,
+                fc2.in_features(),
                 fc2.input_layout()
             );
         }
         Ok(Self { fc1, fc2, act })
     }
 
-    /// The first layer.
-    pub fn fc1(&self) -> &Linear3d {
-        &self.fc1
-    }
-
-    /// The second layer.
-    pub fn fc2(&self) -> &Linear3d {
-        &self.fc2
+    /// Loads `fc1` (`[d_ff, d_model]`, input in layout `input`) and `fc2` (`[d_model, d_ff]`,
+    /// input in `fc1`'s output layout), both with bias, under the names `fc1_name` and
+    /// `fc2_name` of `vb`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        d_model: usize,
+        d_ff: usize,
+        act: Activation,
+        fc1_name: &str,
+        fc2_name: &str,
+        input: Layout3d,
+        mesh: &DeviceMesh,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        let fc1 = Linear3d::load(d_model, d_ff, true, input, mesh, vb.pp(fc1_name))?;
+        let output = fc1.output_layout();
+        let fc2 = Linear3d::load(d_ff, d_model, true, output, mesh, vb.pp(fc2_name))?;
+        Self::new(fc1, fc2, act)
     }
 
     /// The layout of the input and the output.
     pub fn layout(&self) -> Layout3d {
         self.fc1.input_layout()
-    }
-}
-
-impl Module for Mlp3d {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fc2.forward(&self.act.forward(&self.fc1.forward(x)?)?)
     }
 }

@@ -76,6 +76,17 @@ fn prod(d: &[usize]) -> usize {
     d.iter().product()
 }
 
+/// Names a collective in errors: its kind, the group and this rank.
+pub(super) fn who(pg: &ProcessGroup, kind: &Kind) -> String {
+    format!(
+        "{} on group '{}' (rank {} of {})",
+        kind.name(),
+        pg.name(),
+        pg.rank(),
+        pg.size()
+    )
+}
+
 /// Runs `kind` on a contiguous buffer with dims `dims`; returns the output and its dims.
 pub(crate) fn run_kind<T: Element>(
     pg: &ProcessGroup,
@@ -83,15 +94,7 @@ pub(crate) fn run_kind<T: Element>(
     data: &[T],
     dims: &[usize],
 ) -> Result<(Vec<T>, Vec<usize>)> {
-    let who = || {
-        format!(
-            "{} on group '{}' (rank {} of {})",
-            kind.name(),
-            pg.name(),
-            pg.rank(),
-            pg.size()
-        )
-    };
+    let who = || who(pg, kind);
     // Argument errors abort the group (`refuse`): the peers are already waiting in the
     // collective this rank will not start.
     let check_dim = |dim: usize| -> Result<()> {
@@ -113,6 +116,17 @@ pub(crate) fn run_kind<T: Element>(
             )));
         }
         Ok(())
+    };
+    // A split of dim `dim` into per-rank `sizes` that must add up to it: (dim, its size, the
+    // elements before it, the elements after it).
+    let check_shares = |dim: usize, sizes: &[usize]| -> Result<(usize, usize, usize, usize)> {
+        check_dim(dim)?;
+        check_sizes(sizes)?;
+        let total: usize = sizes.iter().sum();
+        if dims[dim] != total {
+            return Err(pg.refuse(format!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim])));
+        }
+        Ok((dim, total, prod(&dims[..dim]), prod(&dims[dim + 1..])))
     };
     match kind {
         Kind::Identity => Ok((data.to_vec(), dims.to_vec())),
@@ -164,14 +178,7 @@ pub(crate) fn run_kind<T: Element>(
             Ok((out, out_dims))
         }
         Kind::Split { dim, sizes } => {
-            check_dim(*dim)?;
-            check_sizes(sizes)?;
-            let dim = *dim;
-            let total: usize = sizes.iter().sum();
-            if dims[dim] != total {
-                return Err(pg.refuse(format!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim])));
-            }
-            let (outer, inner) = (prod(&dims[..dim]), prod(&dims[dim + 1..]));
+            let (dim, total, outer, inner) = check_shares(*dim, sizes)?;
             let start: usize = sizes[..pg.rank()].iter().sum::<usize>() * inner;
             let run = sizes[pg.rank()] * inner;
             let mut out = Vec::with_capacity(outer * run);
@@ -184,14 +191,7 @@ pub(crate) fn run_kind<T: Element>(
             Ok((out, out_dims))
         }
         Kind::ReduceScatter { dim, sizes, op } => {
-            check_dim(*dim)?;
-            check_sizes(sizes)?;
-            let dim = *dim;
-            let total: usize = sizes.iter().sum();
-            if dims[dim] != total {
-                return Err(pg.refuse(format!("{}: tensor has {} along dim {dim} (shape {dims:?}), the shares {sizes:?} add up to {total}", who(), dims[dim])));
-            }
-            let (outer, inner) = (prod(&dims[..dim]), prod(&dims[dim + 1..]));
+            let (dim, total, outer, inner) = check_shares(*dim, sizes)?;
             let counts: Vec<usize> = sizes.iter().map(|s| s * outer * inner).collect();
             let mut out = vec![T::default(); counts[pg.rank()]];
             if outer == 1 {

@@ -12,7 +12,7 @@ use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CustomOp1, Layout, Result, Shape};
 
-use super::collective::{CollectiveOp, Kind};
+use super::collective::{who, CollectiveOp, Kind};
 use crate::comm::ProcessGroup;
 
 /// The geometry of a dim-wise collective: `outer` rows of `total * inner` elements.
@@ -20,16 +20,6 @@ struct Geometry {
     outer: usize,
     inner: usize,
     total: usize,
-}
-
-fn who(pg: &ProcessGroup, kind: &Kind) -> String {
-    format!(
-        "{} on group '{}' (rank {} of {})",
-        kind.name(),
-        pg.name(),
-        pg.rank(),
-        pg.size()
-    )
 }
 
 /// Checks `dim` and `sizes` against `dims`; `along` is the size the tensor must have along

@@ -137,24 +137,7 @@ pub fn gather_from_sp(
     part: &Partition,
     dim: usize,
 ) -> Result<Tensor> {
-    check_partition(x, pg, part, dim, "gather_from_sp", true)?;
-    if pg.size() == 1 {
-        return Ok(x.clone());
-    }
-    let sizes = part.sizes();
-    CollectiveOp::apply(
-        pg,
-        x,
-        Kind::AllGather {
-            dim,
-            sizes: sizes.clone(),
-        },
-        Some(Kind::ReduceScatter {
-            dim,
-            sizes,
-            op: ReduceOp::Sum,
-        }),
-    )
+    sp_mapping(x, pg, part, dim, "gather_from_sp", true)
 }
 
 /// Enters a sequence-parallel region: reduce-scatter along the sequence dimension `dim`
@@ -166,19 +149,37 @@ pub fn reduce_scatter_to_sp(
     part: &Partition,
     dim: usize,
 ) -> Result<Tensor> {
-    check_partition(x, pg, part, dim, "reduce_scatter_to_sp", false)?;
+    sp_mapping(x, pg, part, dim, "reduce_scatter_to_sp", false)
+}
+
+/// The two sequence-parallel mappings along `dim` split as `part`: all-gather forward and
+/// reduce-scatter backward (`gather`), or reduce-scatter forward and all-gather backward.
+fn sp_mapping(
+    x: &Tensor,
+    pg: &ProcessGroup,
+    part: &Partition,
+    dim: usize,
+    name: &str,
+    gather: bool,
+) -> Result<Tensor> {
+    check_partition(x, pg, part, dim, name, gather)?;
     if pg.size() == 1 {
         return Ok(x.clone());
     }
     let sizes = part.sizes();
-    CollectiveOp::apply(
-        pg,
-        x,
-        Kind::ReduceScatter {
-            dim,
-            sizes: sizes.clone(),
-            op: ReduceOp::Sum,
-        },
-        Some(Kind::AllGather { dim, sizes }),
-    )
+    let all_gather = Kind::AllGather {
+        dim,
+        sizes: sizes.clone(),
+    };
+    let reduce_scatter = Kind::ReduceScatter {
+        dim,
+        sizes,
+        op: ReduceOp::Sum,
+    };
+    let (fwd, bwd) = if gather {
+        (all_gather, reduce_scatter)
+    } else {
+        (reduce_scatter, all_gather)
+    };
+    CollectiveOp::apply(pg, x, fwd, Some(bwd))
 }

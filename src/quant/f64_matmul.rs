@@ -5,17 +5,15 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape};
-use candle_tp_kernels::f64_dot::blocks_from_bytes;
-use candle_tp_kernels::f64_matmul::{matmul_f64, F64Weights};
 use candle_tp_kernels::q4_1::Kernel;
 use std::sync::Arc;
 
-/// Whether [`crate::quant::QuantMatMul::forward_f64`] has a kernel for weights of this type.
+use super::types::QuantType;
+
+/// Whether [`crate::quant::QuantMatMul::forward_f64`] has a kernel for weights of this type
+/// ([`QuantType::sums_in_f64`]).
 pub fn has_f64_kernel(dtype: GgmlDType) -> bool {
-    matches!(
-        dtype,
-        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K
-    )
+    QuantType::of(dtype).sums_in_f64()
 }
 
 /// The f64 product as a candle op (CPU, f32 input, f64 or f32 output; inference only).
@@ -54,15 +52,10 @@ impl CustomOp1 for F64MatMul {
         let m = shape.elem_count() / k.max(1);
         let mut dst = vec![0f64; m * self.n];
         let data = self.w.data()?;
-        let w = match dtype {
-            GgmlDType::Q4_0 => F64Weights::Q4_0(blocks_from_bytes(&data)?),
-            GgmlDType::Q4_1 => F64Weights::Q4_1(blocks_from_bytes(&data)?),
-            GgmlDType::Q8_0 => F64Weights::Q8_0(blocks_from_bytes(&data)?),
-            GgmlDType::Q4K => F64Weights::Q4K(blocks_from_bytes(&data)?),
-            GgmlDType::Q6K => F64Weights::Q6K(blocks_from_bytes(&data)?),
-            other => candle_core::bail!("QuantMatMul (f64): no f64 kernel for {other:?} weights"),
+        let Some(matmul) = QuantType::of(dtype).f64_matmul else {
+            candle_core::bail!("QuantMatMul (f64): no f64 kernel for {dtype:?} weights")
         };
-        matmul_f64(self.kernel, (m, k, self.n), x, w, &mut dst)?;
+        matmul(self.kernel, (m, k, self.n), x, &data, &mut dst)?;
         let mut out = shape.dims().to_vec();
         *out.last_mut().expect("rank checked above") = self.n;
         let storage = if self.f32_out {

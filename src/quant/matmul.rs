@@ -1,7 +1,8 @@
 //! `QuantMatMul`: `y = x · Wᵀ` with W a GGUF-quantized [`QTensor`], the crate's kernels where
 //! it has one (Q4_0, Q4_1, Q8_0, Q4_K on CPU) and candle's [`QMatMul`] everywhere else.
 
-use super::f64_matmul::{has_f64_kernel, F64MatMul};
+use super::f64_matmul::F64MatMul;
+use super::types::{CpuProduct, QuantType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
 use candle_tp_kernels::f64_dot::blocks_from_bytes;
@@ -230,46 +231,51 @@ impl QuantMatMul {
                 w.dtype()
             ))
         })?;
-        let f64_op = (w.device().is_cpu() && has_f64_kernel(w.dtype())).then(|| F64MatMul {
+        let cpu = w.device().is_cpu();
+        let qtype = QuantType::of(w.dtype());
+        let f64_op = (cpu && qtype.sums_in_f64()).then(|| F64MatMul {
             w: w.clone(),
             n,
             k,
             kernel,
             f32_out: false,
         });
-        if w.device().is_cpu()
-            && matches!(
-                w.dtype(),
-                GgmlDType::Q4_0 | GgmlDType::Q8_0 | GgmlDType::Q4K
-            )
-        {
-            let block = w.dtype().block_size();
-            if k % block != 0 {
-                candle_core::bail!(
-                    "QuantMatMul: {:?} weight [{n}, {k}]: k is not a multiple of the block size {block}",
-                    w.dtype()
-                )
+        let product = if cpu {
+            qtype.cpu_product
+        } else {
+            CpuProduct::Candle
+        };
+        match product {
+            CpuProduct::Candle => {
+                return Ok(Self {
+                    inner: Inner::Candle(QMatMul::from_arc(w)?),
+                    f64_op,
+                    dims: (n, k),
+                })
             }
-            return Ok(Self {
-                inner: Inner::Sum64(F64MatMul {
-                    w,
-                    n,
-                    k,
-                    kernel,
-                    f32_out: true,
-                }),
-                f64_op,
-                dims: (n, k),
-            });
+            CpuProduct::Sum64 => {
+                let block = qtype.block_size();
+                if k % block != 0 {
+                    candle_core::bail!(
+                        "QuantMatMul: {:?} weight [{n}, {k}]: k is not a multiple of the block size {block}",
+                        w.dtype()
+                    )
+                }
+                return Ok(Self {
+                    inner: Inner::Sum64(F64MatMul {
+                        w,
+                        n,
+                        k,
+                        kernel,
+                        f32_out: true,
+                    }),
+                    f64_op,
+                    dims: (n, k),
+                });
+            }
+            CpuProduct::Block => {}
         }
         let dtype = w.dtype();
-        if !(w.device().is_cpu() && matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q4_0)) {
-            return Ok(Self {
-                inner: Inner::Candle(QMatMul::from_arc(w)?),
-                f64_op,
-                dims: (n, k),
-            });
-        }
         let (block, block_bytes) = match dtype {
             GgmlDType::Q4_1 => (QK4_1, std::mem::size_of::<BlockQ4_1>()),
             _ => (QK4_0, std::mem::size_of::<BlockQ4_0>()),

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Result, Shape, Tensor, Var};
 
 use crate::comm::ProcessGroup;
-use crate::loader::{slice_ranges, TensorSource};
+use crate::loader::{RangeRequest, TensorSource};
 use crate::ShardedVarBuilder;
 
 /// How a tensor is initialised.
@@ -270,14 +270,9 @@ impl TensorSource for TrainInit {
         self.register(name, None, || self.full_tensor(name, dtype, device))
     }
 
-    fn load_ranges(
-        &self,
-        name: &str,
-        dim: usize,
-        ranges: &[Range<usize>],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
+    fn load_ranges(&self, req: &RangeRequest<'_>) -> Result<Tensor> {
+        let (name, dim, ranges, dtype, device) =
+            (req.name, req.dim, req.ranges, req.dtype, req.device);
         let [range] = ranges else {
             candle_core::bail!(
                 "TrainInit: parameter '{name}' asked as {} ranges along dim {dim}; training supports one slice per rank",
@@ -291,7 +286,7 @@ impl TensorSource for TrainInit {
         }
         self.register(name, Some((dim, range.clone())), || {
             let full = self.full_tensor(name, dtype, device)?;
-            slice_ranges(&full, name, dim, ranges)?.contiguous()
+            req.slice(&full)?.contiguous()
         })
     }
 }

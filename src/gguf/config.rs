@@ -1,20 +1,13 @@
-//! Llama GGUF → Hugging Face: the model configuration and the weights.
-//!
-//! Tensor names follow llama.cpp's `convert_hf_to_gguf.py` in reverse (`blk.N.attn_q.weight`
-//! → `model.layers.N.self_attn.q_proj.weight`, ...). llama.cpp's converter permutes the rows
-//! of `q_proj` and `k_proj` (`LlamaModel.permute`) so that its interleaved rotary kernel sees
-//! each (x, y) rotation pair side by side; [`unpermute_rotary`] undoes it so that the
-//! half-split rotary embedding of Hugging Face (and candle-transformers' `llama`) applies.
-use std::collections::{BTreeMap, HashMap};
-use std::io::{Read, Seek};
-use std::path::Path;
+//! The Llama model configuration of a GGUF file (`llama.*` keys and the tensor table), and the
+//! Hugging Face `config.json` / `generation_config.json` it corresponds to.
 
-use candle_core::quantized::gguf_file::{Content, TensorInfo};
-use candle_core::{Device, Error, Result, Tensor};
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file::TensorInfo;
+use candle_core::{Error, Result};
 use serde_json::json;
 
-use super::tokenizer::GgufTokenizer;
-use super::Metadata;
+use super::{GgufTokenizer, Metadata};
 
 /// The Llama model configuration read from GGUF metadata (`llama.*` keys and the tensor
 /// table).
@@ -273,198 +266,15 @@ impl LlamaGgufConfig {
         }
         names
     }
-}
 
-/// The Hugging Face name of the llama.cpp tensor `gguf_name`, `None` when it has no
-/// Llama equivalent.
-pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
-    match gguf_name {
-        "token_embd.weight" => return Some("model.embed_tokens.weight".to_string()),
-        "output_norm.weight" => return Some("model.norm.weight".to_string()),
-        "output.weight" => return Some("lm_head.weight".to_string()),
-        _ => {}
-    }
-    let rest = gguf_name.strip_prefix("blk.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (part, kind) = rest.rsplit_once('.')?;
-    if kind != "weight" && kind != "bias" {
-        return None;
-    }
-    let hf = match part {
-        "attn_norm" if kind == "weight" => "input_layernorm",
-        "ffn_norm" if kind == "weight" => "post_attention_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}.{kind}"))
-}
-
-/// Undoes llama.cpp's rotary row permutation of a q or k projection (weight `[n_head *
-/// head_dim, in]` or bias `[n_head * head_dim]`).
-///
-/// llama.cpp writes `w.reshape(n_head, 2, head_dim / 2, ...).swapaxes(1, 2)`, which puts row
-/// `j * head_dim / 2 + i` of each head at `2 * i + j`; the inverse is
-/// `w.reshape(n_head, head_dim / 2, 2, ...).swapaxes(1, 2)`. Pass the number of query heads for
-/// q and the number of KV heads for k.
-pub fn unpermute_rotary(t: &Tensor, n_head: usize) -> Result<Tensor> {
-    let dims = t.dims();
-    let rows = dims.first().copied().unwrap_or(0);
-    if n_head == 0 || rows == 0 || rows % (2 * n_head) != 0 {
-        candle_core::bail!(
-            "rotary unpermute: {rows} rows cannot be split into {n_head} heads of an even size \
-             (shape {dims:?})"
-        );
-    }
-    let half = rows / n_head / 2;
-    let mut split = vec![n_head, half, 2];
-    split.extend_from_slice(&dims[1..]);
-    t.reshape(split)?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape(dims)
-}
-
-/// Reads every tensor of the GGUF, dequantizes it to f32 and returns it under its Hugging
-/// Face name with the Hugging Face row order. Every tensor must be known and have the shape
-/// the configuration implies; every required tensor must be present. `progress(done, total,
-/// hf_name)` is called after each tensor.
-pub fn convert_weights<R: Read + Seek>(
-    content: &Content,
-    reader: &mut R,
-    cfg: &LlamaGgufConfig,
-    path: &Path,
-    progress: &mut dyn FnMut(usize, usize, &str),
-) -> Result<HashMap<String, Tensor>> {
-    let file = path.display();
-    let by_name: BTreeMap<&String, &TensorInfo> = content.tensor_infos.iter().collect();
-    let total = by_name.len();
-    let mut out = HashMap::with_capacity(by_name.len());
-    for (name, info) in by_name {
-        let hf = hf_tensor_name(name).ok_or_else(|| {
-            Error::Msg(format!(
-                "{file}: tensor {name} (shape {:?}) has no Hugging Face Llama equivalent",
-                info.shape.dims()
-            ))
-        })?;
-        let expected = cfg.expected_shape(&hf).ok_or_else(|| {
-            Error::Msg(format!(
-                "{file}: tensor {name} ({hf}) is not expected in this model"
-            ))
-        })?;
-        if info.shape.dims() != expected.as_slice() {
-            candle_core::bail!(
-                "{file}: tensor {name} ({hf}) has shape {:?}, expected {expected:?} from the \
-                 metadata",
-                info.shape.dims()
-            );
-        }
-        if let Some(layer) = layer_index(&hf) {
-            if layer >= cfg.num_hidden_layers {
-                candle_core::bail!(
-                    "{file}: tensor {name} belongs to layer {layer} but llama.block_count is {}",
-                    cfg.num_hidden_layers
-                );
+    /// Checks that every tensor of [`Self::required_tensors`] is present (`has(hf_name)`);
+    /// the error names `file` and the first one missing.
+    pub fn check_required(&self, file: &str, has: impl Fn(&str) -> bool) -> Result<()> {
+        for req in self.required_tensors() {
+            if !has(&req) {
+                candle_core::bail!("{file}: no tensor maps to the required {req}");
             }
         }
-        let ctx = |e: Error| {
-            Error::Msg(format!(
-                "{file}: tensor {name} ({:?}, shape {:?}): {e}",
-                info.ggml_dtype,
-                info.shape.dims()
-            ))
-        };
-        let qt = content.tensor(reader, name, &Device::Cpu).map_err(ctx)?;
-        let mut t = qt
-            .dequantize(&Device::Cpu)
-            .and_then(|t| t.to_dtype(candle_core::DType::F32))
-            .map_err(ctx)?;
-        if hf.contains(".self_attn.q_proj.") {
-            t = unpermute_rotary(&t, cfg.num_attention_heads).map_err(ctx)?;
-        } else if hf.contains(".self_attn.k_proj.") {
-            t = unpermute_rotary(&t, cfg.num_key_value_heads).map_err(ctx)?;
-        }
-        if out.insert(hf.clone(), t).is_some() {
-            candle_core::bail!("{file}: two tensors map to {hf}");
-        }
-        progress(out.len(), total, &hf);
-    }
-    for req in cfg.required_tensors() {
-        if !out.contains_key(&req) {
-            candle_core::bail!("{file}: no tensor maps to the required {req}");
-        }
-    }
-    Ok(out)
-}
-
-fn layer_index(hf_name: &str) -> Option<usize> {
-    let rest = hf_name.strip_prefix("model.layers.")?;
-    rest.split_once('.')?.0.parse().ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// llama.cpp's `LlamaModel.permute`, written the way `convert_hf_to_gguf.py` does it.
-    fn llama_cpp_permute(w: &Tensor, n_head: usize) -> Result<Tensor> {
-        let dims = w.dims().to_vec();
-        let mut split = vec![n_head, 2, dims[0] / n_head / 2];
-        split.extend_from_slice(&dims[1..]);
-        w.reshape(split)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape(dims)
-    }
-
-    #[test]
-    fn unpermute_inverts_llama_cpp_permute() -> Result<()> {
-        let w = Tensor::arange(0f32, 3.0 * 8.0 * 5.0, &Device::Cpu)?.reshape((24, 5))?;
-        let p = llama_cpp_permute(&w, 3)?;
-        assert_ne!(p.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
-        let back = unpermute_rotary(&p, 3)?;
-        assert_eq!(back.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
-        // Head 0, head_dim 8: gguf row 2i + j holds hf row j * 4 + i.
-        let rows: Vec<f32> = p.get_on_dim(1, 0)?.to_vec1()?;
-        assert_eq!(&rows[..8], &[0., 20., 5., 25., 10., 30., 15., 35.]);
-        let b = Tensor::arange(0f32, 12.0, &Device::Cpu)?;
-        let pb = llama_cpp_permute(&b, 2)?;
-        assert_eq!(
-            unpermute_rotary(&pb, 2)?.to_vec1::<f32>()?,
-            b.to_vec1::<f32>()?
-        );
         Ok(())
-    }
-
-    #[test]
-    fn unpermute_rejects_bad_sizes() {
-        let w = Tensor::zeros((10, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let err = unpermute_rotary(&w, 3).unwrap_err().to_string();
-        assert!(err.contains("10 rows") && err.contains("3 heads"), "{err}");
-    }
-
-    #[test]
-    fn tensor_names() {
-        assert_eq!(
-            hf_tensor_name("blk.12.attn_k.weight").as_deref(),
-            Some("model.layers.12.self_attn.k_proj.weight")
-        );
-        assert_eq!(
-            hf_tensor_name("blk.0.ffn_norm.weight").as_deref(),
-            Some("model.layers.0.post_attention_layernorm.weight")
-        );
-        assert_eq!(
-            hf_tensor_name("output.weight").as_deref(),
-            Some("lm_head.weight")
-        );
-        assert_eq!(hf_tensor_name("blk.0.attn_norm.bias"), None);
-        assert_eq!(hf_tensor_name("rope_freqs.weight"), None);
-        assert_eq!(hf_tensor_name("blk.x.attn_q.weight"), None);
     }
 }

@@ -8,7 +8,21 @@
 //! adds BOS / EOS only when the GGUF says so (`tokenizer.ggml.add_bos_token`,
 //! `add_eos_token`), and the control tokens (`token_type` 3, plus unknown and the named
 //! special ids) as special added tokens, user-defined ones (`token_type` 4) as plain added
-//! tokens. See the module docs of [`crate::convert`] for how `tokenizer.ggml.pre` is treated.
+//! tokens.
+//!
+//! # Digit splitting: Hugging Face ids, not llama.cpp ids
+//!
+//! The SmolLM2 GGUF names the pre-tokenizer `tokenizer.ggml.pre = "smollm"`, for which
+//! llama.cpp first splits every digit on its own (`\p{N}`) before the GPT-2 split. Hugging
+//! Face transformers ignores that key when it builds a tokenizer from a GGUF: its
+//! `tokenizer.json` has the plain GPT-2 `ByteLevel` pre-tokenizer. Digits still come out one by
+//! one in almost every case, because the vocabulary has no multi-digit token; the two differ
+//! only where a run of whitespace comes right before a digit. For `"a  1"` the GPT-2 split is
+//! `"a"`, `" "`, `" 1"` (the last space stays with the digit), so the two spaces cannot merge
+//! into `"ĠĠ"`; llama.cpp splits `"a  "` from `"1"` first and gets `"a"`, `"  "`, `"1"`. This
+//! tokenizer matches Hugging Face (the ids Hugging Face users get, and the reference data the
+//! tests check), so on such inputs its ids differ from llama.cpp's.
+
 use std::collections::{HashMap, HashSet};
 
 use candle_core::{Error, Result};
@@ -22,7 +36,7 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 /// Values of `tokenizer.ggml.pre` whose llama.cpp pre-tokenizer Hugging Face renders as the
-/// plain GPT-2 `ByteLevel` split (for `smollm`, see the digit note in [`crate::convert`]).
+/// plain GPT-2 `ByteLevel` split (for `smollm`, see the digit note in the module docs).
 pub const SUPPORTED_PRE: &[&str] = &["default", "gpt2", "smollm"];
 
 /// The tokenizer data of a GGUF file.

@@ -1,0 +1,154 @@
+//! The SUMMA matrix product on a 2D grid as a Candle op, its backward SUMMAs as the gradient.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType};
+
+use super::Grid2d;
+use crate::comm::{Element, ProcessGroup, ReduceOp};
+
+/// Copies a contiguous CPU buffer into a tensor.
+pub(crate) fn storage_to_tensor(s: &CpuStorage, l: &Layout, op: &str) -> Result<Tensor> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("{op}: the input must be contiguous");
+    };
+    let dev = Device::Cpu;
+    match s {
+        CpuStorage::F32(v) => Tensor::from_slice(&v[a..b], l.dims(), &dev),
+        CpuStorage::F64(v) => Tensor::from_slice(&v[a..b], l.dims(), &dev),
+        CpuStorage::F16(v) => Tensor::from_slice(&v[a..b], l.dims(), &dev),
+        CpuStorage::BF16(v) => Tensor::from_slice(&v[a..b], l.dims(), &dev),
+        other => candle_core::bail!(
+            "{op}: dtype {:?} is not supported (use f32, f64, f16 or bf16)",
+            candle_core::backend::BackendStorage::dtype(other)
+        ),
+    }
+}
+
+/// The storage of a CPU tensor (copied).
+pub(crate) fn tensor_to_storage(t: &Tensor, op: &str) -> Result<(CpuStorage, Shape)> {
+    let flat = t.flatten_all()?;
+    let s = match t.dtype() {
+        DType::F32 => CpuStorage::F32(flat.to_vec1()?),
+        DType::F64 => CpuStorage::F64(flat.to_vec1()?),
+        DType::F16 => CpuStorage::F16(flat.to_vec1()?),
+        DType::BF16 => CpuStorage::BF16(flat.to_vec1()?),
+        d => candle_core::bail!("{op}: dtype {d:?} is not supported (use f32, f64, f16 or bf16)"),
+    };
+    Ok((s, t.shape().clone()))
+}
+
+fn reduce_typed<T: Element + WithDType>(
+    pg: &ProcessGroup,
+    t: &Tensor,
+    root: usize,
+) -> Result<Option<Tensor>> {
+    let src = t.flatten_all()?.to_vec1::<T>()?;
+    let counts: Vec<usize> = (0..pg.size())
+        .map(|r| if r == root { src.len() } else { 0 })
+        .collect();
+    let mut dst = vec![T::default(); counts[pg.rank()]];
+    pg.reduce_scatter_v_slice(&src, &mut dst, &counts, ReduceOp::Sum)?;
+    if pg.rank() == root {
+        Ok(Some(Tensor::from_vec(dst, t.shape(), t.device())?))
+    } else {
+        Ok(None)
+    }
+}
+
+/// Sums `t` over `pg` into rank `root` (`Some` there, `None` elsewhere): MPI's reduce, as a
+/// reduce-scatter in which the root owns every element.
+pub(crate) fn reduce_to(pg: &ProcessGroup, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
+    if pg.size() == 1 {
+        return Ok(Some(t.clone()));
+    }
+    match t.dtype() {
+        DType::F32 => reduce_typed::<f32>(pg, t, root),
+        DType::F64 => reduce_typed::<f64>(pg, t, root),
+        DType::F16 => reduce_typed::<half::f16>(pg, t, root),
+        DType::BF16 => reduce_typed::<half::bf16>(pg, t, root),
+        d => candle_core::bail!(
+            "reduce on group '{}': dtype {d:?} is not supported",
+            pg.name()
+        ),
+    }
+}
+
+/// `Y = X W` on 2D blocks, by SUMMA, with the backward SUMMAs as its gradient.
+pub(super) struct Summa {
+    pub(super) grid: Grid2d,
+}
+
+impl Summa {
+    /// `Y[row, col] = Σ_t X[row, t] W[t, col]`.
+    fn ab(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let g = &self.grid;
+        let mut y: Option<Tensor> = None;
+        for t in 0..g.q {
+            let a = g.row_group.broadcast(x, t)?;
+            let b = g.col_group.broadcast(w, t)?;
+            let p = a.matmul(&b)?;
+            y = Some(match y {
+                None => p,
+                Some(y) => (y + p)?,
+            });
+        }
+        y.ok_or_else(|| candle_core::Error::msg("SUMMA on an empty grid"))
+    }
+
+    /// `dX[row, t] = Σ_col dY[row, col] W[t, col]ᵀ`.
+    fn abt(&self, dy: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let g = &self.grid;
+        let mut dx = None;
+        for t in 0..g.q {
+            let b = g.col_group.broadcast(w, t)?;
+            let p = dy.matmul(&b.t()?)?;
+            if let Some(s) = reduce_to(&g.row_group, &p, t)? {
+                dx = Some(s);
+            }
+        }
+        dx.ok_or_else(|| candle_core::Error::msg("SUMMA dX: this rank received no block"))
+    }
+
+    /// `dW[t, col] = Σ_row X[row, t]ᵀ dY[row, col]`.
+    fn atb(&self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        let g = &self.grid;
+        let mut dw = None;
+        for t in 0..g.q {
+            let a = g.row_group.broadcast(x, t)?;
+            let p = a.t()?.matmul(dy)?;
+            if let Some(s) = reduce_to(&g.col_group, &p, t)? {
+                dw = Some(s);
+            }
+        }
+        dw.ok_or_else(|| candle_core::Error::msg("SUMMA dW: this rank received no block"))
+    }
+}
+
+impl CustomOp2 for Summa {
+    fn name(&self) -> &'static str {
+        "candle-tp-summa-2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = storage_to_tensor(s1, l1, self.name())?;
+        let w = storage_to_tensor(s2, l2, self.name())?;
+        tensor_to_storage(&self.ab(&x, &w)?, self.name())
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let (x, w) = (x.detach(), w.detach());
+        Ok((Some(self.abt(&dy, &w)?), Some(self.atb(&x, &dy)?)))
+    }
+}

@@ -1,0 +1,163 @@
+//! Each ggml weight type described once: how the loader splits it, which product multiplies
+//! it on the CPU, whether it has an f64-summing kernel. [`QuantMatMul`](super::QuantMatMul),
+//! its f64 product and the GGUF loader all read this table, so that supporting a new type
+//! (once its kernels exist in `candle-tp-kernels`) is one entry in [`TYPES`].
+
+use candle_core::quantized::GgmlDType;
+use candle_tp_kernels::f64_matmul::{matmul_f64_bytes, F64MatMulFn};
+use candle_tp_kernels::q4_0::BlockQ4_0;
+use candle_tp_kernels::q4_1::BlockQ4_1;
+use candle_tp_kernels::q4_k::BlockQ4K;
+use candle_tp_kernels::q6_k::BlockQ6K;
+use candle_tp_kernels::q8_0::BlockQ8_0;
+
+/// Which product [`QuantMatMul`](super::QuantMatMul)'s `forward` runs for a weight on the CPU
+/// (on other devices it is always candle's `QMatMul`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuProduct {
+    /// Candle's `QMatMul`.
+    Candle,
+    /// The crate's f32 block kernels, four weight rows per pass: Q4_1 × Q8_1 and Q4_0 × Q8_0
+    /// (any block count per row).
+    Block,
+    /// The crate's f64-summing kernel ([`QuantType::f64_matmul`]), rounded to f32.
+    Sum64,
+}
+
+/// How the crate handles weights of one ggml type.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantType {
+    /// The type.
+    pub dtype: GgmlDType,
+    /// A float type (F32, F16, BF16): the GGUF loader serves it as a dense tensor.
+    pub dense: bool,
+    /// The blocks a row-parallel split keeps together: 1, or 2 where candle's dot product
+    /// needs an even number of blocks per row (Q5_0, Q5_1). See [`QuantType::split_unit`].
+    pub split_blocks: usize,
+    /// The product of `QuantMatMul::forward` on the CPU.
+    pub cpu_product: CpuProduct,
+    /// The f64-summing matmul over the type's blocks (`QuantMatMul::forward_f64`, what
+    /// row-parallel layers use), where the crate has one.
+    pub f64_matmul: Option<F64MatMulFn>,
+}
+
+impl QuantType {
+    /// A type multiplied by candle, split by `split_blocks` blocks.
+    const fn candle(dtype: GgmlDType, split_blocks: usize) -> Self {
+        Self {
+            dtype,
+            dense: false,
+            split_blocks,
+            cpu_product: CpuProduct::Candle,
+            f64_matmul: None,
+        }
+    }
+
+    /// A float type: served dense, multiplied by candle.
+    const fn dense(dtype: GgmlDType) -> Self {
+        Self {
+            dense: true,
+            ..Self::candle(dtype, 1)
+        }
+    }
+
+    /// The entry of `dtype` in [`TYPES`]; a type not listed there is multiplied by candle and
+    /// split by whole blocks.
+    pub fn of(dtype: GgmlDType) -> Self {
+        TYPES
+            .iter()
+            .find(|t| t.dtype == dtype)
+            .copied()
+            .unwrap_or(Self::candle(dtype, 1))
+    }
+
+    /// Whether the crate has an f64-summing kernel for the type.
+    pub fn sums_in_f64(&self) -> bool {
+        self.f64_matmul.is_some()
+    }
+
+    /// Values per block (1 for the float types).
+    pub fn block_size(&self) -> usize {
+        self.dtype.block_size()
+    }
+
+    /// The columns a row-parallel split of the type keeps together (`split_blocks` blocks).
+    pub fn split_unit(&self) -> usize {
+        self.split_blocks * self.block_size()
+    }
+}
+
+/// Every type the crate treats differently from "candle multiplies it, split by blocks".
+pub const TYPES: &[QuantType] = &[
+    QuantType::dense(GgmlDType::F32),
+    QuantType::dense(GgmlDType::F16),
+    QuantType::dense(GgmlDType::BF16),
+    QuantType {
+        cpu_product: CpuProduct::Block,
+        f64_matmul: Some(matmul_f64_bytes::<BlockQ4_0>),
+        ..QuantType::candle(GgmlDType::Q4_0, 1)
+    },
+    QuantType {
+        cpu_product: CpuProduct::Block,
+        f64_matmul: Some(matmul_f64_bytes::<BlockQ4_1>),
+        ..QuantType::candle(GgmlDType::Q4_1, 1)
+    },
+    QuantType::candle(GgmlDType::Q5_0, 2),
+    QuantType::candle(GgmlDType::Q5_1, 2),
+    QuantType {
+        cpu_product: CpuProduct::Sum64,
+        f64_matmul: Some(matmul_f64_bytes::<BlockQ8_0>),
+        ..QuantType::candle(GgmlDType::Q8_0, 1)
+    },
+    QuantType {
+        cpu_product: CpuProduct::Sum64,
+        f64_matmul: Some(matmul_f64_bytes::<BlockQ4K>),
+        ..QuantType::candle(GgmlDType::Q4K, 1)
+    },
+    QuantType {
+        f64_matmul: Some(matmul_f64_bytes::<BlockQ6K>),
+        ..QuantType::candle(GgmlDType::Q6K, 1)
+    },
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_units() {
+        for (dtype, unit) in [
+            (GgmlDType::Q4_0, 32),
+            (GgmlDType::Q4_1, 32),
+            (GgmlDType::Q5_0, 64),
+            (GgmlDType::Q5_1, 64),
+            (GgmlDType::Q8_0, 32),
+            (GgmlDType::Q2K, 256),
+            (GgmlDType::Q6K, 256),
+            (GgmlDType::F16, 1),
+        ] {
+            assert_eq!(QuantType::of(dtype).split_unit(), unit, "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn f64_kernels_and_dense_types() {
+        let f64: Vec<_> = TYPES
+            .iter()
+            .filter(|t| t.sums_in_f64())
+            .map(|t| t.dtype)
+            .collect();
+        assert_eq!(
+            f64,
+            [
+                GgmlDType::Q4_0,
+                GgmlDType::Q4_1,
+                GgmlDType::Q8_0,
+                GgmlDType::Q4K,
+                GgmlDType::Q6K
+            ]
+        );
+        assert!(QuantType::of(GgmlDType::BF16).dense);
+        assert!(!QuantType::of(GgmlDType::Q4_0).dense);
+    }
+}
