@@ -30,6 +30,9 @@
 //! - [`generate`]: sampling from vocabulary-parallel logits without gathering them.
 //! - [`chat_template`]: a checkpoint's chat template, rendered as Hugging Face transformers
 //!   renders it (used by the server and `examples/generate.rs`).
+//! - [`text`]: a checkpoint's tokenizer, chat template and end-of-sequence tokens
+//!   ([`text::ModelText`]) and incremental detokenisation with stop strings
+//!   ([`text::TextStream`]), used by `examples/generate.rs` and the server.
 //! - [`convert`]: GGUF → Hugging Face checkpoint and tokenizer, for the demo models.
 //! - [`pipeline`]: pipeline-parallel schedules (GPipe, 1F1B) as data, and their replay.
 //! - [`Partition`]: uneven splits (9 heads on 2 ranks is 5 + 4).
@@ -55,6 +58,7 @@ pub mod quant;
 pub mod rng;
 #[cfg(feature = "server")]
 pub mod serve;
+pub mod text;
 pub mod train;
 
 pub use comm::{init_from_env, run_threads, DeviceMesh, ProcessGroup, ReduceOp};

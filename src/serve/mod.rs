@@ -1,7 +1,6 @@
 //! An OpenAI-compatible HTTP server over the tensor-parallel ranks, with continuous batching
 //! (cargo feature `server`; the `candle-tp-serve` binary runs it under `tprun`).
 //!
-//! - [`text`]: the checkpoint's tokenizer, chat template and streamed detokenisation.
 //! - [`step`]: the per-step decision rank 0 broadcasts to every rank.
 //! - [`scheduler`]: the replicated loop over a
 //!   [`BatchDecoder`](crate::generate::BatchDecoder) (rank 0 plans, every rank steps).
@@ -18,12 +17,13 @@ pub mod metrics;
 mod options;
 pub mod scheduler;
 pub mod step;
-pub mod text;
 
+pub use crate::text::{ChatMessage, ModelText, TextStream};
 pub use api::{ApiError, GenRequest, Prompt};
-pub use http::{default_model_name, router, AppState, COMPLETIONS_DEFAULT_MAX_TOKENS};
+pub use http::{
+    default_model_name, router, AppState, COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
+};
 pub use scheduler::{
     queue, run_follower, run_leader, Event, Inbox, Queue, Submission, SubmitError,
 };
 pub use step::StepPlan;
-pub use text::{ChatMessage, ModelText, TextStream};

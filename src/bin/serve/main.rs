@@ -68,6 +68,10 @@ struct Args {
     /// /detokenize; /health and /metrics stay open. Default: $CANDLE_TP_API_KEY, else none.
     #[arg(long)]
     api_key: Option<String>,
+    /// The largest request body read, in bytes; a larger one is a 400 naming the limit,
+    /// before any of it is parsed or tokenized.
+    #[arg(long, default_value_t = serve::DEFAULT_MAX_BODY_BYTES)]
+    max_body_bytes: usize,
 }
 
 /// How long a rank other than 0 waits, after SIGTERM or SIGINT, for rank 0's shutdown plan
@@ -197,12 +201,54 @@ fn main() -> Result<()> {
         max_seq_len,
         vocab_size: model.config().vocab_size,
         queue: queue.clone(),
-        api_key: args
-            .api_key
-            .clone()
-            .or_else(|| std::env::var("CANDLE_TP_API_KEY").ok())
-            .filter(|k| !k.is_empty()),
+        api_key: api_key(&args),
+        max_body_bytes: args.max_body_bytes,
     };
+    let q = queue.clone();
+    let http = start_http(&args, serve::router(state), move || q.shutdown())?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "listening": format!("http://{}", http.local), "model": name, "world_size": pg.size(),
+            "max_batch": args.max_batch, "max_seq_len": max_seq_len,
+            "load_s": t0.elapsed().as_secs_f64(),
+        })
+    );
+    let result = serve::run_leader(&mut model, &mut dec, inbox, Duration::from_secs(10));
+    http.stop();
+    if let Err(e) = result {
+        bail!("rank 0: the serving loop failed: {e}");
+    }
+    Ok(())
+}
+
+/// Rank 0's HTTP server, on a thread of its own (one tokio worker; tokenizing runs on tokio's
+/// blocking threads).
+struct Http {
+    local: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Http {
+    /// Stops accepting, and gives the open connections a moment to close (their handlers
+    /// already got their answers or errors).
+    fn stop(self) {
+        let _ = self.stop.send(());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.thread.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Serves `app` on `--host:--port`; on SIGTERM or Ctrl-C (or when the server fails) calls
+/// `shutdown`, which makes the serving loop broadcast the end.
+fn start_http(
+    args: &Args,
+    app: axum::Router,
+    shutdown: impl Fn() + Send + Sync + 'static,
+) -> Result<Http> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -212,51 +258,42 @@ fn main() -> Result<()> {
         .block_on(tokio::net::TcpListener::bind(&addr))
         .with_context(|| format!("listening on {addr}"))?;
     let local: SocketAddr = listener.local_addr()?;
-    let (stop_http, stopped) = tokio::sync::oneshot::channel::<()>();
-    let http = {
-        let queue = queue.clone();
-        std::thread::Builder::new()
-            .name("http".into())
-            .spawn(move || {
-                rt.block_on(async move {
-                    let q = queue.clone();
-                    tokio::spawn(async move {
-                        wait_for_signal().await;
-                        eprintln!("shutting down: ending in-flight requests");
-                        q.shutdown();
-                    });
-                    let app = serve::router(state);
-                    let r = axum::serve(listener, app)
-                        .with_graceful_shutdown(async move {
-                            let _ = stopped.await;
-                        })
-                        .await;
-                    if let Err(e) = r {
-                        eprintln!("http server: {e}");
-                        queue.shutdown();
-                    }
-                })
-            })?
-    };
-    println!(
-        "{}",
-        serde_json::json!({
-            "listening": format!("http://{local}"), "model": name, "world_size": pg.size(),
-            "max_batch": args.max_batch, "max_seq_len": max_seq_len,
-            "load_s": t0.elapsed().as_secs_f64(),
-        })
-    );
-    let result = serve::run_leader(&mut model, &mut dec, inbox, Duration::from_secs(10));
-    let _ = stop_http.send(());
-    // The handlers already got their errors; give the connections a moment to close.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !http.is_finished() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    if let Err(e) = result {
-        bail!("rank 0: the serving loop failed: {e}");
-    }
-    Ok(())
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = Arc::new(shutdown);
+    let thread = std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                let on_signal = shutdown.clone();
+                tokio::spawn(async move {
+                    wait_for_signal().await;
+                    eprintln!("shutting down: ending in-flight requests");
+                    (*on_signal)();
+                });
+                let r = axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stopped.await;
+                    })
+                    .await;
+                if let Err(e) = r {
+                    eprintln!("http server: {e}");
+                    (*shutdown)();
+                }
+            })
+        })?;
+    Ok(Http {
+        local,
+        stop,
+        thread,
+    })
+}
+
+/// `--api-key`, else `$CANDLE_TP_API_KEY`; none when empty.
+fn api_key(args: &Args) -> Option<String> {
+    args.api_key
+        .clone()
+        .or_else(|| std::env::var("CANDLE_TP_API_KEY").ok())
+        .filter(|k| !k.is_empty())
 }
 
 async fn wait_for_signal() {
