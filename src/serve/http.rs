@@ -174,6 +174,10 @@ pub fn router(state: AppState) -> Router {
         .route("/detokenize", post(endpoints::detokenize))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route(
+            "/v1/embeddings",
+            post(crate::serve::embeddings::no_embeddings),
+        )
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

@@ -4,9 +4,12 @@
 //! - [`step`]: the per-step decision rank 0 broadcasts to every rank.
 //! - [`scheduler`]: the replicated loop over a
 //!   [`BatchDecoder`](crate::generate::BatchDecoder) (rank 0 plans, every rank steps).
+//! - [`embeddings`]: `POST /v1/embeddings` over the tensor-parallel BERT encoder (a server
+//!   started on a sentence-embedding checkpoint).
 //! - [`api`], [`fields`] and [`http`]: the OpenAI request fields (each one honoured or
 //!   refused) and errors, and the axum routes (rank 0).
 pub mod api;
+pub mod embeddings;
 pub mod endpoints;
 pub mod fields;
 pub mod http;

@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_tp::generate::BatchDecoder;
+use candle_tp::models::bert::BertModel;
 use candle_tp::models::CausalLm;
-use candle_tp::serve::{self, AppState, ModelText};
+use candle_tp::serve::{self, embeddings, AppState, ModelText};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -32,7 +33,8 @@ use clap::Parser;
 struct Args {
     /// Model directory (config.json, model.safetensors, tokenizer.json,
     /// tokenizer_config.json) or a llama.cpp `.gguf` file. Default:
-    /// $CANDLE_TP_HOME/models/smollm2-135m-instruct.
+    /// $CANDLE_TP_HOME/models/smollm2-135m-instruct. A BERT sentence-embedding checkpoint
+    /// (config.json's model_type "bert", e.g. all-minilm-l6-v2) is served on /v1/embeddings.
     #[arg(long)]
     model: Option<PathBuf>,
     /// The model's name in the API (`model` field, /v1/models). Default: the file or
@@ -171,6 +173,9 @@ fn main() -> Result<()> {
         Some(p) => p.clone(),
         None => candle_tp::models::models_dir()?.join("smollm2-135m-instruct"),
     };
+    if is_bert(&path) {
+        return serve_embeddings(&args, pg, &path, dtype, &device);
+    }
     let t0 = Instant::now();
     let mut model = CausalLm::from_path(&path, dtype, &device, pg.clone()).with_context(|| {
         format!(
@@ -286,6 +291,111 @@ fn start_http(
         stop,
         thread,
     })
+}
+
+/// Whether `path` is a BERT checkpoint directory (config.json's `model_type` "bert", or a
+/// `Bert...` architecture): a sentence-embedding model, served on `/v1/embeddings`.
+fn is_bert(path: &std::path::Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(path.join("config.json")) else {
+        return false;
+    };
+    let Ok(cfg) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return false;
+    };
+    cfg["model_type"] == "bert"
+        || cfg["architectures"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|x| x.as_str().is_some_and(|s| s.starts_with("Bert")))
+        })
+}
+
+/// sentence-transformers' settings of the checkpoint: its `max_seq_length`
+/// (sentence_bert_config.json; else `max_positions`), capped by `max_positions`, and whether
+/// modules.json ends with a `Normalize` module.
+fn sentence_settings(path: &std::path::Path, max_positions: usize) -> (usize, bool) {
+    let read = |name: &str| -> serde_json::Value {
+        std::fs::read_to_string(path.join(name))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default()
+    };
+    let max_len = read("sentence_bert_config.json")["max_seq_length"]
+        .as_u64()
+        .map_or(max_positions, |n| (n as usize).min(max_positions));
+    let normalize = read("modules.json").as_array().is_some_and(|m| {
+        m.iter().any(|x| {
+            x["type"]
+                .as_str()
+                .is_some_and(|t| t.ends_with("models.Normalize"))
+        })
+    });
+    (max_len, normalize)
+}
+
+/// The embedding server: the BERT encoder over the ranks, `POST /v1/embeddings` on rank 0.
+fn serve_embeddings(
+    args: &Args,
+    pg: candle_tp::ProcessGroup,
+    path: &std::path::Path,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> Result<()> {
+    let t0 = Instant::now();
+    let model = BertModel::from_dir(path, dtype, device, pg.clone()).with_context(|| {
+        format!(
+            "loading the BERT model {} on rank {} of {}",
+            path.display(),
+            pg.rank(),
+            pg.size()
+        )
+    })?;
+    let cfg = model.config();
+    let (max_tokens, normalize) = sentence_settings(path, cfg.max_position_embeddings);
+    if pg.rank() != 0 {
+        embeddings::run_embed_follower(&model, normalize)?;
+        return Ok(());
+    }
+    let tok_path = path.join("tokenizer.json");
+    let mut tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow::anyhow!("loading {}: {e}", tok_path.display()))?;
+    // The model pads each batch itself (with the attention mask); an input longer than
+    // max_seq_length is refused, not cut.
+    tokenizer.with_padding(None);
+    tokenizer
+        .with_truncation(None)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", tok_path.display()))?;
+    let name = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| serve::default_model_name(path));
+    let (queue, rx) = embeddings::embed_queue(args.max_queue);
+    let state = embeddings::EmbedState {
+        model_name: name.clone(),
+        tokenizer: Arc::new(tokenizer),
+        max_tokens,
+        vocab_size: cfg.vocab_size,
+        hidden_size: cfg.hidden_size,
+        queue: queue.clone(),
+        api_key: api_key(args),
+        max_body_bytes: args.max_body_bytes,
+    };
+    let q = queue.clone();
+    let http = start_http(args, embeddings::router(state), move || q.shutdown())?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "listening": format!("http://{}", http.local), "model": name, "world_size": pg.size(),
+            "embeddings": true, "max_tokens": max_tokens, "normalize": normalize,
+            "load_s": t0.elapsed().as_secs_f64(),
+        })
+    );
+    let result =
+        embeddings::run_embed_leader(&model, normalize, rx, &queue, Duration::from_secs(10));
+    http.stop();
+    if let Err(e) = result {
+        bail!("rank 0: the serving loop failed: {e}");
+    }
+    Ok(())
 }
 
 /// `--api-key`, else `$CANDLE_TP_API_KEY`; none when empty.
