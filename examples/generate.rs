@@ -25,14 +25,13 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
-use candle_tp::chat_template::{special_token, ChatInput, ChatTemplate, Value};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
 use candle_tp::models::CausalLm;
 use candle_tp::ops::gather_from_tp;
+use candle_tp::text::{ChatMessage, ModelText, TextStream};
 use candle_tp::ProcessGroup;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use tokenizers::Tokenizer;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -104,83 +103,28 @@ fn rss_anon_bytes() -> Result<i64> {
     Ok(kb * 1024)
 }
 
-fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
-}
-
-/// The tokenizer, the `tokenizer_config.json` settings (special tokens, chat template) and a
-/// `chat_template.jinja` to fall back on: from a model directory's files, or built from a
-/// GGUF file's metadata.
-fn load_tokenizer(model: &Path) -> Result<(Tokenizer, serde_json::Value, PathBuf)> {
-    if model
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-    {
-        let src = candle_tp::loader::GgufSource::open(model)?;
-        let json = serde_json::to_vec(&src.tokenizer().tokenizer_json()?)?;
-        let tok = Tokenizer::from_bytes(json)
-            .map_err(|e| anyhow!("{}: building the tokenizer: {e}", model.display()))?;
-        let cfg = src
-            .tokenizer()
-            .tokenizer_config_json(src.config().max_position_embeddings);
-        return Ok((tok, cfg, model.with_extension("jinja")));
-    }
-    let tok_path = model.join("tokenizer.json");
-    let tok = Tokenizer::from_file(&tok_path)
-        .map_err(|e| anyhow!("loading {}: {e}", tok_path.display()))?;
-    let tc = model.join("tokenizer_config.json");
-    let cfg = if tc.is_file() {
-        read_json(&tc)?
+/// Rank 0's text side (tokenizer, chat template: `candle_tp::text`, as the server's), prompt
+/// ids and end-of-sequence ids.
+fn prepare(args: &Args, dir: &Path, model: &CausalLm) -> Result<(ModelText, Vec<u32>, Vec<u32>)> {
+    let text = ModelText::load(dir)?;
+    let ids = if args.chat {
+        let user = ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+            extra: Default::default(),
+        };
+        let rendered = text
+            .render_chat(&[user])
+            .context("--chat needs the checkpoint's chat template")?;
+        text.encode(&rendered, false)?
     } else {
-        serde_json::Value::Null
+        text.encode(&args.prompt, true)?
     };
-    Ok((tok, cfg, model.join("chat_template.jinja")))
-}
-
-/// The checkpoint's chat template applied to one user message, with the generation prompt
-/// (rendered as transformers renders it: `candle_tp::chat_template`, as the server does).
-fn render_chat(
-    cfg: &serde_json::Value,
-    jinja: &Path,
-    model: &Path,
-    prompt: &str,
-) -> Result<String> {
-    let origin = if model.is_dir() {
-        model.join("tokenizer_config.json")
-    } else {
-        model.to_path_buf()
-    };
-    let template = ChatTemplate::from_tokenizer_config(cfg, &origin, jinja)
-        .context("--chat needs the checkpoint's chat template")?;
-    let user = Value::from_serialize(serde_json::json!({"role": "user", "content": prompt}));
-    Ok(template.render(&ChatInput::new(vec![user]))?)
-}
-
-/// Rank 0's prompt ids and end-of-sequence ids.
-fn prepare(args: &Args, dir: &Path, model: &CausalLm) -> Result<(Tokenizer, Vec<u32>, Vec<u32>)> {
-    let (tok, cfg, jinja) = load_tokenizer(dir)?;
-    let (text, add_special) = if args.chat {
-        (render_chat(&cfg, &jinja, dir, &args.prompt)?, false)
-    } else {
-        (args.prompt.clone(), true)
-    };
-    let ids = tok
-        .encode(text.as_str(), add_special)
-        .map_err(|e| anyhow!("tokenizing the prompt: {e}"))?
-        .get_ids()
-        .to_vec();
     if ids.is_empty() {
         bail!("the prompt {:?} has no tokens", args.prompt);
     }
-    let mut eos = model.config().eos_token_ids.clone();
-    if let Some(id) = special_token(&cfg, "eos_token").and_then(|t| tok.token_to_id(&t)) {
-        if !eos.contains(&id) {
-            eos.push(id);
-        }
-    }
-    Ok((tok, ids, eos))
+    let eos = text.eos_ids(&model.config().eos_token_ids);
+    Ok((text, ids, eos))
 }
 
 /// Sends rank 0's `ids` and `eos` to every rank.
@@ -207,26 +151,21 @@ fn write_logits(path: &Path, logits: &Tensor) -> Result<()> {
     std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
-/// Prints the newly decodable part of the generated text.
+/// Prints the generated text as it becomes decodable.
 struct Streamer {
-    tok: Tokenizer,
-    printed: usize,
+    text: ModelText,
+    stream: TextStream,
 }
 
 impl Streamer {
-    fn push(&mut self, ids: &[u32]) -> Result<()> {
-        let text = self
-            .tok
-            .decode(ids, true)
-            .map_err(|e| anyhow!("decoding: {e}"))?;
-        if text.ends_with('\u{FFFD}') {
-            return Ok(()); // an incomplete UTF-8 sequence: wait for the next token
-        }
-        if let Some(new) = text.get(self.printed..) {
-            print!("{new}");
-            std::io::stdout().flush()?;
-            self.printed = text.len();
-        }
+    fn push(&mut self, id: u32) -> Result<()> {
+        print!("{}", self.stream.push(&self.text, id)?);
+        std::io::stdout().flush()?;
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        print!("{}", self.stream.finish(&self.text)?);
         Ok(())
     }
 }
@@ -275,8 +214,9 @@ fn main() -> Result<()> {
     pg.all_gather_slice(&[rss_anon_bytes()?], &mut rss)?;
 
     let (mut streamer, ids, eos) = if pg.rank() == 0 {
-        let (tok, ids, eos) = prepare(&args, &dir, &model)?;
-        (Some(Streamer { tok, printed: 0 }), ids, eos)
+        let (text, ids, eos) = prepare(&args, &dir, &model)?;
+        let stream = TextStream::new(Vec::new());
+        (Some(Streamer { text, stream }), ids, eos)
     } else {
         (None, Vec::new(), Vec::new())
     };
@@ -312,7 +252,7 @@ fn main() -> Result<()> {
         let next = sampler.sample(&logits, model.lm_head())?;
         generated.push(next);
         if let Some(s) = streamer.as_mut() {
-            s.push(&generated)?;
+            s.push(next)?;
         }
         if eos.contains(&next) || generated.len() == args.max_new_tokens || pos + 1 >= max_pos {
             break;
@@ -329,6 +269,9 @@ fn main() -> Result<()> {
         Some(t) if generated.len() > 1 => (generated.len() - 1) as f64 / t.elapsed().as_secs_f64(),
         _ => 0.0,
     };
+    if let Some(s) = streamer.as_mut() {
+        s.finish()?;
+    }
     if pg.rank() == 0 {
         println!();
         let report = serde_json::json!({

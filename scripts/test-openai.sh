@@ -6,7 +6,9 @@
 # fields (tools, response_format: the client's typed BadRequestError naming the field), n and
 # batched prompts (text and token ids), the
 # API key (the client without it gets AuthenticationError), models.retrieve, /tokenize and
-# /detokenize, and /metrics parsed by prometheus_client. Prints what it got; exits non-zero
+# /detokenize, and /metrics parsed by prometheus_client; then a second server on
+# all-MiniLM-L6-v2: embeddings (float and the client's default base64, the same bits), refusals.
+# Prints what it got; exits non-zero
 # on a mismatch.
 #
 #   scripts/test-openai.sh            # 2 ranks, SmolLM2 (MODEL=... for another, e.g. a .gguf),
@@ -168,5 +170,51 @@ print("metrics:", {k: samples[k] for k in ["candle_tp:generation_tokens_total",
                                             "candle_tp:time_to_first_token_seconds_count"]})
 assert samples["candle_tp:generation_tokens_total"] > 0
 assert samples["candle_tp:time_to_first_token_seconds_count"] >= 10
+print("OK")
+PY
+
+echo "==> embeddings: a second server on all-MiniLM-L6-v2 (BERT, tensor-parallel)"
+stop_server
+MODEL="$HOME_DIR/models/all-minilm-l6-v2"
+start_server "$profile" --api-key "$KEY"
+curl -sf "${auth[@]}" "localhost:$port/v1/embeddings" -H 'Content-Type: application/json' \
+  -d '{"input": "The cat sits on the mat."}' | python3 -c 'import json,sys; v=json.load(sys.stdin); print("curl:", len(v["data"][0]["embedding"]), "dimensions,", v["usage"])'
+"$VENV/bin/python" - "$port" "$KEY" <<'PY'
+import array
+import math
+import sys
+import openai
+port, key = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
+model = client.models.list().data[0].id
+texts = ["The cat sits on the mat.", "A dog plays in the garden.",
+         "Tensor parallelism splits every layer's weights across ranks."]
+floats = client.embeddings.create(model=model, input=texts, encoding_format="float")
+# Without encoding_format the client asks for base64 and decodes it (little-endian f32).
+decoded = client.embeddings.create(model=model, input=texts)
+assert [d.index for d in floats.data] == [0, 1, 2], floats.data
+vecs = []
+for f, b in zip(floats.data, decoded.data):
+    assert len(f.embedding) == 384 and all(math.isfinite(x) for x in f.embedding)
+    # The JSON floats rounded to f32 are the base64 floats, bit for bit.
+    assert list(array.array("f", f.embedding)) == list(b.embedding), "base64 differs from float"
+    norm = math.sqrt(sum(x * x for x in f.embedding))
+    assert abs(norm - 1) < 1e-5, norm
+    vecs.append(f.embedding)
+cos = lambda a, b: sum(x * y for x, y in zip(a, b))
+sims = [round(cos(vecs[0], vecs[1]), 4), round(cos(vecs[0], vecs[2]), 4)]
+print("embeddings: 3 x 384, unit norm; cos(cat, dog), cos(cat, tensor):", sims, floats.usage)
+assert sims[0] > sims[1]
+for bad in [dict(dimensions=64), dict(extra_body={"truncate_prompt_tokens": 8})]:
+    try:
+        client.embeddings.create(model=model, input="x", encoding_format="float", **bad)
+        raise SystemExit(f"{bad} was accepted")
+    except openai.BadRequestError as e:
+        print("refused:", bad, e.status_code, e.body["param"])
+try:
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+    raise SystemExit("chat on an embedding model was accepted")
+except openai.BadRequestError as e:
+    print("chat on the embedding model:", e.status_code, e.body["code"])
 print("OK")
 PY

@@ -45,6 +45,9 @@
 //! - [`nn`]: [`ColumnParallelLinear`], [`RowParallelLinear`], [`Mlp`], [`GatedMlp`],
 //!   [`VocabParallelEmbedding`], [`ParallelLmHead`], [`ParallelAttention`], [`SparseMoe`];
 //!   2D and 3D layers ([`Linear2d`], [`Linear3d`], …).
+//! - [`text`]: a checkpoint's tokenizer, chat template and end-of-sequence tokens
+//!   ([`text::ModelText`]) and incremental detokenisation with stop strings
+//!   ([`text::TextStream`]), used by `examples/generate.rs` and the server.
 //! - [`quant`]: quantized CPU kernels ([`quant::QuantMatMul`]: SIMD Q4_1, Q8_0 and Q4_K
 //!   matmuls, f64-summed products for row-parallel layers, candle's `QMatMul` for the other
 //!   types; [`quant::QuantType`] describes each type once).
@@ -80,6 +83,7 @@ pub mod quant;
 pub mod rng;
 #[cfg(feature = "server")]
 pub mod serve;
+pub mod text;
 pub mod train;
 
 pub use comm::{init_from_env, run_threads, DeviceMesh, ProcessGroup, ReduceOp};

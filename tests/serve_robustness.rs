@@ -11,8 +11,12 @@
 //!   `/v1/completions` without `max_tokens` gives 16 tokens;
 //!   completion ids differ for equal seeds;
 //!   an assistant message may have `content: null`.
+//! - Bounds (issue 24 defect 4): a body over `--max-body-bytes` and a stop string over 256
+//!   bytes are 400s naming the limit and the size; a large prompt is tokenized off the async
+//!   threads (the server answers `/health` while it works).
 #![cfg(feature = "server")]
 
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -414,6 +418,91 @@ fn assistant_content_may_be_null(port: u16) {
     assert_eq!(v["error"]["param"], "messages[0].content", "{v}");
 }
 
+/// A body above the limit (2 MiB by default) is refused from its `Content-Length`, before a
+/// byte of it is read: 400 naming the limit and the size. A stop string above 256 bytes: 400
+/// naming both.
+fn bodies_and_stop_strings_are_bounded(port: u16) {
+    let limit = 2 * 1024 * 1024;
+    // The headers alone: the answer must not wait for the body.
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        limit + 1
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let (status, text) = common::serve::parse_response(&raw);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{status} {text}: {e}"));
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "request_too_large", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains(&format!("has {} bytes", limit + 1))
+            && msg.contains(&format!("at most {limit}")),
+        "{msg}"
+    );
+    // Just below the limit: read and parsed (here a 400 for the unknown field, not the size).
+    let pad = "x".repeat(limit - 100);
+    let (status, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "pad": pad}),
+    );
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("pad")));
+    let long = "ab".repeat(129);
+    let (status, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 1, "stop": ["x", long]}),
+    );
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("stop")),
+        "{v}"
+    );
+    assert_eq!(
+        v["error"]["message"], "'stop' string 1 has 258 bytes, at most 256",
+        "{v}"
+    );
+}
+
+/// A prompt of ~1.5 MB takes the tokenizer a while; meanwhile the server (one async worker
+/// thread) still answers `/health` at once: tokenizing runs on tokio's blocking threads.
+fn tokenizing_leaves_the_server_responsive(port: u16) {
+    let words = "tensor parallelism splits the weights of every layer across ranks; ";
+    let prompt = words.repeat(1_500_000 / words.len());
+    let body = json!({"prompt": prompt}).to_string();
+    let t0 = Instant::now();
+    let worker = std::thread::spawn(move || {
+        let (status, text) = http(port, "POST", "/tokenize", &body);
+        (status, text.len(), t0.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let mut took = Vec::new();
+    for _ in 0..3 {
+        let a = Instant::now();
+        let _ = common::serve::health(port);
+        took.push(a.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let health_done = t0.elapsed();
+    let (status, len, tokenized_at) = worker.join().unwrap();
+    assert_eq!(status, 200, "{len} bytes");
+    // The check means something only if the tokenizer was still at work: it took longer than
+    // the three health checks.
+    assert!(
+        tokenized_at > health_done,
+        "tokenizing took {tokenized_at:?}, less than the health checks ({health_done:?}): make the prompt longer"
+    );
+    assert!(
+        took.iter().all(|d| *d < Duration::from_millis(500)),
+        "health checks took {took:?} while the prompt was tokenized"
+    );
+}
+
 /// OpenAI's defaults, on one server (each check runs even when another fails; the test fails
 /// naming every check that did).
 #[test]
@@ -435,6 +524,12 @@ fn openai_defaults() {
         }),
         ("assistant_content_may_be_null", &|| {
             assistant_content_may_be_null(port)
+        }),
+        ("bodies_and_stop_strings_are_bounded", &|| {
+            bodies_and_stop_strings_are_bounded(port)
+        }),
+        ("tokenizing_leaves_the_server_responsive", &|| {
+            tokenizing_leaves_the_server_responsive(port)
         }),
     ];
     let failed = common::serve::failed_checks(checks);

@@ -2,9 +2,12 @@
 //! leaving between steps.
 //!
 //! A [`BatchDecoder`] holds the active sequences (each with its own KV cache, sampler and
-//! position). Each [`BatchDecoder::step`] runs one [`CausalLm::forward_batch`]: one new token
-//! of every decoding sequence and a bounded chunk of the prompts still being read (so a long
-//! prompt never stalls the running streams for more than `prefill_chunk` tokens), then samples
+//! position). Each [`BatchDecoder::step`] runs one new token of every decoding sequence and a
+//! bounded chunk of the prompts still being read (so a long prompt never stalls the running
+//! streams for more than `prefill_chunk` tokens) through [`CausalLm::forward_batch`]: the
+//! decoding sequences together (in passes of at most 16 rows), each prompt chunk in a pass of
+//! its own, so that a sequence's logits do not depend on what else the step runs (batch
+//! invariance, see `BatchDecoder::forward_groups`); then it samples
 //! the next token of every sequence whose prompt is complete (with one
 //! [`sample_batch`] call: the greedy and temperature-only
 //! sequences cross ranks in one all-gather).
@@ -273,37 +276,91 @@ impl BatchDecoder {
         self.seqs.clear();
     }
 
-    /// Runs one batched forward and returns the tokens it generated (none when no sequence is
-    /// active). Finished sequences leave the batch.
-    pub fn step(&mut self, model: &mut CausalLm) -> Result<Vec<TokenEvent>> {
-        // Which tokens each sequence runs: decoding sequences one, prompts a chunk each from
-        // what the step's prefill budget has left (the first prompt always gets some).
+    /// Which tokens each sequence runs this step, in batch order: a decoding sequence its last
+    /// token; a sequence reading its prompt the next chunk of it. A prompt is read in chunks of
+    /// `prefill_chunk` tokens (the last one shorter) whatever else is in the batch, so its
+    /// chunks, hence its KV cache and first token, are those of the prompt alone; a step runs
+    /// the first pending chunk and the others that fit in what is left of `prefill_chunk`
+    /// tokens.
+    fn plan(&self) -> Vec<(usize, Vec<u32>)> {
         let mut budget = self.prefill_chunk;
+        let mut first = true;
         let mut plan: Vec<(usize, Vec<u32>)> = Vec::with_capacity(self.seqs.len());
         for (i, s) in self.seqs.iter().enumerate() {
             if let Some(t) = s.next {
                 plan.push((i, vec![t]));
-            } else if budget > 0 {
-                let n = (s.req.prompt.len() - s.fed).min(budget);
-                budget -= n;
+                continue;
+            }
+            let n = (s.req.prompt.len() - s.fed).min(self.prefill_chunk);
+            if first || n <= budget {
+                first = false;
+                budget = budget.saturating_sub(n);
                 plan.push((i, s.req.prompt[s.fed..s.fed + n].to_vec()));
             }
         }
+        plan
+    }
+
+    /// The logits row of every planned sequence (this rank's vocabulary slice), in plan order.
+    ///
+    /// Batch invariance: the decoding sequences run in passes of at most
+    /// [`SMALL_M_MAX_ROWS`](crate::quant::SMALL_M_MAX_ROWS) rows of their own, and each prompt
+    /// chunk in a pass alone, so a product never mixes a decode row with a prefill chunk's
+    /// rows. With the batch-invariant kernels (`set_batch_invariant_matmul`, or bf16/f16, or
+    /// the crate's quantized kernels) a decoded token's logits are then the same bits whatever
+    /// else the step runs, and a prompt chunk's are those of the chunk alone. The price: the
+    /// weights are read once per pass (one pass per 16 decoding sequences, one per prompt
+    /// chunk) rather than once per step.
+    fn forward_groups(
+        &mut self,
+        model: &mut CausalLm,
+        plan: &[(usize, Vec<u32>)],
+    ) -> Result<Vec<Tensor>> {
+        let mut groups: Vec<Vec<usize>> = Vec::new(); // indices into `plan`
+        let mut decode: Vec<usize> = Vec::new();
+        for (row, (i, _)) in plan.iter().enumerate() {
+            if self.seqs[*i].next.is_some() {
+                decode.push(row);
+            } else {
+                groups.push(vec![row]);
+            }
+        }
+        for rows in decode.chunks(crate::quant::SMALL_M_MAX_ROWS) {
+            groups.push(rows.to_vec());
+        }
+        let mut out: Vec<Option<Tensor>> = vec![None; plan.len()];
+        for rows in groups {
+            let logits = {
+                let mut picked: Vec<Option<&mut Active>> = self.seqs.iter_mut().map(Some).collect();
+                let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(rows.len());
+                for &row in &rows {
+                    let (i, tokens) = &plan[row];
+                    let s = picked[*i].take().expect("each sequence planned once");
+                    steps.push(SeqStep {
+                        tokens,
+                        cache: &mut s.cache,
+                    });
+                }
+                model.forward_batch(&mut steps)?
+            };
+            for (k, &row) in rows.iter().enumerate() {
+                out[row] = Some(logits.i(k)?);
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|t| t.expect("every planned row runs in one group"))
+            .collect())
+    }
+
+    /// Runs the step's forward passes and returns the tokens they generated (none when no
+    /// sequence is active). Finished sequences leave the batch.
+    pub fn step(&mut self, model: &mut CausalLm) -> Result<Vec<TokenEvent>> {
+        let plan = self.plan();
         if plan.is_empty() {
             return Ok(Vec::new());
         }
-        let logits = {
-            let mut picked: Vec<Option<&mut Active>> = self.seqs.iter_mut().map(Some).collect();
-            let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(plan.len());
-            for (i, tokens) in &plan {
-                let s = picked[*i].take().expect("each sequence planned once");
-                steps.push(SeqStep {
-                    tokens,
-                    cache: &mut s.cache,
-                });
-            }
-            model.forward_batch(&mut steps)?
-        };
+        let logits = self.forward_groups(model, &plan)?;
         let limit = self.seq_limit(model);
         let head = model.lm_head();
         let range = head.partition().range(head.pg().rank());
@@ -319,7 +376,7 @@ impl BatchDecoder {
                     continue; // more prompt to read
                 }
             }
-            let mut row_logits = logits.i(row)?;
+            let mut row_logits = logits[row].clone();
             if s.req.options.logprobs.is_some() {
                 raw.push((ready.len(), to_f32(&row_logits)?));
             }

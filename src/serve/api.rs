@@ -13,7 +13,7 @@ use crate::serve::fields::{boolean, check_fields, in_range, integer, kind_of, nu
 use crate::serve::messages::messages;
 use crate::serve::options::{choices, logprobs, penalties, prompts};
 pub use crate::serve::options::{Prompt, MAX_CHOICES, MAX_PROMPTS};
-use crate::serve::text::ChatMessage;
+use crate::text::{ChatMessage, MAX_STOP_BYTES};
 
 /// An error answer: HTTP status and OpenAI's error object.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,6 +152,20 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
             format!("'stop' has {} strings, at most 4", list.len()),
         ));
     }
+    // Bounded: the text held back and scanned per token grows with the longest one.
+    if let Some((i, long)) = list
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+    {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "'stop' string {i} has {} bytes, at most {MAX_STOP_BYTES}",
+                long.len()
+            ),
+        ));
+    }
     Ok(list)
 }
 
@@ -287,6 +301,7 @@ impl GenRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn client_messages_carry_no_backtrace() {
@@ -300,6 +315,23 @@ mod tests {
             client_message(&e),
             "the model step failed: peer rank 1 is gone"
         );
+    }
+
+    /// A stop string longer than [`MAX_STOP_BYTES`] is a 400 naming the limit and its size.
+    #[test]
+    fn stop_strings_are_bounded() {
+        let body = |stop: Value| json!({"prompt": "hi", "stop": stop}).to_string();
+        let ok = "x".repeat(MAX_STOP_BYTES);
+        let r = GenRequest::parse(body(json!(["a", ok])).as_bytes(), false).unwrap();
+        assert_eq!(r.stop.len(), 2);
+        let long = "é".repeat(MAX_STOP_BYTES / 2 + 1);
+        let e = GenRequest::parse(body(json!(["a", long])).as_bytes(), false).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("stop")), "{e:?}");
+        let want = format!(
+            "'stop' string 1 has {} bytes, at most {MAX_STOP_BYTES}",
+            MAX_STOP_BYTES + 2
+        );
+        assert_eq!(e.message, want);
     }
 
     #[test]

@@ -3,27 +3,33 @@
 //! and the API key check (`Authorization: Bearer KEY`) in front of `/v1/*`, `/tokenize` and
 //! `/detokenize`.
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
 use crate::serve::api::{client_message, ApiError};
 use crate::serve::fields::{boolean, kind_of};
-use crate::serve::http::{json_response, unix_now, AppState};
+use crate::serve::http::{json_response, off_the_async_threads, read_body, unix_now, AppState};
 
 /// 401 unless the request carries `Authorization: Bearer <the key>` (when the server has
 /// one). `/health` and `/metrics` stay open, as vLLM's.
 pub async fn require_key(State(s): State<AppState>, req: Request, next: Next) -> Response {
-    let Some(key) = s.api_key.as_deref() else {
-        return next.run(req).await;
-    };
+    match key_refusal(s.api_key.as_deref(), &req) {
+        Some(refused) => refused,
+        None => next.run(req).await,
+    }
+}
+
+/// The 401 for `req` when the server has `key` and the request does not carry it (`/health`
+/// and `/metrics` stay open).
+pub(crate) fn key_refusal(key: Option<&str>, req: &Request) -> Option<Response> {
+    let key = key?;
     let path = req.uri().path();
     if path == "/health" || path == "/metrics" {
-        return next.run(req).await;
+        return None;
     }
     let given = req
         .headers()
@@ -32,18 +38,20 @@ pub async fn require_key(State(s): State<AppState>, req: Request, next: Next) ->
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
     match given {
-        Some(g) if constant_time_eq(g.as_bytes(), key.as_bytes()) => next.run(req).await,
-        _ => ApiError::new(
-            401,
-            "invalid_request_error",
-            Some("invalid_api_key"),
-            if given.is_none() {
-                "missing API key: send 'Authorization: Bearer <key>'"
-            } else {
-                "incorrect API key"
-            },
-        )
-        .into_response(),
+        Some(g) if constant_time_eq(g.as_bytes(), key.as_bytes()) => None,
+        _ => Some(
+            ApiError::new(
+                401,
+                "invalid_request_error",
+                Some("invalid_api_key"),
+                if given.is_none() {
+                    "missing API key: send 'Authorization: Bearer <key>'"
+                } else {
+                    "incorrect API key"
+                },
+            )
+            .into_response(),
+        ),
     }
 }
 
@@ -120,20 +128,8 @@ pub fn model_not_found(s: &AppState, m: &str) -> ApiError {
 }
 
 /// The body as a JSON object whose keys are all in `known`.
-fn object(
-    body: Result<Bytes, BytesRejection>,
-    known: &[&str],
-    s: &AppState,
-) -> Result<Map<String, Value>, ApiError> {
-    let body = body.map_err(|e| {
-        ApiError::new(
-            e.status().as_u16(),
-            "invalid_request_error",
-            None,
-            format!("reading the body: {e}"),
-        )
-    })?;
-    let o = super::api::json_object(&body)?;
+fn object(body: &Bytes, known: &[&str], s: &AppState) -> Result<Map<String, Value>, ApiError> {
+    let o = super::api::json_object(body)?;
     if let Some(k) = o.keys().find(|k| !known.contains(&k.as_str())) {
         return Err(ApiError {
             code: Some("unknown_parameter"),
@@ -161,11 +157,27 @@ fn object(
 /// `{"messages": [...]}` rendered by the chat template (`add_generation_prompt`, default
 /// true); answers `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs` with
 /// `return_token_strs: true`, else null).
-pub async fn tokenize(State(s): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    tokenize_body(&s, body).unwrap_or_else(IntoResponse::into_response)
+pub async fn tokenize(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    blocking(s, headers, body, tokenize_body).await
 }
 
-fn tokenize_body(s: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+/// `work` on the body, off the async threads (tokenizing a large body takes a while).
+async fn blocking(
+    s: AppState,
+    headers: HeaderMap,
+    body: Body,
+    work: fn(&AppState, &Bytes) -> Result<Response, ApiError>,
+) -> Response {
+    let answer = match read_body(s.max_body_bytes, &headers, body).await {
+        Ok(body) => off_the_async_threads(move || work(&s, &body))
+            .await
+            .and_then(|r| r),
+        Err(e) => Err(e),
+    };
+    answer.unwrap_or_else(IntoResponse::into_response)
+}
+
+fn tokenize_body(s: &AppState, body: &Bytes) -> Result<Response, ApiError> {
     let o = object(
         body,
         &[
@@ -231,17 +243,11 @@ fn tokenize_body(s: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Re
 
 /// `POST /detokenize` (vLLM's): `{"tokens": [ids]}` answers `{"prompt": text}` (special tokens
 /// kept, as vLLM's).
-pub async fn detokenize(
-    State(s): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    detokenize_body(&s, body).unwrap_or_else(IntoResponse::into_response)
+pub async fn detokenize(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    blocking(s, headers, body, detokenize_body).await
 }
 
-fn detokenize_body(
-    s: &AppState,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+fn detokenize_body(s: &AppState, body: &Bytes) -> Result<Response, ApiError> {
     let o = object(body, &["model", "tokens"], s)?;
     let bad = |m: String| ApiError::invalid("tokens", m);
     let Some(Value::Array(list)) = o.get("tokens") else {

@@ -9,13 +9,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -25,7 +25,7 @@ use crate::serve::endpoints;
 use crate::serve::job::{self, server_error, Head, Job};
 use crate::serve::logprobs::LogprobsOut;
 use crate::serve::scheduler::{Queue, Submission, SubmitError};
-use crate::serve::text::{ModelText, TextStream};
+use crate::text::{ModelText, TextStream};
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
@@ -44,6 +44,64 @@ pub struct AppState {
     pub queue: Queue,
     /// The key clients must send as `Authorization: Bearer KEY` (`None`: no check).
     pub api_key: Option<String>,
+    /// The largest request body read, in bytes (`--max-body-bytes`); a larger one is a 400
+    /// before any of it is parsed or tokenized.
+    pub max_body_bytes: usize,
+}
+
+/// `--max-body-bytes`'s default: 2 MiB (axum's own default limit).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 2 << 20;
+
+/// The request body, at most `limit` bytes of it: a larger one (by its `Content-Length`, or as
+/// read) is a 400 `request_too_large` naming the limit and the size.
+pub(crate) async fn read_body(
+    limit: usize,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Bytes, ApiError> {
+    let too_large = |size: String| {
+        ApiError::new(
+            400,
+            "invalid_request_error",
+            Some("request_too_large"),
+            format!("the request body has {size} bytes; this server reads at most {limit} (--max-body-bytes)"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > limit as u64) {
+        return Err(too_large(n.to_string()));
+    }
+    let mut stream = body.into_data_stream();
+    let mut out = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| {
+            ApiError::new(
+                400,
+                "invalid_request_error",
+                None,
+                format!("reading the body: {e}"),
+            )
+        })?;
+        if out.len() + chunk.len() > limit {
+            return Err(too_large(format!("more than {limit}")));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(out))
+}
+
+/// Runs `work` (tokenizing, rendering a chat template: milliseconds to seconds for a large
+/// body) on tokio's blocking threads, so that the async workers keep serving other requests
+/// and streams meanwhile.
+pub(crate) async fn off_the_async_threads<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::new(500, "server_error", None, format!("tokenizing: {e}")))
 }
 
 /// `max_tokens` of a `/v1/completions` request that gives none (OpenAI's default; chat
@@ -116,6 +174,10 @@ pub fn router(state: AppState) -> Router {
         .route("/detokenize", post(endpoints::detokenize))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route(
+            "/v1/embeddings",
+            post(crate::serve::embeddings::no_embeddings),
+        )
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
@@ -145,34 +207,25 @@ pub(crate) fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn completions(State(s): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    serve(s, body, false)
+async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    serve(s, headers, body, false)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn chat_completions(
-    State(s): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    serve(s, body, true)
+async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    serve(s, headers, body, true)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn serve(
     s: AppState,
-    body: Result<Bytes, BytesRejection>,
+    headers: HeaderMap,
+    body: Body,
     chat: bool,
 ) -> Result<Response, ApiError> {
-    let body = body.map_err(|e| {
-        ApiError::new(
-            e.status().as_u16(),
-            "invalid_request_error",
-            None,
-            format!("reading the body: {e}"),
-        )
-    })?;
+    let body = read_body(s.max_body_bytes, &headers, body).await?;
     let req = GenRequest::parse(&body, chat)?;
     if let Some((id, _)) = req
         .penalties
@@ -195,26 +248,16 @@ async fn serve(
     }
     let text = s.text.clone();
     let param = if chat { "messages" } else { "prompt" };
-    // Each prompt's ids (chat: the one rendered conversation).
-    let mut prompts: Vec<Vec<u32>> = Vec::new();
-    if let Some(msgs) = &req.messages {
-        let rendered = text
-            .render_chat(msgs)
-            .map_err(|e| ApiError::invalid("messages", client_message(&e)))?;
-        if rendered.is_empty() {
-            return Err(ApiError::invalid("messages", "the prompt is empty"));
-        }
-        prompts.push(text.encode(&rendered, false).map_err(server_error)?);
-    }
-    for p in &req.prompts {
-        prompts.push(match p {
-            Prompt::Text(t) if t.is_empty() => {
-                return Err(ApiError::invalid("prompt", "the prompt is empty"))
-            }
-            Prompt::Text(t) => text.encode(t, true).map_err(server_error)?,
-            Prompt::Ids(ids) => ids.clone(),
-        });
-    }
+    // Each prompt's ids (chat: the one rendered conversation), off the async threads.
+    let (req, prompts) = {
+        let text = text.clone();
+        off_the_async_threads(move || {
+            let prompts = prompt_ids(&text, &req);
+            (req, prompts)
+        })
+        .await?
+    };
+    let prompts = prompts?;
     let batch = prompts.len() > 1;
     let mut limits = Vec::with_capacity(prompts.len());
     for (k, ids) in prompts.iter().enumerate() {
@@ -302,6 +345,30 @@ async fn serve(
         return Ok(job::streamed(head, jobs));
     }
     job::whole(head, jobs).await
+}
+
+/// The token ids of each of `req`'s prompts (chat: the one rendered conversation).
+fn prompt_ids(text: &ModelText, req: &GenRequest) -> Result<Vec<Vec<u32>>, ApiError> {
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    if let Some(msgs) = &req.messages {
+        let rendered = text
+            .render_chat(msgs)
+            .map_err(|e| ApiError::invalid("messages", client_message(&e)))?;
+        if rendered.is_empty() {
+            return Err(ApiError::invalid("messages", "the prompt is empty"));
+        }
+        prompts.push(text.encode(&rendered, false).map_err(server_error)?);
+    }
+    for p in &req.prompts {
+        prompts.push(match p {
+            Prompt::Text(t) if t.is_empty() => {
+                return Err(ApiError::invalid("prompt", "the prompt is empty"))
+            }
+            Prompt::Text(t) => text.encode(t, true).map_err(server_error)?,
+            Prompt::Ids(ids) => ids.clone(),
+        });
+    }
+    Ok(prompts)
 }
 
 /// The 503 of a refused submission.

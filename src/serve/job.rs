@@ -22,7 +22,7 @@ use crate::serve::http::json_response;
 use crate::serve::logprobs::LogprobsOut;
 use crate::serve::metrics::Metrics;
 use crate::serve::scheduler::Event;
-use crate::serve::text::{ModelText, TextStream};
+use crate::text::{ModelText, TextStream};
 
 /// What every chunk and answer of one request carries.
 #[derive(Debug, Clone)]
@@ -132,7 +132,13 @@ impl Job {
                 }
                 if let Some(f) = finish {
                     piece.push_str(&self.stream.finish(&self.text).map_err(server_error)?);
-                    return Ok((piece, Some(finish_name(f))));
+                    // The text held back completed a stop string.
+                    let reason = if self.stream.stopped() {
+                        "stop"
+                    } else {
+                        finish_name(f)
+                    };
+                    return Ok((piece, Some(reason)));
                 }
                 Ok((piece, None))
             }

@@ -12,7 +12,7 @@
 use serde_json::{json, Map, Value};
 
 use crate::generate::TokenLogprobs;
-use crate::serve::text::ModelText;
+use crate::text::ModelText;
 
 /// The log-probabilities of an answer's tokens, formatted as they arrive.
 #[derive(Debug, Clone, Default)]

@@ -5,7 +5,7 @@ use serde_json::{Map, Value};
 
 use crate::serve::api::ApiError;
 use crate::serve::fields::{kind_of, short};
-use crate::serve::text::ChatMessage;
+use crate::text::ChatMessage;
 
 /// A message's `content`: a string or an array of `{"type": "text", "text": ...}` parts; for
 /// an assistant message also null or absent (as OpenAI's: one that only calls tools), read as

@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_tp::generate::BatchDecoder;
-use candle_tp::models::CausalLm;
-use candle_tp::serve::{self, AppState, ModelText};
+use candle_tp::models::bert::BertModel;
+use candle_tp::models::{CausalLm, FromCheckpoint};
+use candle_tp::serve::{self, embeddings, AppState, ModelText};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -32,7 +33,8 @@ use clap::Parser;
 struct Args {
     /// Model directory (config.json, model.safetensors, tokenizer.json,
     /// tokenizer_config.json) or a llama.cpp `.gguf` file. Default:
-    /// $CANDLE_TP_HOME/models/smollm2-135m-instruct.
+    /// $CANDLE_TP_HOME/models/smollm2-135m-instruct. A BERT sentence-embedding checkpoint
+    /// (config.json's model_type "bert", e.g. all-minilm-l6-v2) is served on /v1/embeddings.
     #[arg(long)]
     model: Option<PathBuf>,
     /// The model's name in the API (`model` field, /v1/models). Default: the file or
@@ -68,6 +70,10 @@ struct Args {
     /// /detokenize; /health and /metrics stay open. Default: $CANDLE_TP_API_KEY, else none.
     #[arg(long)]
     api_key: Option<String>,
+    /// The largest request body read, in bytes; a larger one is a 400 naming the limit,
+    /// before any of it is parsed or tokenized.
+    #[arg(long, default_value_t = serve::DEFAULT_MAX_BODY_BYTES)]
+    max_body_bytes: usize,
 }
 
 /// How long a rank other than 0 waits, after SIGTERM or SIGINT, for rank 0's shutdown plan
@@ -167,6 +173,9 @@ fn main() -> Result<()> {
         Some(p) => p.clone(),
         None => candle_tp::models::models_dir()?.join("smollm2-135m-instruct"),
     };
+    if is_bert(&path) {
+        return serve_embeddings(&args, pg, &path, dtype, &device);
+    }
     let t0 = Instant::now();
     let mut model = CausalLm::from_path(&path, dtype, &device, pg.clone()).with_context(|| {
         format!(
@@ -197,12 +206,54 @@ fn main() -> Result<()> {
         max_seq_len,
         vocab_size: model.config().vocab_size,
         queue: queue.clone(),
-        api_key: args
-            .api_key
-            .clone()
-            .or_else(|| std::env::var("CANDLE_TP_API_KEY").ok())
-            .filter(|k| !k.is_empty()),
+        api_key: api_key(&args),
+        max_body_bytes: args.max_body_bytes,
     };
+    let q = queue.clone();
+    let http = start_http(&args, serve::router(state), move || q.shutdown())?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "listening": format!("http://{}", http.local), "model": name, "world_size": pg.size(),
+            "max_batch": args.max_batch, "max_seq_len": max_seq_len,
+            "load_s": t0.elapsed().as_secs_f64(),
+        })
+    );
+    let result = serve::run_leader(&mut model, &mut dec, inbox, Duration::from_secs(10));
+    http.stop();
+    if let Err(e) = result {
+        bail!("rank 0: the serving loop failed: {e}");
+    }
+    Ok(())
+}
+
+/// Rank 0's HTTP server, on a thread of its own (one tokio worker; tokenizing runs on tokio's
+/// blocking threads).
+struct Http {
+    local: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Http {
+    /// Stops accepting, and gives the open connections a moment to close (their handlers
+    /// already got their answers or errors).
+    fn stop(self) {
+        let _ = self.stop.send(());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.thread.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Serves `app` on `--host:--port`; on SIGTERM or Ctrl-C (or when the server fails) calls
+/// `shutdown`, which makes the serving loop broadcast the end.
+fn start_http(
+    args: &Args,
+    app: axum::Router,
+    shutdown: impl Fn() + Send + Sync + 'static,
+) -> Result<Http> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -212,51 +263,147 @@ fn main() -> Result<()> {
         .block_on(tokio::net::TcpListener::bind(&addr))
         .with_context(|| format!("listening on {addr}"))?;
     let local: SocketAddr = listener.local_addr()?;
-    let (stop_http, stopped) = tokio::sync::oneshot::channel::<()>();
-    let http = {
-        let queue = queue.clone();
-        std::thread::Builder::new()
-            .name("http".into())
-            .spawn(move || {
-                rt.block_on(async move {
-                    let q = queue.clone();
-                    tokio::spawn(async move {
-                        wait_for_signal().await;
-                        eprintln!("shutting down: ending in-flight requests");
-                        q.shutdown();
-                    });
-                    let app = serve::router(state);
-                    let r = axum::serve(listener, app)
-                        .with_graceful_shutdown(async move {
-                            let _ = stopped.await;
-                        })
-                        .await;
-                    if let Err(e) = r {
-                        eprintln!("http server: {e}");
-                        queue.shutdown();
-                    }
-                })
-            })?
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = Arc::new(shutdown);
+    let thread = std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                let on_signal = shutdown.clone();
+                tokio::spawn(async move {
+                    wait_for_signal().await;
+                    eprintln!("shutting down: ending in-flight requests");
+                    (*on_signal)();
+                });
+                let r = axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stopped.await;
+                    })
+                    .await;
+                if let Err(e) = r {
+                    eprintln!("http server: {e}");
+                    (*shutdown)();
+                }
+            })
+        })?;
+    Ok(Http {
+        local,
+        stop,
+        thread,
+    })
+}
+
+/// Whether `path` is a BERT checkpoint directory (config.json's `model_type` "bert", or a
+/// `Bert...` architecture): a sentence-embedding model, served on `/v1/embeddings`.
+fn is_bert(path: &std::path::Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(path.join("config.json")) else {
+        return false;
     };
+    let Ok(cfg) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return false;
+    };
+    cfg["model_type"] == "bert"
+        || cfg["architectures"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|x| x.as_str().is_some_and(|s| s.starts_with("Bert")))
+        })
+}
+
+/// sentence-transformers' settings of the checkpoint: its `max_seq_length`
+/// (sentence_bert_config.json; else `max_positions`), capped by `max_positions`, and whether
+/// modules.json ends with a `Normalize` module.
+fn sentence_settings(path: &std::path::Path, max_positions: usize) -> (usize, bool) {
+    let read = |name: &str| -> serde_json::Value {
+        std::fs::read_to_string(path.join(name))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default()
+    };
+    let max_len = read("sentence_bert_config.json")["max_seq_length"]
+        .as_u64()
+        .map_or(max_positions, |n| (n as usize).min(max_positions));
+    let normalize = read("modules.json").as_array().is_some_and(|m| {
+        m.iter().any(|x| {
+            x["type"]
+                .as_str()
+                .is_some_and(|t| t.ends_with("models.Normalize"))
+        })
+    });
+    (max_len, normalize)
+}
+
+/// The embedding server: the BERT encoder over the ranks, `POST /v1/embeddings` on rank 0.
+fn serve_embeddings(
+    args: &Args,
+    pg: candle_tp::ProcessGroup,
+    path: &std::path::Path,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> Result<()> {
+    let t0 = Instant::now();
+    let model = BertModel::from_dir(path, dtype, device, pg.clone()).with_context(|| {
+        format!(
+            "loading the BERT model {} on rank {} of {}",
+            path.display(),
+            pg.rank(),
+            pg.size()
+        )
+    })?;
+    let cfg = model.config();
+    let (max_tokens, normalize) = sentence_settings(path, cfg.max_position_embeddings);
+    if pg.rank() != 0 {
+        embeddings::run_embed_follower(&model, normalize)?;
+        return Ok(());
+    }
+    let tok_path = path.join("tokenizer.json");
+    let mut tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow::anyhow!("loading {}: {e}", tok_path.display()))?;
+    // The model pads each batch itself (with the attention mask); an input longer than
+    // max_seq_length is refused, not cut.
+    tokenizer.with_padding(None);
+    tokenizer
+        .with_truncation(None)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", tok_path.display()))?;
+    let name = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| serve::default_model_name(path));
+    let (queue, rx) = embeddings::embed_queue(args.max_queue);
+    let state = embeddings::EmbedState {
+        model_name: name.clone(),
+        tokenizer: Arc::new(tokenizer),
+        max_tokens,
+        vocab_size: cfg.vocab_size,
+        hidden_size: cfg.hidden_size,
+        queue: queue.clone(),
+        api_key: api_key(args),
+        max_body_bytes: args.max_body_bytes,
+    };
+    let q = queue.clone();
+    let http = start_http(args, embeddings::router(state), move || q.shutdown())?;
     println!(
         "{}",
         serde_json::json!({
-            "listening": format!("http://{local}"), "model": name, "world_size": pg.size(),
-            "max_batch": args.max_batch, "max_seq_len": max_seq_len,
+            "listening": format!("http://{}", http.local), "model": name, "world_size": pg.size(),
+            "embeddings": true, "max_tokens": max_tokens, "normalize": normalize,
             "load_s": t0.elapsed().as_secs_f64(),
         })
     );
-    let result = serve::run_leader(&mut model, &mut dec, inbox, Duration::from_secs(10));
-    let _ = stop_http.send(());
-    // The handlers already got their errors; give the connections a moment to close.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !http.is_finished() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let result =
+        embeddings::run_embed_leader(&model, normalize, rx, &queue, Duration::from_secs(10));
+    http.stop();
     if let Err(e) = result {
         bail!("rank 0: the serving loop failed: {e}");
     }
     Ok(())
+}
+
+/// `--api-key`, else `$CANDLE_TP_API_KEY`; none when empty.
+fn api_key(args: &Args) -> Option<String> {
+    args.api_key
+        .clone()
+        .or_else(|| std::env::var("CANDLE_TP_API_KEY").ok())
+        .filter(|k| !k.is_empty())
 }
 
 async fn wait_for_signal() {

@@ -1,8 +1,13 @@
-//! Text in and out of a checkpoint: its tokenizer (a model directory's `tokenizer.json`, or
-//! built from a GGUF file's metadata), its chat template (`tokenizer_config.json`'s
-//! `chat_template` or a `chat_template.jinja` beside it, compiled once at load and rendered as
-//! transformers renders it: [`crate::chat_template`]) and its end-of-sequence tokens; and
-//! [`TextStream`], which turns generated ids into text pieces as they become decodable.
+//! Text in and out of a checkpoint, for `examples/generate` and the server alike (in every
+//! build: the `server` feature adds only HTTP).
+//!
+//! - [`ModelText`]: its tokenizer (a model directory's `tokenizer.json`, or built from a GGUF
+//!   file's metadata), its chat template (`tokenizer_config.json`'s `chat_template` or a
+//!   `chat_template.jinja` beside it, compiled once at load and rendered as transformers
+//!   renders it: [`crate::chat_template`]) and its end-of-sequence tokens.
+//! - [`TextStream`]: generated ids to text pieces as they become decodable, decoded
+//!   incrementally (each token costs a decode of a few ids, not of the whole text), with stop
+//!   strings.
 
 use std::path::Path;
 
@@ -11,6 +16,9 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 
 use crate::chat_template::{special_token, ChatInput, ChatTemplate};
+
+mod stream;
+pub use stream::{TextStream, MAX_STOP_BYTES};
 
 fn err(what: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::msg(what.to_string())
@@ -157,90 +165,6 @@ impl ModelText {
             ..ChatInput::new(messages)
         };
         self.chat_template()?.render(&input)
-    }
-}
-
-/// Generated ids to text pieces: each [`TextStream::push`] returns the text that became
-/// final, holding back an incomplete UTF-8 character and anything that could still turn
-/// into one of the stop strings; [`TextStream::finish`] returns the rest.
-#[derive(Debug, Clone)]
-pub struct TextStream {
-    ids: Vec<u32>,
-    /// Bytes of the decoded text already returned.
-    sent: usize,
-    stops: Vec<String>,
-    /// Set when a stop string was found: the text ends before it.
-    stopped: bool,
-}
-
-impl TextStream {
-    /// A stream that ends at the first of `stops` (empty strings are ignored).
-    pub fn new(stops: Vec<String>) -> Self {
-        Self {
-            ids: Vec::new(),
-            sent: 0,
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
-            stopped: false,
-        }
-    }
-
-    /// Whether a stop string was found (the caller ends the sequence).
-    pub fn stopped(&self) -> bool {
-        self.stopped
-    }
-
-    /// Tokens pushed.
-    pub fn len(&self) -> usize {
-        self.ids.len()
-    }
-
-    /// Whether no token was pushed.
-    pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
-    }
-
-    /// Adds a generated token and returns the text that became final.
-    pub fn push(&mut self, text: &ModelText, id: u32) -> Result<String> {
-        if self.stopped {
-            return Ok(String::new());
-        }
-        self.ids.push(id);
-        let full = text.decode(&self.ids)?;
-        if let Some(end) = self
-            .stops
-            .iter()
-            .filter_map(|s| full.find(s.as_str()))
-            .min()
-        {
-            self.stopped = true;
-            return Ok(full.get(self.sent..end).unwrap_or_default().to_string());
-        }
-        if full.ends_with('\u{FFFD}') {
-            return Ok(String::new()); // an incomplete UTF-8 sequence: wait for the next token
-        }
-        // Hold back a suffix that is a prefix of a stop string.
-        let mut end = full.len();
-        for s in &self.stops {
-            for (i, _) in s.char_indices().skip(1) {
-                if full.ends_with(&s[..i]) {
-                    end = end.min(full.len() - i);
-                }
-            }
-        }
-        let out = full.get(self.sent..end).unwrap_or_default().to_string();
-        self.sent = self.sent.max(end);
-        Ok(out)
-    }
-
-    /// The text held back, at the end of the sequence.
-    pub fn finish(&mut self, text: &ModelText) -> Result<String> {
-        if self.stopped {
-            return Ok(String::new());
-        }
-        let full = text.decode(&self.ids)?;
-        let out = full.get(self.sent..).unwrap_or_default().to_string();
-        self.sent = full.len();
-        Ok(out)
     }
 }
 

@@ -1,0 +1,719 @@
+//! `POST /v1/embeddings`, served by the tensor-parallel BERT encoder
+//! ([`BertModel::embed`]: mean pooling, L2-normalised when the checkpoint's `modules.json` has
+//! sentence-transformers' `Normalize`), when `--model` is a sentence-embedding checkpoint.
+//!
+//! Rank 0's HTTP side tokenizes the inputs (off the async threads) and queues them; its main
+//! thread takes one request at a time, broadcasts the token ids to every rank through the
+//! process group (a tag, the count, the lengths, the ids), and every rank runs the same
+//! [`BertModel::embed`] calls (batches of at most [`EMBED_BATCH`] inputs); rank 0 answers.
+//! With nothing to do it broadcasts an idle tag every heartbeat, so that the other ranks'
+//! wait stays below the collectives' deadline.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use candle_core::{DType, Result};
+use serde_json::{json, Map, Value};
+use tokenizers::Tokenizer;
+
+use crate::models::bert::BertModel;
+use crate::serve::api::{json_object, ApiError};
+use crate::serve::endpoints::key_refusal;
+use crate::serve::fields::{kind_of, short};
+use crate::serve::http::{json_response, off_the_async_threads, read_body, unix_now};
+use crate::ProcessGroup;
+
+/// Inputs of one request at most (OpenAI's limit).
+pub const MAX_INPUTS: usize = 2048;
+
+/// Inputs per [`BertModel::embed`] call at most (a batch is padded to its longest input).
+pub const EMBED_BATCH: usize = 32;
+
+/// The fields of OpenAI's embeddings request and what the server does with each, in the order
+/// of docs/SERVE.md's embeddings table (a unit test keeps them in agreement).
+pub const EMBEDDING_FIELDS: &[(&str, &str)] = &[
+    ("model", "supported"),
+    ("input", "supported"),
+    ("encoding_format", "supported"),
+    ("dimensions", "refused"),
+    ("user", "accepted, no effect"),
+];
+
+const TAG_IDLE: u32 = 0;
+const TAG_WORK: u32 = 1;
+const TAG_SHUTDOWN: u32 = 2;
+
+/// One request's inputs for rank 0's loop, and where its embeddings go.
+#[derive(Debug)]
+pub struct EmbedJob {
+    /// Token ids of each input.
+    pub inputs: Vec<Vec<u32>>,
+    /// The embeddings `[inputs, hidden]`, or why there are none.
+    pub reply: tokio::sync::oneshot::Sender<std::result::Result<Vec<Vec<f32>>, String>>,
+}
+
+/// What rank 0's loop receives.
+#[derive(Debug)]
+pub enum EmbedMsg {
+    /// A request.
+    Job(EmbedJob),
+    /// The server is going down.
+    Shutdown,
+}
+
+/// The HTTP side's end of rank 0's queue (bounded: a full queue is a 503).
+#[derive(Debug, Clone)]
+pub struct EmbedQueue {
+    tx: SyncSender<EmbedMsg>,
+    shutting_down: Arc<AtomicBool>,
+    capacity: usize,
+}
+
+/// A queue of at most `capacity` waiting requests, and the receiver [`run_embed_leader`] takes.
+pub fn embed_queue(capacity: usize) -> (EmbedQueue, Receiver<EmbedMsg>) {
+    let (tx, rx) = sync_channel(capacity.max(1));
+    let q = EmbedQueue {
+        tx,
+        shutting_down: Arc::new(AtomicBool::new(false)),
+        capacity: capacity.max(1),
+    };
+    (q, rx)
+}
+
+impl EmbedQueue {
+    /// Starts the shutdown: no new request is taken, the loop broadcasts the end.
+    pub fn shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        let _ = self.tx.try_send(EmbedMsg::Shutdown);
+    }
+
+    /// Whether the server is going down.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    fn submit(&self, job: EmbedJob) -> std::result::Result<(), ApiError> {
+        if self.is_shutting_down() {
+            return Err(unavailable("the server is shutting down"));
+        }
+        self.tx.try_send(EmbedMsg::Job(job)).map_err(|e| match e {
+            TrySendError::Full(_) => ApiError::new(
+                503,
+                "server_error",
+                Some("queue_full"),
+                format!(
+                    "the server is busy: {} requests are already waiting (--max-queue); retry later",
+                    self.capacity
+                ),
+            ),
+            TrySendError::Disconnected(_) => unavailable("the server is shutting down"),
+        })
+    }
+}
+
+fn unavailable(msg: &str) -> ApiError {
+    ApiError::new(503, "server_error", Some("unavailable"), msg)
+}
+
+/// Sends rank 0's `tag` and `inputs` to every rank (others pass `None` and get them).
+fn share(pg: &ProcessGroup, send: Option<(u32, &[Vec<u32>])>) -> Result<(u32, Vec<Vec<u32>>)> {
+    let mut head = match send {
+        Some((tag, inputs)) => [tag, inputs.len() as u32],
+        None => [0, 0],
+    };
+    pg.broadcast_slice(&mut head, 0)?;
+    let [tag, n] = head;
+    if n == 0 {
+        return Ok((tag, Vec::new()));
+    }
+    let mut lens: Vec<u32> = match send {
+        Some((_, inputs)) => inputs.iter().map(|s| s.len() as u32).collect(),
+        None => vec![0; n as usize],
+    };
+    pg.broadcast_slice(&mut lens, 0)?;
+    let total = lens.iter().map(|&l| l as usize).sum();
+    let mut flat: Vec<u32> = match send {
+        Some((_, inputs)) => inputs.concat(),
+        None => vec![0; total],
+    };
+    pg.broadcast_slice(&mut flat, 0)?;
+    let mut out = Vec::with_capacity(lens.len());
+    let mut at = 0;
+    for l in lens {
+        out.push(flat[at..at + l as usize].to_vec());
+        at += l as usize;
+    }
+    Ok((tag, out))
+}
+
+/// The embeddings of `inputs` (every rank, the same calls): [`BertModel::embed`] over batches of
+/// at most [`EMBED_BATCH`] inputs, as f32.
+pub fn embed_inputs(
+    model: &BertModel,
+    inputs: &[Vec<u32>],
+    normalize: bool,
+) -> Result<Vec<Vec<f32>>> {
+    let mut out = Vec::with_capacity(inputs.len());
+    for batch in inputs.chunks(EMBED_BATCH) {
+        out.extend(
+            model
+                .embed(batch, normalize)?
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?,
+        );
+    }
+    Ok(out)
+}
+
+/// Rank 0's loop: one request at a time, broadcast to every rank, embedded, answered; an idle
+/// broadcast every `heartbeat`; returns after broadcasting the shutdown. A failed step (a dead
+/// rank) fails the request and every waiting one and returns the error.
+pub fn run_embed_leader(
+    model: &BertModel,
+    normalize: bool,
+    rx: Receiver<EmbedMsg>,
+    queue: &EmbedQueue,
+    heartbeat: Duration,
+) -> Result<()> {
+    let pg = model.pg().clone();
+    loop {
+        let msg = match rx.recv_timeout(heartbeat) {
+            _ if queue.is_shutting_down() => EmbedMsg::Shutdown,
+            Ok(m) => m,
+            Err(RecvTimeoutError::Timeout) => {
+                share(&pg, Some((TAG_IDLE, &[])))?;
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => EmbedMsg::Shutdown,
+        };
+        match msg {
+            EmbedMsg::Shutdown => {
+                queue.shutting_down.store(true, Ordering::SeqCst);
+                let result = share(&pg, Some((TAG_SHUTDOWN, &[])));
+                fail_waiting(&rx, "the server is shutting down");
+                return result.map(|_| ());
+            }
+            EmbedMsg::Job(job) => {
+                let result = share(&pg, Some((TAG_WORK, &job.inputs)))
+                    .and_then(|_| embed_inputs(model, &job.inputs, normalize));
+                match result {
+                    Ok(v) => {
+                        let _ = job.reply.send(Ok(v));
+                    }
+                    Err(e) => {
+                        queue.shutting_down.store(true, Ordering::SeqCst);
+                        let why = format!(
+                            "the model step failed: {}",
+                            crate::serve::api::client_message(&e)
+                        );
+                        let _ = job.reply.send(Err(why.clone()));
+                        fail_waiting(&rx, &why);
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn fail_waiting(rx: &Receiver<EmbedMsg>, why: &str) {
+    while let Ok(m) = rx.try_recv() {
+        if let EmbedMsg::Job(job) = m {
+            let _ = job.reply.send(Err(why.to_string()));
+        }
+    }
+}
+
+/// The loop of every rank but 0: rank 0's inputs, embedded, until its shutdown.
+pub fn run_embed_follower(model: &BertModel, normalize: bool) -> Result<()> {
+    let pg = model.pg().clone();
+    loop {
+        let (tag, inputs) = share(&pg, None)?;
+        match tag {
+            TAG_SHUTDOWN => return Ok(()),
+            TAG_WORK => {
+                embed_inputs(model, &inputs, normalize)?;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// What the embeddings handlers share.
+#[derive(Debug, Clone)]
+pub struct EmbedState {
+    /// The served model's name.
+    pub model_name: String,
+    /// The checkpoint's tokenizer (no padding, no truncation).
+    pub tokenizer: Arc<Tokenizer>,
+    /// Tokens per input at most (sentence-transformers' `max_seq_length`, capped by the
+    /// position table); a longer input is a 400.
+    pub max_tokens: usize,
+    /// The model's vocabulary size (token-id inputs must be below it).
+    pub vocab_size: usize,
+    /// The embedding width.
+    pub hidden_size: usize,
+    /// Rank 0's queue.
+    pub queue: EmbedQueue,
+    /// The key clients must send as `Authorization: Bearer KEY` (`None`: no check).
+    pub api_key: Option<String>,
+    /// The largest request body read, in bytes.
+    pub max_body_bytes: usize,
+}
+
+/// The router of an embedding server: `POST /v1/embeddings`, `GET /v1/models[/{id}]`,
+/// `GET /health`; the completions endpoints answer 400 (no text generation).
+pub fn router(state: EmbedState) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/v1/completions", post(not_generative))
+        .route("/v1/chat/completions", post(not_generative))
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_key,
+        ))
+        .with_state(state)
+}
+
+async fn require_key(State(s): State<EmbedState>, req: Request, next: Next) -> Response {
+    match key_refusal(s.api_key.as_deref(), &req) {
+        Some(refused) => refused,
+        None => next.run(req).await,
+    }
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(404, "invalid_request_error", Some("not_found"), "no such endpoint: this embedding server has POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /health")
+}
+
+async fn not_generative(State(s): State<EmbedState>) -> ApiError {
+    ApiError::new(
+        400,
+        "invalid_request_error",
+        Some("model_not_supported"),
+        format!(
+            "'{}' is a sentence-embedding model: this server answers POST /v1/embeddings, not text generation",
+            s.model_name
+        ),
+    )
+}
+
+/// For a server of a generative model: `POST /v1/embeddings` is a 400 saying why.
+pub(crate) async fn no_embeddings() -> ApiError {
+    ApiError::new(
+        400,
+        "invalid_request_error",
+        Some("model_not_supported"),
+        "this server serves a text-generation model; /v1/embeddings needs a sentence-embedding checkpoint as --model (e.g. all-minilm-l6-v2)",
+    )
+}
+
+async fn health(State(s): State<EmbedState>) -> Response {
+    if s.queue.is_shutting_down() {
+        return unavailable("the server is shutting down").into_response();
+    }
+    json_response(StatusCode::OK, &json!({"status": "ok"}))
+}
+
+fn card(s: &EmbedState) -> Value {
+    json!({"id": s.model_name, "object": "model", "created": unix_now(), "owned_by": "candle-tp",
+           "max_model_len": s.max_tokens})
+}
+
+async fn models(State(s): State<EmbedState>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": [card(&s)]}),
+    )
+}
+
+async fn model(State(s): State<EmbedState>, Path(id): Path<String>) -> Response {
+    if id != s.model_name {
+        return model_not_found(&s, &id).into_response();
+    }
+    json_response(StatusCode::OK, &card(&s))
+}
+
+fn model_not_found(s: &EmbedState, m: &str) -> ApiError {
+    ApiError {
+        code: Some("model_not_found"),
+        param: Some("model".into()),
+        ..ApiError::new(
+            404,
+            "invalid_request_error",
+            None,
+            format!(
+                "the model '{m}' does not exist: this server serves '{}'",
+                s.model_name
+            ),
+        )
+    }
+}
+
+/// One input as given: text, or token ids.
+#[derive(Debug, Clone, PartialEq)]
+enum Input {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// A parsed embeddings request.
+#[derive(Debug, Clone, PartialEq)]
+struct EmbedRequest {
+    model: Option<String>,
+    inputs: Vec<Input>,
+    base64: bool,
+}
+
+fn token_ids(v: &[Value], what: &str) -> std::result::Result<Vec<u32>, ApiError> {
+    v.iter()
+        .enumerate()
+        .map(|(i, x)| {
+            x.as_u64()
+                .filter(|&id| id <= u32::MAX as u64)
+                .map(|id| id as u32)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "input",
+                        format!("{what}[{i}] = {} is not a token id", short(x)),
+                    )
+                })
+        })
+        .collect()
+}
+
+fn parse(body: &[u8], hidden_size: usize) -> std::result::Result<EmbedRequest, ApiError> {
+    let o: Map<String, Value> = json_object(body)?;
+    for (k, v) in &o {
+        match EMBEDDING_FIELDS.iter().find(|(name, _)| name == k) {
+            None => {
+                return Err(ApiError {
+                    code: Some("unknown_parameter"),
+                    ..ApiError::invalid(
+                        k,
+                        format!("unknown field '{k}': /v1/embeddings does not read it (docs/SERVE.md lists the fields)"),
+                    )
+                })
+            }
+            Some(("dimensions", _))
+                if !v.is_null() && v.as_u64() != Some(hidden_size as u64) =>
+            {
+                return Err(ApiError {
+                    code: Some("unsupported_parameter"),
+                    ..ApiError::invalid(
+                        "dimensions",
+                        format!("'dimensions' = {} is not supported: the model's embeddings have {hidden_size} dimensions and are not shortened (accepted: {hidden_size} or absent)", short(v)),
+                    )
+                });
+            }
+            _ => {}
+        }
+    }
+    let model = match o.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(m)) => Some(m.clone()),
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "model",
+                format!("'model' must be a string, got {}", kind_of(v)),
+            ))
+        }
+    };
+    let base64 = match o.get("encoding_format") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(f)) if f == "float" => false,
+        Some(Value::String(f)) if f == "base64" => true,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!(
+                    "'encoding_format' = {} must be \"float\" or \"base64\"",
+                    short(v)
+                ),
+            ))
+        }
+    };
+    let bad = |m: &str| ApiError::invalid("input", m.to_string());
+    let inputs = match o.get("input") {
+        None | Some(Value::Null) => return Err(bad("'input' is required")),
+        Some(Value::String(t)) => vec![Input::Text(t.clone())],
+        Some(Value::Array(a)) if a.is_empty() => return Err(bad("'input' is an empty array")),
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a
+            .iter()
+            .map(|t| Input::Text(t.as_str().unwrap_or_default().to_string()))
+            .collect(),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => {
+            vec![Input::Ids(token_ids(a, "input")?)]
+        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_array) => a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                token_ids(
+                    x.as_array().map(Vec::as_slice).unwrap_or_default(),
+                    &format!("input[{i}]"),
+                )
+                .map(Input::Ids)
+            })
+            .collect::<std::result::Result<_, _>>()?,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "input",
+                format!(
+                    "'input' must be a string, an array of strings, an array of token ids or an array of such arrays; got {}",
+                    short(v)
+                ),
+            ))
+        }
+    };
+    if inputs.len() > MAX_INPUTS {
+        return Err(ApiError::invalid(
+            "input",
+            format!("'input' has {} items, at most {MAX_INPUTS}", inputs.len()),
+        ));
+    }
+    Ok(EmbedRequest {
+        model,
+        inputs,
+        base64,
+    })
+}
+
+/// The token ids of every input (text with the tokenizer's special tokens, as
+/// sentence-transformers encodes; ids as given), each checked: not empty, at most
+/// `max_tokens`, inside the vocabulary.
+fn tokenize(s: &EmbedState, inputs: &[Input]) -> std::result::Result<Vec<Vec<u32>>, ApiError> {
+    let many = inputs.len() > 1;
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(i, input)| {
+            let which = if many {
+                format!("input {i}")
+            } else {
+                "the input".to_string()
+            };
+            let ids = match input {
+                Input::Text(t) if t.is_empty() => {
+                    return Err(ApiError::invalid("input", format!("{which} is empty")))
+                }
+                Input::Text(t) => s
+                    .tokenizer
+                    .encode(t.as_str(), true)
+                    .map_err(|e| {
+                        ApiError::new(500, "server_error", None, format!("tokenizing: {e}"))
+                    })?
+                    .get_ids()
+                    .to_vec(),
+                Input::Ids(ids) => ids.clone(),
+            };
+            if ids.is_empty() {
+                return Err(ApiError::invalid("input", format!("{which} has no tokens")));
+            }
+            if ids.len() > s.max_tokens {
+                return Err(ApiError {
+                    code: Some("context_length_exceeded"),
+                    ..ApiError::invalid(
+                        "input",
+                        format!(
+                            "{which} has {} tokens; the model embeds at most {} (max_seq_length)",
+                            ids.len(),
+                            s.max_tokens
+                        ),
+                    )
+                });
+            }
+            if let Some(id) = ids.iter().find(|&&id| id as usize >= s.vocab_size) {
+                return Err(ApiError::invalid(
+                    "input",
+                    format!(
+                        "{which} has token id {id}, outside the model's vocabulary of {} ids",
+                        s.vocab_size
+                    ),
+                ));
+            }
+            Ok(ids)
+        })
+        .collect()
+}
+
+/// Standard base64 (RFC 4648, with padding) of `bytes`.
+pub fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for k in 0..4 {
+            if k <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * k) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// `POST /v1/embeddings`.
+async fn embeddings(State(s): State<EmbedState>, headers: HeaderMap, body: Body) -> Response {
+    answer(s, headers, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn answer(
+    s: EmbedState,
+    headers: HeaderMap,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
+    let body = read_body(s.max_body_bytes, &headers, body).await?;
+    let req = parse(&body, s.hidden_size)?;
+    if let Some(m) = &req.model {
+        if m != &s.model_name {
+            return Err(model_not_found(&s, m));
+        }
+    }
+    let ids = {
+        let s = s.clone();
+        let inputs = req.inputs.clone();
+        off_the_async_threads(move || tokenize(&s, &inputs)).await??
+    };
+    let tokens: usize = ids.iter().map(Vec::len).sum();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    s.queue.submit(EmbedJob {
+        inputs: ids,
+        reply: tx,
+    })?;
+    let vectors = match rx.await {
+        Ok(Ok(v)) => v,
+        Ok(Err(why)) => return Err(unavailable(&why)),
+        Err(_) => return Err(unavailable("the server is shutting down")),
+    };
+    let data: Vec<Value> = vectors
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let embedding = if req.base64 {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64(&bytes))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": data, "model": s.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_is_rfc_4648() {
+        // RFC 4648's test vectors.
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(plain.as_bytes()), encoded, "{plain:?}");
+        }
+        assert_eq!(base64(&1.0f32.to_le_bytes()), "AACAPw==");
+    }
+
+    #[test]
+    fn inputs_and_fields() {
+        let p = |b: Value| parse(b.to_string().as_bytes(), 384);
+        let r = p(json!({"input": "hi"})).unwrap();
+        assert_eq!(r.inputs, vec![Input::Text("hi".into())]);
+        assert!(!r.base64);
+        let r = p(json!({"input": ["a", "b"], "encoding_format": "base64", "dimensions": 384, "user": "u"}))
+            .unwrap();
+        assert_eq!(r.inputs.len(), 2);
+        assert!(r.base64);
+        let r = p(json!({"input": [1, 2, 3]})).unwrap();
+        assert_eq!(r.inputs, vec![Input::Ids(vec![1, 2, 3])]);
+        let r = p(json!({"input": [[1, 2], [3]]})).unwrap();
+        assert_eq!(r.inputs, vec![Input::Ids(vec![1, 2]), Input::Ids(vec![3])]);
+        for (body, param) in [
+            (json!({}), "input"),
+            (json!({"input": []}), "input"),
+            (json!({"input": [1, "a"]}), "input"),
+            (json!({"input": [-1]}), "input"),
+            (json!({"input": "a", "dimensions": 128}), "dimensions"),
+            (
+                json!({"input": "a", "encoding_format": "int8"}),
+                "encoding_format",
+            ),
+            (json!({"input": "a", "truncate": true}), "truncate"),
+            (json!({"input": "a", "model": 3}), "model"),
+        ] {
+            let e = p(body.clone()).unwrap_err();
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (400, Some(param)),
+                "{body}: {e:?}"
+            );
+        }
+        let many = vec!["a"; MAX_INPUTS + 1];
+        assert_eq!(p(json!({"input": many})).unwrap_err().status, 400);
+    }
+
+    /// docs/SERVE.md's embeddings table has a row for every field, saying what the code does.
+    #[test]
+    fn the_documented_table_lists_every_field() {
+        let doc = include_str!("../../docs/SERVE.md");
+        let section = doc
+            .split("### Embedding request fields")
+            .nth(1)
+            .expect("docs/SERVE.md has a section '### Embedding request fields'");
+        let rows: Vec<&str> = section
+            .lines()
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .collect();
+        let names: Vec<String> = rows
+            .iter()
+            .skip(2)
+            .filter_map(|r| r.split('`').nth(1).map(String::from))
+            .collect();
+        let want: Vec<String> = EMBEDDING_FIELDS
+            .iter()
+            .map(|(n, _)| n.to_string())
+            .collect();
+        assert_eq!(names, want, "the table's fields");
+        for (row, (name, what)) in rows.iter().skip(2).zip(EMBEDDING_FIELDS) {
+            assert!(
+                row.contains(what),
+                "the row of `{name}` does not say {what}: {row}"
+            );
+        }
+    }
+}
