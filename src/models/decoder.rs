@@ -15,9 +15,6 @@ pub use batch::SeqStep;
 use crate::comm::ProcessGroup;
 use crate::loader::{LoadProgress, ShardedVarBuilder};
 use crate::models::checkpoint::FromCheckpoint;
-// `serve::text` asks whether a model path is a GGUF file here.
-#[cfg(feature = "server")]
-pub(crate) use crate::models::checkpoint::is_gguf;
 use crate::nn::{
     load_rms_norm, AttentionConfig, GatedMlp, MoeConfig, ParallelAttention, ParallelLmHead,
     RmsNormSpec, RotaryEmbedding, SparseMoe, VocabParallelEmbedding,

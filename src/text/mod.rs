@@ -58,7 +58,7 @@ impl ModelText {
     /// `tokenizer_config.json` and `chat_template.jinja`) or a `.gguf` file (tokenizer and
     /// chat template from its metadata; a `.jinja` file of the same name as fallback).
     pub fn load(model: &Path) -> Result<Self> {
-        if crate::models::decoder::is_gguf(model) {
+        if crate::models::checkpoint::is_gguf(model) {
             let src = crate::loader::GgufSource::open(model)?;
             let json = serde_json::to_vec(&src.tokenizer().tokenizer_json()?)
                 .map_err(|e| err(format!("{}: tokenizer JSON: {e}", model.display())))?;
