@@ -108,7 +108,7 @@ fn timed_prefills(
         let t0 = Instant::now();
         let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
         let logits = model.forward(&input, 0)?;
-        sampler.sample(&logits.squeeze(0)?, model.lm_head())?;
+        sampler.sample_stage(Some(&logits.squeeze(0)?), model.decoder())?;
         Ok(t0.elapsed().as_secs_f64())
     };
     if !lens.is_empty() {
@@ -166,7 +166,7 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     let t0 = Instant::now();
     let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
     let logits = model.forward(&input, 0)?;
-    let mut next = sampler.sample(&logits.squeeze(0)?, model.lm_head())?;
+    let mut next = sampler.sample_stage(Some(&logits.squeeze(0)?), model.decoder())?;
     let prefill = t0.elapsed().as_secs_f64();
     let mut out = vec![next];
     pg.barrier()?;
@@ -177,7 +177,7 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     for step in 1..args.new_tokens {
         let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
         let logits = model.forward(&input, args.prompt_len + step - 1)?;
-        next = sampler.sample(&logits.squeeze(0)?, model.lm_head())?;
+        next = sampler.sample_stage(Some(&logits.squeeze(0)?), model.decoder())?;
         out.push(next);
         bar.inc();
     }

@@ -12,8 +12,12 @@
 //! Every rank loads only its share of the weights. Rank 0 tokenizes the prompt (rendering the
 //! checkpoint's chat template with `--chat`) and sends the ids to the others; every rank runs
 //! the same decode loop, and the next token is drawn from the vocabulary-parallel logits
-//! without gathering them (all ranks draw the same token). Rank 0 streams the text as it is
-//! produced and ends with one JSON line: `world_size`, `prompt_tokens`, `generated_tokens`,
+//! without gathering them (all ranks draw the same token). With `--pp N` the ranks form N
+//! pipeline stages of world / N tensor-parallel ranks each (consecutive ranks share a stage):
+//! each stage holds its layers only, activations go from stage to stage, and the last stage
+//! samples and sends the token back to the others. Rank 0 streams the text as it is
+//! produced and ends with one JSON line: `world_size`, `pipeline_parallel_size`,
+//! `layers` (each rank's), `prompt_tokens`, `generated_tokens`,
 //! `token_ids`, `tokens_per_s` (decode), `prefill_ms` and `prefill_tokens_per_s` (the first
 //! forward, over the whole prompt: prompt tokens / its time), `load_s`, `rss_bytes` (anonymous
 //! resident memory of each rank after loading).
@@ -26,8 +30,9 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
-use candle_tp::models::CausalLm;
+use candle_tp::models::{CausalLm, FromCheckpoint, LoadOptions};
 use candle_tp::ops::gather_from_tp;
+use candle_tp::pipeline::PipelineStage;
 use candle_tp::text::{ChatMessage, ModelText, TextStream};
 use candle_tp::ProcessGroup;
 use clap::Parser;
@@ -71,10 +76,18 @@ struct Args {
     /// Weight dtype: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Rank 0 writes the full logits of the prompt's last position here: a JSON array if the
-    /// name ends in .json, else raw little-endian f32.
+    /// The first rank of the last pipeline stage (rank 0 without a pipeline) writes the full
+    /// logits of the prompt's last position here: a JSON array if the name ends in .json,
+    /// else raw little-endian f32.
     #[arg(long)]
     logits_out: Option<PathBuf>,
+    /// Pipeline stages: the ranks split into this many stages of layers, each stage's layers
+    /// split over world / N tensor-parallel ranks.
+    #[arg(long, visible_alias = "pipeline-parallel-size", default_value_t = 1)]
+    pp: usize,
+    /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
+    #[arg(long, value_delimiter = ',')]
+    pp_layers: Option<Vec<usize>>,
 }
 
 fn default_model_dir() -> Result<PathBuf> {
@@ -199,19 +212,32 @@ fn main() -> Result<()> {
         shown.set_position(done as u64);
         shown.set_message(name.to_string());
     });
-    let mut model = CausalLm::from_path_with_progress(&dir, dtype, &device, pg.clone(), progress)
+    let (stage, tp) = if args.pp > 1 || args.pp_layers.is_some() {
+        let (stage, tp) = PipelineStage::split(&pg, args.pp, args.pp_layers.clone())?;
+        (Some(stage), tp)
+    } else {
+        (None, pg.clone())
+    };
+    let options = LoadOptions {
+        progress: Some(progress),
+        pipeline: stage,
+    };
+    let mut model = CausalLm::from_path_with(&dir, dtype, &device, tp.clone(), options)
         .with_context(|| {
-        format!(
-            "loading {} on rank {} of {}",
-            dir.display(),
-            pg.rank(),
-            pg.size()
-        )
-    })?;
+            format!(
+                "loading {} on rank {} of {}",
+                dir.display(),
+                pg.rank(),
+                pg.size()
+            )
+        })?;
     bar.finish_and_clear();
     let load_s = t0.elapsed().as_secs_f64();
     let mut rss = vec![0i64; pg.size()];
     pg.all_gather_slice(&[rss_anon_bytes()?], &mut rss)?;
+    let range = model.layer_range();
+    let mut layers = vec![0u32; 2 * pg.size()];
+    pg.all_gather_slice(&[range.start as u32, range.end as u32], &mut layers)?;
 
     let (mut streamer, ids, eos) = if pg.rank() == 0 {
         let (text, ids, eos) = prepare(&args, &dir, &model)?;
@@ -237,11 +263,11 @@ fn main() -> Result<()> {
     });
     let t_prefill = Instant::now();
     let x = Tensor::new(prompt.as_slice(), &device)?.unsqueeze(0)?;
-    let mut logits = model.forward(&x, 0)?.squeeze(0)?;
+    let mut logits = model.forward_stage(&x, 0)?;
     let prefill_s = t_prefill.elapsed().as_secs_f64();
-    if let Some(path) = &args.logits_out {
-        let full = gather_from_tp(&logits, &pg, model.lm_head().partition())?;
-        if pg.rank() == 0 {
+    if let (Some(path), Some(l), Some(head)) = (&args.logits_out, &logits, model.lm_head()) {
+        let full = gather_from_tp(l, &tp, head.partition())?;
+        if tp.rank() == 0 {
             write_logits(path, &full)?;
         }
     }
@@ -249,7 +275,7 @@ fn main() -> Result<()> {
     let mut pos = prompt.len();
     let mut t_decode = None;
     while generated.len() < args.max_new_tokens {
-        let next = sampler.sample(&logits, model.lm_head())?;
+        let next = sampler.sample_stage(logits.as_ref(), &model)?;
         generated.push(next);
         if let Some(s) = streamer.as_mut() {
             s.push(next)?;
@@ -261,7 +287,7 @@ fn main() -> Result<()> {
             t_decode = Some(Instant::now());
         }
         let x = Tensor::new(&[next], &device)?.unsqueeze(0)?;
-        logits = model.forward(&x, pos)?.squeeze(0)?;
+        logits = model.forward_stage(&x, pos)?;
         pos += 1;
     }
     // Decode speed: the tokens after the first (the first comes from the prompt pass).
@@ -276,6 +302,8 @@ fn main() -> Result<()> {
         println!();
         let report = serde_json::json!({
             "world_size": pg.size(),
+            "pipeline_parallel_size": args.pp,
+            "layers": layers.chunks(2).map(|r| [r[0], r[1]]).collect::<Vec<_>>(),
             "prompt_tokens": prompt.len(),
             "generated_tokens": generated.len(),
             "token_ids": generated,

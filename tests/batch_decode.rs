@@ -96,7 +96,7 @@ fn alone(
     let mut out = Vec::new();
     let mut pos = prompt.len();
     loop {
-        let next = sampler.sample(&logits, model.lm_head())?;
+        let next = sampler.sample_stage(Some(&logits), model)?;
         ensure!(
             logits.to_vec1::<f32>()?.iter().all(|v| v.is_finite()),
             "non-finite logits"

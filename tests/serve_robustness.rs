@@ -187,7 +187,7 @@ fn alone(model: &mut CausalLm, prompt: &[u32], max_new: usize) -> Vec<u32> {
     let mut logits = model.forward(&x, 0).unwrap().squeeze(0).unwrap();
     let mut out = Vec::new();
     loop {
-        let next = sampler.sample(&logits, model.lm_head()).unwrap();
+        let next = sampler.sample_stage(Some(&logits), model).unwrap();
         out.push(next);
         if out.len() == max_new {
             return out;

@@ -362,7 +362,7 @@ impl BatchDecoder {
         }
         let logits = self.forward_groups(model, &plan)?;
         let limit = self.seq_limit(model);
-        let head = model.lm_head();
+        let head = model.head("BatchDecoder::step")?;
         let range = head.partition().range(head.pg().rank());
         // The sequences whose prompt is complete draw their next token, all in one call.
         let mut ready: Vec<(usize, Tensor)> = Vec::new();

@@ -5,6 +5,7 @@ mod candidates;
 pub mod logprobs;
 mod noise;
 pub mod penalties;
+mod pipelined;
 mod race;
 pub mod sampling;
 

@@ -12,6 +12,7 @@ use super::progress::{LoadProgress, ProgressSource};
 use super::safetensors::SafetensorsSource;
 use super::source::{RangeRequest, TensorMapSource, TensorSource, VarBuilderSource, WeightShard};
 use crate::comm::ProcessGroup;
+use crate::pipeline::PipelineStage;
 use crate::Partition;
 
 /// Loads weights for parallel layers: whole (replicated) or the rank's slice along one
@@ -34,6 +35,7 @@ pub struct ShardedVarBuilder {
     dtype: DType,
     device: Device,
     pg: ProcessGroup,
+    pipeline: Option<PipelineStage>,
 }
 
 impl ShardedVarBuilder {
@@ -50,6 +52,7 @@ impl ShardedVarBuilder {
             dtype,
             device: device.clone(),
             pg,
+            pipeline: None,
         }
     }
 
@@ -129,6 +132,20 @@ impl ShardedVarBuilder {
         let mut out = self.clone();
         out.pg = pg;
         out
+    }
+
+    /// This builder for a model split into pipeline stages: a model that knows stages (the
+    /// decoders, [`CausalLm`](crate::models::CausalLm)) loads only the layers of `stage`, and
+    /// splits them over [`pg`](Self::pg) (the stage's tensor-parallel group).
+    pub fn with_pipeline(&self, stage: PipelineStage) -> Self {
+        let mut out = self.clone();
+        out.pipeline = Some(stage);
+        out
+    }
+
+    /// The pipeline stage the model is loaded for, if any.
+    pub fn pipeline(&self) -> Option<&PipelineStage> {
+        self.pipeline.as_ref()
     }
 
     /// The dtype tensors are converted to.

@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Result};
 
 use crate::comm::ProcessGroup;
 use crate::loader::{LoadProgress, ShardedVarBuilder};
+use crate::pipeline::PipelineStage;
 
 /// A model built from a checkpoint's configuration and weights: it says how
 /// ([`FromCheckpoint::from_config_json`]); the loaders come with the trait.
@@ -28,7 +29,14 @@ pub trait FromCheckpoint: Sized {
         device: &Device,
         pg: ProcessGroup,
     ) -> Result<Self> {
-        load(dir.as_ref(), false, dtype, device, pg, None)
+        load(
+            dir.as_ref(),
+            false,
+            dtype,
+            device,
+            pg,
+            LoadOptions::default(),
+        )
     }
 
     /// Loads a llama.cpp GGUF file (configuration from its metadata, as a Hugging Face
@@ -36,7 +44,14 @@ pub trait FromCheckpoint: Sized {
     /// memory-mapped file and keeps them quantized; norms are dequantized to f32.
     /// Activations are f32.
     fn from_gguf(path: impl AsRef<Path>, device: &Device, pg: ProcessGroup) -> Result<Self> {
-        load(path.as_ref(), true, DType::F32, device, pg, None)
+        load(
+            path.as_ref(),
+            true,
+            DType::F32,
+            device,
+            pg,
+            LoadOptions::default(),
+        )
     }
 
     /// [`FromCheckpoint::from_gguf`] for a `.gguf` file, [`FromCheckpoint::from_dir`] (in
@@ -47,8 +62,7 @@ pub trait FromCheckpoint: Sized {
         device: &Device,
         pg: ProcessGroup,
     ) -> Result<Self> {
-        let path = path.as_ref();
-        load(path, is_gguf(path), dtype, device, pg, None)
+        Self::from_path_with(path, dtype, device, pg, LoadOptions::default())
     }
 
     /// [`FromCheckpoint::from_path`], reporting every tensor this rank reads to `progress`
@@ -60,24 +74,61 @@ pub trait FromCheckpoint: Sized {
         pg: ProcessGroup,
         progress: LoadProgress,
     ) -> Result<Self> {
+        let options = LoadOptions {
+            progress: Some(progress),
+            ..LoadOptions::default()
+        };
+        Self::from_path_with(path, dtype, device, pg, options)
+    }
+
+    /// [`FromCheckpoint::from_path`] with `options`: a progress callback, and a pipeline
+    /// stage to load (then `pg` is the stage's tensor-parallel group; see
+    /// [`PipelineStage::split`]).
+    fn from_path_with(
+        path: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        pg: ProcessGroup,
+        options: LoadOptions,
+    ) -> Result<Self> {
         let path = path.as_ref();
-        load(path, is_gguf(path), dtype, device, pg, Some(progress))
+        load(path, is_gguf(path), dtype, device, pg, options)
+    }
+}
+
+/// How [`FromCheckpoint::from_path_with`] loads a checkpoint beyond its path, dtype, device
+/// and group.
+#[derive(Clone, Default)]
+pub struct LoadOptions {
+    /// Called for every tensor this rank reads (a progress bar).
+    pub progress: Option<LoadProgress>,
+    /// Load only this pipeline stage's part of the model (models that know stages:
+    /// [`CausalLm`](crate::models::CausalLm)).
+    pub pipeline: Option<PipelineStage>,
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("progress", &self.progress.is_some())
+            .field("pipeline", &self.pipeline)
+            .finish()
     }
 }
 
 /// The one loader: the GGUF file (`gguf`; `dtype` unused) or the model directory `path`,
-/// reporting every tensor read to `progress` if given.
+/// with `options`.
 fn load<M: FromCheckpoint>(
     path: &Path,
     gguf: bool,
     dtype: DType,
     device: &Device,
     pg: ProcessGroup,
-    progress: Option<LoadProgress>,
+    options: LoadOptions,
 ) -> Result<M> {
     if gguf {
         let (config, vb) = open_gguf(path, device, pg)?;
-        return M::from_config_json(&config, &path.display().to_string(), with(vb, progress));
+        return M::from_config_json(&config, &path.display().to_string(), with(vb, options));
     }
     let (config, vb) = open_dir(path, dtype, device, pg)?;
     let text = std::fs::read_to_string(&config).map_err(|e| {
@@ -86,12 +137,16 @@ fn load<M: FromCheckpoint>(
             config.display()
         ))
     })?;
-    M::from_config_json(&text, &config.display().to_string(), with(vb, progress))
+    M::from_config_json(&text, &config.display().to_string(), with(vb, options))
 }
 
-fn with(vb: ShardedVarBuilder, progress: Option<LoadProgress>) -> ShardedVarBuilder {
-    match progress {
+fn with(vb: ShardedVarBuilder, options: LoadOptions) -> ShardedVarBuilder {
+    let vb = match options.progress {
         Some(p) => vb.with_progress(p),
+        None => vb,
+    };
+    match options.pipeline {
+        Some(stage) => vb.with_pipeline(stage),
         None => vb,
     }
 }

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::{Activation, RmsNorm};
 
 mod batch;
+mod stage;
 
 pub use batch::SeqStep;
 
@@ -19,6 +20,7 @@ use crate::nn::{
     load_rms_norm, AttentionConfig, GatedMlp, MoeConfig, ParallelAttention, ParallelLmHead,
     RmsNormSpec, RotaryEmbedding, SparseMoe, VocabParallelEmbedding,
 };
+use crate::pipeline::PipelineStage;
 
 /// The feed-forward block of a decoder layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -233,20 +235,36 @@ fn same_rope(a: &AttentionConfig, b: &AttentionConfig) -> bool {
 ///
 /// Every rank calls the forward methods with the same ids; each gets its slice of the
 /// vocabulary's logits (or, with the `_gathered` methods, the full logits).
+///
+/// Loaded for a pipeline stage ([`ShardedVarBuilder::with_pipeline`]), it holds only that
+/// stage's layers (the first stage also the embedding, the last the final norm and the LM
+/// head, both when the embeddings are tied), split over the stage's tensor-parallel group.
+/// Every rank of every stage then calls [`forward_stage`](Self::forward_stage) (or
+/// [`forward_batch_stage`](Self::forward_batch_stage)) with the same ids: activations go from
+/// stage to stage and the last stage gets the logits.
 #[derive(Debug, Clone)]
 pub struct CausalLm {
-    embed_tokens: VocabParallelEmbedding,
+    /// The first stage's (and with tied embeddings the last's).
+    embed_tokens: Option<VocabParallelEmbedding>,
+    /// This stage's layers: `layer_range` of the model's.
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: ParallelLmHead,
+    layer_range: std::ops::Range<usize>,
+    /// The last stage's final norm and LM head.
+    norm: Option<RmsNorm>,
+    lm_head: Option<ParallelLmHead>,
     ropes: Vec<RotaryEmbedding>,
     config: DecoderConfig,
     pg: ProcessGroup,
+    stage: Option<PipelineStage>,
+    /// The activations' dtype (the builder's).
+    dtype: DType,
 }
 
 impl CausalLm {
     /// Builds the model from `vb` (the checkpoint root: `model.embed_tokens`,
-    /// `model.layers.N`, `model.norm`, `lm_head`), splitting over `vb.pg()`.
+    /// `model.layers.N`, `model.norm`, `lm_head`), splitting over `vb.pg()`; with
+    /// [`vb.pipeline()`](ShardedVarBuilder::pipeline) only that stage's part (an error names
+    /// the sizes when the stages do not fit the layers).
     pub fn load(cfg: &DecoderConfig, vb: ShardedVarBuilder) -> Result<Self> {
         let pg = vb.pg().clone();
         if cfg.layers.is_empty() {
@@ -264,13 +282,38 @@ impl CausalLm {
                 );
             }
         }
+        let stage = vb.pipeline().cloned();
+        let (first, last) = stage
+            .as_ref()
+            .map_or((true, true), |s| (s.is_first(), s.is_last()));
+        let layer_range = match &stage {
+            Some(s) => s.layers(cfg.layers.len()).map_err(|e| {
+                candle_core::Error::msg(format!(
+                    "{}: pipeline stage {} of {}: {e}",
+                    cfg.architecture,
+                    s.index(),
+                    s.count()
+                ))
+            })?,
+            None => 0..cfg.layers.len(),
+        };
         let m = vb.pp("model");
-        let embed_tokens =
-            VocabParallelEmbedding::load(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
+        let embed_tokens = if first || (last && cfg.tie_word_embeddings) {
+            Some(VocabParallelEmbedding::load(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                m.pp("embed_tokens"),
+            )?)
+        } else {
+            None
+        };
         let mut ropes: Vec<RotaryEmbedding> = Vec::new();
         let mut rope_cfgs: Vec<&AttentionConfig> = Vec::new();
-        let mut layers = Vec::with_capacity(cfg.layers.len());
+        let mut layers = Vec::with_capacity(layer_range.len());
         for (i, l) in cfg.layers.iter().enumerate() {
+            if !layer_range.contains(&i) {
+                continue;
+            }
             let rope = match rope_cfgs.iter().position(|c| same_rope(c, &l.attention)) {
                 Some(r) => r,
                 None => {
@@ -281,20 +324,28 @@ impl CausalLm {
             };
             layers.push(DecoderLayer::load(cfg, i, rope, m.pp("layers").pp(i))?);
         }
-        let norm = load_rms_norm(cfg.hidden_size, cfg.norm, &m.pp("norm"))?;
-        let lm_head = if cfg.tie_word_embeddings {
-            ParallelLmHead::tied(&embed_tokens)
+        let (norm, lm_head) = if last {
+            let norm = load_rms_norm(cfg.hidden_size, cfg.norm, &m.pp("norm"))?;
+            let lm_head = match &embed_tokens {
+                Some(e) if cfg.tie_word_embeddings => ParallelLmHead::tied(e),
+                _ => ParallelLmHead::load(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?,
+            };
+            (Some(norm), Some(lm_head))
         } else {
-            ParallelLmHead::load(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            (None, None)
         };
+        let embed_tokens = embed_tokens.filter(|_| first);
         Ok(Self {
             embed_tokens,
             layers,
+            layer_range,
             norm,
             lm_head,
             ropes,
             config: cfg.clone(),
             pg,
+            stage,
+            dtype: vb.dtype(),
         })
     }
 
@@ -342,20 +393,29 @@ impl CausalLm {
     }
 
     /// The hidden states after the final norm, `[batch, seq, hidden]`, running `ids`
-    /// `[batch, seq]` at positions `index_pos..` and extending the KV caches.
+    /// `[batch, seq]` at positions `index_pos..` and extending the KV caches. On a pipeline
+    /// stage other than the last, an error after the activations went on (use
+    /// [`forward_stage`](Self::forward_stage)).
     pub fn forward_hidden_all(&mut self, ids: &Tensor, index_pos: usize) -> Result<Tensor> {
-        let (_, seq_len) = ids.dims2()?;
+        let h = self.forward_hidden_stage(ids, index_pos)?;
+        self.on_last_stage(h, "forward_hidden_all")
+    }
+
+    /// This stage's part of a forward pass (the whole pass without a pipeline): runs `ids`
+    /// `[batch, seq]` at positions `index_pos..` through this stage's layers, taking the
+    /// activations from the previous stage (the first embeds `ids`) and handing them to the
+    /// next; the last stage returns the hidden states after the final norm, the others
+    /// `None`.
+    fn forward_hidden_stage(&mut self, ids: &Tensor, index_pos: usize) -> Result<Option<Tensor>> {
+        let (batch, seq_len) = ids.dims2()?;
         if seq_len == 0 {
             candle_core::bail!("{}: empty input (no tokens)", self.config.architecture);
         }
-        let mut x = self.embed_tokens.forward(ids)?;
-        if let Some(m) = self.config.embedding_multiplier {
-            x = (x * m)?;
-        }
+        let mut x = self.stage_input(ids, &[batch, seq_len, self.config.hidden_size])?;
         for layer in &mut self.layers {
             x = layer.forward_with(&x, &self.ropes, |a, h, rope| a.forward(h, index_pos, rope))?;
         }
-        self.norm.forward(&x)
+        self.stage_output(x)
     }
 
     /// The hidden state after the final norm at the last position, `[batch, hidden]`.
@@ -366,15 +426,31 @@ impl CausalLm {
     }
 
     fn logits(&self, h: &Tensor, gathered: bool) -> Result<Tensor> {
+        let head = self.head("the logits")?;
         let logits = if gathered {
-            self.lm_head.forward_gathered(h)?
+            head.forward_gathered(h)?
         } else {
-            self.lm_head.forward(h)?
+            head.forward(h)?
         }
         .to_dtype(DType::F32)?;
         match self.config.final_logit_softcapping {
             None => Ok(logits),
             Some(c) => (logits / c)?.tanh()? * c,
+        }
+    }
+
+    /// On every stage of a pipeline (or without one): this rank's slice of the last
+    /// position's logits, `[batch, vocab_part]`, in f32, on the last stage, and `None` on the
+    /// others, which handed their activations on. Every rank of every stage calls it with the
+    /// same `ids` (only their shape matters after the first stage).
+    pub fn forward_stage(&mut self, ids: &Tensor, index_pos: usize) -> Result<Option<Tensor>> {
+        match self.forward_hidden_stage(ids, index_pos)? {
+            Some(h) => {
+                let seq_len = h.dims()[1];
+                let h = h.i((.., seq_len - 1, ..))?.contiguous()?;
+                Ok(Some(self.logits(&h, false)?))
+            }
+            None => Ok(None),
         }
     }
 
@@ -402,26 +478,29 @@ impl CausalLm {
         self.logits(&h, true)
     }
 
-    /// Empties every layer's KV cache (a new sequence starts at position 0).
+    /// Empties every layer's KV cache (a new sequence starts at position 0): this stage's.
     pub fn clear_kv_cache(&mut self) {
         for l in &mut self.layers {
             l.self_attn.clear_kv_cache();
         }
     }
 
-    /// The LM head (its vocabulary partition is the one of [`CausalLm::forward`]'s output).
-    pub fn lm_head(&self) -> &ParallelLmHead {
-        &self.lm_head
+    /// The LM head (its vocabulary partition is the one of [`CausalLm::forward`]'s output);
+    /// `None` on a pipeline stage other than the last.
+    pub fn lm_head(&self) -> Option<&ParallelLmHead> {
+        self.lm_head.as_ref()
     }
 
-    /// The attention layer of decoder layer `i`, if it exists.
+    /// The attention layer of decoder layer `i` (the model's numbering), if this rank holds
+    /// it.
     pub fn attention(&self, i: usize) -> Option<&ParallelAttention> {
-        self.layers.get(i).map(|l| &l.self_attn)
+        self.local_layer(i).map(|l| &l.self_attn)
     }
 
-    /// The MoE layer of decoder layer `i`, if that layer has one.
+    /// The MoE layer of decoder layer `i` (the model's numbering), if this rank holds it and
+    /// it has one.
     pub fn moe(&self, i: usize) -> Option<&SparseMoe> {
-        match self.layers.get(i).map(|l| &l.feed_forward) {
+        match self.local_layer(i).map(|l| &l.feed_forward) {
             Some(FeedForwardLayer::Moe(m)) => Some(m),
             _ => None,
         }

@@ -52,8 +52,9 @@ impl Llama {
         self.inner.clear_kv_cache()
     }
 
-    /// The LM head (its vocabulary partition is the one of [`Llama::forward`]'s output).
-    pub fn lm_head(&self) -> &ParallelLmHead {
+    /// The LM head (its vocabulary partition is the one of [`Llama::forward`]'s output);
+    /// `None` on a pipeline stage other than the last.
+    pub fn lm_head(&self) -> Option<&ParallelLmHead> {
         self.inner.lm_head()
     }
 

@@ -13,7 +13,7 @@ pub mod mixtral;
 pub mod phi3;
 pub mod qwen3;
 
-pub use checkpoint::FromCheckpoint;
+pub use checkpoint::{FromCheckpoint, LoadOptions};
 pub use decoder::{CausalLm, DecoderConfig, FeedForward, LayerConfig, SeqStep};
 pub use family::SUPPORTED_ARCHITECTURES;
 pub use llama::Llama;

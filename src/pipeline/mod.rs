@@ -4,10 +4,12 @@
 //! [`DeviceMesh::pp_dp_tp`](crate::comm::DeviceMesh::pp_dp_tp); the stages exchange activations and gradients with
 //! [`ops::send`](crate::ops::send) / [`ops::recv`](crate::ops::recv).
 
+mod placement;
 mod replay;
 mod schedule;
 mod stages;
 
+pub use placement::PipelineStage;
 pub use replay::{check, replay, Replay};
 pub use schedule::{peak_activations, schedule, Kind, Step};
 pub use stages::stage_layers;

@@ -3,7 +3,7 @@
 //! embedding, norms, projections, MLPs and LM head run once over all the rows, and only the
 //! rotary embedding, cache append and attention run per sequence, each at its own position.
 
-use candle_core::{IndexOp, Module, Result, Tensor};
+use candle_core::{IndexOp, Result, Tensor};
 
 use super::CausalLm;
 use crate::nn::{KvCache, LayerKvCache};
@@ -29,8 +29,17 @@ impl CausalLm {
     /// (sample each row with a [`DistributedSampler`](crate::generate::DistributedSampler)).
     ///
     /// Every rank must call it with the same tokens in the same order. A sequence alone gives
-    /// what [`CausalLm::forward`] gives for it.
+    /// what [`CausalLm::forward`] gives for it. On a pipeline stage other than the last, an
+    /// error after the activations went on (use [`forward_batch_stage`](Self::forward_batch_stage)).
     pub fn forward_batch(&mut self, seqs: &mut [SeqStep<'_>]) -> Result<Tensor> {
+        let logits = self.forward_batch_stage(seqs)?;
+        self.on_last_stage(logits, "forward_batch")
+    }
+
+    /// [`forward_batch`](Self::forward_batch) on every stage of a pipeline: the logits on the
+    /// last stage, `None` on the others (which hand their activations on). Every rank of every
+    /// stage calls it with the same tokens; each stage's caches hold its own layers.
+    pub fn forward_batch_stage(&mut self, seqs: &mut [SeqStep<'_>]) -> Result<Option<Tensor>> {
         let arch = &self.config.architecture;
         if seqs.is_empty() {
             candle_core::bail!("{arch}: forward_batch with no sequence");
@@ -58,11 +67,9 @@ impl CausalLm {
         }
         let ids: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let device = self.ropes[0].device().clone();
+        let rows = ids.len();
         let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-        let mut x = self.embed_tokens.forward(&ids)?;
-        if let Some(m) = self.config.embedding_multiplier {
-            x = (x * m)?;
-        }
+        let mut x = self.stage_input(&ids, &[1, rows, self.config.hidden_size])?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let mut caches: Vec<(usize, &mut LayerKvCache)> = seqs
                 .iter_mut()
@@ -78,7 +85,10 @@ impl CausalLm {
                 a.forward_batch(h, rope, &mut caches)
             })?;
         }
-        let h = self.norm.forward(&x)?.i(0)?;
+        let Some(h) = self.stage_output(x)? else {
+            return Ok(None);
+        };
+        let h = h.i(0)?;
         let mut last = Vec::with_capacity(seqs.len());
         let mut end = 0u32;
         for s in seqs.iter() {
@@ -87,6 +97,6 @@ impl CausalLm {
         }
         let rows = Tensor::new(last.as_slice(), &device)?;
         let h = h.index_select(&rows, 0)?.contiguous()?;
-        self.logits(&h, false)
+        self.logits(&h, false).map(Some)
     }
 }

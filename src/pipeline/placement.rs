@@ -1,0 +1,136 @@
+//! [`PipelineStage`]: where a rank sits in a pipeline (its stage, the ranks of the other
+//! stages it talks to, the layers it holds), and the transfers between neighbouring stages.
+
+use std::ops::Range;
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::stage_layers;
+use crate::comm::{CommError, CommResult, DeviceMesh, Element, ProcessGroup};
+
+/// This rank's place in a pipeline of stages: `group` holds one rank per stage (rank `s` of
+/// it is stage `s`: the ranks with this rank's data- and tensor-parallel index), and the layers
+/// per stage are even by default or given (`--pp-layers 10,10,10`).
+///
+/// A model loaded with a stage ([`ShardedVarBuilder::with_pipeline`](crate::ShardedVarBuilder::with_pipeline))
+/// holds only its layers (the first stage also the embedding, the last the final norm and the
+/// LM head); activations go forward with [`send_next`](Self::send_next) /
+/// [`recv_prev`](Self::recv_prev), and the last stage hands the sampled tokens back to every
+/// stage with [`share_from_last`](Self::share_from_last).
+///
+/// ```
+/// use candle_tp::comm::run_threads;
+/// use candle_tp::pipeline::PipelineStage;
+/// let layers = run_threads(4, |world| {
+///     // 2 stages x 2 tensor-parallel ranks: ranks 0, 1 are stage 0; ranks 2, 3 stage 1.
+///     let (stage, tp) = PipelineStage::split(&world, 2, None)?;
+///     assert_eq!(tp.size(), 2);
+///     Ok(stage.layers(30)?)
+/// })
+/// .unwrap();
+/// assert_eq!(layers, vec![0..15, 0..15, 15..30, 15..30]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct PipelineStage {
+    group: ProcessGroup,
+    sizes: Option<Vec<usize>>,
+}
+
+impl PipelineStage {
+    /// The stage of this rank in `group` (one rank per stage, in stage order), with `sizes`
+    /// layers per stage when given (else even).
+    pub fn new(group: ProcessGroup, sizes: Option<Vec<usize>>) -> Self {
+        Self { group, sizes }
+    }
+
+    /// The stage along the `pp` axis (axis 0) of a [`DeviceMesh::pp_dp_tp`] mesh.
+    pub fn from_mesh(mesh: &DeviceMesh, sizes: Option<Vec<usize>>) -> CommResult<Self> {
+        match (mesh.names().first(), mesh.group_along(0)) {
+            (Some(n), Some(g)) if n == "pp" => Ok(Self::new(g.clone(), sizes)),
+            _ => Err(CommError::invalid(
+                format!("pipeline stage on mesh {:?}", mesh.names()),
+                "the mesh has no `pp` axis first (build it with DeviceMesh::pp_dp_tp)",
+            )),
+        }
+    }
+
+    /// Splits `world` into `pp` stages of `world.size() / pp` tensor-parallel ranks each
+    /// (consecutive ranks share a stage, so a stage stays inside a host), and returns this
+    /// rank's stage and its stage's tensor-parallel group. Collective over `world`. An error
+    /// when `pp` does not divide the world size.
+    pub fn split(
+        world: &ProcessGroup,
+        pp: usize,
+        sizes: Option<Vec<usize>>,
+    ) -> CommResult<(Self, ProcessGroup)> {
+        if pp == 0 || world.size() % pp != 0 {
+            return Err(CommError::invalid(
+                format!("pipeline of {pp} stages on group '{}'", world.name()),
+                format!(
+                    "the {} ranks do not split into {pp} stages of equal size",
+                    world.size()
+                ),
+            ));
+        }
+        let mesh = DeviceMesh::pp_dp_tp(world, pp, world.size() / pp)?;
+        let tp = mesh.group_along(2).cloned().ok_or_else(|| {
+            CommError::invalid("pipeline split", "the PP x DP x TP mesh has no tp axis")
+        })?;
+        Ok((Self::from_mesh(&mesh, sizes)?, tp))
+    }
+
+    /// This rank's stage index (0 holds the embedding).
+    pub fn index(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// The number of stages.
+    pub fn count(&self) -> usize {
+        self.group.size()
+    }
+
+    /// Whether this is the first stage (it embeds the tokens).
+    pub fn is_first(&self) -> bool {
+        self.index() == 0
+    }
+
+    /// Whether this is the last stage (it holds the final norm and the LM head).
+    pub fn is_last(&self) -> bool {
+        self.index() + 1 == self.count()
+    }
+
+    /// The group of the stages (rank `s` is stage `s`).
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// The layers given per stage, if any.
+    pub fn sizes(&self) -> Option<&[usize]> {
+        self.sizes.as_deref()
+    }
+
+    /// The layers of this stage in a model of `total` layers (see [`stage_layers`]: an error
+    /// names the sizes when there are more stages than layers or the given sizes do not add
+    /// up).
+    pub fn layers(&self, total: usize) -> CommResult<Range<usize>> {
+        let all = stage_layers(total, self.count(), self.sizes())?;
+        Ok(all[self.index()].clone())
+    }
+
+    /// Sends this stage's activations to the next stage (which calls
+    /// [`recv_prev`](Self::recv_prev) with their shape).
+    pub fn send_next(&self, x: &Tensor) -> Result<()> {
+        crate::ops::send(x, &self.group, self.index() + 1).map(|_| ())
+    }
+
+    /// Receives the previous stage's activations, `shape` and `dtype`, on `device`.
+    pub fn recv_prev(&self, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        crate::ops::recv(shape, dtype, device, &self.group, self.index() - 1, false)
+    }
+
+    /// Hands `values` from the last stage to every stage (a broadcast over the stages): the
+    /// tokens it sampled, so that every stage knows what comes next.
+    pub fn share_from_last<T: Element>(&self, values: &mut [T]) -> CommResult<()> {
+        self.group.broadcast_slice(values, self.count() - 1)
+    }
+}
