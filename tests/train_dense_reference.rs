@@ -9,11 +9,10 @@
 //! `candle_tp::train`.
 mod common;
 
-use std::collections::HashMap;
-
-use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_tp::train::{vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama};
 use candle_tp::{run_threads, ProcessGroup};
+use common::dense::{dense, Dense};
 use common::train::{cfg, synced_grads, Grads};
 use common::{assert_finite, max_abs_diff};
 
@@ -27,114 +26,6 @@ fn batch() -> Result<(Tensor, Tensor)> {
         Tensor::from_vec(ids, (B, S), &Device::Cpu)?,
         Tensor::from_vec(tg, B * S, &Device::Cpu)?,
     ))
-}
-
-/// The dense reference: logits `[B * S, vocab]`, loss, and the gradient of every parameter
-/// (by checkpoint name).
-struct Dense {
-    logits: Tensor,
-    loss: f32,
-    grads: HashMap<String, Tensor>,
-}
-
-fn dense(cfg: &TrainConfig, causal: bool) -> Result<Dense> {
-    let init = TrainInit::new(SEED);
-    cfg.declare(&init)?;
-    let mut w: HashMap<String, Var> = HashMap::new();
-    for (name, _, _) in cfg.param_specs() {
-        let t = init.full_tensor(&name, DType::F32, &Device::Cpu)?;
-        w.insert(name, Var::from_tensor(&t)?);
-    }
-    let t = |n: &str| w[n].as_tensor().clone();
-    let lin = |n: &str| candle_nn::Linear::new(t(n), None);
-    let eps = cfg.rms_norm_eps as f32;
-    let (h, nh, nkv, hd) = (
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim(),
-    );
-    // RoPE tables [S, hd / 2] as Hugging Face computes them, in f64 then f32.
-    let angles: Vec<f32> = (0..S)
-        .flat_map(|p| {
-            (0..hd / 2)
-                .map(move |i| (p as f64 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
-        })
-        .collect();
-    let angles = Tensor::from_vec(angles, (S, hd / 2), &Device::Cpu)?;
-    let (cos, sin) = (angles.cos()?, angles.sin()?);
-    let mask: Vec<f32> = (0..S)
-        .flat_map(|i| {
-            (0..S).map(move |j| {
-                if causal && j > i {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (S, S), &Device::Cpu)?;
-
-    let (ids, tg) = batch()?;
-    let mut x = candle_nn::Embedding::new(t("model.embed_tokens.weight"), h).forward(&ids)?;
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        let n = candle_nn::ops::rms_norm_slow(&x, &t(&format!("{p}.input_layernorm.weight")), eps)?;
-        let heads = |y: Tensor, k: usize| -> Result<Tensor> {
-            y.reshape((B, S, k, hd))?.transpose(1, 2)?.contiguous()
-        };
-        let q = heads(
-            lin(&format!("{p}.self_attn.q_proj.weight")).forward(&n)?,
-            nh,
-        )?;
-        let k = heads(
-            lin(&format!("{p}.self_attn.k_proj.weight")).forward(&n)?,
-            nkv,
-        )?;
-        let v = heads(
-            lin(&format!("{p}.self_attn.v_proj.weight")).forward(&n)?,
-            nkv,
-        )?;
-        let q = candle_nn::rotary_emb::rope_slow(&q, &cos, &sin)?;
-        let k = candle_nn::rotary_emb::rope_slow(&k, &cos, &sin)?;
-        let k = candle_transformers::utils::repeat_kv(k, nh / nkv)?.contiguous()?;
-        let v = candle_transformers::utils::repeat_kv(v, nh / nkv)?.contiguous()?;
-        let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((B, S, nh * hd))?;
-        x = (x + lin(&format!("{p}.self_attn.o_proj.weight")).forward(&y)?)?;
-        let n = candle_nn::ops::rms_norm_slow(
-            &x,
-            &t(&format!("{p}.post_attention_layernorm.weight")),
-            eps,
-        )?;
-        let g = candle_nn::Activation::Silu
-            .forward(&lin(&format!("{p}.mlp.gate_proj.weight")).forward(&n)?)?;
-        let u = lin(&format!("{p}.mlp.up_proj.weight")).forward(&n)?;
-        x = (x + lin(&format!("{p}.mlp.down_proj.weight")).forward(&(g * u)?)?)?;
-    }
-    let x = candle_nn::ops::rms_norm_slow(&x, &t("model.norm.weight"), eps)?;
-    let head = if cfg.tie_word_embeddings {
-        "model.embed_tokens.weight"
-    } else {
-        "lm_head.weight"
-    };
-    let logits = lin(head).forward(&x)?.reshape((B * S, cfg.vocab_size))?;
-    let loss = candle_nn::loss::cross_entropy(&logits, &tg)?;
-    let g = loss.backward()?;
-    let mut grads = HashMap::new();
-    for (name, var) in &w {
-        match g.get(var.as_tensor()) {
-            Some(gr) => grads.insert(name.clone(), gr.clone()),
-            None => candle_core::bail!("dense reference: no gradient for {name}"),
-        };
-    }
-    Ok(Dense {
-        logits,
-        loss: loss.to_scalar()?,
-        grads,
-    })
 }
 
 /// What one TP rank computes: the gathered full logits, the loss and (name, split, gradient)
@@ -183,7 +74,8 @@ fn errors(what: &str, d: &Dense, got: Vec<RankOut>) -> Result<(f32, f32, f32)> {
 fn tp_1_2_3_equal_the_dense_candle_nn_llama() -> Result<()> {
     for tie in [false, true] {
         let cfg = cfg(tie);
-        let d = dense(&cfg, true)?;
+        let (ids, tg) = batch()?;
+        let d = dense(&cfg, true, SEED, &ids, &tg)?;
         assert_finite("dense logits", &d.logits)?;
         assert!(d.loss.is_finite(), "dense loss {}", d.loss);
         for (name, g) in &d.grads {
@@ -212,7 +104,8 @@ fn tp_1_2_3_equal_the_dense_candle_nn_llama() -> Result<()> {
 #[test]
 fn a_missing_causal_mask_is_caught() -> Result<()> {
     let cfg = cfg(false);
-    let no_mask = dense(&cfg, false)?;
+    let (ids, tg) = batch()?;
+    let no_mask = dense(&cfg, false, SEED, &ids, &tg)?;
     let got = run_threads(2, |pg| tp_rank(&cfg, &pg, false))?;
     let (el, _, eg) = errors("tp 2 vs dense without mask", &no_mask, got)?;
     assert!(el > 1e-2, "logits differ by only {el} without the mask");

@@ -8,11 +8,13 @@ mod placement;
 mod replay;
 mod schedule;
 mod stages;
+mod train;
 
 pub use placement::PipelineStage;
 pub use replay::{check, replay, Replay};
 pub use schedule::{peak_activations, schedule, Kind, Step};
 pub use stages::stage_layers;
+pub use train::{train_step, MicroBatch, StepReport};
 
 #[cfg(test)]
 mod tests;

@@ -21,6 +21,7 @@ use super::init::{Init, TrainInit};
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::ops::{copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp};
+use crate::pipeline::PipelineStage;
 use crate::{ColumnParallelLinear, Partition, RowParallelLinear};
 
 /// Shape of the model (the fields of a Llama `config.json`).
@@ -187,13 +188,27 @@ struct Layer {
 }
 
 /// The training model. See the [module docs](self).
+///
+/// Built for a pipeline stage ([`ShardedVarBuilder::with_pipeline`]), it holds that stage's
+/// layers (the first stage the embedding, the last the final norm and the head, both the
+/// embedding matrix when tied) and runs them with [`embed_input`](Self::embed_input),
+/// [`forward_layers`](Self::forward_layers) and [`forward_head`](Self::forward_head); the
+/// schedules of [`crate::pipeline`] drive them ([`crate::pipeline::train_step`]).
 pub struct TrainLlama {
     cfg: TrainConfig,
-    embed: Tensor,
+    /// The first stage's embedding (every rank's without a pipeline).
+    embed: Option<Tensor>,
     vocab: Partition,
+    /// This stage's layers, `layer_start..` of the model's.
     layers: Vec<Layer>,
-    norm: Tensor,
-    head: Tensor,
+    layer_start: usize,
+    /// The last stage's final norm and head.
+    norm: Option<Tensor>,
+    head: Option<Tensor>,
+    stage: Option<PipelineStage>,
+    /// With tied embeddings on two stages: the first and the last stage (Megatron's embedding
+    /// group), which sum the matrix's gradients.
+    embed_group: Option<ProcessGroup>,
     cos: Tensor,
     sin: Tensor,
     pg: ProcessGroup,
@@ -226,14 +241,33 @@ impl TrainLlama {
                 cfg.vocab_size
             ))
         })?;
+        let stage = vb.pipeline().cloned();
+        let (first, last) = stage
+            .as_ref()
+            .map_or((true, true), |s| (s.is_first(), s.is_last()));
+        let range = match &stage {
+            Some(s) => s.layers(cfg.num_hidden_layers).map_err(|e| {
+                candle_core::Error::msg(format!(
+                    "TrainLlama: pipeline stage {} of {}: {e}",
+                    s.index(),
+                    s.count()
+                ))
+            })?,
+            None => 0..cfg.num_hidden_layers,
+        };
         let m = vb.pp("model");
-        let embed = m
-            .pp("embed_tokens")
-            .get_sharded((cfg.vocab_size, h), "weight", 0, &vocab)?;
+        let embed = if first || (last && cfg.tie_word_embeddings) {
+            Some(
+                m.pp("embed_tokens")
+                    .get_sharded((cfg.vocab_size, h), "weight", 0, &vocab)?,
+            )
+        } else {
+            None
+        };
         let n_rep = nh / nkv;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut layers = Vec::with_capacity(range.len());
         let mut norm_names = Vec::new();
-        for l in 0..cfg.num_hidden_layers {
+        for l in range.clone() {
             let lv = m.pp("layers").pp(l);
             let a = lv.pp("self_attn");
             let mlp = lv.pp("mlp");
@@ -252,22 +286,37 @@ impl TrainLlama {
                 down: RowParallelLinear::load(i, h, false, 1, mlp.pp("down_proj"))?,
             });
         }
-        norm_names.push(m.pp("norm").full_name("weight"));
-        let norm = m.pp("norm").get(h, "weight")?;
-        let head = if cfg.tie_word_embeddings {
-            embed.clone()
+        let (norm, head) = if last {
+            norm_names.push(m.pp("norm").full_name("weight"));
+            let head = match &embed {
+                Some(e) if cfg.tie_word_embeddings => e.clone(),
+                _ => vb
+                    .pp("lm_head")
+                    .get_sharded((cfg.vocab_size, h), "weight", 0, &vocab)?,
+            };
+            (Some(m.pp("norm").get(h, "weight")?), Some(head))
         } else {
-            vb.pp("lm_head")
-                .get_sharded((cfg.vocab_size, h), "weight", 0, &vocab)?
+            (None, None)
         };
+        let embed_group = match &stage {
+            Some(s) if cfg.tie_word_embeddings && s.count() > 1 && (first || last) => s
+                .group()
+                .new_group_named(&[0, s.count() - 1], "embedding")
+                .map_err(candle_core::Error::wrap)?,
+            _ => None,
+        };
+        let embed = embed.filter(|_| first);
         let (cos, sin) = rope_tables(cfg, vb.dtype(), vb.device())?;
         Ok(Self {
             cfg: cfg.clone(),
             embed,
             vocab,
             layers,
+            layer_start: range.start,
             norm,
             head,
+            stage,
+            embed_group,
             cos,
             sin,
             pg,
@@ -337,7 +386,7 @@ impl TrainLlama {
     }
 
     /// Vocabulary-parallel lookup: this rank's rows, zeros elsewhere (partial sums).
-    fn embed_partial(&self, ids: &Tensor) -> Result<Tensor> {
+    fn embed_partial(&self, embed: &Tensor, ids: &Tensor) -> Result<Tensor> {
         let flat: Vec<u32> = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
         let r = self.vocab.range(self.pg.rank());
         if let Some(bad) = flat.iter().find(|&&i| i as usize >= self.vocab.total()) {
@@ -354,13 +403,13 @@ impl TrainLlama {
             })
             .unzip();
         let n = idx.len();
-        let dev = self.embed.device();
+        let dev = embed.device();
         let idx = Tensor::from_vec(idx, n, dev)?;
         let mut dims = ids.dims().to_vec();
         dims.push(self.cfg.hidden_size);
         // Zero foreign ids by selection: multiplying row 0 by zero turns an Inf into NaN,
         // which the all-reduce then spreads to every rank.
-        let rows = self.embed.index_select(&idx, 0)?;
+        let rows = embed.index_select(&idx, 0)?;
         let keep = Tensor::from_vec(mask, (n, 1), dev)?.broadcast_as(rows.shape())?;
         keep.where_cond(&rows, &rows.zeros_like()?)?.reshape(dims)
     }
@@ -401,34 +450,108 @@ impl TrainLlama {
         layer.o.forward_partial(&y)
     }
 
-    /// This rank's slice of the logits, `[batch * seq, vocab_partition().size(rank)]`, for
-    /// token ids `[batch, seq]`. The logits cover the whole sequence also with sequence
-    /// parallelism (gathered before the head, as Megatron does).
-    pub fn forward(&self, ids: &Tensor, drop: &Dropout) -> Result<Tensor> {
-        let (b, s) = ids.dims2()?;
-        let sp = self.seq_partition(s)?;
-        let eps = self.cfg.rms_norm_eps;
-        let part = self.embed_partial(ids)?;
-        let mut h = self.leave(&part, &sp)?;
-        let rows = if self.sequence_parallel {
-            sp.range(self.pg.rank())
+    /// The pipeline stage the model was built for (`None`: the whole model).
+    pub fn pipeline(&self) -> Option<&PipelineStage> {
+        self.stage.as_ref()
+    }
+
+    /// With tied embeddings split over pipeline stages: the group of the first and the last
+    /// stage, both of which hold the embedding matrix; their gradients of it must be summed
+    /// over this group before the optimizer step (see [`crate::pipeline::train_step`]).
+    pub fn embedding_group(&self) -> Option<&ProcessGroup> {
+        self.embed_group.as_ref()
+    }
+
+    /// This rank's share of the tied embedding matrix (`None` when the head is not tied or this
+    /// stage holds neither the embedding nor the head).
+    pub fn tied_embedding(&self) -> Option<&Tensor> {
+        if !self.cfg.tie_word_embeddings {
+            return None;
+        }
+        self.embed.as_ref().or(self.head.as_ref())
+    }
+
+    /// The dtype of the weights and activations.
+    pub fn dtype(&self) -> DType {
+        self.cos.dtype()
+    }
+
+    /// The rows of the residual stream this rank holds for a sequence of `seq` tokens: all of
+    /// them, or its share with sequence parallelism.
+    fn rows(&self, seq: usize) -> Result<std::ops::Range<usize>> {
+        Ok(if self.sequence_parallel {
+            self.seq_partition(seq)?.range(self.pg.rank())
         } else {
-            0..s
+            0..seq
+        })
+    }
+
+    /// The shape of this rank's residual stream `[batch, rows, hidden]` for `batch` sequences
+    /// of `seq` tokens: what one stage hands the next.
+    pub fn residual_shape(&self, batch: usize, seq: usize) -> Result<Vec<usize>> {
+        Ok(vec![batch, self.rows(seq)?.len(), self.cfg.hidden_size])
+    }
+
+    /// The first stage's input: token ids `[batch, seq]` embedded into this rank's residual
+    /// stream ([`residual_shape`](Self::residual_shape)).
+    pub fn embed_input(&self, ids: &Tensor) -> Result<Tensor> {
+        let Some(embed) = &self.embed else {
+            candle_core::bail!(
+                "TrainLlama: embed_input on pipeline stage {:?}, which has no embedding (the first stage embeds)",
+                self.stage.as_ref().map(|s| s.index())
+            );
         };
-        for (l, layer) in self.layers.iter().enumerate() {
+        let (_, s) = ids.dims2()?;
+        let part = self.embed_partial(embed, ids)?;
+        self.leave(&part, &self.seq_partition(s)?)
+    }
+
+    /// This rank's layers over its residual stream `h` (of sequences of `seq` tokens).
+    pub fn forward_layers(&self, h: &Tensor, seq: usize, drop: &Dropout) -> Result<Tensor> {
+        let sp = self.seq_partition(seq)?;
+        let eps = self.cfg.rms_norm_eps;
+        let rows = self.rows(seq)?;
+        let mut h = h.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let l = self.layer_start + i;
             let x = self.enter(&rms_norm(&h, &layer.input_norm, eps)?, &sp)?;
             let y = self.leave(&self.attention(layer, &x, drop, l)?, &sp)?;
-            let y = drop.apply_shared(&y, Site::AttentionOut(l), s, &rows)?;
+            let y = drop.apply_shared(&y, Site::AttentionOut(l), seq, &rows)?;
             h = (h + y)?;
             let x = self.enter(&rms_norm(&h, &layer.post_norm, eps)?, &sp)?;
             let g = layer.gate.forward_local(&x)?.silu()?;
             let u = layer.up.forward_local(&x)?;
             let y = self.leave(&layer.down.forward_partial(&(g * u)?)?, &sp)?;
-            let y = drop.apply_shared(&y, Site::MlpOut(l), s, &rows)?;
+            let y = drop.apply_shared(&y, Site::MlpOut(l), seq, &rows)?;
             h = (h + y)?;
         }
-        let x = self.enter(&rms_norm(&h, &self.norm, eps)?, &sp)?;
-        let logits = candle_nn::Linear::new(self.head.clone(), None).forward(&x)?;
-        logits.reshape((b * s, self.vocab.size(self.pg.rank())))
+        Ok(h)
+    }
+
+    /// The last stage's output: the final norm and the head over the residual stream `h` of
+    /// `batch` sequences of `seq` tokens, this rank's slice of the logits
+    /// `[batch * seq, vocab_partition().size(rank)]`.
+    pub fn forward_head(&self, h: &Tensor, batch: usize, seq: usize) -> Result<Tensor> {
+        let (Some(norm), Some(head)) = (&self.norm, &self.head) else {
+            candle_core::bail!(
+                "TrainLlama: forward_head on pipeline stage {:?}, which has no head (the last stage has it)",
+                self.stage.as_ref().map(|s| s.index())
+            );
+        };
+        let x = self.enter(
+            &rms_norm(h, norm, self.cfg.rms_norm_eps)?,
+            &self.seq_partition(seq)?,
+        )?;
+        let logits = candle_nn::Linear::new(head.clone(), None).forward(&x)?;
+        logits.reshape((batch * seq, self.vocab.size(self.pg.rank())))
+    }
+
+    /// This rank's slice of the logits, `[batch * seq, vocab_partition().size(rank)]`, for
+    /// token ids `[batch, seq]`. The logits cover the whole sequence also with sequence
+    /// parallelism (gathered before the head, as Megatron does). Without a pipeline only.
+    pub fn forward(&self, ids: &Tensor, drop: &Dropout) -> Result<Tensor> {
+        let (b, s) = ids.dims2()?;
+        let h = self.forward_layers(&self.embed_input(ids)?, s, drop)?;
+        self.forward_head(&h, b, s)
     }
 }

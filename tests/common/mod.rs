@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod dense;
 pub mod families;
 pub mod hosts;
 pub mod quantized;
