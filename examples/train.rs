@@ -15,6 +15,12 @@
 //! - Data: README.md and docs/*.md. Step `i` reads `--batch` windows of `--seq + 1` bytes at
 //!   offsets drawn from `--seed` and `i`; DP rank `d` takes its `batch / dp` of them, so every
 //!   layout sees the same global batch and logs the same loss as one process.
+//! - Pipeline parallelism (`--pp N`): the layers split into N stages of world / (N · dp)
+//!   tensor-parallel ranks each; every step runs the local batch as `--micro-batches`
+//!   micro-batches through the `--schedule` (1F1B or GPipe) with gradient accumulation, and
+//!   the tied embedding's gradients are summed between the first and the last stage. The last
+//!   JSON line then reports each rank's peak activation bytes and idle fraction under the
+//!   schedule, beside the bubble `(p - 1) / (m + p - 1)`.
 //! - Output (rank 0): one JSON line per step `{"step","loss","tokens_per_s"}` on stdout, a
 //!   progress bar on stderr (indicatif; drawn only when stderr is a terminal, so not under
 //!   tprun, whose ranks write to pipes), then `{"activation_bytes_per_rank": {...}}`: bytes of the
@@ -27,6 +33,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_tp::pipeline::{train_step, Kind, MicroBatch, PipelineStage};
 use candle_tp::train::{
     activation_bytes, all_reduce_grads, vocab_parallel_cross_entropy, Dropout, SplitMix64,
     TrainConfig, TrainInit, TrainLlama,
@@ -44,9 +51,18 @@ const CORPUS: [&str; 3] = [
 #[derive(Parser, Debug)]
 #[command(about = "Train a small Llama-style LM with TP, SP and DP")]
 struct Args {
-    /// Tensor-parallel size (default: world size / dp).
+    /// Tensor-parallel size (default: world size / (dp · pp)).
     #[arg(long)]
     tp: Option<usize>,
+    /// Pipeline stages (the slowest axis: a stage's TP group is consecutive ranks).
+    #[arg(long, visible_alias = "pipeline-parallel-size", default_value_t = 1)]
+    pp: usize,
+    /// Micro-batches per step (each DP rank's batch is split into this many).
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
+    /// Pipeline schedule: 1f1b or gpipe.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
     /// Data-parallel size.
     #[arg(long, default_value_t = 1)]
     dp: usize,
@@ -163,25 +179,49 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let dev = Device::Cpu;
     let world = candle_tp::init_from_env(&dev)?;
-    let tp = args.tp.unwrap_or(world.size() / args.dp.max(1));
-    if args.dp == 0 || tp == 0 || tp * args.dp != world.size() {
+    let pp = args.pp.max(1);
+    let tp = args.tp.unwrap_or(world.size() / (args.dp * pp).max(1));
+    if args.dp == 0 || tp == 0 || tp * args.dp * pp != world.size() {
         bail!(
-            "--tp {tp} x --dp {} must equal the world size {}",
+            "--tp {tp} x --dp {} x --pp {pp} must equal the world size {}",
             args.dp,
             world.size()
         );
     }
-    if args.batch % args.dp != 0 {
+    if args.batch % (args.dp * args.micro_batches.max(1)) != 0 {
         bail!(
-            "--batch {} must be a multiple of --dp {}",
+            "--batch {} must be a multiple of --dp {} x --micro-batches {}",
             args.batch,
-            args.dp
+            args.dp,
+            args.micro_batches
         );
     }
-    let mesh = DeviceMesh::dp_tp(&world, tp)?;
-    let (Some(dp_pg), Some(tp_pg)) = (mesh.group_along(0).cloned(), mesh.group_along(1).cloned())
-    else {
-        bail!("the DP x TP mesh has no dp/tp groups");
+    let kind = match args.schedule.as_str() {
+        "1f1b" => Kind::OneFOneB,
+        "gpipe" => Kind::GPipe,
+        other => bail!("--schedule {other}: expected 1f1b or gpipe"),
+    };
+    if pp > 1 && args.save.is_some() {
+        bail!("--save with --pp {pp}: saving a model split into pipeline stages is not supported yet (train with --pp 1 to save)");
+    }
+    // DP x TP, or PP x DP x TP with a pipeline; the data-parallel coordinate is the axis
+    // before the last either way.
+    let mesh = if pp > 1 {
+        DeviceMesh::pp_dp_tp(&world, pp, tp)?
+    } else {
+        DeviceMesh::dp_tp(&world, tp)?
+    };
+    let axes = mesh.dims().len();
+    let (Some(dp_pg), Some(tp_pg)) = (
+        mesh.group_along(axes - 2).cloned(),
+        mesh.group_along(axes - 1).cloned(),
+    ) else {
+        bail!("the mesh has no dp/tp groups");
+    };
+    let stage = if pp > 1 {
+        Some(PipelineStage::from_mesh(&mesh, None)?)
+    } else {
+        None
     };
     let lead = world.rank() == 0;
     let cfg = TrainConfig {
@@ -199,11 +239,11 @@ fn main() -> Result<()> {
     };
     let init = TrainInit::new(args.seed);
     cfg.declare(&init)?;
-    let mut model = TrainLlama::load(
-        &cfg,
-        init.var_builder(DType::F32, &dev, tp_pg.clone()),
-        args.sequence_parallel,
-    )?;
+    let mut vb = init.var_builder(DType::F32, &dev, tp_pg.clone());
+    if let Some(stage) = stage {
+        vb = vb.with_pipeline(stage);
+    }
+    let mut model = TrainLlama::load(&cfg, vb, args.sequence_parallel)?;
     let params = init.params()?;
     let vars = init.vars()?;
     let sp_vars: Vec<_> = params
@@ -220,7 +260,7 @@ fn main() -> Result<()> {
     )?;
     let corpus: Vec<u8> = CORPUS.concat().into_bytes();
     let local_b = args.batch / args.dp;
-    let d = mesh.coord()[0];
+    let d = mesh.coord()[axes - 2];
     let rows = d * local_b..(d + 1) * local_b;
     let n_local = local_b * args.seq;
     let bar = if lead && !args.quiet {
@@ -232,6 +272,7 @@ fn main() -> Result<()> {
         ProgressStyle::with_template("{bar:30} step {pos}/{len}  {msg}  {elapsed} (eta {eta})")
             .map_err(|e| anyhow::anyhow!("progress bar template: {e}"))?,
     );
+    let mut last_report = [0f32; 2];
     for step in 0..args.steps {
         let t0 = Instant::now();
         let (x, y) = global_batch(&corpus, &args, step)?;
@@ -251,22 +292,33 @@ fn main() -> Result<()> {
             hidden: args.hidden_dropout,
             attention: args.attention_dropout,
         };
-        let logits = model.forward(&x, &drop)?;
-        let loss = vocab_parallel_cross_entropy(
-            &logits,
-            &y,
-            model.vocab_partition(),
-            &tp_pg,
-            args.label_smoothing,
-            None,
-        )?;
-        let mut grads = loss.backward()?;
+        // The local batch in micro-batches through the schedule (one forward and backward
+        // without a pipeline and with one micro-batch).
+        let m = args.micro_batches.max(1);
+        let rows_per = local_b / m;
+        let mbs = (0..m)
+            .map(|i| {
+                Ok(MicroBatch {
+                    ids: x.narrow(0, i * rows_per, rows_per)?,
+                    targets: y.narrow(0, i * rows_per * args.seq, rows_per * args.seq)?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let part = model.vocab_partition().clone();
+        let report = train_step(&model, kind, &mbs, &vars, &drop, |logits, targets| {
+            vocab_parallel_cross_entropy(logits, targets, &part, &tp_pg, args.label_smoothing, None)
+        })?;
+        last_report = [
+            report.peak_activation_bytes as f32,
+            report.idle_fraction() as f32,
+        ];
+        let mut grads = report.grads;
         if args.sequence_parallel {
             all_reduce_grads(&mut grads, &sp_vars, &tp_pg, false)?;
         }
         all_reduce_grads(&mut grads, &vars, &dp_pg, true)?;
         opt.step(&grads)?;
-        let mut l = [loss.to_scalar::<f32>()?];
+        let mut l = [report.loss];
         dp_pg.all_reduce_slice(&mut l, ReduceOp::Sum)?;
         let loss = l[0] / args.dp as f32;
         let tps = (args.batch * args.seq) as f64 / t0.elapsed().as_secs_f64();
@@ -280,6 +332,26 @@ fn main() -> Result<()> {
         }
     }
     bar.finish();
+    if pp > 1 {
+        // The last step's pipeline figures of every rank.
+        let mut all = vec![0f32; 2 * world.size()];
+        world.all_gather_slice(&last_report, &mut all)?;
+        if lead {
+            let m = args.micro_batches.max(1);
+            println!(
+                "{}",
+                serde_json::json!({"pipeline": {
+                    "pp": pp, "tp": tp, "dp": args.dp, "micro_batches": m,
+                    "schedule": args.schedule,
+                    "peak_activation_bytes_per_rank":
+                        all.iter().step_by(2).map(|&b| b as u64).collect::<Vec<_>>(),
+                    "idle_fraction_per_rank": all.iter().skip(1).step_by(2).collect::<Vec<_>>(),
+                    "bubble_theory": (pp - 1) as f64 / (m + pp - 1) as f64,
+                }})
+            );
+        }
+        return Ok(());
+    }
     // Activation memory of one forward (what backward would keep), both layouts.
     let (x, _) = global_batch(&corpus, &args, 0)?;
     let x = Tensor::from_vec(

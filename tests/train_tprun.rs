@@ -1,6 +1,7 @@
 //! `examples/train` as real processes under `tprun` (a shortened `scripts/train-curves.sh`):
-//! a tiny model for a few steps at TP = 1, TP = 2 with sequence parallelism, and DP = 2 × TP = 2
-//! gives the same loss at every step; the TP = 2 checkpoint has the files `examples/generate`
+//! a tiny model for a few steps at TP = 1, TP = 2 with sequence parallelism, DP = 2 × TP = 2,
+//! and pipelines (PP = 2 in 4 micro-batches under 1F1B; PP = 2 × TP = 2 with sequence
+//! parallelism under GPipe) gives the same loss at every step; the TP = 2 checkpoint has the files `examples/generate`
 //! reads.
 
 mod common;
@@ -37,8 +38,28 @@ fn loss_curves_equal_one_process() {
     let one = losses(1, &["--tp", "1"]);
     let sp = losses(2, &["--tp", "2", "--sequence-parallel", "--save", &ckpt_s]);
     let dp_tp = losses(4, &["--tp", "2", "--dp", "2", "--sequence-parallel"]);
+    let pp = losses(2, &["--pp", "2", "--micro-batches", "4"]);
+    let pp_tp = losses(
+        4,
+        &[
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--schedule",
+            "gpipe",
+            "--sequence-parallel",
+        ],
+    );
     for (i, &r) in one.iter().enumerate() {
-        for (what, c) in [("tp2+sp", &sp), ("dp2xtp2", &dp_tp)] {
+        for (what, c) in [
+            ("tp2+sp", &sp),
+            ("dp2xtp2", &dp_tp),
+            ("pp2 1f1b", &pp),
+            ("pp2xtp2+sp gpipe", &pp_tp),
+        ] {
             let rel = (c[i] - r).abs() / r.abs();
             assert!(
                 rel <= 1e-4,
