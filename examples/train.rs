@@ -304,7 +304,7 @@ fn main() -> Result<()> {
                 })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let part = model.vocab_partition().clone();
+        let part = *model.vocab_partition();
         let report = train_step(&model, kind, &mbs, &vars, &drop, |logits, targets| {
             vocab_parallel_cross_entropy(logits, targets, &part, &tp_pg, args.label_smoothing, None)
         })?;
