@@ -18,6 +18,8 @@
 #                     (examples/generate, 2 ranks)
 #   allreduce-kill    SIGKILL of a random rank inside an all-reduce loop (3 ranks)
 #   generate-kill     SIGKILL of a random rank while rank 0 streams generated text (2 ranks)
+#   pipeline-kill     the same with three pipeline stages of one rank each (generate --pp 3):
+#                     a stage dies mid-step while the others wait on its activations or tokens
 #   collective-stop   SIGSTOP of a random rank inside the all-reduce loop, CANDLE_TP_TIMEOUT=2
 #   exit0-early       a random rank leaves the all-reduce loop and exits with code 0 (3 ranks)
 #   serve-kill        SIGKILL of a random rank while candle-tp-serve (2 ranks) streams 4
@@ -40,13 +42,13 @@ RUNS=20
 PROFILE=release
 BUILD=1
 VERBOSE=0
-ALL_CASES="rendezvous-kill,load-kill,allreduce-kill,generate-kill,collective-stop,exit0-early,serve-kill"
+ALL_CASES="rendezvous-kill,load-kill,allreduce-kill,generate-kill,pipeline-kill,collective-stop,exit0-early,serve-kill"
 CASES=$ALL_CASES
 STOP_TIMEOUT=2
 SERVE_CLIENTS=4
 SERVE_MAX_TOKENS=200
 
-usage() { sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) RUNS=3 ;;
@@ -99,7 +101,7 @@ for exe in "${needed[@]}"; do
     [ -x "$exe" ] || { echo "chaos.sh: $exe is missing (build it, or drop --no-build)" >&2; exit 2; }
 done
 case ",$CASES," in
-    *,load-kill,*|*,generate-kill,*)
+    *,load-kill,*|*,generate-kill,*|*,pipeline-kill,*)
         [ -x "$GENERATE" ] || { echo "chaos.sh: $GENERATE is missing" >&2; exit 2; } ;;
 esac
 if [ "$SERVE_CASE" = 1 ]; then
@@ -318,6 +320,7 @@ one_run() {
         exit0-early) nproc=3 ;;
         load-kill) nproc=2; cmd=("$GENERATE" --model "$MODEL" --max-new-tokens 8) ;;
         generate-kill) nproc=2; cmd=("$GENERATE" --model "$MODEL" --max-new-tokens 400) ;;
+        pipeline-kill) nproc=3; cmd=("$GENERATE" --model "$MODEL" --max-new-tokens 400 --pp 3) ;;
         serve-kill) nproc=2; cmd=("$SERVE" --model "$MODEL" --port 0) ;;
     esac
     victim=$((RANDOM % nproc))
@@ -355,7 +358,7 @@ one_run() {
                     kill -KILL "$vpid"; fault_at=$(now)
                     if [ -s "$dir/logs/rank0.stdout" ]; then R_WHY="missed the phase: generation had started"; fi
                 fi ;;
-            generate-kill)
+            generate-kill|pipeline-kill)
                 if wait_for "[ -s $dir/logs/rank0.stdout ]" 60; then
                     sleep "$(rand_between 0.05 0.3)"
                     if grep -q tokens_per_s "$dir/logs/rank0.stdout"; then R_WHY="missed the phase: generation had ended"; fi
