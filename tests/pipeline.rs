@@ -9,6 +9,9 @@
 //! - Each rank holds only its layers (the first stage the embedding, the last the head).
 //! - A stage's resident memory is its share of the weights: `examples/generate --pp 2` under
 //!   tprun, each rank's `RssAnon` against the bytes of the tensors it should hold.
+//! - A continuous batch (`BatchDecoder`: sequences joining at different steps, prompts in
+//!   chunks, sampling with seeds, penalties, log-probabilities) gives world 1's events on
+//!   every rank of every stage.
 //! - Stages that do not fit the layers are an error naming the sizes.
 
 mod common;
@@ -17,7 +20,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use candle_tp::generate::{DistributedSampler, SamplingParams};
+use candle_tp::generate::{
+    BatchDecoder, DistributedSampler, FinishReason, Penalties, SamplingParams, SeqOptions,
+    SeqRequest, TokenLogprobs,
+};
 use candle_tp::models::{CausalLm, FromCheckpoint, LoadOptions, SeqStep};
 use candle_tp::pipeline::PipelineStage;
 use candle_tp::{run_threads, ProcessGroup};
@@ -303,4 +309,95 @@ fn a_stage_holds_its_share_of_the_weights() {
             mb(one)
         );
     }
+}
+
+/// Every event of a continuous batch: (sequence, token, finish, log-probabilities).
+type Events = Vec<(u64, u32, Option<FinishReason>, Option<TokenLogprobs>)>;
+
+/// Four sequences through a `BatchDecoder` (sequence `i` joins at step `i`, prompts read 4
+/// tokens per step): temperature sampling with seeds, top-k, greedy with penalties, a
+/// `min_tokens` mask, log-probabilities with top entries.
+fn batch_events(model: &mut CausalLm) -> candle_core::Result<Events> {
+    let mut dec = BatchDecoder::new(4, 256, 4)?;
+    let requests: Vec<SeqRequest> = (0..4u64)
+        .map(|i| SeqRequest {
+            id: i,
+            prompt: PROMPTS[i as usize % 2][..3 + i as usize].to_vec(),
+            max_tokens: 6 + i as usize,
+            min_tokens: if i == 3 { 4 } else { 0 },
+            params: SamplingParams {
+                temperature: if i == 2 { 0.0 } else { 0.8 },
+                top_k: (i == 1).then_some(20),
+                top_p: None,
+                seed: 7 + i,
+            },
+            stop_ids: vec![2],
+            options: SeqOptions {
+                logprobs: (i != 1).then_some(3),
+                penalties: Penalties {
+                    presence: if i == 2 { 0.5 } else { 0.0 },
+                    frequency: if i == 2 { 0.3 } else { 0.0 },
+                    ..Penalties::default()
+                },
+            },
+        })
+        .collect();
+    let mut events = Events::new();
+    let mut step = 0;
+    while step < 200 {
+        if let Some(r) = requests.get(step) {
+            dec.add(model, r.clone())?;
+        }
+        for e in dec.step(model)? {
+            events.push((e.id, e.token, e.finish, e.logprobs));
+        }
+        step += 1;
+        if step >= requests.len() && dec.is_empty() {
+            break;
+        }
+    }
+    Ok(events)
+}
+
+#[test]
+fn a_continuous_batch_on_stages_equals_world_one() -> anyhow::Result<()> {
+    let path = common::smollm2_gguf(GgmlDType::Q4_1)?;
+    let want = batch_events(&mut load(&path, &ProcessGroup::single(), 1, None)?)?;
+    assert!(want.len() > 20, "only {} events", want.len());
+    assert!(want.iter().any(|e| e.3.is_some()), "no log-probabilities");
+    for (pp, tp) in [(2, 1), (3, 1), (2, 2)] {
+        let runs = run_threads(pp * tp, |pg| batch_events(&mut load(&path, &pg, pp, None)?))?;
+        for (rank, got) in runs.iter().enumerate() {
+            let what = format!("pp {pp} x tp {tp} rank {rank}");
+            assert_eq!(got.len(), want.len(), "{what}: events");
+            for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!((g.0, g.1, g.2), (w.0, w.1, w.2), "{what}: event {k}");
+                match (&g.3, &w.3) {
+                    (Some(a), Some(b)) => {
+                        assert!(
+                            a.logprob.is_finite() && (a.logprob - b.logprob).abs() <= 1e-6,
+                            "{what}: event {k}: {a:?} vs {b:?}"
+                        );
+                        assert_eq!(a.top.len(), b.top.len(), "{what}: event {k}");
+                        for (x, y) in a.top.iter().zip(&b.top) {
+                            assert!(
+                                x.0 == y.0 && (x.1 - y.1).abs() <= 1e-6,
+                                "{what}: event {k}: {a:?} vs {b:?}"
+                            );
+                        }
+                    }
+                    (None, None) => {}
+                    _ => panic!(
+                        "{what}: event {k}: log-probabilities {:?} vs {:?}",
+                        g.3, w.3
+                    ),
+                }
+            }
+        }
+        eprintln!(
+            "pp {pp} x tp {tp}: {} events equal world 1's on every rank",
+            want.len()
+        );
+    }
+    Ok(())
 }

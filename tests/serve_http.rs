@@ -425,12 +425,14 @@ fn server_two_ranks() {
     drop(server);
 }
 
+/// At worlds 1 and 3, and at 3 ranks as 3 pipeline stages (`--pp 3`: the batch's tokens drawn
+/// on the last stage and handed to the first, which answers HTTP).
 #[test]
 fn greedy_ids_equal_generate_alone_at_worlds_1_and_3() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (cases, expected) = safetensors_references();
-    for nproc in [1, 3] {
-        let server = Server::start(nproc, &["--max-batch", "16"]);
+    for (nproc, pp) in [(1, "1"), (3, "1"), (3, "3")] {
+        let server = Server::start(nproc, &["--max-batch", "16", "--pp", pp]);
         concurrent_greedy_matches_alone(server.port, cases, expected);
         drop(server);
     }

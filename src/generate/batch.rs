@@ -9,20 +9,22 @@
 //! its own, so that a sequence's logits do not depend on what else the step runs (batch
 //! invariance, see `BatchDecoder::forward_groups`); then it samples
 //! the next token of every sequence whose prompt is complete (with one
-//! [`sample_batch`] call: the greedy and temperature-only
+//! [`sample_batch`](crate::generate::sample_batch) call: the greedy and temperature-only
 //! sequences cross ranks in one all-gather).
 //!
 //! Every rank of the model's group runs the same decoder with the same calls (the serving
 //! scheduler broadcasts them from rank 0); the sampled tokens are the same on every rank, so
 //! the sequences finish at the same step everywhere.
 
-use candle_core::{DType, IndexOp, Result, Tensor};
+use candle_core::{IndexOp, Result, Tensor};
 
-use crate::generate::logprobs::{shard_logprobs, LogprobRow, TokenLogprobs, MAX_TOP_LOGPROBS};
-use crate::generate::penalties::{apply_penalties, History, Penalties};
-use crate::generate::{sample_batch, DistributedSampler, SamplingParams};
+use crate::generate::logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
+use crate::generate::penalties::{History, Penalties};
+use crate::generate::{DistributedSampler, SamplingParams};
 use crate::models::{CausalLm, SeqStep};
 use crate::nn::KvCache;
+
+mod draw;
 
 /// What a sequence asks for besides sampling: log-probabilities and penalties. The default
 /// asks for neither.
@@ -311,11 +313,14 @@ impl BatchDecoder {
     /// else the step runs, and a prompt chunk's are those of the chunk alone. The price: the
     /// weights are read once per pass (one pass per 16 decoding sequences, one per prompt
     /// chunk) rather than once per step.
+    ///
+    /// On a pipeline stage other than the last, the passes hand their activations on and the
+    /// result is `None`.
     fn forward_groups(
         &mut self,
         model: &mut CausalLm,
         plan: &[(usize, Vec<u32>)],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Option<Vec<Tensor>>> {
         let mut groups: Vec<Vec<usize>> = Vec::new(); // indices into `plan`
         let mut decode: Vec<usize> = Vec::new();
         for (row, (i, _)) in plan.iter().enumerate() {
@@ -341,20 +346,29 @@ impl BatchDecoder {
                         cache: &mut s.cache,
                     });
                 }
-                model.forward_batch(&mut steps)?
+                model.forward_batch_stage(&mut steps)?
             };
+            let Some(logits) = logits else { continue };
             for (k, &row) in rows.iter().enumerate() {
                 out[row] = Some(logits.i(k)?);
             }
         }
-        Ok(out
-            .into_iter()
-            .map(|t| t.expect("every planned row runs in one group"))
-            .collect())
+        if !model.has_logits() {
+            return Ok(None);
+        }
+        Ok(Some(
+            out.into_iter()
+                .map(|t| t.expect("every planned row runs in one group"))
+                .collect(),
+        ))
     }
 
     /// Runs the step's forward passes and returns the tokens they generated (none when no
     /// sequence is active). Finished sequences leave the batch.
+    ///
+    /// On a pipeline ([`CausalLm::pipeline`]) every rank of every stage calls it: the last
+    /// stage draws the tokens (and their log-probabilities) and hands them to the other
+    /// stages, so that every stage's batch moves on alike.
     pub fn step(&mut self, model: &mut CausalLm) -> Result<Vec<TokenEvent>> {
         let plan = self.plan();
         if plan.is_empty() {
@@ -362,12 +376,8 @@ impl BatchDecoder {
         }
         let logits = self.forward_groups(model, &plan)?;
         let limit = self.seq_limit(model);
-        let head = model.head("BatchDecoder::step")?;
-        let range = head.partition().range(head.pg().rank());
-        // The sequences whose prompt is complete draw their next token, all in one call.
-        let mut ready: Vec<(usize, Tensor)> = Vec::new();
-        // The raw logits of the rows that report log-probabilities (index into `ready`).
-        let mut raw: Vec<(usize, Vec<f32>)> = Vec::new();
+        // The sequences whose prompt is complete draw their next token: (plan row, sequence).
+        let mut ready: Vec<(usize, usize)> = Vec::new();
         for (row, (i, tokens)) in plan.iter().enumerate() {
             let s = &mut self.seqs[*i];
             if s.next.is_none() {
@@ -376,51 +386,17 @@ impl BatchDecoder {
                     continue; // more prompt to read
                 }
             }
-            let mut row_logits = logits[row].clone();
-            if s.req.options.logprobs.is_some() {
-                raw.push((ready.len(), to_f32(&row_logits)?));
-            }
-            let mask = s.generated < s.req.min_tokens && !s.req.stop_ids.is_empty();
-            if mask || !s.req.options.penalties.is_neutral() {
-                let mut v = to_f32(&row_logits)?;
-                apply_penalties(&mut v, range.clone(), &s.req.options.penalties, &s.history);
-                if mask {
-                    mask_ids(&mut v, &s.req.stop_ids, range.clone());
-                }
-                row_logits = Tensor::from_vec(v, row_logits.shape(), row_logits.device())?;
-            }
-            ready.push((*i, row_logits));
+            ready.push((row, *i));
         }
-        let tokens = {
-            // `plan`, hence `ready`, is in batch order.
-            let mut pending = ready.iter().peekable();
-            let mut rows: Vec<(&mut DistributedSampler, &Tensor)> = Vec::new();
-            for (i, s) in self.seqs.iter_mut().enumerate() {
-                if let Some((_, row_logits)) = pending.next_if(|r| r.0 == i) {
-                    rows.push((&mut s.sampler, row_logits));
-                }
-            }
-            sample_batch(&mut rows, head.partition(), head.pg())?
+        let (tokens, logprobs) = match &logits {
+            Some(logits) => self.draw(model, logits, &ready)?,
+            None => (vec![0; ready.len()], vec![None; ready.len()]),
         };
-        let mut logprobs: Vec<Option<TokenLogprobs>> = vec![None; ready.len()];
-        if !raw.is_empty() {
-            let rows: Vec<LogprobRow<'_>> = raw
-                .iter()
-                .map(|(r, local)| LogprobRow {
-                    local,
-                    token: tokens[*r],
-                    top_n: self.seqs[ready[*r].0].req.options.logprobs.unwrap_or(0),
-                })
-                .collect();
-            let got = shard_logprobs(&rows, head.partition(), head.pg())?;
-            for ((r, _), lp) in raw.iter().zip(got) {
-                logprobs[*r] = Some(lp);
-            }
-        }
+        let (tokens, logprobs) = self.share_draws(model, &ready, tokens, logprobs)?;
         let mut events = Vec::new();
         let mut done = Vec::new();
-        for (((i, _), token), logprobs) in ready.iter().zip(tokens).zip(logprobs) {
-            let s = &mut self.seqs[*i];
+        for ((&(_, i), token), logprobs) in ready.iter().zip(tokens).zip(logprobs) {
+            let s = &mut self.seqs[i];
             s.generated += 1;
             s.history.push(token);
             let finish = if s.req.stop_ids.contains(&token) {
@@ -443,21 +419,5 @@ impl BatchDecoder {
         }
         self.seqs.retain(|s| !done.contains(&s.req.id));
         Ok(events)
-    }
-}
-
-/// One row of logits as f32 values.
-fn to_f32(row: &Tensor) -> Result<Vec<f32>> {
-    row.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
-}
-
-/// Sets the ids in `ids` that fall in `range` (this rank's share of the vocabulary, whose
-/// logits `local` holds) to minus infinity: they cannot be drawn.
-fn mask_ids(local: &mut [f32], ids: &[u32], range: std::ops::Range<usize>) {
-    for &id in ids {
-        let id = id as usize;
-        if range.contains(&id) {
-            local[id - range.start] = f32::NEG_INFINITY;
-        }
     }
 }

@@ -32,21 +32,29 @@ use crate::comm::{CommError, CommResult, DeviceMesh, Element, ProcessGroup};
 /// ```
 #[derive(Debug, Clone)]
 pub struct PipelineStage {
+    world: ProcessGroup,
     group: ProcessGroup,
     sizes: Option<Vec<usize>>,
 }
 
 impl PipelineStage {
-    /// The stage of this rank in `group` (one rank per stage, in stage order), with `sizes`
-    /// layers per stage when given (else even).
-    pub fn new(group: ProcessGroup, sizes: Option<Vec<usize>>) -> Self {
-        Self { group, sizes }
+    /// The stage of this rank in `group` (one rank per stage, in stage order; a sub-group of
+    /// `world`, every rank of every stage), with `sizes` layers per stage when given (else
+    /// even).
+    pub fn new(world: ProcessGroup, group: ProcessGroup, sizes: Option<Vec<usize>>) -> Self {
+        Self {
+            world,
+            group,
+            sizes,
+        }
     }
 
     /// The stage along the `pp` axis (axis 0) of a [`DeviceMesh::pp_dp_tp`] mesh.
     pub fn from_mesh(mesh: &DeviceMesh, sizes: Option<Vec<usize>>) -> CommResult<Self> {
         match (mesh.names().first(), mesh.group_along(0)) {
-            (Some(n), Some(g)) if n == "pp" => Ok(Self::new(g.clone(), sizes)),
+            (Some(n), Some(g)) if n == "pp" => {
+                Ok(Self::new(mesh.world().clone(), g.clone(), sizes))
+            }
             _ => Err(CommError::invalid(
                 format!("pipeline stage on mesh {:?}", mesh.names()),
                 "the mesh has no `pp` axis first (build it with DeviceMesh::pp_dp_tp)",
@@ -97,6 +105,11 @@ impl PipelineStage {
     /// Whether this is the last stage (it holds the final norm and the LM head).
     pub fn is_last(&self) -> bool {
         self.index() + 1 == self.count()
+    }
+
+    /// Every rank of every stage (the group the pipeline was split from).
+    pub fn world(&self) -> &ProcessGroup {
+        &self.world
     }
 
     /// The group of the stages (rank `s` is stage `s`).

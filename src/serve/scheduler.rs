@@ -181,7 +181,7 @@ fn apply(model: &CausalLm, dec: &mut BatchDecoder, plan: &StepPlan) -> Result<()
 
 /// A rank other than 0: applies rank 0's plans and runs the steps until a plan says stop.
 pub fn run_follower(model: &mut CausalLm, dec: &mut BatchDecoder) -> Result<()> {
-    let pg = model.pg().clone();
+    let pg = model.world().clone();
     loop {
         let plan = StepPlan::broadcast(&pg, None)?;
         if plan.shutdown {
@@ -299,7 +299,7 @@ pub fn run_leader(
     inbox: Inbox,
     heartbeat: Duration,
 ) -> Result<()> {
-    let pg = model.pg().clone();
+    let pg = model.world().clone();
     let mut leader = Leader {
         waiting: VecDeque::new(),
         active: HashMap::new(),

@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_tp::generate::BatchDecoder;
 use candle_tp::models::bert::BertModel;
-use candle_tp::models::{CausalLm, FromCheckpoint};
+use candle_tp::models::{CausalLm, FromCheckpoint, LoadOptions};
+use candle_tp::pipeline::PipelineStage;
 use candle_tp::serve::{self, embeddings, AppState, ModelText};
 use clap::Parser;
 
@@ -74,6 +75,13 @@ struct Args {
     /// before any of it is parsed or tokenized.
     #[arg(long, default_value_t = serve::DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
+    /// Pipeline stages: the ranks split into this many stages of layers, each stage's layers
+    /// split over world / N tensor-parallel ranks (HTTP stays on rank 0, the first stage).
+    #[arg(long, visible_alias = "pipeline-parallel-size", default_value_t = 1)]
+    pp: usize,
+    /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
+    #[arg(long, value_delimiter = ',')]
+    pp_layers: Option<Vec<usize>>,
 }
 
 /// How long a rank other than 0 waits, after SIGTERM or SIGINT, for rank 0's shutdown plan
@@ -174,17 +182,35 @@ fn main() -> Result<()> {
         None => candle_tp::models::models_dir()?.join("smollm2-135m-instruct"),
     };
     if is_bert(&path) {
+        if args.pp > 1 || args.pp_layers.is_some() {
+            bail!(
+                "--pp {}: {} is a BERT encoder, served with tensor parallelism only (pipeline stages are for decoders)",
+                args.pp,
+                path.display()
+            );
+        }
         return serve_embeddings(&args, pg, &path, dtype, &device);
     }
     let t0 = Instant::now();
-    let mut model = CausalLm::from_path(&path, dtype, &device, pg.clone()).with_context(|| {
-        format!(
-            "loading {} on rank {} of {}",
-            path.display(),
-            pg.rank(),
-            pg.size()
-        )
-    })?;
+    let (stage, tp) = if args.pp > 1 || args.pp_layers.is_some() {
+        let (stage, tp) = PipelineStage::split(&pg, args.pp, args.pp_layers.clone())?;
+        (Some(stage), tp)
+    } else {
+        (None, pg.clone())
+    };
+    let options = LoadOptions {
+        pipeline: stage,
+        ..LoadOptions::default()
+    };
+    let mut model =
+        CausalLm::from_path_with(&path, dtype, &device, tp, options).with_context(|| {
+            format!(
+                "loading {} on rank {} of {}",
+                path.display(),
+                pg.rank(),
+                pg.size()
+            )
+        })?;
     let max_seq_len = args.max_seq_len.min(model.config().max_position_embeddings);
     let mut dec = BatchDecoder::new(args.max_batch, max_seq_len, args.prefill_chunk)?;
     if pg.rank() != 0 {
@@ -214,7 +240,7 @@ fn main() -> Result<()> {
     println!(
         "{}",
         serde_json::json!({
-            "listening": format!("http://{}", http.local), "model": name, "world_size": pg.size(),
+            "listening": format!("http://{}", http.local), "model": name, "world_size": pg.size(), "pipeline_parallel_size": args.pp,
             "max_batch": args.max_batch, "max_seq_len": max_seq_len,
             "load_s": t0.elapsed().as_secs_f64(),
         })

@@ -16,6 +16,12 @@ impl CausalLm {
         self.stage.as_ref()
     }
 
+    /// Every rank that runs this model: the pipeline's ranks, or [`pg`](Self::pg) without a
+    /// pipeline (what a serving loop broadcasts its steps over).
+    pub fn world(&self) -> &crate::comm::ProcessGroup {
+        self.stage.as_ref().map_or(&self.pg, |s| s.world())
+    }
+
     /// The decoder layers this rank holds, in the model's numbering (all of them without a
     /// pipeline).
     pub fn layer_range(&self) -> Range<usize> {
