@@ -24,7 +24,11 @@
 # tokens of context per slot, the same threads; its requests also carry `ignore_eos` (it has
 # no `min_tokens`), so both servers decode exactly max_tokens.
 #
+# With --pp-vs-tp instead: candle-tp on the same NPROC ranks twice per round, as NPROC
+# tensor-parallel ranks and as NPROC pipeline stages (`--pp NPROC`), side by side.
+#
 #   scripts/bench-serve.sh                   # 2 ranks, SmolLM2 f32, 64 tokens per request
+#   scripts/bench-serve.sh --pp-vs-tp        # tp 2 against pp 2 on the same 2 ranks
 #   scripts/bench-serve.sh --llama-cpp       # 2 ranks against llama.cpp with 2 threads, Q4_1 GGUF
 #   scripts/bench-serve.sh --llama-server --rounds 2   # against llama-server --parallel 8
 #   NPROC=1 MODEL=~/.cache/candle-tp/models/smollm2-135m-instruct.Q4_1.gguf scripts/bench-serve.sh
@@ -37,13 +41,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 llama_cpp=0
 llama_server=0
+pp_vs_tp=0
 rounds=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --llama-cpp) llama_cpp=1; shift ;;
     --llama-server) llama_cpp=1; llama_server=1; shift ;;
+    --pp-vs-tp) pp_vs_tp=1; shift ;;
     --rounds) rounds="$2"; shift 2 ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -113,7 +119,15 @@ for r in $(seq "$rounds"); do
   start_server "$PROFILE" --max-batch 16 --max-seq-len "$N_CTX"
   trap cleanup EXIT
   echo "==> round $r: candle-tp-serve on port $port ($NPROC ranks x $per_rank threads, $MODEL)" >&2
-  bench candle-tp "$r" "$port"
+  if [ "$pp_vs_tp" = 1 ]; then
+    bench "candle-tp tp $NPROC" "$r" "$port"
+    stop_server
+    start_server "$PROFILE" --max-batch 16 --max-seq-len "$N_CTX" --pp "$NPROC"
+    echo "==> round $r: candle-tp-serve --pp $NPROC on port $port" >&2
+    bench "candle-tp pp $NPROC" "$r" "$port"
+  else
+    bench candle-tp "$r" "$port"
+  fi
   stop_server
   if [ "$llama_server" = 1 ]; then
     start_llama_server "$lbin" "$MODEL" "$LLAMA_THREADS" "$PARALLEL" "$N_CTX"

@@ -45,12 +45,29 @@ pub fn all_reduce_grads(
     Ok(())
 }
 
-/// Bytes of the activations the autograd graph of `loss` keeps for backward: every tensor of
-/// the graph that is not a parameter (measured from the graph itself, not estimated).
+/// Bytes of the activations the autograd graph of `loss` keeps for backward: every buffer of
+/// the graph that is not a parameter's, counted once (measured from the graph itself, not
+/// estimated). Views share their buffer: a transposed weight is the parameter's buffer (not
+/// counted), a reshaped activation its input's (counted once, at its largest view).
 pub fn activation_bytes(loss: &Tensor) -> usize {
-    loss.sorted_nodes()
+    let nodes = loss.sorted_nodes();
+    let buffer = |t: &Tensor| {
+        let (storage, _) = t.storage_and_layout();
+        &*storage as *const candle_core::Storage as usize
+    };
+    let params: std::collections::HashSet<usize> = nodes
         .iter()
-        .filter(|t| !t.is_variable())
-        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-        .sum()
+        .filter(|t| t.is_variable())
+        .map(|t| buffer(t))
+        .collect();
+    let mut bytes: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    for t in nodes.iter().filter(|t| !t.is_variable()) {
+        let b = buffer(t);
+        if !params.contains(&b) {
+            let n = t.elem_count() * t.dtype().size_in_bytes();
+            let e = bytes.entry(b).or_default();
+            *e = (*e).max(n);
+        }
+    }
+    bytes.values().sum()
 }
