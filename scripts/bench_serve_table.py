@@ -47,6 +47,10 @@ for n in levels:
     if "candle-tp" in row and "llama.cpp" in row and row["candle-tp"] and row["llama.cpp"]:
         a, b = row["candle-tp"]["tokens_per_s"], row["llama.cpp"]["tokens_per_s"]
         row["tokens_per_s_ratio_candle_tp_over_llama_cpp"] = round(a / b, 2) if a and b else None
+    elif len(servers) == 2 and row[servers[0]] and row[servers[1]]:
+        # Two candle-tp layouts (--pp-vs-tp): the second over the first.
+        a, b = row[servers[1]]["tokens_per_s"], row[servers[0]]["tokens_per_s"]
+        row["tokens_per_s_ratio"] = round(a / b, 2) if a and b else None
     side.append(row)
 
 print(json.dumps({**meta, "per_level": side, "runs": runs}, indent=1))
@@ -56,8 +60,10 @@ lat = lambda s, key: f"{f(s[key]['p50'], 0)} / {f(s[key]['p99'], 0)}" if s else 
 head = ["streams"]
 for s in servers:
     head += [f"{s} tok/s"]
+ratio_key = ("tokens_per_s_ratio_candle_tp_over_llama_cpp" if "llama.cpp" in servers
+             else "tokens_per_s_ratio")
 if len(servers) == 2:
-    head += ["candle-tp / llama.cpp"]
+    head += ["candle-tp / llama.cpp" if "llama.cpp" in servers else f"{servers[1]} / {servers[0]}"]
 for s in servers:
     head += [f"{s} TTFT p50 / p99 (ms)", f"{s} ITL p50 / p99 (ms)"]
 lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -65,7 +71,7 @@ for row in side:
     cells = [str(row["streams"])]
     cells += [f(row[s]["tokens_per_s"]) if row[s] else "-" for s in servers]
     if len(servers) == 2:
-        cells += [f(row.get("tokens_per_s_ratio_candle_tp_over_llama_cpp"), 2)]
+        cells += [f(row.get(ratio_key), 2)]
     for s in servers:
         cells += [lat(row[s], "ttft_ms"), lat(row[s], "itl_ms")]
     lines.append("| " + " | ".join(cells) + " |")
