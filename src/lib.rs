@@ -25,7 +25,7 @@
 //!
 //! ```text
 //! tprun, candle-tp-serve, serve, examples      launch a job, serve a model over HTTP
-//!   generate | train | pipeline                decode and sample | train | pipeline schedules
+//!   generate | train | pipeline                decode and sample | train | pipeline stages
 //!     models                                   CausalLm (Llama, Qwen3, Gemma, Phi-3, Mixtral), BERT
 //!       nn            quant -> kernels/        parallel layers | quantized matmuls
 //!         ops         loader -> gguf           collectives as Candle ops | sharded weights
@@ -37,8 +37,9 @@
 //!   Hugging Face directory or a GGUF file through [`models::FromCheckpoint`].
 //! - [`generate`]: sampling from vocabulary-parallel logits without gathering them, batched
 //!   decoding. [`train`]: sharded initialisation, vocabulary-parallel cross-entropy, training
-//!   with TP, SP and DP × TP. [`pipeline`]: pipeline-parallel schedules (GPipe, 1F1B) as data,
-//!   and their replay.
+//!   with TP, SP and DP × TP. [`pipeline`]: pipeline parallelism: a rank's stage
+//!   ([`pipeline::PipelineStage`]: the decoders and the training model load only its layers),
+//!   the schedules (GPipe, 1F1B) as data with their replay, and [`pipeline::train_step`].
 //! - `serve` (feature `server`): the OpenAI-compatible server (binary `candle-tp-serve`).
 //!   [`chat_template`]: a checkpoint's chat template, rendered as Hugging Face transformers
 //!   renders it (used by the server and `examples/generate.rs`).
