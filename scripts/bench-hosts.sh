@@ -52,6 +52,9 @@ done
 case "$only" in ""|all-reduce|decode) ;; *) echo "--only all-reduce or decode" >&2; exit 2 ;; esac
 
 scripts/hosts.sh check >/dev/null || { scripts/hosts.sh check; exit 1; }
+# The hosts are global: one user at a time on the machine (the tests take the same lock).
+exec 9>/tmp/candle-tp-hosts.lock
+flock 9
 scripts/setup-mpi.sh >&2
 home=${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}
 target_dir="${CARGO_TARGET_DIR:-target}"

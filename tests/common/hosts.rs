@@ -1,5 +1,7 @@
 //! Emulated hosts (`scripts/hosts.sh`) for the tests that run jobs across them: made for one
-//! test at a time (a lock), removed when the guard drops, also when the test fails.
+//! test at a time on the machine (a lock in the process and a file lock across processes: the
+//! hosts are global, and two test runs in two checkouts would take each other's down), removed
+//! when the guard drops, also when the test fails.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,7 +16,12 @@ pub fn hosts_sh() -> PathBuf {
 /// test at a time holds them.
 pub struct Hosts {
     _one_at_a_time: MutexGuard<'static, ()>,
+    /// Holds `flock(LOCK_EX)` on [`LOCK_FILE`] until dropped (after `down`).
+    _machine: std::fs::File,
 }
+
+/// The file whose lock one test run on the machine holds while it has the hosts.
+const LOCK_FILE: &str = "/tmp/candle-tp-hosts.lock";
 
 impl Hosts {
     /// `hosts.sh up n`, or `None` after printing `SKIPPED: why` where the machine cannot make
@@ -35,6 +42,25 @@ impl Hosts {
             eprintln!("SKIPPED: {why}");
             return None;
         }
+        let machine = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(LOCK_FILE)
+            .expect("open the hosts lock file");
+        // SAFETY: flock(2) on a descriptor this File owns; it blocks until the lock is ours.
+        let rc = unsafe {
+            libc::flock(
+                std::os::unix::io::AsRawFd::as_raw_fd(&machine),
+                libc::LOCK_EX,
+            )
+        };
+        assert_eq!(
+            rc,
+            0,
+            "flock {LOCK_FILE}: {}",
+            std::io::Error::last_os_error()
+        );
         let out = Command::new(hosts_sh())
             .args(["up", &n.to_string()])
             .output()
@@ -46,6 +72,7 @@ impl Hosts {
         );
         Some(Hosts {
             _one_at_a_time: guard,
+            _machine: machine,
         })
     }
 
