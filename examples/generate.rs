@@ -212,12 +212,7 @@ fn main() -> Result<()> {
         shown.set_position(done as u64);
         shown.set_message(name.to_string());
     });
-    let (stage, tp) = if args.pp > 1 || args.pp_layers.is_some() {
-        let (stage, tp) = PipelineStage::split(&pg, args.pp, args.pp_layers.clone())?;
-        (Some(stage), tp)
-    } else {
-        (None, pg.clone())
-    };
+    let (stage, tp) = PipelineStage::from_option(&pg, args.pp, args.pp_layers.clone())?;
     let options = LoadOptions {
         progress: Some(progress),
         pipeline: stage,

@@ -9,19 +9,8 @@ mod common;
 use std::path::Path;
 
 fn rss(nproc: usize, model: &Path) -> Vec<f64> {
-    let args = [
-        "--model".to_string(),
-        model.display().to_string(),
-        "--max-new-tokens".into(),
-        "2".into(),
-    ];
-    let v = common::run_generate(nproc, &args);
-    v["rss_bytes"]
-        .as_array()
-        .expect("rss_bytes")
-        .iter()
-        .map(|b| b.as_f64().expect("number"))
-        .collect()
+    let model = model.display().to_string();
+    common::rss_of(nproc, &["--model", &model, "--max-new-tokens", "2"])
 }
 
 #[test]

@@ -238,17 +238,6 @@ fn tensor_bytes(file: &Path) -> Vec<(String, u64)> {
         .collect()
 }
 
-fn rss(nproc: usize, args: &[&str]) -> Vec<f64> {
-    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    let v = common::run_generate(nproc, &args);
-    v["rss_bytes"]
-        .as_array()
-        .expect("rss_bytes")
-        .iter()
-        .map(|b| b.as_f64().expect("number"))
-        .collect()
-}
-
 #[test]
 fn a_stage_holds_its_share_of_the_weights() {
     let dir: PathBuf = common::smollm2_dir();
@@ -274,8 +263,8 @@ fn a_stage_holds_its_share_of_the_weights() {
             .map(|(_, b)| b)
             .sum()
     };
-    let one = rss(1, &["--model", &model, "--max-new-tokens", "2"])[0];
-    let two = rss(
+    let one = common::rss_of(1, &["--model", &model, "--max-new-tokens", "2"])[0];
+    let two = common::rss_of(
         2,
         &["--model", &model, "--max-new-tokens", "2", "--pp", "2"],
     );

@@ -87,6 +87,22 @@ impl PipelineStage {
         Ok((Self::from_mesh(&mesh, sizes)?, tp))
     }
 
+    /// What a `--pp N` / `--pp-layers` option asks for: [`split`](Self::split) when `pp > 1`
+    /// or `sizes` are given, else no pipeline and the whole `world` tensor-parallel. Returns
+    /// the stage (if any) and the tensor-parallel group to load the model over.
+    pub fn from_option(
+        world: &ProcessGroup,
+        pp: usize,
+        sizes: Option<Vec<usize>>,
+    ) -> CommResult<(Option<Self>, ProcessGroup)> {
+        if pp > 1 || sizes.is_some() {
+            let (stage, tp) = Self::split(world, pp, sizes)?;
+            Ok((Some(stage), tp))
+        } else {
+            Ok((None, world.clone()))
+        }
+    }
+
     /// This rank's stage index (0 holds the embedding).
     pub fn index(&self) -> usize {
         self.group.rank()

@@ -158,6 +158,17 @@ pub fn run_generate(nproc: usize, args: &[String]) -> serde_json::Value {
     serde_json::from_str(json).unwrap_or_else(|e| panic!("bad JSON {json}: {e}"))
 }
 
+/// Every rank's `RssAnon` after loading (bytes), from [`run_generate`]'s report.
+pub fn rss_of(nproc: usize, args: &[&str]) -> Vec<f64> {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    run_generate(nproc, &args)["rss_bytes"]
+        .as_array()
+        .expect("rss_bytes")
+        .iter()
+        .map(|b| b.as_f64().expect("number"))
+        .collect()
+}
+
 /// A `ShardedVarBuilder` over in-memory f32 CPU tensors `(name, tensor)`.
 pub fn builder_from(
     tensors: &[(&str, &Tensor)],

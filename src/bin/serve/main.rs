@@ -192,12 +192,7 @@ fn main() -> Result<()> {
         return serve_embeddings(&args, pg, &path, dtype, &device);
     }
     let t0 = Instant::now();
-    let (stage, tp) = if args.pp > 1 || args.pp_layers.is_some() {
-        let (stage, tp) = PipelineStage::split(&pg, args.pp, args.pp_layers.clone())?;
-        (Some(stage), tp)
-    } else {
-        (None, pg.clone())
-    };
+    let (stage, tp) = PipelineStage::from_option(&pg, args.pp, args.pp_layers.clone())?;
     let options = LoadOptions {
         pipeline: stage,
         ..LoadOptions::default()
