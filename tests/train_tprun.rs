@@ -1,7 +1,7 @@
 //! `examples/train` as real processes under `tprun` (a shortened `scripts/train-curves.sh`):
 //! a tiny model for a few steps at TP = 1, TP = 2 with sequence parallelism, DP = 2 × TP = 2,
 //! and pipelines (PP = 2 in 4 micro-batches under 1F1B; PP = 2 × TP = 2 with sequence
-//! parallelism under GPipe) gives the same loss at every step; the TP = 2 checkpoint has the files `examples/generate`
+//! parallelism under GPipe; PP = 2 x DP = 2) gives the same loss at every step; the TP = 2 checkpoint has the files `examples/generate`
 //! reads.
 
 mod common;
@@ -53,8 +53,10 @@ fn loss_curves_equal_one_process() {
             "--sequence-parallel",
         ],
     );
+    let pp_dp = losses(4, &["--pp", "2", "--dp", "2", "--micro-batches", "2"]);
     for (i, &r) in one.iter().enumerate() {
         for (what, c) in [
+            ("pp2xdp2 1f1b", &pp_dp),
             ("tp2+sp", &sp),
             ("dp2xtp2", &dp_tp),
             ("pp2 1f1b", &pp),
