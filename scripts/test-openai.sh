@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Drives candle-tp-serve with the official `openai` Python client (installed from PyPI into a
-# venv under $CANDLE_TP_HOME, with prometheus_client) and with curl: chat and completions,
-# streaming and not, at temperature 0 (the streamed text must equal the whole answer);
-# log-probabilities (chat and completions, streamed too), penalties and logit_bias, refused
-# fields (tools, response_format: the client's typed BadRequestError naming the field), n and
+# venv under $CANDLE_TP_HOME, with prometheus_client and pydantic) and with curl: chat and
+# completions, streaming and not, at temperature 0 (the streamed text must equal the whole
+# answer); log-probabilities (chat and completions, streamed too), penalties and logit_bias,
+# refused fields and values (the client's typed BadRequestError naming the field); structured
+# outputs (the client's parse() with a pydantic model, 20 of 20 at temperature 1; json_object)
+# and tools (required and named calls parsed, streamed too; auto; a tool result); n and
 # batched prompts (text and token ids), the
 # API key (the client without it gets AuthenticationError), models.retrieve, /tokenize and
 # /detokenize, and /metrics parsed by prometheus_client; then a second server on
@@ -23,11 +25,12 @@ VENV="$HOME_DIR/venv-openai"
 target_dir="${CARGO_TARGET_DIR:-target}"
 profile=debug
 [ "${1:-}" = --release ] && profile=release
-if [ ! -f "$VENV/.complete" ] || ! "$VENV/bin/python" -c 'import openai, prometheus_client' 2>/dev/null; then
-  echo "==> installing the openai client and prometheus_client into $VENV" >&2
+if [ ! -f "$VENV/.complete" ] || ! "$VENV/bin/python" -c 'import openai, prometheus_client, pydantic' 2>/dev/null; then
+  echo "==> installing the openai client, pydantic and prometheus_client into $VENV" >&2
   rm -rf "$VENV"
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet 'openai>=1.40,<3' 'prometheus_client>=0.20,<1'
+  # pydantic: the structured-output models (openai depends on it already; named for clarity).
+  "$VENV/bin/pip" install --quiet 'openai>=1.40,<3' 'pydantic>=2,<3' 'prometheus_client>=0.20,<1'
   touch "$VENV/.complete"
 fi
 KEY="sk-candle-tp-$$"
@@ -121,9 +124,10 @@ forced = client.completions.create(model=model, prompt=count, max_tokens=3, temp
 print("logit_bias +100 on 28:", forced.choices[0].model_extra.get("token_ids"))
 assert forced.choices[0].model_extra.get("token_ids") == [28, 28, 28]
 
-# Refused fields: the typed error names the field.
-for kw, param in [(dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-                  (dict(response_format={"type": "json_object"}), "response_format"),
+# Refused fields and values: the typed error names the field.
+for kw, param in [(dict(tools=[{"type": "retrieval"}]), "tools[0].type"),
+                  (dict(response_format={"type": "xml"}), "response_format.type"),
+                  (dict(tool_choice="required"), "tool_choice"),
                   (dict(n=0), "n"),
                   (dict(extra_body={"min_p": 0.1}), "min_p")]:
     try:
@@ -132,6 +136,78 @@ for kw, param in [(dict(tools=[{"type": "function", "function": {"name": "f", "p
     except openai.BadRequestError as e:
         assert e.body["param"] == param, e.body
         print(f"{param}: 400 {e.body['message']}")
+
+# Structured outputs: the client's parse() with a pydantic model, 20 of 20 at temperature 1.
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, List, Literal
+from pydantic import BaseModel, Field
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+    population_millions: int = Field(ge=0, le=100)
+    landmarks: List[Annotated[str, Field(max_length=24)]] = Field(max_length=3)
+    climate: Literal["oceanic", "continental", "mediterranean", "tropical", "arid"]
+parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+def city(seed):  # 20 requests at once: the server batches them
+    got = parse(model=model, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+                response_format=City, temperature=1, seed=seed, max_tokens=200)
+    return got.choices[0].message
+with ThreadPoolExecutor(20) as pool:
+    parsed = list(pool.map(city, range(20)))
+bad = [m.content for m in parsed if not isinstance(m.parsed, City)]
+assert not bad, bad
+print(f"parse(): 20 of 20 City objects at temperature 1, e.g. {parsed[0].parsed!r}")
+obj = client.chat.completions.create(model=model, messages=msgs, max_tokens=48, temperature=0,
+                                     response_format={"type": "json_object"})
+print("json_object:", repr(obj.choices[0].message.content), obj.choices[0].finish_reason)
+assert obj.choices[0].message.content.startswith("{")
+
+# Tools: forced calls (required, a named function) come back parsed, streamed too.
+tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                         "required": ["city", "unit"], "additionalProperties": False}, "strict": True}},
+         {"type": "function", "function": {"name": "add", "description": "Adds two integers",
+          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                         "required": ["a", "b"], "additionalProperties": False}}}]
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
+    r = client.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice=choice,
+                                       max_tokens=100, temperature=0)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.tool_calls, r
+    call = m.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    print("tool_choice", choice, "->", call.function.name, args)
+    assert call.type == "function" and call.id
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit"), args
+    else:
+        assert call.function.name == "add" and set(args) == {"a", "b"}, args
+forced = r
+stream = client.chat.completions.create(model=model, messages=ask, tools=tools, max_tokens=100, temperature=0,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                        stream=True)
+calls, finish = {}, None
+for chunk in stream:
+    if not chunk.choices:
+        continue
+    for t in chunk.choices[0].delta.tool_calls or []:
+        c = calls.setdefault(t.index, {"name": "", "arguments": ""})
+        c["name"] += t.function.name or ""
+        c["arguments"] += t.function.arguments or ""
+    finish = chunk.choices[0].finish_reason or finish
+print("streamed tool calls:", calls, finish)
+assert finish == "tool_calls"
+assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+    [(t.function.name, json.loads(t.function.arguments)) for t in forced.choices[0].message.tool_calls]
+auto = client.chat.completions.create(model=model, messages=ask, tools=tools, max_tokens=32, temperature=0)
+print("tool_choice auto:", auto.choices[0].finish_reason, repr(auto.choices[0].message.content),
+      auto.choices[0].message.tool_calls)
+follow = client.chat.completions.create(model=model, max_tokens=16, temperature=0, tools=tools, messages=ask + [
+    {"role": "assistant", "content": None, "tool_calls": [t.model_dump() for t in forced.choices[0].message.tool_calls]},
+    {"role": "tool", "tool_call_id": forced.choices[0].message.tool_calls[0].id, "content": "18 degrees, sunny"}])
+print("after the tool result:", repr(follow.choices[0].message.content))
 
 # n and batched prompts (text and token ids).
 two = client.completions.create(model=model, prompt=["Tensor parallelism splits", [504, 3575, 282]],

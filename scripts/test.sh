@@ -48,6 +48,9 @@ if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
     echo "==> no MPI (scripts/setup-mpi.sh needs root): the mpi feature is not built, tests/mpirun.rs skips"
   fi
 fi
+# scripts/test-openai.sh (through scripts/lib/start-server.sh) builds with the same features, so
+# that it reuses this build instead of compiling candle-core again for another feature set.
+export CANDLE_TP_FEATURES="$features"
 
 targets=()
 if [ "$mkl" = 1 ]; then

@@ -70,6 +70,7 @@ fn run(world: usize, penalties: Penalties) -> (Dense, Dense) {
                 options: SeqOptions {
                     logprobs: Some(TOP_N),
                     penalties: penalties.clone(),
+                    constrained: false,
                 },
             },
         )?;

@@ -1,5 +1,5 @@
 //! `candle-tp-serve` (2 ranks, SmolLM2, `--api-key`) against OpenAI's generation fields, over
-//! real HTTP: every refused field is a 400 naming it (neutral values accepted, unknown fields
+//! real HTTP: every refused field (and bad tools or response formats) is a 400 naming it (neutral values accepted, unknown fields
 //! refused); log-probabilities in OpenAI's shapes, streamed too; penalties and `logit_bias`;
 //! `n` over a batch of prompts, one of them as token ids. Needs `--features server` and
 //! `scripts/fetch-models.sh`. The operational endpoints: tests/serve_operations.rs.
@@ -18,23 +18,19 @@ fn refused_fields(port: u16) {
     let cases: Vec<(&str, Value, &str)> = vec![
         (
             "/v1/chat/completions",
-            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
-            "tools",
+            json!({"tools": [{"type": "retrieval"}]}),
+            "tools[0].type",
         ),
         (
             "/v1/chat/completions",
             json!({"tool_choice": "required"}),
             "tool_choice",
         ),
+        ("/v1/completions", json!({"tools": []}), "tools"),
         (
             "/v1/chat/completions",
-            json!({"response_format": {"type": "json_object"}}),
-            "response_format",
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
-            "response_format",
+            json!({"response_format": {"type": "xml"}}),
+            "response_format.type",
         ),
         (
             "/v1/chat/completions",

@@ -243,17 +243,43 @@ fn models_and_tokens(port: u16) {
     }
 }
 
-/// `CANDLE_TP_API_KEY` in the environment is the key when `--api-key` is not given.
+/// `CANDLE_TP_API_KEY` in the environment is the key when `--api-key` is not given; a model
+/// name with slashes (a Hugging Face id) is found by `/v1/models/{id}`; an unknown path is a
+/// 404 with or without the key (the key guards the endpoints, not their absence).
 #[test]
 fn the_api_key_from_the_environment() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start_env(1, &[], &[("CANDLE_TP_API_KEY", "env-key-5")]);
+    let name = "HuggingFaceTB/SmolLM2-135M-Instruct";
+    let server = Server::start_env(
+        1,
+        &["--model-name", name],
+        &[("CANDLE_TP_API_KEY", "env-key-5")],
+    );
     let body = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
     let (status, text) = http_with(server.port, "POST", "/v1/completions", &body, &[]);
     assert_eq!(status, 401, "{text}");
     let auth = [("Authorization", "Bearer env-key-5")];
     let (status, text) = http_with(server.port, "POST", "/v1/completions", &body, &auth);
     assert_eq!(status, 200, "{text}");
+    let (status, text) = http_with(server.port, "GET", &format!("/v1/models/{name}"), "", &auth);
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["id"], name, "{v}");
+    let (status, text) = http_with(
+        server.port,
+        "GET",
+        "/v1/models/HuggingFaceTB/other",
+        "",
+        &auth,
+    );
+    assert_eq!(status, 404, "{text}");
+    assert!(text.contains("model_not_found"), "{text}");
+    for headers in [&auth[..], &[]] {
+        let (status, text) = http_with(server.port, "GET", "/v1/no-such-endpoint", "", headers);
+        assert_eq!(status, 404, "{headers:?}: {text}");
+        let (status, text) = http_with(server.port, "POST", "/v2/chat", "{}", headers);
+        assert_eq!(status, 404, "{headers:?}: {text}");
+    }
 }
 
 #[test]

@@ -21,7 +21,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_tp::generate::{BatchDecoder, DistributedSampler, FinishReason, SamplingParams};
+use candle_tp::generate::{
+    BatchDecoder, DistributedSampler, FinishReason, SamplingParams, TokenFilter,
+};
 use candle_tp::models::CausalLm;
 use candle_tp::serve::{self, Event, Submission};
 use serde_json::{json, Value};
@@ -220,10 +222,37 @@ fn collect(
     (tokens, Err("the channel closed".into()))
 }
 
+/// A grammar that allows every id for `left` draws, then fails (or, with `empty`, allows no
+/// id).
+#[derive(Debug)]
+struct FailingGrammar {
+    left: usize,
+    empty: bool,
+}
+
+impl TokenFilter for FailingGrammar {
+    fn allowed(&mut self, bits: &mut [u32]) -> candle_core::Result<()> {
+        if self.left == 0 {
+            if self.empty {
+                return Ok(());
+            }
+            candle_core::bail!("the test grammar gives up");
+        }
+        self.left -= 1;
+        bits.fill(u32::MAX);
+        Ok(())
+    }
+
+    fn commit(&mut self, _token: u32) -> candle_core::Result<()> {
+        Ok(())
+    }
+}
+
 /// The scheduler (world 1, in this process) on a model of 32 positions behind a decoder of
 /// 2048: a prompt id outside the vocabulary and a prompt of 40 tokens end with an error each,
-/// the request submitted with them runs to the model's last position (then ends as `length`,
-/// with the ids the model gives it alone), and the loop goes on until shut down.
+/// and so do a request whose grammar fails after two tokens and one whose grammar allows no
+/// token; the request submitted with them runs to the model's last position (then ends as
+/// `length`, with the ids the model gives it alone), and the loop goes on until shut down.
 #[test]
 fn scheduler_ends_only_the_request_the_model_cannot_run() {
     const MAX_POS: usize = 32;
@@ -244,7 +273,7 @@ fn scheduler_ends_only_the_request_the_model_cannot_run() {
     let expected = alone(&mut model, &good, MAX_POS - good.len() + 1);
     let mut dec = BatchDecoder::new(4, 2048, 16).expect("decoder");
     let (queue, inbox) = serve::queue(8);
-    let submit = |prompt: Vec<u32>| {
+    let submit = |prompt: Vec<u32>, filter: Option<Box<dyn TokenFilter>>| {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         queue
             .submit(Submission {
@@ -254,25 +283,51 @@ fn scheduler_ends_only_the_request_the_model_cannot_run() {
                 params: SamplingParams::greedy(),
                 stop_ids: Vec::new(),
                 options: Default::default(),
+                filter,
                 events: tx,
             })
             .expect("queued");
         rx
     };
-    let bad_id = submit(vec![1, OOV_ID, 2]);
-    let ok = submit(good.clone());
-    let too_long = submit(vec![504; 40]);
+    let bad_id = submit(vec![1, OOV_ID, 2], None);
+    let ok = submit(good.clone(), None);
+    let too_long = submit(vec![504; 40], None);
+    let gives_up = submit(
+        good.clone(),
+        Some(Box::new(FailingGrammar {
+            left: 2,
+            empty: false,
+        })),
+    );
+    let allows_none = submit(
+        good.clone(),
+        Some(Box::new(FailingGrammar {
+            left: 0,
+            empty: true,
+        })),
+    );
     let client = {
         let queue = queue.clone();
         std::thread::spawn(move || {
             let got = (collect(bad_id), collect(ok), collect(too_long));
+            let grammars = (collect(gives_up), collect(allows_none));
             queue.shutdown();
-            got
+            (got, grammars)
         })
     };
     serve::run_leader(&mut model, &mut dec, inbox, Duration::from_millis(200))
         .expect("the loop ends by the shutdown, not by a failed step");
-    let (bad_id, ok, too_long) = client.join().expect("client");
+    let ((bad_id, ok, too_long), (gives_up, allows_none)) = client.join().expect("client");
+    assert_eq!(
+        gives_up.0,
+        expected[..2],
+        "two tokens before the grammar failed"
+    );
+    let msg = gives_up.1.expect_err("a failed grammar");
+    assert!(msg.contains("the test grammar gives up"), "{msg}");
+    assert!(allows_none.0.is_empty(), "{:?}", allows_none.0);
+    let msg = allows_none.1.expect_err("a grammar that allows nothing");
+    assert!(msg.contains("allows no token"), "{msg}");
     let msg = bad_id.1.expect_err("an id outside the vocabulary");
     assert!(
         msg.contains(&OOV_ID.to_string()) && msg.contains(&vocab.to_string()),

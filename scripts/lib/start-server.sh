@@ -7,7 +7,9 @@
 #   stop_server                  # optional: the EXIT trap does it too
 #
 # Needs NPROC, MODEL and target_dir; sets pid (tprun), log (its output) and port, and an EXIT
-# trap that stops the job and removes the log. Builds once per profile and shell (a later
+# trap that stops the job and removes the log. Builds with scripts/test.sh's features
+# (scripts/lib/features.sh: server, and mpi where MPI is installed), so that the test run's
+# build serves; once per profile and shell (a later
 # start_server with the same profile reuses the binaries); stop_server stops the job and waits
 # for it (every rank gone) so that another server can start after it.
 start_server() {
@@ -15,7 +17,9 @@ start_server() {
   local cargo_profile=()
   [ "$profile" = release ] && cargo_profile=(--release)
   if [ "${server_built:-}" != "$profile" ]; then
-    cargo build --quiet "${cargo_profile[@]}" --features server --bin tprun --bin candle-tp-serve >&2
+    # shellcheck source=scripts/lib/features.sh
+    . "$(dirname "${BASH_SOURCE[0]}")/features.sh"
+    cargo build --quiet "${cargo_profile[@]}" --features "$(test_features)" --bin tprun --bin candle-tp-serve >&2
     server_built="$profile"
   fi
   log=$(mktemp)

@@ -80,6 +80,7 @@ const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_p
 pub struct ChatTemplate {
     env: Environment<'static>,
     name: String,
+    source: String,
     special_tokens: Vec<(String, String)>,
 }
 
@@ -91,6 +92,7 @@ impl ChatTemplate {
         Ok(Self {
             env,
             name,
+            source: source.to_string(),
             special_tokens: Vec::new(),
         })
     }
@@ -108,6 +110,11 @@ impl ChatTemplate {
     /// Where the template came from.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The template's source, as given.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The special tokens the template sees.

@@ -10,7 +10,8 @@
 //! invariance, see `BatchDecoder::forward_groups`); then it samples
 //! the next token of every sequence whose prompt is complete (with one
 //! [`sample_batch`](crate::generate::sample_batch) call: the greedy and temperature-only
-//! sequences cross ranks in one all-gather).
+//! sequences cross ranks in one all-gather). A sequence under a grammar (structured outputs)
+//! draws only what rank 0's grammar allows ([`constraint`](crate::generate::constraint)).
 //!
 //! Every rank of the model's group runs the same decoder with the same calls (the serving
 //! scheduler broadcasts them from rank 0); the sampled tokens are the same on every rank, so
@@ -18,6 +19,7 @@
 
 use candle_core::{IndexOp, Result, Tensor};
 
+use crate::generate::constraint::{share_masks, MaskRequest, RowMask, TokenFilter};
 use crate::generate::logprobs::{TokenLogprobs, MAX_TOP_LOGPROBS};
 use crate::generate::penalties::{History, Penalties};
 use crate::generate::{DistributedSampler, SamplingParams};
@@ -38,6 +40,9 @@ pub struct SeqOptions {
     pub logprobs: Option<usize>,
     /// Logit adjustments from the sequence's history ([`Penalties`]).
     pub penalties: Penalties,
+    /// Whether a grammar constrains the tokens (rank 0 holds it, see
+    /// [`BatchDecoder::add_constrained`]; every rank masks its shard with rank 0's decision).
+    pub constrained: bool,
 }
 
 /// A sequence to decode.
@@ -94,12 +99,16 @@ struct Active {
     sampler: DistributedSampler,
     /// What the penalties need of the tokens seen so far.
     history: History,
+    /// The grammar of a constrained sequence, on rank 0.
+    filter: Option<Box<dyn TokenFilter>>,
 }
 
 /// The active sequences of a continuous batch (see the module documentation).
 #[derive(Debug)]
 pub struct BatchDecoder {
     seqs: Vec<Active>,
+    /// Sequences that left the batch because their grammar failed, with why.
+    failed: Vec<(u64, String)>,
     max_batch: usize,
     prefill_chunk: usize,
     max_seq_len: usize,
@@ -117,6 +126,7 @@ impl BatchDecoder {
         }
         Ok(Self {
             seqs: Vec::new(),
+            failed: Vec::new(),
             max_batch,
             prefill_chunk,
             max_seq_len,
@@ -246,7 +256,35 @@ impl BatchDecoder {
 
     /// Adds a sequence (it starts reading its prompt at the next step).
     pub fn add(&mut self, model: &CausalLm, req: SeqRequest) -> Result<()> {
+        self.add_constrained(model, req, None)
+    }
+
+    /// Adds a sequence with its grammar: on rank 0 `filter` is the grammar of a sequence whose
+    /// `options.constrained` is set (elsewhere `None`: rank 0 shares its masks,
+    /// [`share_masks`]). Grammars need the whole model on each rank's group (no pipeline
+    /// stages: rank 0 of the world must be a rank of the LM head's group).
+    pub fn add_constrained(
+        &mut self,
+        model: &CausalLm,
+        req: SeqRequest,
+        filter: Option<Box<dyn TokenFilter>>,
+    ) -> Result<()> {
         self.check_for(model, &req)?;
+        let rank = model.world().rank();
+        if req.options.constrained && model.pipeline().is_some() {
+            candle_core::bail!(
+                "sequence {}: a grammar needs the model in one pipeline stage (rank 0 holds the grammars, the last stage draws)",
+                req.id
+            );
+        }
+        if filter.is_some() != (req.options.constrained && rank == 0) {
+            candle_core::bail!(
+                "sequence {} on rank {rank}: constrained = {}, with{} a grammar (rank 0 alone holds the grammars)",
+                req.id,
+                req.options.constrained,
+                if filter.is_some() { "" } else { "out" }
+            );
+        }
         if !self.has_room() {
             candle_core::bail!(
                 "sequence {}: the batch is full ({} sequences)",
@@ -261,6 +299,7 @@ impl BatchDecoder {
             generated: 0,
             sampler: DistributedSampler::new(req.params),
             history: History::new(&req.prompt, &req.options.penalties),
+            filter,
             req,
         });
         Ok(())
@@ -276,6 +315,12 @@ impl BatchDecoder {
     /// Drops every sequence.
     pub fn clear(&mut self) {
         self.seqs.clear();
+    }
+
+    /// The sequences that left the batch since the last call because their grammar failed (or
+    /// allowed no token), with why (rank 0's message; a generic one on the other ranks).
+    pub fn take_failed(&mut self) -> Vec<(u64, String)> {
+        std::mem::take(&mut self.failed)
     }
 
     /// Which tokens each sequence runs this step, in batch order: a decoding sequence its last
@@ -388,8 +433,12 @@ impl BatchDecoder {
             }
             ready.push((row, *i));
         }
+        let masks = match &logits {
+            Some(_) => self.grammar_masks(model, &mut ready)?,
+            None => vec![None; ready.len()],
+        };
         let (tokens, logprobs) = match &logits {
-            Some(logits) => self.draw(model, logits, &ready)?,
+            Some(logits) => self.draw(model, logits, &ready, &masks)?,
             None => (vec![0; ready.len()], vec![None; ready.len()]),
         };
         let (tokens, logprobs) = self.share_draws(model, &ready, tokens, logprobs)?;
@@ -399,6 +448,10 @@ impl BatchDecoder {
             let s = &mut self.seqs[i];
             s.generated += 1;
             s.history.push(token);
+            if let Some(f) = s.filter.as_mut() {
+                // A failure shows at the sequence's next mask, which fails it alone.
+                let _ = f.commit(token);
+            }
             let finish = if s.req.stop_ids.contains(&token) {
                 Some(FinishReason::Stop)
             } else if s.generated >= s.req.max_tokens || s.cache.len() >= limit {
@@ -417,7 +470,62 @@ impl BatchDecoder {
                 logprobs,
             });
         }
-        self.seqs.retain(|s| !done.contains(&s.req.id));
+        // The sequences whose grammar failed leave too (they drew nothing this step).
+        let failed = &self.failed;
+        self.seqs.retain(|s| {
+            !done.contains(&s.req.id) && !failed.iter().any(|(id, _)| *id == s.req.id)
+        });
         Ok(events)
+    }
+
+    /// Rank 0's allowed sets for the constrained rows of `ready` (plan row, sequence), shared
+    /// with every rank of the LM head's group: `Some(bits)` per row, `None` for the rows
+    /// without a grammar. The rows whose grammar failed leave `ready` (into `failed`).
+    fn grammar_masks(
+        &mut self,
+        model: &CausalLm,
+        ready: &mut Vec<(usize, usize)>,
+    ) -> Result<Vec<Option<Vec<u32>>>> {
+        if !ready
+            .iter()
+            .any(|&(_, i)| self.seqs[i].req.options.constrained)
+        {
+            return Ok(vec![None; ready.len()]);
+        }
+        let head = model.head("BatchDecoder::step")?;
+        let mut requests: Vec<MaskRequest<'_>> = Vec::new();
+        // `ready` is in batch order: walk the sequences once, picking the ready ones.
+        let mut pending = ready.iter().map(|r| r.1).peekable();
+        for (i, s) in self.seqs.iter_mut().enumerate() {
+            if pending.next_if(|&r| r == i).is_none() || !s.req.options.constrained {
+                continue;
+            }
+            let hold = s.generated < s.req.min_tokens;
+            requests.push(MaskRequest {
+                filter: s.filter.as_deref_mut(),
+                hold_back: if hold { &s.req.stop_ids[..] } else { &[] },
+            });
+        }
+        let mut shared = share_masks(&mut requests, head.partition().total(), head.pg())?
+            .into_iter();
+        let mut masks = Vec::with_capacity(ready.len());
+        let mut kept = Vec::with_capacity(ready.len());
+        for &(row, i) in ready.iter() {
+            let s = &self.seqs[i];
+            let mask: Option<RowMask> = s.req.options.constrained.then(|| shared.next()).flatten();
+            match mask {
+                Some(Err(why)) => self.failed.push((s.req.id, why)),
+                Some(Ok(bits)) => {
+                    kept.push((row, i));
+                    masks.push(Some(bits));
+                }
+                None => {
+                    kept.push((row, i));
+                    masks.push(None);
+                }
+            }
+        }
+        *ready = kept;
+        Ok(masks)
     }
 }

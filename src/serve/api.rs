@@ -10,9 +10,12 @@ use serde_json::{Map, Value};
 
 use crate::generate::Penalties;
 use crate::serve::fields::{boolean, check_fields, in_range, integer, kind_of, number};
+use crate::serve::grammar::GrammarSpec;
 use crate::serve::messages::messages;
 use crate::serve::options::{choices, logprobs, penalties, prompts};
 pub use crate::serve::options::{Prompt, MAX_CHOICES, MAX_PROMPTS};
+use crate::serve::response_format::response_format;
+use crate::serve::tools::{tools, ToolChoice, Tools};
 use crate::text::{ChatMessage, MAX_STOP_BYTES};
 
 /// An error answer: HTTP status and OpenAI's error object.
@@ -122,6 +125,10 @@ pub struct GenRequest {
     /// `presence_penalty`, `frequency_penalty`, `repetition_penalty` and `logit_bias`
     /// (ids not yet checked against the vocabulary).
     pub penalties: Penalties,
+    /// The grammar `response_format` asks for (`None`: free text).
+    pub response_format: Option<GrammarSpec>,
+    /// `tools`, `tool_choice` and `parallel_tool_calls` (`None`: no tools).
+    pub tools: Option<Tools>,
 }
 
 fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
@@ -277,6 +284,15 @@ impl GenRequest {
                 ))
             }
         };
+        let response_format = response_format(&o)?;
+        let tools = if chat { tools(&o)? } else { None };
+        let forced = tools.as_ref().is_some_and(|t| t.choice != ToolChoice::None);
+        if forced && response_format.is_some() {
+            return Err(ApiError::invalid(
+                "response_format",
+                "'response_format' other than text cannot be combined with 'tools' unless 'tool_choice' is \"none\"",
+            ));
+        }
         Ok(Self {
             model,
             messages: if chat { Some(messages(&o)?) } else { None },
@@ -294,6 +310,8 @@ impl GenRequest {
             return_token_ids: boolean(&o, "return_token_ids")?,
             logprobs: logprobs(&o, chat)?,
             penalties: penalties(&o)?,
+            response_format,
+            tools,
         })
     }
 }

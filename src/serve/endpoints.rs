@@ -15,7 +15,8 @@ use crate::serve::fields::{boolean, kind_of};
 use crate::serve::http::{json_response, off_the_async_threads, read_body, unix_now, AppState};
 
 /// 401 unless the request carries `Authorization: Bearer <the key>` (when the server has
-/// one). `/health` and `/metrics` stay open, as vLLM's.
+/// one). `/health` and `/metrics` stay open, as vLLM's; the router runs this on its routes
+/// only, so that a path it does not have is a 404 with or without the key.
 pub async fn require_key(State(s): State<AppState>, req: Request, next: Next) -> Response {
     match key_refusal(s.api_key.as_deref(), &req) {
         Some(refused) => refused,
@@ -103,7 +104,7 @@ pub async fn models(State(s): State<AppState>) -> Response {
     )
 }
 
-/// `GET /v1/models/{id}`: the model, or 404 `model_not_found`.
+/// `GET /v1/models/{id}`: the model, or 404 `model_not_found` (`id` may hold slashes).
 pub async fn model(State(s): State<AppState>, Path(id): Path<String>) -> Response {
     if id != s.model_name {
         return model_not_found(&s, &id).into_response();

@@ -1,9 +1,14 @@
 //! Every field of OpenAI's chat and completions requests, and what the server does with it:
 //! honours it, accepts it because it cannot change the answer, or refuses it (400 naming the
-//! field) unless its value asks for nothing the server lacks (`tools: []`, `echo: false`,
-//! `response_format: {"type": "text"}`...). A field in no list (a typo, another server's
+//! field) unless its value asks for nothing the server lacks (`functions: []`, `echo: false`,
+//! `store: false`...). A field in no list (a typo, another server's
 //! extension) is refused too: a request is never answered as if a field it relies on had
 //! been read. docs/SERVE.md's table lists the same fields (a test checks it).
+//!
+//! The supported fields are read elsewhere: sampling and limits in [`api`](super::api),
+//! prompts, `n`, log-probabilities and penalties in `options`, `messages` in `messages`,
+//! `response_format` in `response_format`, `tools`, `tool_choice` and `parallel_tool_calls`
+//! in [`tools`](super::tools).
 //!
 //! Also the typed readers of a JSON body's fields, each with an error naming the field.
 
@@ -80,13 +85,13 @@ pub const FIELDS: &[Field] = &[
     f("safety_identifier", Chat, NoEffect),
     f("prompt_cache_key", Chat, NoEffect),
     f("metadata", Chat, NoEffect),
-    f("parallel_tool_calls", Chat, NoEffect),
+    f("parallel_tool_calls", Chat, Supported),
     f("store", Chat, Refused("false")),
     f("service_tier", Chat, Refused("\"auto\" or \"default\"")),
     f("modalities", Chat, Refused("[\"text\"]")),
-    f("response_format", Chat, Refused("{\"type\": \"text\"}")),
-    f("tools", Chat, Refused("[]")),
-    f("tool_choice", Chat, Refused("\"none\"")),
+    f("response_format", Both, Supported),
+    f("tools", Chat, Supported),
+    f("tool_choice", Chat, Supported),
     f("functions", Chat, Refused("[]")),
     f("function_call", Chat, Refused("\"none\"")),
     f("audio", Chat, Refused("null")),
@@ -114,9 +119,8 @@ fn neutral(name: &str, v: &Value) -> bool {
         ("store" | "echo", Value::Bool(b)) => !b,
         ("service_tier", Value::String(s)) => s == "auto" || s == "default",
         ("modalities", Value::Array(a)) => a.iter().all(|m| m == "text"),
-        ("response_format", Value::Object(o)) => o.get("type").is_some_and(|t| t == "text"),
-        ("tools" | "functions", Value::Array(a)) => a.is_empty(),
-        ("tool_choice" | "function_call", Value::String(s)) => s == "none",
+        ("functions", Value::Array(a)) => a.is_empty(),
+        ("function_call", Value::String(s)) => s == "none",
         ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
         ("repeat_penalty", Value::Number(n)) => n.as_f64() == Some(1.0),
         ("suffix", Value::String(s)) => s.is_empty(),
@@ -127,10 +131,7 @@ fn neutral(name: &str, v: &Value) -> bool {
 /// Why a refused field is refused, for its error message.
 fn why_refused(name: &str) -> &'static str {
     match name {
-        "response_format" => "structured outputs are not implemented",
-        "tools" | "tool_choice" | "functions" | "function_call" => {
-            "tool and function calling are not implemented"
-        }
+        "functions" | "function_call" => "deprecated: use tools and tool_choice",
         "store" => "the server stores no completions",
         "service_tier" => "the server has one service tier",
         "modalities" | "audio" => "the server generates text only",
@@ -291,19 +292,19 @@ mod tests {
     fn refused_fields_name_themselves_unless_neutral() {
         for (body, chat, param) in [
             (
+                serde_json::json!({"functions": [{"name": "f"}]}),
+                true,
+                "functions",
+            ),
+            (
+                serde_json::json!({"function_call": "auto"}),
+                true,
+                "function_call",
+            ),
+            (
                 serde_json::json!({"tools": [{"type": "function"}]}),
-                true,
+                false,
                 "tools",
-            ),
-            (
-                serde_json::json!({"tool_choice": "auto"}),
-                true,
-                "tool_choice",
-            ),
-            (
-                serde_json::json!({"response_format": {"type": "json_object"}}),
-                true,
-                "response_format",
             ),
             (serde_json::json!({"echo": true}), false, "echo"),
             (serde_json::json!({"best_of": 3}), false, "best_of"),
@@ -327,7 +328,7 @@ mod tests {
             assert!(e.message.contains(param), "{}", e.message);
         }
         check(
-            serde_json::json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+            serde_json::json!({"function_call": "none", "response_format": {"type": "text"},
                                "store": false, "user": "u", "metadata": {"a": "b"}, "audio": null,
                                "service_tier": "auto", "modalities": ["text"], "functions": []}),
             true,

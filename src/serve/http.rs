@@ -22,9 +22,12 @@ use tokio::sync::mpsc::unbounded_channel;
 use crate::generate::{SamplingParams, SeqOptions};
 use crate::serve::api::{client_message, ApiError, GenRequest, Prompt};
 use crate::serve::endpoints;
+use crate::serve::grammar::{GrammarFilter, GrammarSpec, Grammars};
 use crate::serve::job::{self, server_error, Head, Job};
 use crate::serve::logprobs::LogprobsOut;
 use crate::serve::scheduler::{Queue, Submission, SubmitError};
+use crate::serve::tool_calls::ToolStream;
+use crate::serve::tools::ToolFormat;
 use crate::text::{ModelText, TextStream};
 
 /// What the handlers share.
@@ -47,6 +50,11 @@ pub struct AppState {
     /// The largest request body read, in bytes (`--max-body-bytes`); a larger one is a 400
     /// before any of it is parsed or tokenized.
     pub max_body_bytes: usize,
+    /// The grammar compiler (structured outputs, forced tool calls), or why there is none
+    /// (a tokenizer whose vocabulary llguidance cannot read: such requests get a 400).
+    pub grammars: Result<Grammars, String>,
+    /// How the model writes tool calls (from its chat template).
+    pub tool_format: ToolFormat,
 }
 
 /// `--max-body-bytes`'s default: 2 MiB (axum's own default limit).
@@ -124,10 +132,15 @@ pub fn default_model_name(path: &Path) -> String {
     name
 }
 
-/// A completion id unique in this process and unlikely to repeat across processes: a
+/// A completion id (`chatcmpl-...`, `cmpl-...`): [`unique_id`].
+fn completion_id(chat: bool) -> String {
+    unique_id(if chat { "chatcmpl" } else { "cmpl" })
+}
+
+/// An id (`<kind>-...`) unique in this process and unlikely to repeat across processes: a
 /// random 64-bit prefix drawn once and a counter (`seed` and time play no part, so equal
 /// seeds in the same second still get different ids).
-fn completion_id(chat: bool) -> String {
+pub(crate) fn unique_id(kind: &str) -> String {
     static PREFIX: OnceLock<u64> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let prefix = *PREFIX.get_or_init(|| {
@@ -142,7 +155,6 @@ fn completion_id(chat: bool) -> String {
         h.finish()
     });
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let kind = if chat { "chatcmpl" } else { "cmpl" };
     format!("{kind}-{prefix:016x}{n:08x}")
 }
 
@@ -169,7 +181,8 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(endpoints::health))
         .route("/metrics", get(endpoints::metrics))
         .route("/v1/models", get(endpoints::models))
-        .route("/v1/models/{id}", get(endpoints::model))
+        // A catch-all: Hugging Face ids hold slashes (`org/name`).
+        .route("/v1/models/{*id}", get(endpoints::model))
         .route("/tokenize", post(endpoints::tokenize))
         .route("/detokenize", post(endpoints::detokenize))
         .route("/v1/completions", post(completions))
@@ -178,12 +191,13 @@ pub fn router(state: AppState) -> Router {
             "/v1/embeddings",
             post(crate::serve::embeddings::no_embeddings),
         )
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(
+        // On the routes only: a path the server does not have is a 404, key or not.
+        .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             endpoints::require_key,
         ))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -248,16 +262,20 @@ async fn serve(
     }
     let text = s.text.clone();
     let param = if chat { "messages" } else { "prompt" };
-    // Each prompt's ids (chat: the one rendered conversation), off the async threads.
-    let (req, prompts) = {
+    // Each prompt's ids (chat: the one rendered conversation) and the grammar, off the async
+    // threads.
+    let (req, prompts, grammar) = {
         let text = text.clone();
+        let (grammars, format) = (s.grammars.clone(), s.tool_format);
         off_the_async_threads(move || {
             let prompts = prompt_ids(&text, &req);
-            (req, prompts)
+            let grammar = compile_grammar(&grammars, format, &req);
+            (req, prompts, grammar)
         })
         .await?
     };
     let prompts = prompts?;
+    let grammar = grammar?;
     let batch = prompts.len() > 1;
     let mut limits = Vec::with_capacity(prompts.len());
     for (k, ids) in prompts.iter().enumerate() {
@@ -310,7 +328,11 @@ async fn serve(
                     options: SeqOptions {
                         logprobs: req.logprobs,
                         penalties: req.penalties.clone(),
+                        constrained: grammar.is_some(),
                     },
+                    filter: grammar
+                        .clone()
+                        .map(|g| Box::new(g) as Box<dyn crate::generate::TokenFilter>),
                     events: tx,
                 })
                 .map_err(|e| submit_error(&s, e))?;
@@ -331,6 +353,12 @@ async fn serve(
                 metrics: s.queue.metrics().clone(),
                 queued,
                 last_token: None,
+                tools: req
+                    .tools
+                    .as_ref()
+                    .filter(|t| t.reads_calls())
+                    .map(|t| ToolStream::new(s.tool_format, t.parallel)),
+                calls: Vec::new(),
             });
         }
     }
@@ -351,8 +379,9 @@ async fn serve(
 fn prompt_ids(text: &ModelText, req: &GenRequest) -> Result<Vec<Vec<u32>>, ApiError> {
     let mut prompts: Vec<Vec<u32>> = Vec::new();
     if let Some(msgs) = &req.messages {
+        let tools = req.tools.as_ref().map(|t| t.definitions.as_slice());
         let rendered = text
-            .render_chat(msgs)
+            .render_chat_with_tools(msgs, tools)
             .map_err(|e| ApiError::invalid("messages", client_message(&e)))?;
         if rendered.is_empty() {
             return Err(ApiError::invalid("messages", "the prompt is empty"));
@@ -369,6 +398,35 @@ fn prompt_ids(text: &ModelText, req: &GenRequest) -> Result<Vec<Vec<u32>>, ApiEr
         });
     }
     Ok(prompts)
+}
+
+/// The grammar `req` is generated under (`response_format`, or the tool call that
+/// `tool_choice` forces), compiled; a grammar llguidance refuses is a 400 naming the field.
+fn compile_grammar(
+    grammars: &Result<Grammars, String>,
+    format: ToolFormat,
+    req: &GenRequest,
+) -> Result<Option<GrammarFilter>, ApiError> {
+    let (spec, param): (GrammarSpec, &str) = match (&req.response_format, &req.tools) {
+        (Some(spec), _) => (spec.clone(), "response_format"),
+        (None, Some(t)) => match t.forcing_grammar(format) {
+            Some(spec) => (spec, "tools"),
+            None => return Ok(None),
+        },
+        (None, None) => return Ok(None),
+    };
+    let grammars = grammars.as_ref().map_err(|why| {
+        ApiError::invalid(
+            param,
+            format!("'{param}' needs a grammar over the model's tokens, which this server could not build: {why}"),
+        )
+    })?;
+    grammars.compile(&spec).map(Some).map_err(|e| {
+        ApiError::invalid(
+            param,
+            format!("'{param}': the grammar does not compile: {e}"),
+        )
+    })
 }
 
 /// The 503 of a refused submission.

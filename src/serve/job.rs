@@ -22,6 +22,7 @@ use crate::serve::http::json_response;
 use crate::serve::logprobs::LogprobsOut;
 use crate::serve::metrics::Metrics;
 use crate::serve::scheduler::Event;
+use crate::serve::tool_calls::{ToolCall, ToolStream};
 use crate::text::{ModelText, TextStream};
 
 /// What every chunk and answer of one request carries.
@@ -83,6 +84,10 @@ pub struct Job {
     pub queued: Instant,
     /// When its last token came.
     pub last_token: Option<Instant>,
+    /// Reads the tool calls out of the text (chat with tools, `tool_choice` not `none`).
+    pub tools: Option<ToolStream>,
+    /// The calls read at the end, with their ids.
+    pub calls: Vec<(String, ToolCall)>,
 }
 
 fn finish_name(f: FinishReason) -> &'static str {
@@ -106,8 +111,31 @@ fn usage(prompt: usize, completion: usize) -> Value {
 }
 
 impl Job {
-    /// Waits for the next piece of text: `Ok((text, Some(finish)))` at the end.
+    /// Waits for the next piece of content: `Ok((text, Some(finish)))` at the end, where the
+    /// tool calls (if any) are in `calls` and the finish reason is `tool_calls`.
     async fn next(&mut self) -> Result<(String, Option<&'static str>), ApiError> {
+        let (mut piece, finish) = self.next_text().await?;
+        let Some(tools) = self.tools.as_mut() else {
+            return Ok((piece, finish));
+        };
+        piece = tools.push(&piece);
+        let Some(mut finish) = finish else {
+            return Ok((piece, None));
+        };
+        let (rest, calls) = tools.finish();
+        piece.push_str(&rest);
+        if !calls.is_empty() {
+            finish = "tool_calls";
+        }
+        self.calls = calls
+            .into_iter()
+            .map(|c| (crate::serve::http::unique_id("call"), c))
+            .collect();
+        Ok((piece, Some(finish)))
+    }
+
+    /// Waits for the next piece of text: `Ok((text, Some(finish)))` at the end.
+    async fn next_text(&mut self) -> Result<(String, Option<&'static str>), ApiError> {
         match self.rx.recv().await {
             Some(Event::Token {
                 token,
@@ -176,6 +204,20 @@ impl Job {
         let mut c = match (chat, delta) {
             (true, true) => {
                 json!({"index": i, "delta": {"content": text}, "logprobs": null, "finish_reason": finish})
+            }
+            (true, false) if !self.calls.is_empty() => {
+                let calls: Vec<Value> = self
+                    .calls
+                    .iter()
+                    .map(|(id, c)| c.to_json(id, None))
+                    .collect();
+                let content = if text.is_empty() {
+                    Value::Null
+                } else {
+                    json!(text)
+                };
+                json!({"index": i, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                       "logprobs": null, "finish_reason": finish})
             }
             (true, false) => {
                 json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
@@ -252,13 +294,33 @@ fn choice_stream(head: Head, job: Job, usage_in_last: bool) -> BoxStream<'static
                         return Some((vec![Out::Data(data)], Some(job)));
                     }
                     Ok((piece, Some(f))) => {
+                        let mut out = Vec::new();
+                        if !job.calls.is_empty() {
+                            // The content before the calls, then the calls, then the end.
+                            if !piece.is_empty() {
+                                let c = job.choice(head.chat, &piece, None, true);
+                                out.push(Out::Data(head.envelope(json!([c]), true).to_string()));
+                            }
+                            let calls: Vec<Value> = (job.calls.iter().enumerate())
+                                .map(|(k, (id, c))| c.to_json(id, Some(k)))
+                                .collect();
+                            let c = json!({"index": job.index, "delta": {"tool_calls": calls},
+                                           "logprobs": null, "finish_reason": null});
+                            out.push(Out::Data(head.envelope(json!([c]), true).to_string()));
+                        }
+                        let piece = if job.calls.is_empty() {
+                            piece
+                        } else {
+                            String::new()
+                        };
                         let c = job.choice(head.chat, &piece, Some(f), true);
                         let mut last = head.envelope(json!([c]), true);
                         if usage_in_last {
                             last["usage"] = usage(job.prompt_tokens, job.completion_tokens);
                         }
-                        let done = Out::Done(job.prompt_tokens, job.completion_tokens);
-                        return Some((vec![Out::Data(last.to_string()), done], None));
+                        out.push(Out::Data(last.to_string()));
+                        out.push(Out::Done(job.prompt_tokens, job.completion_tokens));
+                        return Some((out, None));
                     }
                     Err(e) => return Some((vec![Out::Fail(e)], None)),
                 }

@@ -8,18 +8,25 @@
 //!   started on a sentence-embedding checkpoint).
 //! - [`api`], [`fields`] and [`http`]: the OpenAI request fields (each one honoured or
 //!   refused) and errors, and the axum routes (rank 0).
+//! - [`grammar`]: llguidance grammars (structured outputs, forced tool calls) as the batch
+//!   decoder's token filters; `response_format`, [`tools`] and [`tool_calls`]: the fields and
+//!   the model's tool-call formats.
 pub mod api;
 pub mod embeddings;
 pub mod endpoints;
 pub mod fields;
+pub mod grammar;
 pub mod http;
 pub mod job;
 pub mod logprobs;
 mod messages;
 pub mod metrics;
 mod options;
+mod response_format;
 pub mod scheduler;
 pub mod step;
+pub mod tool_calls;
+pub mod tools;
 
 pub use crate::text::{ChatMessage, ModelText, TextStream};
 pub use api::{ApiError, GenRequest, Prompt};

@@ -245,7 +245,7 @@ mod tests {
                 "stream_options",
                 "foo",
             ),
-            (r#", "tools": [{"type": "function"}]"#, "tools", "tool"),
+            (r#", "tools": {"a": 1}"#, "tools", "array"),
             (r#", "messages2": 1"#, "messages2", "unknown"),
         ] {
             let e = chat(extra).unwrap_err();

@@ -20,7 +20,7 @@ use candle_core::Result;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::generate::{
-    BatchDecoder, FinishReason, SamplingParams, SeqOptions, SeqRequest, TokenLogprobs,
+    BatchDecoder, FinishReason, SamplingParams, SeqOptions, SeqRequest, TokenFilter, TokenLogprobs,
 };
 use crate::models::CausalLm;
 use crate::serve::metrics::Metrics;
@@ -55,8 +55,10 @@ pub struct Submission {
     pub params: SamplingParams,
     /// Tokens that end the sequence.
     pub stop_ids: Vec<u32>,
-    /// Log-probabilities and penalties.
+    /// Log-probabilities and penalties (`options.constrained` is set from `filter`).
     pub options: SeqOptions,
+    /// The grammar its tokens must follow (structured outputs, forced tool calls), if any.
+    pub filter: Option<Box<dyn TokenFilter>>,
     /// Where its events go (dropping the receiver cancels the request).
     pub events: UnboundedSender<Event>,
 }
@@ -168,13 +170,19 @@ impl Queue {
     }
 }
 
-/// Applies a plan: drops, then adds (a failure is a desynchronised plan).
-fn apply(model: &CausalLm, dec: &mut BatchDecoder, plan: &StepPlan) -> Result<()> {
+/// Applies a plan: drops, then adds, with their grammars on rank 0 (a failure is a
+/// desynchronised plan).
+fn apply(
+    model: &CausalLm,
+    dec: &mut BatchDecoder,
+    plan: &StepPlan,
+    filters: &mut HashMap<u64, Box<dyn TokenFilter>>,
+) -> Result<()> {
     for &id in &plan.cancel {
         dec.cancel(id);
     }
     for r in &plan.add {
-        dec.add(model, r.clone())?;
+        dec.add_constrained(model, r.clone(), filters.remove(&r.id))?;
     }
     Ok(())
 }
@@ -187,10 +195,12 @@ pub fn run_follower(model: &mut CausalLm, dec: &mut BatchDecoder) -> Result<()> 
         if plan.shutdown {
             return Ok(());
         }
-        apply(model, dec, &plan).map_err(|e| {
+        apply(model, dec, &plan, &mut HashMap::new()).map_err(|e| {
             candle_core::Error::msg(format!("rank {}: applying rank 0's plan: {e}", pg.rank()))
         })?;
         dec.step(model)?;
+        // Rank 0 tells the requests why.
+        dec.take_failed();
     }
 }
 
@@ -198,6 +208,8 @@ pub fn run_follower(model: &mut CausalLm, dec: &mut BatchDecoder) -> Result<()> 
 struct Leader {
     waiting: VecDeque<Submission>,
     active: HashMap<u64, UnboundedSender<Event>>,
+    /// The grammars of the sequences of the plan being sent.
+    filters: HashMap<u64, Box<dyn TokenFilter>>,
     next_id: u64,
 }
 
@@ -265,7 +277,10 @@ impl Leader {
                 min_tokens: s.min_tokens,
                 params: s.params,
                 stop_ids: s.stop_ids,
-                options: s.options,
+                options: SeqOptions {
+                    constrained: s.filter.is_some(),
+                    ..s.options
+                },
             };
             self.next_id += 1;
             // What the model cannot run (an id outside its vocabulary, a prompt beyond its
@@ -277,6 +292,9 @@ impl Leader {
                 continue;
             }
             self.active.insert(req.id, s.events);
+            if let Some(f) = s.filter {
+                self.filters.insert(req.id, f);
+            }
             plan.add.push(req);
             room -= 1;
         }
@@ -303,6 +321,7 @@ pub fn run_leader(
     let mut leader = Leader {
         waiting: VecDeque::new(),
         active: HashMap::new(),
+        filters: HashMap::new(),
         next_id: 0,
     };
     loop {
@@ -317,7 +336,7 @@ pub fn run_leader(
         }
         let plan = leader.plan(model, dec, &inbox, shutdown);
         let result = StepPlan::broadcast(&pg, Some(&plan))
-            .and_then(|_| apply(model, dec, &plan))
+            .and_then(|_| apply(model, dec, &plan, &mut leader.filters))
             .and_then(|_| {
                 if plan.shutdown {
                     Ok(Vec::new())
@@ -343,6 +362,11 @@ pub fn run_leader(
             leader.fail_all(&inbox, "the server is shutting down");
             dec.clear();
             return Ok(());
+        }
+        for (id, why) in dec.take_failed() {
+            if let Some(tx) = leader.active.remove(&id) {
+                let _ = tx.send(Event::Error(format!("the grammar failed: {why}")));
+            }
         }
         inbox.metrics.running.store(dec.len(), Ordering::SeqCst);
         inbox

@@ -79,10 +79,11 @@ impl Reader<'_> {
     }
 }
 
-/// A sequence's options: `logprobs` (0: none, else top entries + 1), the penalties as f32
-/// bits, then `logit_bias` as (id, bias bits) pairs.
+/// A sequence's options: `logprobs` (0: none, else top entries + 1), whether a grammar
+/// constrains it, the penalties as f32 bits, then `logit_bias` as (id, bias bits) pairs.
 fn encode_options(w: &mut Vec<u32>, o: &SeqOptions) -> Result<()> {
     push_len(w, o.logprobs.map_or(0, |n| n.saturating_add(1)), "logprobs")?;
+    w.push(u32::from(o.constrained));
     let p = &o.penalties;
     w.extend_from_slice(&[
         p.presence.to_bits(),
@@ -101,6 +102,7 @@ fn decode_options(r: &mut Reader<'_>) -> Result<SeqOptions> {
         0 => None,
         n => Some(n as usize - 1),
     };
+    let constrained = r.u32("the constrained flag")? != 0;
     let presence = f32::from_bits(r.u32("presence_penalty")?);
     let frequency = f32::from_bits(r.u32("frequency_penalty")?);
     let repetition = f32::from_bits(r.u32("repetition_penalty")?);
@@ -118,6 +120,7 @@ fn decode_options(r: &mut Reader<'_>) -> Result<SeqOptions> {
             repetition,
             logit_bias,
         },
+        constrained,
     })
 }
 
@@ -261,6 +264,7 @@ mod tests {
                         repetition: 1.3,
                         logit_bias: vec![(7, -100.0), (49151, 2.5)],
                     },
+                    constrained: true,
                 },
             }],
         };

@@ -146,22 +146,37 @@ impl ModelText {
 
     /// The chat template applied to `messages`, with the generation prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
-        self.render_messages(messages, true)
+        self.render_messages(messages, None, true)
+    }
+
+    /// The chat template applied to `messages` and the tool definitions `tools` (its `tools`
+    /// variable, as transformers' `apply_chat_template(tools=...)`), with the generation
+    /// prompt.
+    pub fn render_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+    ) -> Result<String> {
+        self.render_messages(messages, tools, true)
     }
 
     /// The chat template applied to `messages` without the generation prompt (`/tokenize`
     /// with `add_generation_prompt: false`).
     pub fn render_chat_without_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
-        self.render_messages(messages, false)
+        self.render_messages(messages, None, false)
     }
 
-    fn render_messages(&self, messages: &[ChatMessage], generation_prompt: bool) -> Result<String> {
-        let messages = messages
-            .iter()
-            .map(crate::chat_template::Value::from_serialize)
-            .collect();
+    fn render_messages(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+        generation_prompt: bool,
+    ) -> Result<String> {
+        use crate::chat_template::Value as Jinja;
+        let messages = messages.iter().map(Jinja::from_serialize).collect();
         let input = ChatInput {
             add_generation_prompt: generation_prompt,
+            tools: tools.map(|t| t.iter().map(Jinja::from_serialize).collect()),
             ..ChatInput::new(messages)
         };
         self.chat_template()?.render(&input)

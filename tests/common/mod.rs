@@ -4,6 +4,7 @@
 pub mod dense;
 pub mod families;
 pub mod hosts;
+pub mod json_schema;
 pub mod quantized;
 #[cfg(feature = "server")]
 pub mod serve;

@@ -215,6 +215,24 @@ fn main() -> Result<()> {
 
     let text = ModelText::load(&path)?;
     let eos = text.eos_ids(&model.config().eos_token_ids);
+    let vocab_size = model.config().vocab_size;
+    // Rank 0 holds the grammars and the LM head's group shares its masks: one stage only.
+    let grammars = if args.pp > 1 {
+        Err(format!(
+            "grammars need the model in one stage (this server runs --pp {})",
+            args.pp
+        ))
+    } else {
+        serve::grammar::Grammars::new(&text, vocab_size, &eos).map_err(|e| {
+            eprintln!("rank 0: structured outputs and forced tool calls are off: {e}");
+            e.to_string()
+        })
+    };
+    let tool_format = text
+        .chat_template()
+        .map_or(serve::tools::ToolFormat::Hermes, |t| {
+            serve::tools::ToolFormat::of_template(t.source())
+        });
     let name = args
         .model_name
         .clone()
@@ -225,10 +243,12 @@ fn main() -> Result<()> {
         text: Arc::new(text),
         eos,
         max_seq_len,
-        vocab_size: model.config().vocab_size,
+        vocab_size,
         queue: queue.clone(),
         api_key: api_key(&args),
         max_body_bytes: args.max_body_bytes,
+        grammars,
+        tool_format,
     };
     let q = queue.clone();
     let http = start_http(&args, serve::router(state), move || q.shutdown())?;

@@ -1,10 +1,12 @@
-//! Drawing a step's tokens: penalties and masks on each rank's vocabulary shard, one
+//! Drawing a step's tokens: penalties, `min_tokens` and grammar masks on each rank's
+//! vocabulary shard, one
 //! [`sample_batch`] call, log-probabilities on the shards; and, on a pipeline, handing the
 //! last stage's draws to every stage.
 
 use candle_core::{DType, Result, Tensor};
 
 use super::BatchDecoder;
+use crate::generate::constraint::mask_shard;
 use crate::generate::logprobs::{shard_logprobs, LogprobRow, TokenLogprobs};
 use crate::generate::penalties::apply_penalties;
 use crate::generate::{sample_batch, DistributedSampler};
@@ -13,30 +15,37 @@ use crate::models::CausalLm;
 impl BatchDecoder {
     /// The tokens of the `ready` sequences (plan row, sequence) from `logits` (this rank's
     /// slices, one per plan row), and their log-probabilities where asked for: penalties and
-    /// the `min_tokens` mask applied, then one [`sample_batch`] call.
+    /// the `min_tokens` mask applied, then each row's grammar mask (`masks`, one per row of
+    /// `ready`: rank 0's allowed ids, which hold `min_tokens` already), then one
+    /// [`sample_batch`] call.
     pub(super) fn draw(
         &mut self,
         model: &CausalLm,
         logits: &[Tensor],
         ready: &[(usize, usize)],
+        masks: &[Option<Vec<u32>>],
     ) -> Result<(Vec<u32>, Vec<Option<TokenLogprobs>>)> {
         let head = model.head("BatchDecoder::step")?;
         let range = head.partition().range(head.pg().rank());
         let mut rows_logits: Vec<Tensor> = Vec::with_capacity(ready.len());
         // The raw logits of the rows that report log-probabilities (index into `ready`).
         let mut raw: Vec<(usize, Vec<f32>)> = Vec::new();
-        for &(row, i) in ready {
+        for (&(row, i), bits) in ready.iter().zip(masks) {
             let s = &self.seqs[i];
             let mut row_logits = logits[row].clone();
             if s.req.options.logprobs.is_some() {
                 raw.push((rows_logits.len(), to_f32(&row_logits)?));
             }
-            let mask = s.generated < s.req.min_tokens && !s.req.stop_ids.is_empty();
-            if mask || !s.req.options.penalties.is_neutral() {
+            let mask =
+                bits.is_none() && s.generated < s.req.min_tokens && !s.req.stop_ids.is_empty();
+            if mask || bits.is_some() || !s.req.options.penalties.is_neutral() {
                 let mut v = to_f32(&row_logits)?;
                 apply_penalties(&mut v, range.clone(), &s.req.options.penalties, &s.history);
                 if mask {
                     mask_ids(&mut v, &s.req.stop_ids, range.clone());
+                }
+                if let Some(bits) = bits {
+                    mask_shard(&mut v, range.clone(), bits);
                 }
                 row_logits = Tensor::from_vec(v, row_logits.shape(), row_logits.device())?;
             }
