@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use candle_tp::generate::{
-    BatchDecoder, DistributedSampler, FinishReason, SamplingParams, TokenFilter,
+    BatchDecoder, DistributedSampler, FinishReason, SamplingParams, SeqRequest, TokenFilter,
 };
 use candle_tp::models::CausalLm;
 use candle_tp::serve::{self, Event, Submission};
@@ -277,12 +277,15 @@ fn scheduler_ends_only_the_request_the_model_cannot_run() {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         queue
             .submit(Submission {
-                prompt,
-                max_tokens: 100,
-                min_tokens: 0,
-                params: SamplingParams::greedy(),
-                stop_ids: Vec::new(),
-                options: Default::default(),
+                seq: SeqRequest {
+                    id: 0,
+                    prompt,
+                    max_tokens: 100,
+                    min_tokens: 0,
+                    params: SamplingParams::greedy(),
+                    stop_ids: Vec::new(),
+                    options: Default::default(),
+                },
                 filter,
                 events: tx,
             })

@@ -32,6 +32,9 @@ pub trait TokenFilter: Send + std::fmt::Debug {
     fn commit(&mut self, token: u32) -> Result<()>;
 }
 
+/// One row's shared mask: the allowed ids as a bitset, or why rank 0's grammar failed.
+pub type RowMask = std::result::Result<Vec<u32>, String>;
+
 /// Words of a bitset over `vocab` ids.
 pub fn mask_words(vocab: usize) -> usize {
     vocab.div_ceil(32)
@@ -58,7 +61,7 @@ pub fn share_masks(
     rows: &mut [MaskRequest<'_>],
     vocab: usize,
     pg: &ProcessGroup,
-) -> Result<Vec<std::result::Result<Vec<u32>, String>>> {
+) -> Result<Vec<RowMask>> {
     if rows.is_empty() {
         return Ok(Vec::new());
     }

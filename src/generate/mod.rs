@@ -11,7 +11,7 @@ mod race;
 pub mod sampling;
 
 pub use batch::{BatchDecoder, FinishReason, SeqOptions, SeqRequest, TokenEvent};
-pub use constraint::{mask_shard, share_masks, MaskRequest, TokenFilter};
+pub use constraint::{mask_shard, share_masks, MaskRequest, RowMask, TokenFilter};
 pub use logprobs::{shard_logprobs, LogprobRow, TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use penalties::{apply_penalties, History, Penalties};
 pub use sampling::{sample_batch, DistributedSampler, SamplingParams};

@@ -74,6 +74,15 @@ impl ApiError {
     }
 }
 
+/// Checks that `e` is a 400 about `param` whose message says `says` (`what`: the input, for
+/// the failure message).
+#[cfg(test)]
+pub(crate) fn assert_refused(e: &ApiError, param: &str, says: &str, what: &dyn std::fmt::Display) {
+    assert_eq!(e.status, 400, "{what}");
+    assert_eq!(e.param.as_deref(), Some(param), "{what}: {e:?}");
+    assert!(e.message.contains(says), "{what}: {}", e.message);
+}
+
 /// The text of `e` for an API client: candle's message and contexts without the Rust
 /// backtrace that `RUST_BACKTRACE` attaches (frames and source paths are for the server's log,
 /// not for clients).

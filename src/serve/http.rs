@@ -19,7 +19,7 @@ use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::sync::mpsc::unbounded_channel;
 
-use crate::generate::{SamplingParams, SeqOptions};
+use crate::generate::{SamplingParams, SeqOptions, SeqRequest};
 use crate::serve::api::{client_message, ApiError, GenRequest, Prompt};
 use crate::serve::endpoints;
 use crate::serve::grammar::{GrammarFilter, GrammarSpec, Grammars};
@@ -313,22 +313,26 @@ async fn serve(
             let prompt_ids = req.return_token_ids.then(|| ids.clone());
             s.queue
                 .submit(Submission {
-                    prompt: ids.clone(),
-                    max_tokens,
-                    // Capped where the context has no room for it (max_tokens absent).
-                    min_tokens: req.min_tokens.min(max_tokens),
-                    params: SamplingParams {
-                        temperature: req.temperature,
-                        top_k: req.top_k,
-                        top_p: req.top_p,
-                        // Choices differ; the first has the request's seed (n = 1 as before).
-                        seed: seed.wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-                    },
-                    stop_ids: s.eos.clone(),
-                    options: SeqOptions {
-                        logprobs: req.logprobs,
-                        penalties: req.penalties.clone(),
-                        constrained: grammar.is_some(),
+                    seq: SeqRequest {
+                        id: 0, // set by the loop
+                        prompt: ids.clone(),
+                        max_tokens,
+                        // Capped where the context has no room for it (max_tokens absent).
+                        min_tokens: req.min_tokens.min(max_tokens),
+                        params: SamplingParams {
+                            temperature: req.temperature,
+                            top_k: req.top_k,
+                            top_p: req.top_p,
+                            // Choices differ; the first has the request's seed (n = 1 as before).
+                            seed: seed
+                                .wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                        },
+                        stop_ids: s.eos.clone(),
+                        options: SeqOptions {
+                            logprobs: req.logprobs,
+                            penalties: req.penalties.clone(),
+                            constrained: grammar.is_some(),
+                        },
                     },
                     filter: grammar
                         .clone()

@@ -19,9 +19,7 @@ use std::time::Duration;
 use candle_core::Result;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::generate::{
-    BatchDecoder, FinishReason, SamplingParams, SeqOptions, SeqRequest, TokenFilter, TokenLogprobs,
-};
+use crate::generate::{BatchDecoder, FinishReason, SeqRequest, TokenFilter, TokenLogprobs};
 use crate::models::CausalLm;
 use crate::serve::metrics::Metrics;
 use crate::serve::step::StepPlan;
@@ -42,21 +40,12 @@ pub enum Event {
     Error(String),
 }
 
-/// A request for the loop: a prompt, limits and where its events go.
+/// A request for the loop: the sequence, its grammar and where its events go.
 #[derive(Debug)]
 pub struct Submission {
-    /// The prompt's ids.
-    pub prompt: Vec<u32>,
-    /// Tokens to generate at most.
-    pub max_tokens: usize,
-    /// Tokens to generate at least (stop ids masked until then).
-    pub min_tokens: usize,
-    /// Sampling.
-    pub params: SamplingParams,
-    /// Tokens that end the sequence.
-    pub stop_ids: Vec<u32>,
-    /// Log-probabilities and penalties (`options.constrained` is set from `filter`).
-    pub options: SeqOptions,
+    /// The sequence to decode; the loop sets its `id`, and its `options.constrained` from
+    /// `filter`.
+    pub seq: SeqRequest,
     /// The grammar its tokens must follow (structured outputs, forced tool calls), if any.
     pub filter: Option<Box<dyn TokenFilter>>,
     /// Where its events go (dropping the receiver cancels the request).
@@ -73,7 +62,7 @@ pub enum SubmitError {
 }
 
 enum Msg {
-    Submit(Submission),
+    Submit(Box<Submission>),
     Wake,
 }
 
@@ -130,7 +119,7 @@ impl Queue {
         }
         // Counted before it is sent, so that the loop never takes it out first.
         self.metrics.waiting.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send(Msg::Submit(s)) {
+        match self.tx.try_send(Msg::Submit(Box::new(s))) {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -216,7 +205,7 @@ struct Leader {
 impl Leader {
     fn take(&mut self, m: Msg) {
         if let Msg::Submit(s) = m {
-            self.waiting.push_back(s);
+            self.waiting.push_back(*s);
         }
     }
 
@@ -270,18 +259,9 @@ impl Leader {
             if s.events.is_closed() {
                 continue;
             }
-            let req = SeqRequest {
-                id: self.next_id,
-                prompt: s.prompt,
-                max_tokens: s.max_tokens,
-                min_tokens: s.min_tokens,
-                params: s.params,
-                stop_ids: s.stop_ids,
-                options: SeqOptions {
-                    constrained: s.filter.is_some(),
-                    ..s.options
-                },
-            };
+            let mut req = s.seq;
+            req.id = self.next_id;
+            req.options.constrained = s.filter.is_some();
             self.next_id += 1;
             // What the model cannot run (an id outside its vocabulary, a prompt beyond its
             // context) ends this request here: in the batch it would fail every sequence's step.
