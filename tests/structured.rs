@@ -298,10 +298,30 @@ fn json_schemas_at_temperature_one_parse_and_validate() {
     } else {
         assert!(out.starts_with('{'), "{out:?}");
     }
-    // A schema llguidance cannot compile is an error, not a panic.
+    // Local references (pydantic's nested models) are followed.
+    let nested = json!({
+        "$defs": {"Point": {"type": "object", "properties": {
+            "x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"],
+            "additionalProperties": false}},
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}},
+        "required": ["p"], "additionalProperties": false
+    });
+    for seed in 0..4 {
+        let spec = GrammarSpec::JsonSchema(nested.clone());
+        let (_, out, ended) = sample_grammar(&g, &text, &spec, 1, seed);
+        assert!(ended, "{out:?}");
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+        let x = v["p"]["x"].as_f64().unwrap_or_else(|| panic!("{out}"));
+        assert!(x.fract() == 0.0 && (0.0..=9.0).contains(&x), "{out}");
+        assert_eq!(v.as_object().unwrap().len(), 1, "{out}");
+    }
+    // A schema llguidance cannot compile (an unknown type, a remote reference) is an error,
+    // not a panic.
     assert!(g
         .compile(&GrammarSpec::JsonSchema(json!({"type": "frobnicate"})))
         .is_err());
+    let remote = json!({"$ref": "https://example.com/schema.json"});
+    assert!(g.compile(&GrammarSpec::JsonSchema(remote)).is_err());
 }
 
 fn tool_set(choice: ToolChoice, parallel: bool) -> Tools {
