@@ -328,6 +328,7 @@ fn batch_events(model: &mut CausalLm) -> candle_core::Result<Events> {
                     frequency: if i == 2 { 0.3 } else { 0.0 },
                     ..Penalties::default()
                 },
+                constrained: false,
             },
         })
         .collect();

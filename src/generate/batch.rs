@@ -472,9 +472,8 @@ impl BatchDecoder {
         }
         // The sequences whose grammar failed leave too (they drew nothing this step).
         let failed = &self.failed;
-        self.seqs.retain(|s| {
-            !done.contains(&s.req.id) && !failed.iter().any(|(id, _)| *id == s.req.id)
-        });
+        self.seqs
+            .retain(|s| !done.contains(&s.req.id) && !failed.iter().any(|(id, _)| *id == s.req.id));
         Ok(events)
     }
 
@@ -506,8 +505,8 @@ impl BatchDecoder {
                 hold_back: if hold { &s.req.stop_ids[..] } else { &[] },
             });
         }
-        let mut shared = share_masks(&mut requests, head.partition().total(), head.pg())?
-            .into_iter();
+        let mut shared =
+            share_masks(&mut requests, head.partition().total(), head.pg())?.into_iter();
         let mut masks = Vec::with_capacity(ready.len());
         let mut kept = Vec::with_capacity(ready.len());
         for &(row, i) in ready.iter() {
