@@ -323,4 +323,149 @@ mod tests {
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
         Ok(())
     }
+
+    /// The error of `cfg(extra)`, checked to name the file and each of `words`.
+    fn err_naming(extra: &str, words: &[&str]) {
+        err_naming_in(BASE, extra, words)
+    }
+
+    /// As [`err_naming`], on the fields `base` instead of [`BASE`].
+    fn err_naming_in(base: &str, extra: &str, words: &[&str]) {
+        let e = match LlamaConfig::from_json(&format!("{{{base}{extra}}}"), "config.json") {
+            Ok(c) => panic!("{extra}: accepted as {c:?}"),
+            Err(e) => e.to_string(),
+        };
+        for w in ["config.json"].iter().chain(words) {
+            assert!(e.contains(w), "{extra}: the error should name '{w}': {e}");
+        }
+    }
+
+    const LLAMA: &str = r#", "architectures": ["LlamaForCausalLM"]"#;
+
+    #[test]
+    fn bad_configs_name_the_field_and_value() {
+        err_naming(
+            &format!(r#"{LLAMA}, "rope_theta": 1e4, "hidden_act": "gelu""#),
+            &["hidden_act", "gelu", "silu"],
+        );
+        err_naming(
+            &format!(r#"{LLAMA}, "rope_theta": 1e4, "mlp_bias": true"#),
+            &["mlp_bias"],
+        );
+        err_naming(
+            &format!(
+                r#"{LLAMA}, "rope_theta": 10000.0, "rope_parameters": {{"rope_theta": 500000.0}}"#
+            ),
+            &["rope_theta", "10000", "500000"],
+        );
+        err_naming(
+            &format!(
+                r#"{LLAMA}, "rope_theta": 1e4, "rope_scaling": {{"rope_type": "llama3", "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#
+            ),
+            &["rope_scaling", "llama3", "factor"],
+        );
+        err_naming(
+            &format!(
+                r#"{LLAMA}, "rope_parameters": {{"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}}"#
+            ),
+            &["rope_parameters", "yarn"],
+        );
+        err_naming_in(
+            &BASE.replace("128", "0"),
+            &format!(r#"{LLAMA}, "rope_theta": 1e4"#),
+            &["max_position_embeddings = 0"],
+        );
+        err_naming(
+            r#", "model_type": "gpt2", "rope_theta": 1e4"#,
+            &["gpt2"],
+        );
+        err_naming(
+            r#", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6, "use_sliding_window": true"#,
+            &["use_sliding_window", "Qwen2"],
+        );
+        err_naming(
+            r#", "architectures": ["MistralForCausalLM"], "rope_theta": 1e6, "sliding_window": 0"#,
+            &["sliding_window = 0"],
+        );
+        err_naming_in(
+            &BASE.replace(r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 3"#),
+            &format!(r#"{LLAMA}, "rope_theta": 1e4"#),
+            &["num_attention_heads = 8", "num_key_value_heads = 3"],
+        );
+        // intermediate_size is required.
+        let e = LlamaConfig::from_json(
+            &format!("{{{}{LLAMA}, \"rope_theta\": 1e4}}", BASE.replace(r#""intermediate_size": 96,"#, "")),
+            "config.json",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("intermediate_size"), "{e}");
+    }
+
+    #[test]
+    fn accepted_variants() -> Result<()> {
+        // model_type stands in for a missing `architectures`.
+        let m = cfg(r#", "model_type": "mistral", "rope_theta": 1e6, "sliding_window": 32"#)?;
+        assert_eq!(m.architecture, "MistralForCausalLM");
+        assert_eq!(m.sliding_window, Some(32));
+        // Llama and Qwen2 never apply a window, whatever its value.
+        for extra in [
+            r#", "architectures": ["LlamaForCausalLM"], "rope_theta": 1e4, "sliding_window": 0"#,
+            r#", "model_type": "qwen2", "rope_theta": 1e4, "sliding_window": 0, "use_sliding_window": false"#,
+            r#", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e4, "sliding_window": 4096"#,
+        ] {
+            assert_eq!(cfg(extra)?.sliding_window, None, "{extra}");
+        }
+        // `type` for `rope_type`, a default-type scaling, Llama 3 scaling in rope_parameters.
+        let t = cfg(&format!(
+            r#"{LLAMA}, "rope_theta": 5e5, "rope_scaling": {{"type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}"#
+        ))?;
+        assert_eq!(
+            t.rope_scaling,
+            Some(Llama3RopeScaling {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64
+            })
+        );
+        let d = cfg(&format!(
+            r#"{LLAMA}, "rope_theta": 5e5, "rope_scaling": {{"rope_type": "default"}}"#
+        ))?;
+        assert_eq!(d.rope_scaling, None);
+        let n = cfg(&format!(
+            r#"{LLAMA}, "rope_parameters": {{"rope_theta": 5e5, "rope_type": "llama3", "factor": 2.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}"#
+        ))?;
+        assert_eq!((n.rope_theta, n.rope_scaling.map(|s| s.factor)), (5e5, Some(2.0)));
+        // Llama's attention_bias is on q, k, v and o; silu may be named; eos ids.
+        let b = cfg(&format!(
+            r#"{LLAMA}, "rope_theta": 1e4, "attention_bias": true, "hidden_act": "silu",
+            "eos_token_id": [1, 2], "bos_token_id": 0, "tie_word_embeddings": true, "head_dim": 16"#
+        ))?;
+        assert!(b.qkv_bias && b.o_bias && b.tie_word_embeddings);
+        assert_eq!((b.eos_token_ids.clone(), b.bos_token_id), (vec![1, 2], Some(0)));
+        assert_eq!((b.head_dim, b.num_key_value_heads), (16, 2));
+        let q = cfg(r#", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6, "attention_bias": true"#)?;
+        assert!(q.qkv_bias && !q.o_bias && !q.tie_word_embeddings);
+        Ok(())
+    }
+
+    /// The family dispatch (`CausalLm`'s path) gives Llama's own decoder settings.
+    #[test]
+    fn family_dispatch_gives_the_same_decoder() -> Result<()> {
+        for extra in [
+            r#", "architectures": ["LlamaForCausalLM"], "rope_theta": 1e4, "attention_bias": true"#,
+            r#", "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 2.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}"#,
+            r#", "architectures": ["MistralForCausalLM"], "rope_theta": 1e6, "sliding_window": 32"#,
+            r#", "model_type": "qwen2", "rope_theta": 1e6, "tie_word_embeddings": true, "eos_token_id": 7"#,
+        ] {
+            let text = format!("{{{BASE}{extra}}}");
+            let via_family = crate::models::family::config_from_json(&text, "config.json")?;
+            assert_eq!(via_family, cfg(extra)?.decoder(), "{extra}");
+        }
+        Ok(())
+    }
 }
