@@ -9,8 +9,8 @@ use candle_core::Result;
 use candle_nn::Activation;
 use serde::Deserialize;
 
-use crate::models::{gemma, mixtral, phi3, qwen3, DecoderConfig, LlamaConfig};
-use crate::nn::AttentionConfig;
+use crate::models::{gemma, llama_config, mixtral, phi3, qwen3, DecoderConfig};
+use crate::nn::{AttentionConfig, Llama3RopeScaling};
 
 /// Most values one RoPE table may hold (`max_position_embeddings` x `head_dim`): 2^30, so
 /// 4 GiB in f32; Llama 3.1's 131072 positions x 128 need 2^24.
@@ -93,37 +93,70 @@ pub const SUPPORTED_ARCHITECTURES: [&str; 9] = [
 
 /// Reads `path` (a `config.json`) with its family's parser.
 pub fn config_from_file(path: impl AsRef<Path>) -> Result<DecoderConfig> {
-    let path = path.as_ref();
+    let (text, origin) = read_config(path.as_ref())?;
+    config_from_json(&text, &origin)
+}
+
+/// The text of the `config.json` at `path`, and the name errors give it.
+pub(crate) fn read_config(path: &Path) -> Result<(String, String)> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         candle_core::Error::msg(format!("cannot read model config {}: {e}", path.display()))
     })?;
-    config_from_json(&text, &path.display().to_string())
+    Ok((text, path.display().to_string()))
 }
 
+/// The `model_type`s that stand in for a missing `architectures`, and the architecture each
+/// names.
+const MODEL_TYPES: [(&str, &str); 3] = [
+    ("llama", "LlamaForCausalLM"),
+    ("mistral", "MistralForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+];
+
+/// The keys of a `config.json` that name its family.
 #[derive(Deserialize)]
-struct Architectures {
+pub(crate) struct Architectures {
     architectures: Option<Vec<String>>,
     model_type: Option<String>,
+}
+
+impl Architectures {
+    /// Reads the keys of `text`; `origin` names the file in errors.
+    pub(crate) fn parse(text: &str, origin: &str) -> Result<Self> {
+        serde_json::from_str(text)
+            .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))
+    }
+
+    /// The first `architectures` entry, or without one the architecture a known
+    /// `model_type` ([`MODEL_TYPES`]) names.
+    pub(crate) fn resolve(&self) -> Option<String> {
+        match (self.architectures.as_deref(), self.model_type.as_deref()) {
+            (Some([first, ..]), _) => Some(first.clone()),
+            (_, Some(t)) => MODEL_TYPES
+                .iter()
+                .find(|(name, _)| *name == t)
+                .map(|(_, arch)| arch.to_string()),
+            _ => None,
+        }
+    }
+
+    /// `model_type`, as the config has it.
+    pub(crate) fn model_type(&self) -> Option<&str> {
+        self.model_type.as_deref()
+    }
 }
 
 /// Parses the JSON text of a `config.json` with the family its `architectures` (or, without
 /// it, `model_type`) names; `origin` names the file in errors.
 pub fn config_from_json(text: &str, origin: &str) -> Result<DecoderConfig> {
-    let a: Architectures = serde_json::from_str(text)
-        .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))?;
-    let arch = match (a.architectures.as_deref(), a.model_type.as_deref()) {
-        (Some([first, ..]), _) => first.clone(),
-        (_, Some(t)) => format!("model_type '{t}'"),
-        _ => String::from("<none>"),
-    };
+    let a = Architectures::parse(text, origin)?;
+    let arch = a.resolve().unwrap_or_else(|| match a.model_type() {
+        Some(t) => format!("model_type '{t}'"),
+        None => String::from("<none>"),
+    });
     match arch.as_str() {
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
-            Ok(LlamaConfig::from_json(text, origin)?.decoder())
-        }
-        _ if a.architectures.is_none()
-            && matches!(a.model_type.as_deref(), Some("llama" | "mistral" | "qwen2")) =>
-        {
-            Ok(LlamaConfig::from_json(text, origin)?.decoder())
+            llama_config::config(text, origin, &arch)
         }
         "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM" => qwen3::config(text, origin, &arch),
         "Gemma2ForCausalLM" | "Gemma3ForCausalLM" => gemma::config(text, origin, &arch),
@@ -149,6 +182,7 @@ pub(crate) struct Common {
     pub rms_norm_eps: f64,
     pub rope_theta: Option<f64>,
     pub rope_scaling: Option<serde_json::Value>,
+    pub rope_parameters: Option<serde_json::Value>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: Option<bool>,
     pub attention_bias: Option<bool>,
@@ -157,6 +191,129 @@ pub(crate) struct Common {
     pub hidden_act: Option<serde_json::Value>,
     pub hidden_activation: Option<serde_json::Value>,
     pub sliding_window: Option<usize>,
+}
+
+/// How a family reads RoPE's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rope {
+    /// `rope_theta` at the top level, and no `rope_scaling`.
+    Plain,
+    /// Llama's: `rope_theta` at the top level or in `rope_parameters` (transformers 5; both
+    /// set must agree), and Llama 3 frequency scaling from `rope_scaling` or
+    /// `rope_parameters` (`rope_type` `llama3`; `default` or none for no scaling).
+    Llama3,
+}
+
+/// A family's rules for the shared fields: what [`Base::parse_with`] reads and checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rules {
+    /// How RoPE is read.
+    pub rope: Rope,
+    /// Whether `sliding_window = 0` is refused here. The Llama family reads the window for
+    /// Mistral alone (and checks it there); Llama and Qwen2 ignore the key, whatever it holds.
+    pub check_window: bool,
+}
+
+impl Rules {
+    /// Every family's but Llama's.
+    pub const PLAIN: Self = Self {
+        rope: Rope::Plain,
+        check_window: true,
+    };
+    /// The Llama family's (Llama, Mistral, Qwen2).
+    pub const LLAMA: Self = Self {
+        rope: Rope::Llama3,
+        check_window: false,
+    };
+}
+
+/// `rope_scaling` or `rope_parameters` as Llama reads them.
+#[derive(Debug, Deserialize)]
+struct RawRope {
+    rope_theta: Option<f64>,
+    #[serde(alias = "type")]
+    rope_type: Option<String>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+/// The RoPE base and scaling of `raw` under `rope`; the error is the message, without the
+/// file.
+fn read_rope(
+    raw: &Common,
+    rope: Rope,
+    architecture: &str,
+) -> std::result::Result<(f64, Option<Llama3RopeScaling>), String> {
+    let present = |v: &Option<serde_json::Value>| v.as_ref().filter(|v| !v.is_null()).cloned();
+    if rope == Rope::Plain {
+        let theta = raw
+            .rope_theta
+            .ok_or("'rope_theta' is not set (no default is assumed)")?;
+        if let Some(s) = present(&raw.rope_scaling) {
+            return Err(format!(
+                "rope_scaling {s} is not supported for {architecture} (only none)"
+            ));
+        }
+        return Ok((theta, None));
+    }
+    let mut tables = Vec::new();
+    for (key, value) in [
+        ("rope_scaling", present(&raw.rope_scaling)),
+        ("rope_parameters", present(&raw.rope_parameters)),
+    ] {
+        if let Some(v) = value {
+            let r: RawRope = serde_json::from_value(v).map_err(|e| format!("{key}: {e}"))?;
+            tables.push((key, r));
+        }
+    }
+    let nested = tables
+        .iter()
+        .find(|(key, _)| *key == "rope_parameters")
+        .and_then(|(_, r)| r.rope_theta);
+    let theta = match (raw.rope_theta, nested) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(format!(
+                "rope_theta = {a} and rope_parameters.rope_theta = {b} disagree"
+            ))
+        }
+        (Some(t), _) | (None, Some(t)) => t,
+        (None, None) => return Err(
+            "neither 'rope_theta' nor 'rope_parameters.rope_theta' is set (no default is assumed)"
+                .into(),
+        ),
+    };
+    let mut scaling = None;
+    for (key, r) in tables {
+        match r.rope_type.as_deref() {
+            None | Some("default") => {}
+            Some("llama3") => {
+                let (Some(f), Some(lo), Some(hi), Some(orig)) = (
+                    r.factor,
+                    r.low_freq_factor,
+                    r.high_freq_factor,
+                    r.original_max_position_embeddings,
+                ) else {
+                    return Err(format!(
+                        "{key} of type llama3 needs factor, low_freq_factor, high_freq_factor and original_max_position_embeddings"
+                    ));
+                };
+                scaling = Some(Llama3RopeScaling {
+                    factor: f as f32,
+                    low_freq_factor: lo as f32,
+                    high_freq_factor: hi as f32,
+                    original_max_position_embeddings: orig,
+                });
+            }
+            Some(other) => {
+                return Err(format!(
+                    "{key}.rope_type '{other}' is not supported (default or llama3)"
+                ))
+            }
+        }
+    }
+    Ok((theta, scaling))
 }
 
 /// The shared fields, checked.
@@ -168,12 +325,20 @@ pub(crate) struct Base {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rope_theta: f64,
+    /// Llama 3 RoPE scaling ([`Rope::Llama3`] only).
+    pub rope_scaling: Option<Llama3RopeScaling>,
     pub eos_token_ids: Vec<u32>,
 }
 
 impl Base {
-    /// Parses and checks the shared fields of `text`.
+    /// Parses and checks the shared fields of `text` by the rules of every family but Llama's
+    /// ([`Rules::PLAIN`]).
     pub fn parse(text: &str, origin: &str, architecture: &str) -> Result<Self> {
+        Self::parse_with(text, origin, architecture, Rules::PLAIN)
+    }
+
+    /// Parses and checks the shared fields of `text` by a family's `rules`.
+    pub fn parse_with(text: &str, origin: &str, architecture: &str, rules: Rules) -> Result<Self> {
         let raw: Common = serde_json::from_str(text)
             .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))?;
         let err = |m: String| candle_core::Error::msg(format!("{origin}: {m}"));
@@ -184,16 +349,9 @@ impl Base {
             raw.head_dim,
         )
         .map_err(err)?;
-        let rope_theta = raw
-            .rope_theta
-            .ok_or_else(|| err("'rope_theta' is not set (no default is assumed)".into()))?;
-        if let Some(s) = raw.rope_scaling.as_ref().filter(|s| !s.is_null()) {
-            return Err(err(format!(
-                "rope_scaling {s} is not supported for {architecture} (only none)"
-            )));
-        }
+        let (rope_theta, rope_scaling) = read_rope(&raw, rules.rope, architecture).map_err(err)?;
         check_rope_tables(raw.max_position_embeddings, head_dim).map_err(err)?;
-        if raw.sliding_window == Some(0) {
+        if rules.check_window && raw.sliding_window == Some(0) {
             return Err(err(
                 "sliding_window = 0: a query must see at least itself".into()
             ));
@@ -206,6 +364,7 @@ impl Base {
             num_kv_heads,
             head_dim,
             rope_theta,
+            rope_scaling,
             eos_token_ids,
         })
     }
@@ -235,12 +394,14 @@ impl Base {
     }
 
     /// Attention settings common to the families: no bias unless `attention_bias`, full
-    /// RoPE with `rope_theta`, no window; families set their hooks on top.
+    /// RoPE with `rope_theta` (and Llama 3 scaling if read), no window; families set their
+    /// hooks on top.
     pub fn attention(&self) -> AttentionConfig {
         let bias = self.raw.attention_bias.unwrap_or(false);
         AttentionConfig {
             qkv_bias: bias,
             o_bias: bias,
+            rope_scaling: self.rope_scaling,
             ..AttentionConfig::new(
                 self.raw.hidden_size,
                 self.raw.num_attention_heads,

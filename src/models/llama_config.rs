@@ -1,13 +1,16 @@
-//! The `config.json` of a Llama-family checkpoint (Llama 2/3, Mistral, Qwen2, SmolLM2), read
-//! with serde and checked: unknown architectures, missing `rope_theta` and unsupported options
-//! are errors that name the file and the key, never silent defaults.
+//! The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): its `config.json` read through the
+//! shared parser of every family (`family::Base`) by Llama's rules (`Rules::LLAMA`: `rope_theta` also in
+//! `rope_parameters`, Llama 3 RoPE scaling), then Llama's own hooks: silu only, no MLP bias,
+//! Qwen2's q/k/v bias, Mistral's sliding window. Unknown architectures, a missing
+//! `rope_theta` and unsupported options are errors that name the file and the key, never
+//! silent defaults. [`LlamaConfig`] is the typed result ([`crate::models::Llama`] keeps it).
 
 use std::path::Path;
 
 use candle_core::Result;
 use serde::Deserialize;
 
-use crate::models::family::{check_rope_tables, heads_and_dim, TokenIds};
+use crate::models::family::{read_config, Architectures, Base, Rules};
 use crate::models::{DecoderConfig, FeedForward, LayerConfig};
 use crate::nn::{AttentionConfig, Llama3RopeScaling, RmsNormSpec};
 
@@ -16,41 +19,17 @@ use crate::nn::{AttentionConfig, Llama3RopeScaling, RmsNormSpec};
 pub const LLAMA_ARCHITECTURES: [&str; 3] =
     ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
+/// The keys the Llama family reads beyond the shared ones.
 #[derive(Debug, Deserialize)]
-struct RawRope {
-    rope_theta: Option<f64>,
-    #[serde(alias = "type")]
-    rope_type: Option<String>,
-    factor: Option<f64>,
-    low_freq_factor: Option<f64>,
-    high_freq_factor: Option<f64>,
-    original_max_position_embeddings: Option<usize>,
+struct Extra {
+    mlp_bias: Option<bool>,
+    use_sliding_window: Option<bool>,
 }
 
-#[derive(Debug, Deserialize)]
-struct RawConfig {
-    architectures: Option<Vec<String>>,
-    model_type: Option<String>,
-    hidden_size: usize,
-    intermediate_size: usize,
-    vocab_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    rms_norm_eps: f64,
-    rope_theta: Option<f64>,
-    rope_parameters: Option<RawRope>,
-    rope_scaling: Option<RawRope>,
-    max_position_embeddings: usize,
-    tie_word_embeddings: Option<bool>,
-    attention_bias: Option<bool>,
-    mlp_bias: Option<bool>,
-    hidden_act: Option<String>,
-    bos_token_id: Option<u32>,
-    eos_token_id: Option<TokenIds>,
-    sliding_window: Option<usize>,
-    use_sliding_window: Option<bool>,
+/// The decoder settings of a Llama-family `config.json` whose architecture is `architecture`
+/// (the family dispatch's entry, as `qwen3::config` is Qwen3's).
+pub(crate) fn config(text: &str, origin: &str, architecture: &str) -> Result<DecoderConfig> {
+    Ok(LlamaConfig::parse(text, origin, architecture)?.decoder())
 }
 
 /// A Llama-family model's settings, resolved from `config.json`.
@@ -98,143 +77,77 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// Reads and checks `path` (a `config.json`).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            candle_core::Error::msg(format!("cannot read model config {}: {e}", path.display()))
-        })?;
-        Self::from_json(&text, &path.display().to_string())
+        let (text, origin) = read_config(path.as_ref())?;
+        Self::from_json(&text, &origin)
     }
 
     /// Parses and checks the JSON text of a `config.json`; `origin` names it in errors.
     pub fn from_json(text: &str, origin: &str) -> Result<Self> {
-        let raw: RawConfig = serde_json::from_str(text)
-            .map_err(|e| candle_core::Error::msg(format!("{origin}: invalid config: {e}")))?;
-        let bail = |msg: String| -> Result<Self> {
-            Err(candle_core::Error::msg(format!("{origin}: {msg}")))
-        };
-        let architecture = match (&raw.architectures, raw.model_type.as_deref()) {
-            (Some(a), _) if !a.is_empty() => a[0].clone(),
-            (_, Some("llama")) => "LlamaForCausalLM".into(),
-            (_, Some("mistral")) => "MistralForCausalLM".into(),
-            (_, Some("qwen2")) => "Qwen2ForCausalLM".into(),
-            (_, other) => {
-                return bail(format!(
-                "no 'architectures' and model_type {other:?} is not one of llama, mistral, qwen2"
-            ))
-            }
+        let a = Architectures::parse(text, origin)?;
+        let Some(architecture) = a.resolve() else {
+            return Err(candle_core::Error::msg(format!(
+                "{origin}: no 'architectures' and model_type {:?} is not one of llama, mistral, qwen2",
+                a.model_type()
+            )));
         };
         if !LLAMA_ARCHITECTURES.contains(&architecture.as_str()) {
-            return bail(format!(
-                "architecture '{architecture}' is not of the Llama family ({}); every family \
-                 loads with CausalLm, which supports {}",
+            return Err(candle_core::Error::msg(format!(
+                "{origin}: architecture '{architecture}' is not of the Llama family ({}); every \
+                 family loads with CausalLm, which supports {}",
                 LLAMA_ARCHITECTURES.join(", "),
                 crate::models::SUPPORTED_ARCHITECTURES.join(", ")
-            ));
+            )));
         }
-        if let Some(act) = raw.hidden_act.as_deref() {
-            if act != "silu" {
-                return bail(format!("hidden_act '{act}' is not supported (only silu)"));
+        Self::parse(text, origin, &architecture)
+    }
+
+    /// The shared fields by Llama's rules, then the family's hooks.
+    fn parse(text: &str, origin: &str, architecture: &str) -> Result<Self> {
+        let base = Base::parse_with(text, origin, architecture, Rules::LLAMA)?;
+        let x: Extra = serde_json::from_str(text).map_err(|e| base.error(e))?;
+        if let Some(act) = base.raw.hidden_act.as_ref().filter(|v| !v.is_null()) {
+            if act.as_str() != Some("silu") {
+                return Err(base.error(format!("hidden_act {act} is not supported (only silu)")));
             }
         }
-        if raw.mlp_bias == Some(true) {
-            return bail("mlp_bias = true is not supported".into());
+        if x.mlp_bias == Some(true) {
+            return Err(base.error("mlp_bias = true is not supported"));
         }
-        let heads = raw.num_attention_heads;
-        let (kv_heads, head_dim) = match heads_and_dim(
-            raw.hidden_size,
-            heads,
-            raw.num_key_value_heads,
-            raw.head_dim,
-        ) {
-            Ok(v) => v,
-            Err(m) => return bail(m),
-        };
-        let nested_theta = raw.rope_parameters.as_ref().and_then(|p| p.rope_theta);
-        let rope_theta = match (raw.rope_theta, nested_theta) {
-            (Some(a), Some(b)) if a != b => {
-                return bail(format!(
-                    "rope_theta = {a} and rope_parameters.rope_theta = {b} disagree"
-                ))
-            }
-            (Some(t), _) | (None, Some(t)) => t as f32,
-            (None, None) => {
-                return bail(
-                    "neither 'rope_theta' nor 'rope_parameters.rope_theta' is set (no default is assumed)"
-                        .into(),
-                )
-            }
-        };
-        let mut rope_scaling = None;
-        for (key, rope) in [
-            ("rope_scaling", &raw.rope_scaling),
-            ("rope_parameters", &raw.rope_parameters),
-        ] {
-            let Some(rope) = rope else { continue };
-            match rope.rope_type.as_deref() {
-                None | Some("default") => {}
-                Some("llama3") => {
-                    let (Some(f), Some(lo), Some(hi), Some(orig)) = (
-                        rope.factor,
-                        rope.low_freq_factor,
-                        rope.high_freq_factor,
-                        rope.original_max_position_embeddings,
-                    ) else {
-                        return bail(format!(
-                            "{key} of type llama3 needs factor, low_freq_factor, high_freq_factor and original_max_position_embeddings"
-                        ));
-                    };
-                    rope_scaling = Some(Llama3RopeScaling {
-                        factor: f as f32,
-                        low_freq_factor: lo as f32,
-                        high_freq_factor: hi as f32,
-                        original_max_position_embeddings: orig,
-                    });
-                }
-                Some(other) => {
-                    return bail(format!(
-                        "{key}.rope_type '{other}' is not supported (default or llama3)"
-                    ))
-                }
-            }
-        }
-        if let Err(m) = check_rope_tables(raw.max_position_embeddings, head_dim) {
-            return bail(m);
-        }
-        let attention_bias = raw.attention_bias.unwrap_or(false);
+        let attention_bias = base.raw.attention_bias.unwrap_or(false);
         let qwen2 = architecture == "Qwen2ForCausalLM";
         // Mistral applies `sliding_window` to every layer; Qwen2 only with use_sliding_window
         // (and then to some layers, by max_window_layers), Llama not at all.
-        let sliding_window = match architecture.as_str() {
-            "MistralForCausalLM" => raw.sliding_window,
-            "Qwen2ForCausalLM" if raw.use_sliding_window == Some(true) => {
-                return bail(
-                    "use_sliding_window = true is not supported for Qwen2 (per-layer windows by max_window_layers)"
-                        .into(),
-                )
+        let sliding_window = match architecture {
+            "MistralForCausalLM" => base.raw.sliding_window,
+            "Qwen2ForCausalLM" if x.use_sliding_window == Some(true) => {
+                return Err(base.error(
+                    "use_sliding_window = true is not supported for Qwen2 (per-layer windows by max_window_layers)",
+                ))
             }
             _ => None,
         };
         if sliding_window == Some(0) {
-            return bail("sliding_window = 0: a query must see at least itself".into());
+            return Err(base.error("sliding_window = 0: a query must see at least itself"));
         }
+        let raw = &base.raw;
         Ok(Self {
-            architecture,
+            architecture: base.architecture.clone(),
             hidden_size: raw.hidden_size,
-            intermediate_size: raw.intermediate_size,
+            intermediate_size: base.intermediate_size()?,
             vocab_size: raw.vocab_size,
             num_hidden_layers: raw.num_hidden_layers,
-            num_attention_heads: heads,
-            num_key_value_heads: kv_heads,
-            head_dim,
+            num_attention_heads: raw.num_attention_heads,
+            num_key_value_heads: base.num_kv_heads,
+            head_dim: base.head_dim,
             rms_norm_eps: raw.rms_norm_eps,
-            rope_theta,
-            rope_scaling,
+            rope_theta: base.rope_theta as f32,
+            rope_scaling: base.rope_scaling,
             max_position_embeddings: raw.max_position_embeddings,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: qwen2 || attention_bias,
             o_bias: !qwen2 && attention_bias,
             bos_token_id: raw.bos_token_id,
-            eos_token_ids: TokenIds::to_vec(raw.eos_token_id.as_ref()),
+            eos_token_ids: base.eos_token_ids.clone(),
             sliding_window,
         })
     }
@@ -321,6 +234,159 @@ mod tests {
         assert!(q.qkv_bias && !q.o_bias);
         let e = cfg(r#", "architectures": ["GPT2LMHeadModel"], "rope_theta": 1e4"#).unwrap_err();
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        Ok(())
+    }
+
+    /// The error of `cfg(extra)`, checked to name the file and each of `words`.
+    fn err_naming(extra: &str, words: &[&str]) {
+        err_naming_in(BASE, extra, words)
+    }
+
+    /// As [`err_naming`], on the fields `base` instead of [`BASE`].
+    fn err_naming_in(base: &str, extra: &str, words: &[&str]) {
+        let e = match LlamaConfig::from_json(&format!("{{{base}{extra}}}"), "config.json") {
+            Ok(c) => panic!("{extra}: accepted as {c:?}"),
+            Err(e) => e.to_string(),
+        };
+        for w in ["config.json"].iter().chain(words) {
+            assert!(e.contains(w), "{extra}: the error should name '{w}': {e}");
+        }
+    }
+
+    const LLAMA: &str = r#", "architectures": ["LlamaForCausalLM"]"#;
+
+    #[test]
+    fn bad_configs_name_the_field_and_value() {
+        err_naming(
+            &format!(r#"{LLAMA}, "rope_theta": 1e4, "hidden_act": "gelu""#),
+            &["hidden_act", "gelu", "silu"],
+        );
+        err_naming(
+            &format!(r#"{LLAMA}, "rope_theta": 1e4, "mlp_bias": true"#),
+            &["mlp_bias"],
+        );
+        err_naming(
+            &format!(
+                r#"{LLAMA}, "rope_theta": 10000.0, "rope_parameters": {{"rope_theta": 500000.0}}"#
+            ),
+            &["rope_theta", "10000", "500000"],
+        );
+        err_naming(
+            &format!(
+                r#"{LLAMA}, "rope_theta": 1e4, "rope_scaling": {{"rope_type": "llama3", "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#
+            ),
+            &["rope_scaling", "llama3", "factor"],
+        );
+        err_naming(
+            &format!(
+                r#"{LLAMA}, "rope_parameters": {{"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}}"#
+            ),
+            &["rope_parameters", "yarn"],
+        );
+        err_naming_in(
+            &BASE.replace("128", "0"),
+            &format!(r#"{LLAMA}, "rope_theta": 1e4"#),
+            &["max_position_embeddings = 0"],
+        );
+        err_naming(r#", "model_type": "gpt2", "rope_theta": 1e4"#, &["gpt2"]);
+        err_naming(
+            r#", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6, "use_sliding_window": true"#,
+            &["use_sliding_window", "Qwen2"],
+        );
+        err_naming(
+            r#", "architectures": ["MistralForCausalLM"], "rope_theta": 1e6, "sliding_window": 0"#,
+            &["sliding_window = 0"],
+        );
+        err_naming_in(
+            &BASE.replace(r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 3"#),
+            &format!(r#"{LLAMA}, "rope_theta": 1e4"#),
+            &["num_attention_heads = 8", "num_key_value_heads = 3"],
+        );
+        // intermediate_size is required.
+        let e = LlamaConfig::from_json(
+            &format!(
+                "{{{}{LLAMA}, \"rope_theta\": 1e4}}",
+                BASE.replace(r#""intermediate_size": 96,"#, "")
+            ),
+            "config.json",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("intermediate_size"), "{e}");
+    }
+
+    #[test]
+    fn accepted_variants() -> Result<()> {
+        // model_type stands in for a missing `architectures`.
+        let m = cfg(r#", "model_type": "mistral", "rope_theta": 1e6, "sliding_window": 32"#)?;
+        assert_eq!(m.architecture, "MistralForCausalLM");
+        assert_eq!(m.sliding_window, Some(32));
+        // Llama and Qwen2 never apply a window, whatever its value.
+        for extra in [
+            r#", "architectures": ["LlamaForCausalLM"], "rope_theta": 1e4, "sliding_window": 0"#,
+            r#", "model_type": "qwen2", "rope_theta": 1e4, "sliding_window": 0, "use_sliding_window": false"#,
+            r#", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e4, "sliding_window": 4096"#,
+        ] {
+            assert_eq!(cfg(extra)?.sliding_window, None, "{extra}");
+        }
+        // `type` for `rope_type`, a default-type scaling, Llama 3 scaling in rope_parameters.
+        let t = cfg(&format!(
+            r#"{LLAMA}, "rope_theta": 5e5, "rope_scaling": {{"type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}"#
+        ))?;
+        assert_eq!(
+            t.rope_scaling,
+            Some(Llama3RopeScaling {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64
+            })
+        );
+        let d = cfg(&format!(
+            r#"{LLAMA}, "rope_theta": 5e5, "rope_scaling": {{"rope_type": "default"}}"#
+        ))?;
+        assert_eq!(d.rope_scaling, None);
+        let n = cfg(&format!(
+            r#"{LLAMA}, "rope_parameters": {{"rope_theta": 5e5, "rope_type": "llama3", "factor": 2.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}"#
+        ))?;
+        assert_eq!(
+            (n.rope_theta, n.rope_scaling.map(|s| s.factor)),
+            (5e5, Some(2.0))
+        );
+        // Llama's attention_bias is on q, k, v and o; silu may be named; eos ids.
+        let b = cfg(&format!(
+            r#"{LLAMA}, "rope_theta": 1e4, "attention_bias": true, "hidden_act": "silu",
+            "eos_token_id": [1, 2], "bos_token_id": 0, "tie_word_embeddings": true, "head_dim": 16"#
+        ))?;
+        assert!(b.qkv_bias && b.o_bias && b.tie_word_embeddings);
+        assert_eq!(
+            (b.eos_token_ids.clone(), b.bos_token_id),
+            (vec![1, 2], Some(0))
+        );
+        assert_eq!((b.head_dim, b.num_key_value_heads), (16, 2));
+        let q = cfg(
+            r#", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1e6, "attention_bias": true"#,
+        )?;
+        assert!(q.qkv_bias && !q.o_bias && !q.tie_word_embeddings);
+        Ok(())
+    }
+
+    /// The family dispatch (`CausalLm`'s path) gives Llama's own decoder settings.
+    #[test]
+    fn family_dispatch_gives_the_same_decoder() -> Result<()> {
+        for extra in [
+            r#", "architectures": ["LlamaForCausalLM"], "rope_theta": 1e4, "attention_bias": true"#,
+            r#", "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 2.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}"#,
+            r#", "architectures": ["MistralForCausalLM"], "rope_theta": 1e6, "sliding_window": 32"#,
+            r#", "model_type": "qwen2", "rope_theta": 1e6, "tie_word_embeddings": true, "eos_token_id": 7"#,
+        ] {
+            let text = format!("{{{BASE}{extra}}}");
+            let via_family = crate::models::family::config_from_json(&text, "config.json")?;
+            assert_eq!(via_family, cfg(extra)?.decoder(), "{extra}");
+        }
         Ok(())
     }
 }
