@@ -21,7 +21,7 @@
 //! blocks' sums at once, and then adds the blocks' f64 products in the same order as the
 //! scalar code: the two give bit-identical results (tested).
 
-use crate::q4_1::Kernel;
+use crate::kernel::Kernel;
 use candle_core::Result;
 
 /// A quantized weight block whose dot product with its activation blocks the crate computes
@@ -77,22 +77,10 @@ pub fn dot_f64<B: F64Dot>(kernel: Kernel, w: &[B], x: &[B::Act]) -> f64 {
         w.len(),
         x.len()
     );
-    match kernel {
-        Kernel::Scalar => dot_scalar(w, x),
-        Kernel::Avx2 => {
-            assert!(
-                kernel.is_available(),
-                "the AVX2 kernel needs avx2, fma and f16c"
-            );
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU features were checked just above, the lengths at the top.
-            unsafe {
-                B::dot_avx2(w, x)
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            unreachable!("is_available is false off x86-64")
-        }
-    }
+    crate::kernel::by_kernel!(kernel,
+        scalar => dot_scalar(w, x),
+        // The lengths were checked at the top.
+        avx2 => B::dot_avx2(w, x))
 }
 
 /// AVX2 helpers shared by the block types' kernels.
@@ -134,10 +122,42 @@ pub(crate) mod avx2 {
 
     /// `acc + p[0] + … + p[n - 1]` (`n ≤ 4`), added in that order (as the scalar kernel does).
     #[inline(always)]
-    pub unsafe fn add_in_order(acc: f64, p: __m256d, n: usize) -> f64 {
+    unsafe fn add_in_order(acc: f64, p: __m256d, n: usize) -> f64 {
         let mut v = [0f64; 4];
         _mm256_storeu_pd(v.as_mut_ptr(), p);
         v[..n].iter().fold(acc, |a, &x| a + x)
+    }
+
+    /// The driver of the four-block kernels: `Σ_b dot(w[b], x[b])` in f64, where `four(w, x)`
+    /// gives the f64 products of blocks `w[0..4]` and `x[0..4]`, added to the total in block
+    /// order; a last group of fewer than four runs on copies padded with zero blocks
+    /// (`zero` and `B::ACT_ZERO`), whose lanes are not added. When `four`'s lanes are
+    /// [`F64Dot::block_dot`]'s values, the result is the scalar sum's, bit for bit.
+    ///
+    /// # Safety
+    /// `four`'s requirements (the CPU features of its intrinsics); `w` and `x` have the same
+    /// length. Inlined, with `four`, into the `#[target_feature]` function that calls it, so
+    /// that the intrinsics compile with its features.
+    #[inline(always)]
+    pub unsafe fn dot_by_fours<B: super::F64Dot>(
+        w: &[B],
+        x: &[B::Act],
+        zero: B,
+        four: impl Fn(*const B, *const B::Act) -> __m256d,
+    ) -> f64 {
+        let quads = w.len() / 4 * 4;
+        let mut acc = 0f64;
+        for b in (0..quads).step_by(4) {
+            acc = add_in_order(acc, four(w.as_ptr().add(b), x.as_ptr().add(b)), 4);
+        }
+        let n = w.len() - quads;
+        if n > 0 {
+            let (mut wt, mut xt) = ([zero; 4], [B::ACT_ZERO; 4]);
+            wt[..n].copy_from_slice(&w[quads..]);
+            xt[..n].copy_from_slice(&x[quads..]);
+            acc = add_in_order(acc, four(wt.as_ptr(), xt.as_ptr()), n);
+        }
+        acc
     }
 }
 

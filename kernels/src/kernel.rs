@@ -196,16 +196,84 @@ pub fn cpu_features() -> String {
     }
 }
 
+/// `$scalar` for [`Kernel::Scalar`]; for [`Kernel::Avx2`], after asserting that this CPU runs
+/// it, `$avx2` in an `unsafe` block on x86-64 (it may call `#[target_feature(enable =
+/// "avx2,fma,f16c")]` functions: the assertion checked those features; any other requirement
+/// of theirs is the caller's to meet).
+macro_rules! by_kernel {
+    ($kernel:expr, scalar => $scalar:expr, avx2 => $avx2:expr $(,)?) => {
+        match $kernel {
+            $crate::kernel::Kernel::Scalar => $scalar,
+            kernel @ $crate::kernel::Kernel::Avx2 => {
+                assert!(
+                    kernel.is_available(),
+                    "the AVX2 kernel needs avx2, fma and f16c"
+                );
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU features were checked just above.
+                unsafe {
+                    $avx2
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                unreachable!("is_available is false off x86-64")
+            }
+        }
+    };
+}
+pub(crate) use by_kernel;
+
+/// A weight block type with f32 kernels over whole rows (what column-parallel and dense layers
+/// run): a scalar reference, one row's blocks added one after the other, and an AVX2 kernel
+/// over `R` rows at once that loads each activation block once for all of them.
+pub(crate) trait RowDot: crate::f64_dot::F64Dot {
+    /// One row, in f32, block after block (ggml's generic `vec_dot`).
+    fn dot_scalar(w: &[Self], x: &[Self::Act]) -> f32;
+
+    /// `R` rows.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every row must have `xs.len()` blocks.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_rows_avx2<const R: usize>(ws: [&[Self]; R], xs: &[Self::Act]) -> [f32; R];
+}
+
+/// Dot products of `R` weight rows with one activation row in f32, with the chosen kernel.
+///
+/// # Panics
+/// If a row's length differs from `xs`'s, or `kernel` is not available on this CPU.
+pub(crate) fn dot_rows_by<B: RowDot, const R: usize>(
+    kernel: Kernel,
+    ws: [&[B]; R],
+    xs: &[B::Act],
+    out: &mut [f32; R],
+) {
+    for w in ws {
+        assert_eq!(
+            w.len(),
+            xs.len(),
+            "{} row of {} blocks against {} activation blocks",
+            B::NAME,
+            w.len(),
+            xs.len()
+        );
+    }
+    by_kernel!(kernel,
+        scalar => for (o, w) in out.iter_mut().zip(ws) {
+            *o = B::dot_scalar(w, xs);
+        },
+        // The rows' lengths were checked above.
+        avx2 => *out = B::dot_rows_avx2(ws, xs))
+}
+
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
 /// activation rows `xq` (rows of `kb` blocks), into `out[(row - row0) * m + i]`: four weight
-/// rows at a time (`dot4`) share each activation load, the rest one at a time (`dot1`).
-pub(crate) fn rows_dot_by<W, X>(
-    (w, kb): (&[W], usize),
-    (xq, m): (&[X], usize),
+/// rows at a time share each activation load, the rest go one at a time ([`dot_rows_by`]).
+pub(crate) fn rows_dot_by<B: RowDot>(
+    kernel: Kernel,
+    (w, kb): (&[B], usize),
+    (xq, m): (&[B::Act], usize),
     row0: usize,
     out: &mut [f32],
-    dot4: impl Fn([&[W]; 4], &[X], &mut [f32; 4]),
-    dot1: impl Fn([&[W]; 1], &[X], &mut [f32; 1]),
 ) {
     let w_row = |r: usize| &w[(row0 + r) * kb..(row0 + r + 1) * kb];
     let rows = out.len() / m;
@@ -214,7 +282,7 @@ pub(crate) fn rows_dot_by<W, X>(
         let ws = [w_row(r), w_row(r + 1), w_row(r + 2), w_row(r + 3)];
         for (i, x) in xq.chunks_exact(kb).enumerate() {
             let mut o = [0f32; 4];
-            dot4(ws, x, &mut o);
+            dot_rows_by(kernel, ws, x, &mut o);
             for (t, v) in o.into_iter().enumerate() {
                 out[(r + t) * m + i] = v;
             }
@@ -223,7 +291,7 @@ pub(crate) fn rows_dot_by<W, X>(
     for r in quads..rows {
         for (i, x) in xq.chunks_exact(kb).enumerate() {
             let mut o = [0f32];
-            dot1([w_row(r)], x, &mut o);
+            dot_rows_by(kernel, [w_row(r)], x, &mut o);
             out[r * m + i] = o[0];
         }
     }

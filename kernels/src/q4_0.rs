@@ -50,33 +50,7 @@ pub fn dot_rows<const R: usize>(
     xs: &[BlockQ8_0],
     out: &mut [f32; R],
 ) {
-    for w in ws {
-        assert_eq!(
-            w.len(),
-            xs.len(),
-            "Q4_0 row of {} blocks against {} Q8_0 blocks",
-            w.len(),
-            xs.len()
-        );
-    }
-    match kernel {
-        Kernel::Scalar => {
-            for (o, w) in out.iter_mut().zip(ws) {
-                *o = dot_scalar(w, xs);
-            }
-        }
-        Kernel::Avx2 => {
-            assert!(
-                kernel.is_available(),
-                "the AVX2 kernel needs avx2, fma and f16c"
-            );
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU features were checked just above; the rows have xs.len() blocks.
-            unsafe {
-                *out = avx2::dot_rows(ws, xs)
-            }
-        }
-    }
+    crate::kernel::dot_rows_by(kernel, ws, xs, out)
 }
 
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
@@ -91,26 +65,32 @@ pub fn rows_dot(
     row0: usize,
     out: &mut [f32],
 ) {
-    crate::kernel::rows_dot_by(
-        (w, kb),
-        (xq, m),
-        row0,
-        out,
-        |ws, x, o| dot_rows(kernel, ws, x, o),
-        |ws, x, o| dot_rows(kernel, ws, x, o),
-    )
+    crate::kernel::rows_dot_by(kernel, (w, kb), (xq, m), row0, out)
 }
 
-/// Scalar reference in f32 (ggml's generic `ggml_vec_dot_q4_0_q8_0`, block after block).
-fn dot_scalar(ws: &[BlockQ4_0], xs: &[BlockQ8_0]) -> f32 {
-    ws.iter().zip(xs).fold(0f32, |sum, (w, x)| {
-        let mut sumi = 0i32;
-        for j in 0..QK8_0 / 2 {
-            sumi += ((w.qs[j] & 0x0F) as i32 - 8) * x.qs[j] as i32
-                + ((w.qs[j] >> 4) as i32 - 8) * x.qs[j + QK8_0 / 2] as i32;
-        }
-        sum + sumi as f32 * (w.d.to_f32() * x.d.to_f32())
-    })
+/// The integer sum `Σ (q − 8)·q'` of one block pair.
+#[inline(always)]
+fn int_sum(w: &BlockQ4_0, x: &BlockQ8_0) -> i32 {
+    let mut sum = 0i32;
+    for j in 0..QK8_0 / 2 {
+        sum += ((w.qs[j] & 0x0F) as i32 - 8) * x.qs[j] as i32
+            + ((w.qs[j] >> 4) as i32 - 8) * x.qs[j + QK8_0 / 2] as i32;
+    }
+    sum
+}
+
+impl crate::kernel::RowDot for BlockQ4_0 {
+    /// Scalar reference in f32 (ggml's generic `ggml_vec_dot_q4_0_q8_0`, block after block).
+    fn dot_scalar(ws: &[BlockQ4_0], xs: &[BlockQ8_0]) -> f32 {
+        ws.iter().zip(xs).fold(0f32, |sum, (w, x)| {
+            sum + int_sum(w, x) as f32 * (w.d.to_f32() * x.d.to_f32())
+        })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_rows_avx2<const R: usize>(ws: [&[Self]; R], xs: &[Self::Act]) -> [f32; R] {
+        avx2::dot_rows(ws, xs)
+    }
 }
 
 // SAFETY: repr(C) plain data (f16 is a transparent u16), every bit pattern valid.
@@ -126,13 +106,8 @@ unsafe impl F64Dot for BlockQ4_0 {
 
     #[inline(always)]
     fn block_dot(w: &Self, x: &Self::Act) -> f64 {
-        let mut sum = 0i32;
-        for j in 0..QK8_0 / 2 {
-            sum += ((w.qs[j] & 0x0F) as i32 - 8) * x.qs[j] as i32
-                + ((w.qs[j] >> 4) as i32 - 8) * x.qs[j + QK8_0 / 2] as i32;
-        }
         // d·d' is exact in f64 (two 11-bit mantissas), and so is its product with the sum.
-        (w.d.to_f64() * x.d.to_f64()) * sum as f64
+        (w.d.to_f64() * x.d.to_f64()) * int_sum(w, x) as f64
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -144,7 +119,7 @@ unsafe impl F64Dot for BlockQ4_0 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ4_0;
-    use crate::f64_dot::avx2::{add_in_order, deinterleave, f16_pairs, hsum4};
+    use crate::f64_dot::avx2::{deinterleave, dot_by_fours, f16_pairs, hsum4};
     use crate::q8_0::BlockQ8_0;
     use std::arch::x86_64::*;
 
@@ -154,20 +129,7 @@ mod avx2 {
     /// The CPU must support avx2, fma and f16c; `w` and `x` have the same length.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot(w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f64 {
-        let quads = w.len() / 4 * 4;
-        let mut acc = 0f64;
-        for b in (0..quads).step_by(4) {
-            acc = add_in_order(acc, four(w.as_ptr().add(b), x.as_ptr().add(b)), 4);
-        }
-        let n = w.len() - quads;
-        if n > 0 {
-            // Copies padded with zero blocks, whose lanes are not added.
-            let (mut wt, mut xt) = ([BlockQ4_0::ZERO; 4], [BlockQ8_0::ZERO; 4]);
-            wt[..n].copy_from_slice(&w[quads..]);
-            xt[..n].copy_from_slice(&x[quads..]);
-            acc = add_in_order(acc, four(wt.as_ptr(), xt.as_ptr()), n);
-        }
-        acc
+        dot_by_fours(w, x, BlockQ4_0::ZERO, |w, x| four(w, x))
     }
 
     /// The integer sum `Σ (q − 8)·q'` of one block pair, in eight i32 lanes.

@@ -32,6 +32,13 @@ pub struct BlockQ4_1 {
 const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
 
 impl BlockQ4_1 {
+    /// The all-zero block (every weight `0 · q + 0 = 0`).
+    pub const ZERO: Self = Self {
+        d: f16::ZERO,
+        m: f16::ZERO,
+        qs: [0; QK4_1 / 2],
+    };
+
     /// Views GGUF bytes (e.g. `QTensor::data()` of a Q4_1 tensor) as blocks, without copying.
     /// Errors if the length is not a whole number of 20-byte blocks or the bytes are not
     /// 2-byte aligned (candle's CPU storage always is).
@@ -61,33 +68,7 @@ pub fn dot_rows<const R: usize>(
     xs: &[BlockQ8_1],
     out: &mut [f32; R],
 ) {
-    for w in ws {
-        assert_eq!(
-            w.len(),
-            xs.len(),
-            "Q4_1 row of {} blocks against {} Q8_1 blocks",
-            w.len(),
-            xs.len()
-        );
-    }
-    match kernel {
-        Kernel::Scalar => {
-            for (o, w) in out.iter_mut().zip(ws) {
-                *o = dot_scalar(w, xs);
-            }
-        }
-        Kernel::Avx2 => {
-            assert!(
-                kernel.is_available(),
-                "the AVX2 kernel needs avx2, fma and f16c"
-            );
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU features were checked just above; the rows have xs.len() blocks.
-            unsafe {
-                *out = avx2::dot_rows(ws, xs)
-            }
-        }
-    }
+    crate::kernel::dot_rows_by(kernel, ws, xs, out)
 }
 
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
@@ -103,29 +84,34 @@ pub fn rows_dot(
     row0: usize,
     out: &mut [f32],
 ) {
-    crate::kernel::rows_dot_by(
-        (w, kb),
-        (xq, m),
-        row0,
-        out,
-        |ws, x, o| dot_rows(kernel, ws, x, o),
-        |ws, x, o| dot_rows(kernel, ws, x, o),
-    )
+    crate::kernel::rows_dot_by(kernel, (w, kb), (xq, m), row0, out)
 }
 
-/// Scalar reference (ggml's generic `ggml_vec_dot_q4_1_q8_1`, block after block).
-fn dot_scalar(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f32 {
-    let mut sum = 0f32;
-    for (w, x) in ws.iter().zip(xs) {
-        let mut sumi = 0i32;
-        for j in 0..QK8_1 / 2 {
-            let lo = (w.qs[j] & 0x0F) as i32;
-            let hi = (w.qs[j] >> 4) as i32;
-            sumi += lo * x.qs[j] as i32 + hi * x.qs[j + QK8_1 / 2] as i32;
-        }
-        sum += sumi as f32 * w.d.to_f32() * x.d.to_f32() + w.m.to_f32() * x.s.to_f32();
+/// The integer sum `Σ q·q'` of one block pair.
+#[inline(always)]
+fn int_sum(w: &BlockQ4_1, x: &BlockQ8_1) -> i32 {
+    let mut sum = 0i32;
+    for j in 0..QK8_1 / 2 {
+        sum += (w.qs[j] & 0x0F) as i32 * x.qs[j] as i32
+            + (w.qs[j] >> 4) as i32 * x.qs[j + QK8_1 / 2] as i32;
     }
     sum
+}
+
+impl crate::kernel::RowDot for BlockQ4_1 {
+    /// Scalar reference (ggml's generic `ggml_vec_dot_q4_1_q8_1`, block after block).
+    fn dot_scalar(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f32 {
+        let mut sum = 0f32;
+        for (w, x) in ws.iter().zip(xs) {
+            sum += int_sum(w, x) as f32 * w.d.to_f32() * x.d.to_f32() + w.m.to_f32() * x.s.to_f32();
+        }
+        sum
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_rows_avx2<const R: usize>(ws: [&[Self]; R], xs: &[Self::Act]) -> [f32; R] {
+        avx2::dot_rows(ws, xs)
+    }
 }
 
 // SAFETY: repr(C) plain data (f16 is a transparent u16), every bit pattern valid.
@@ -142,12 +128,7 @@ unsafe impl crate::f64_dot::F64Dot for BlockQ4_1 {
     /// `d·d' · Σ q·q' + m · s'`, in f64 (every product of two f16 is exact).
     #[inline(always)]
     fn block_dot(w: &Self, x: &Self::Act) -> f64 {
-        let mut sum = 0i32;
-        for j in 0..QK8_1 / 2 {
-            sum += (w.qs[j] & 0x0F) as i32 * x.qs[j] as i32
-                + (w.qs[j] >> 4) as i32 * x.qs[j + QK8_1 / 2] as i32;
-        }
-        (w.d.to_f64() * x.d.to_f64()) * sum as f64 + w.m.to_f64() * x.s.to_f64()
+        (w.d.to_f64() * x.d.to_f64()) * int_sum(w, x) as f64 + w.m.to_f64() * x.s.to_f64()
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -168,26 +149,7 @@ mod avx2 {
     /// The CPU must support avx2, fma and f16c; `ws` and `xs` have the same length.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_f64(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f64 {
-        use crate::f64_dot::avx2::add_in_order;
-        let quads = ws.len() / 4 * 4;
-        let mut acc = 0f64;
-        for b in (0..quads).step_by(4) {
-            acc = add_in_order(acc, four_f64(ws.as_ptr().add(b), xs.as_ptr().add(b)), 4);
-        }
-        let n = ws.len() - quads;
-        if n > 0 {
-            // Copies padded with zero blocks, whose lanes are not added.
-            let zero = BlockQ4_1 {
-                d: half::f16::ZERO,
-                m: half::f16::ZERO,
-                qs: [0; 16],
-            };
-            let (mut wt, mut xt) = ([zero; 4], [BlockQ8_1::ZERO; 4]);
-            wt[..n].copy_from_slice(&ws[quads..]);
-            xt[..n].copy_from_slice(&xs[quads..]);
-            acc = add_in_order(acc, four_f64(wt.as_ptr(), xt.as_ptr()), n);
-        }
-        acc
+        crate::f64_dot::avx2::dot_by_fours(ws, xs, BlockQ4_1::ZERO, |w, x| four_f64(w, x))
     }
 
     /// The f64 products of blocks `w[0..4]` and `x[0..4]`.

@@ -88,7 +88,7 @@ unsafe impl F64Dot for BlockQ8_0 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ8_0;
-    use crate::f64_dot::avx2::{add_in_order, deinterleave, f16_pairs, hsum4};
+    use crate::f64_dot::avx2::{deinterleave, dot_by_fours, f16_pairs, hsum4};
     use std::arch::x86_64::*;
 
     /// Four blocks at a time: integer sums by `sign`/`maddubs`/`madd` (ggml's way: |w| times
@@ -96,20 +96,7 @@ mod avx2 {
     /// f32), added to the f64 total in block order.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot(w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f64 {
-        let quads = w.len() / 4 * 4;
-        let mut acc = 0f64;
-        for b in (0..quads).step_by(4) {
-            acc = add_in_order(acc, four(w.as_ptr().add(b), x.as_ptr().add(b)), 4);
-        }
-        let n = w.len() - quads;
-        if n > 0 {
-            // Copies padded with zero blocks, whose lanes are not added.
-            let (mut wt, mut xt) = ([BlockQ8_0::ZERO; 4], [BlockQ8_0::ZERO; 4]);
-            wt[..n].copy_from_slice(&w[quads..]);
-            xt[..n].copy_from_slice(&x[quads..]);
-            acc = add_in_order(acc, four(wt.as_ptr(), xt.as_ptr()), n);
-        }
-        acc
+        dot_by_fours(w, x, BlockQ8_0::ZERO, |w, x| four(w, x))
     }
 
     /// The f64 products of blocks `w[0..4]` and `x[0..4]`.

@@ -104,15 +104,7 @@ pub(crate) fn is_sequence(value: &Value) -> bool {
 /// jinja2's `iterable` test: what Python's `iter()` accepts (not `none`, which minijinja
 /// iterates as empty).
 pub(crate) fn is_iterable(value: &Value) -> bool {
-    matches!(
-        value.kind(),
-        ValueKind::String
-            | ValueKind::Bytes
-            | ValueKind::Seq
-            | ValueKind::Map
-            | ValueKind::Iterable
-            | ValueKind::Undefined
-    )
+    is_sequence(value) || value.kind() == ValueKind::Iterable
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use candle_core::DType;
 use super::context::Context;
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
-use super::stats::CommStats;
+use super::stats::{CommStats, SharedStats};
 
 /// A host slice of some [`Element`] type, for [`Backend`] methods.
 #[derive(Clone, Copy)]
@@ -61,11 +61,6 @@ impl<'a> HostBuf<'a> {
             .then(|| unsafe { std::slice::from_raw_parts(self.ptr as *const T, self.len) })
     }
 
-    /// Number of elements.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     /// The element type.
     pub(crate) fn dtype(&self) -> DType {
         self.dtype
@@ -91,96 +86,144 @@ impl<'a> HostBufMut<'a> {
             .then(|| unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.len) })
     }
 
-    /// Number of elements.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     /// The element type.
     pub(crate) fn dtype(&self) -> DType {
         self.dtype
     }
 }
 
-/// The typed slice of `buf`, or an error naming `what` when it holds another element type (a
-/// backend's `for_element!` arm always matches, so this is a defensive check).
-pub(crate) fn typed<'a, T: Element>(buf: HostBuf<'a>, what: &str) -> CommResult<&'a [T]> {
+/// The typed slice of `buf`, or an error naming the call (`who()`) when it holds another
+/// element type (the erased collectives take `T` from the destination's dtype and the group
+/// checked that every buffer has it, so this is a defensive check).
+pub(crate) fn typed<'a, T: Element>(
+    buf: HostBuf<'a>,
+    who: impl FnOnce() -> String,
+) -> CommResult<&'a [T]> {
     let dtype = buf.dtype();
-    buf.get::<T>().ok_or_else(|| mismatch::<T>(what, dtype))
+    buf.get::<T>().ok_or_else(|| mismatch::<T>(who(), dtype))
 }
 
 /// As [`typed`], mutable.
 pub(crate) fn typed_mut<'a, T: Element>(
     buf: HostBufMut<'a>,
-    what: &str,
+    who: impl FnOnce() -> String,
 ) -> CommResult<&'a mut [T]> {
     let dtype = buf.dtype();
-    buf.get::<T>().ok_or_else(|| mismatch::<T>(what, dtype))
+    buf.get::<T>().ok_or_else(|| mismatch::<T>(who(), dtype))
 }
 
-fn mismatch<T: Element>(what: &str, dtype: DType) -> CommError {
+fn mismatch<T: Element>(who: String, dtype: DType) -> CommError {
     CommError::invalid(
-        what,
+        who,
         format!("a {dtype:?} buffer where {:?} was expected", T::DTYPE),
     )
 }
 
 /// Runs `$body` with `$t` the [`Element`] type of `$dtype` (a [`HostBuf::dtype`]); an error
-/// naming `$what` for a dtype no `Element` has.
+/// naming `$what` (evaluated only then) for a dtype no `Element` has.
 macro_rules! for_element {
-    ($dtype:expr, $what:expr, |$t:ident| $body:expr) => {{
-        use candle_core::DType;
+    ($dtype:expr, $what:expr, |$t:ident| $body:expr) => {
+        $crate::comm::backend::for_element!(@each $dtype, $what, $t, $body,
+            F32 f32, F64 f64, F16 half::f16, BF16 half::bf16, U8 u8, U32 u32, I16 i16,
+            I32 i32, I64 i64)
+    };
+    (@each $dtype:expr, $what:expr, $t:ident, $body:expr, $($d:ident $ty:ty),+) => {
         match $dtype {
-            DType::F32 => {
-                type $t = f32;
+            $(candle_core::DType::$d => {
+                type $t = $ty;
                 $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = half::bf16;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-            DType::U32 => {
-                type $t = u32;
-                $body
-            }
-            DType::I16 => {
-                type $t = i16;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
+            })+
             other => Err($crate::comm::error::CommError::invalid(
                 $what,
                 format!("no collective carries dtype {other:?}"),
             )),
         }
-    }};
+    };
 }
 pub(crate) use for_element;
+
+/// The four collectives of [`Backend`] on erased buffers, written once for every backend:
+/// inside an `impl Backend` block, each finds the element type of its buffers and calls the
+/// backend's inherent method of the same collective, generic over the element type, on the
+/// typed slices: `typed_all_reduce(src: Option<&[T]>, dst: &mut [T], op)`,
+/// `typed_all_gather(src: &[T], dst: &mut [T], counts)`,
+/// `typed_reduce_scatter(src: &[T], dst: &mut [T], counts, op)` and
+/// `typed_broadcast(buf: &mut [T], root)`. Errors name the call with the backend's
+/// `who(op: &str) -> String`, which runs only on an error.
+macro_rules! erased_collectives {
+    () => {
+        fn all_reduce(
+            &self,
+            src: Option<$crate::comm::backend::HostBuf<'_>>,
+            dst: $crate::comm::backend::HostBufMut<'_>,
+            op: $crate::comm::element::ReduceOp,
+        ) -> $crate::comm::error::CommResult<()> {
+            use $crate::comm::backend::{for_element, typed, typed_mut};
+            let who = || self.who("all_reduce");
+            for_element!(dst.dtype(), who(), |T| {
+                let src = src.map(|s| typed::<T>(s, who)).transpose()?;
+                self.typed_all_reduce(src, typed_mut::<T>(dst, who)?, op)
+            })
+        }
+
+        fn all_gather_v(
+            &self,
+            src: $crate::comm::backend::HostBuf<'_>,
+            dst: $crate::comm::backend::HostBufMut<'_>,
+            counts: &[usize],
+        ) -> $crate::comm::error::CommResult<()> {
+            use $crate::comm::backend::{for_element, typed, typed_mut};
+            let who = || self.who("all_gather");
+            for_element!(dst.dtype(), who(), |T| self.typed_all_gather(
+                typed::<T>(src, who)?,
+                typed_mut::<T>(dst, who)?,
+                counts
+            ))
+        }
+
+        fn reduce_scatter_v(
+            &self,
+            src: $crate::comm::backend::HostBuf<'_>,
+            dst: $crate::comm::backend::HostBufMut<'_>,
+            counts: &[usize],
+            op: $crate::comm::element::ReduceOp,
+        ) -> $crate::comm::error::CommResult<()> {
+            use $crate::comm::backend::{for_element, typed, typed_mut};
+            let who = || self.who("reduce_scatter");
+            for_element!(dst.dtype(), who(), |T| self.typed_reduce_scatter(
+                typed::<T>(src, who)?,
+                typed_mut::<T>(dst, who)?,
+                counts,
+                op
+            ))
+        }
+
+        fn broadcast(
+            &self,
+            buf: $crate::comm::backend::HostBufMut<'_>,
+            root: usize,
+        ) -> $crate::comm::error::CommResult<()> {
+            use $crate::comm::backend::{for_element, typed_mut};
+            let who = || self.who("broadcast");
+            for_element!(buf.dtype(), who(), |T| self
+                .typed_broadcast(typed_mut::<T>(buf, who)?, root))
+        }
+
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    };
+}
+pub(crate) use erased_collectives;
 
 /// A communication backend: the collectives of one group of ranks on host buffers, its abort,
 /// its statistics and how it makes sub-groups.
 ///
 /// Every method is called by all the group's ranks in the same order, with consistent sizes
 /// (the group checks what it can before calling). `rank()` of the group is the caller's.
+///
+/// Implementors write the collectives generic over the element type and let
+/// [`erased_collectives!`] write the erased methods (and `as_any`).
 pub(crate) trait Backend: Send + Sync + 'static {
     /// Element-wise reduction into `dst`, from `src` (same length) or in place (`None`).
     fn all_reduce(
@@ -217,11 +260,26 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// reach them, with `reason`. Must not block on a collective in progress.
     fn abort(&self, reason: &str);
 
+    /// The counters the backend's collectives record into, when it keeps them in a
+    /// [`SharedStats`] (what [`Backend::stats`] and [`Backend::reset_stats`] read by default);
+    /// `None`: nothing counted, or counted elsewhere (then those two are the backend's own).
+    fn shared_stats(&self) -> Option<&SharedStats> {
+        None
+    }
+
     /// What this rank's collectives moved so far.
-    fn stats(&self) -> CommStats;
+    fn stats(&self) -> CommStats {
+        self.shared_stats()
+            .map(SharedStats::get)
+            .unwrap_or_default()
+    }
 
     /// Zeroes the statistics.
-    fn reset_stats(&self);
+    fn reset_stats(&self) {
+        if let Some(s) = self.shared_stats() {
+            s.reset();
+        }
+    }
 
     /// The backend of a sub-group named `name` whose members (world ranks) are `members`, this
     /// rank being `rank` of them. Called by the members only, in the same order.

@@ -67,6 +67,16 @@ mod private {
 }
 
 macro_rules! native_element {
+    // Integers: sums wrap, as the reduction of every backend does.
+    ($t:ty, $dtype:expr, $code:expr, int) => {
+        native_element!(
+            $t,
+            $dtype,
+            $code,
+            |a: $t, b| a.wrapping_add(b),
+            |a: $t, b| a.max(b)
+        );
+    };
     ($t:ty, $dtype:expr, $code:expr, $add:expr, $max:expr) => {
         impl private::Sealed for $t {}
         impl Element for $t {
@@ -96,41 +106,11 @@ macro_rules! native_element {
 
 native_element!(f32, DType::F32, 1, |a, b| a + b, nan_max_f32);
 native_element!(f64, DType::F64, 2, |a, b| a + b, nan_max_f64);
-native_element!(
-    u8,
-    DType::U8,
-    5,
-    |a: u8, b| a.wrapping_add(b),
-    |a: u8, b| a.max(b)
-);
-native_element!(
-    u32,
-    DType::U32,
-    6,
-    |a: u32, b| a.wrapping_add(b),
-    |a: u32, b| a.max(b)
-);
-native_element!(
-    i16,
-    DType::I16,
-    7,
-    |a: i16, b| a.wrapping_add(b),
-    |a: i16, b| a.max(b)
-);
-native_element!(
-    i32,
-    DType::I32,
-    8,
-    |a: i32, b| a.wrapping_add(b),
-    |a: i32, b| a.max(b)
-);
-native_element!(
-    i64,
-    DType::I64,
-    9,
-    |a: i64, b| a.wrapping_add(b),
-    |a: i64, b| a.max(b)
-);
+native_element!(u8, DType::U8, 5, int);
+native_element!(u32, DType::U32, 6, int);
+native_element!(i16, DType::I16, 7, int);
+native_element!(i32, DType::I32, 8, int);
+native_element!(i64, DType::I64, 9, int);
 
 macro_rules! half_element {
     ($t:ty, $dtype:expr, $code:expr) => {

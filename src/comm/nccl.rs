@@ -28,11 +28,11 @@ use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr};
 use cudarc::nccl::result::{group_end, group_start, NcclError};
 use cudarc::nccl::safe::{Comm, NcclType, ReduceOp as NcclOp};
 
-use super::backend::{for_element, typed, typed_mut, Backend, HostBuf, HostBufMut};
+use super::backend::{erased_collectives, Backend};
 use super::context::Context;
 use super::element::ReduceOp;
 use super::error::{CommError, CommResult};
-use super::stats::{CollectiveKind, CommStats};
+use super::stats::{CollectiveKind, SharedStats};
 
 mod host;
 mod setup;
@@ -74,7 +74,7 @@ pub(crate) struct NcclGroup {
     /// runs drops the communicator the next time it takes the lock, so no abort is lost.
     abort_requested: std::sync::atomic::AtomicBool,
     device: CudaDevice,
-    stats: Mutex<CommStats>,
+    stats: SharedStats,
     name: String,
     rank: usize,
     size: usize,
@@ -114,60 +114,7 @@ pub(crate) fn ordinal(device: &CudaDevice) -> usize {
 /// device collectives directly (`ops/cuda.rs`, through
 /// [`ProcessGroup::nccl`](crate::ProcessGroup::nccl)).
 impl Backend for NcclGroup {
-    fn all_reduce(
-        &self,
-        src: Option<HostBuf<'_>>,
-        dst: HostBufMut<'_>,
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        let who = self.who("all_reduce");
-        for_element!(dst.dtype(), who.clone(), |T| {
-            let d = typed_mut::<T>(dst, &who)?;
-            match src {
-                Some(s) => self.host_all_reduce(typed::<T>(s, &who)?, d, op),
-                None => {
-                    let s = d.to_vec();
-                    self.host_all_reduce(&s, d, op)
-                }
-            }
-        })
-    }
-
-    fn all_gather_v(
-        &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
-        counts: &[usize],
-    ) -> CommResult<()> {
-        let who = self.who("all_gather");
-        for_element!(dst.dtype(), who.clone(), |T| self.host_all_gather_v(
-            typed::<T>(src, &who)?,
-            typed_mut::<T>(dst, &who)?,
-            counts
-        ))
-    }
-
-    fn reduce_scatter_v(
-        &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        let who = self.who("reduce_scatter");
-        for_element!(dst.dtype(), who.clone(), |T| self.host_reduce_scatter_v(
-            typed::<T>(src, &who)?,
-            typed_mut::<T>(dst, &who)?,
-            counts,
-            op
-        ))
-    }
-
-    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
-        let who = self.who("broadcast");
-        for_element!(buf.dtype(), who.clone(), |T| self
-            .host_broadcast(typed_mut::<T>(buf, &who)?, root))
-    }
+    erased_collectives!();
 
     fn barrier(&self) -> CommResult<()> {
         NcclGroup::barrier(self)
@@ -179,12 +126,8 @@ impl Backend for NcclGroup {
         NcclGroup::abort(self)
     }
 
-    fn stats(&self) -> CommStats {
-        NcclGroup::stats(self)
-    }
-
-    fn reset_stats(&self) {
-        NcclGroup::reset_stats(self)
+    fn shared_stats(&self) -> Option<&SharedStats> {
+        Some(&self.stats)
     }
 
     fn subgroup(
@@ -206,10 +149,6 @@ impl Backend for NcclGroup {
     fn kind(&self) -> &'static str {
         "nccl"
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 impl NcclGroup {
@@ -221,14 +160,6 @@ impl NcclGroup {
             self.size,
             ordinal(&self.device)
         )
-    }
-
-    pub(crate) fn stats(&self) -> CommStats {
-        *lock(&self.stats)
-    }
-
-    pub(crate) fn reset_stats(&self) {
-        *lock(&self.stats) = CommStats::default();
     }
 
     /// Destroys the communicator with `ncclCommAbort` (pending operations stop); every later
@@ -309,7 +240,9 @@ impl NcclGroup {
     fn record(&self, kind: CollectiveKind, payload: usize, start: Instant) {
         let p = self.size.max(1);
         let moved = payload * (p - 1) / p;
-        lock(&self.stats).record(kind, payload, moved, moved, start.elapsed());
+        self.stats
+            .lock()
+            .record(kind, payload, moved, moved, start.elapsed());
     }
 
     fn check_len(&self, op: &str, what: &str, got: usize, want: usize) -> CommResult<()> {

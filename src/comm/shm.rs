@@ -5,12 +5,11 @@
 //! segments (`/dev/shm/candle-tp-<job>-<group>`), created with `O_EXCL` and mode 0600 and
 //! unlinked as soon as every rank has mapped them. Tensors never go through the socket.
 
-use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::backend::{for_element, typed, typed_mut, Backend, HostBuf, HostBufMut};
+use super::backend::{erased_collectives, Backend};
 use super::context::{Context, GroupOptions};
-use super::element::ReduceOp;
+use super::element::{Element, ReduceOp};
 use super::engine::{region_layout, AbortHandle, Engine};
 use super::error::{CommError, CommResult};
 use super::group::ProcessGroup;
@@ -102,66 +101,51 @@ impl ShmBackend {
     fn engine(&self) -> MutexGuard<'_, Engine> {
         self.engine.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn who(&self, op: &str) -> String {
+        format!("{op} (shm, group '{}')", self.name)
+    }
+
+    fn typed_all_reduce<T: Element>(
+        &self,
+        src: Option<&[T]>,
+        dst: &mut [T],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let n = dst.len();
+        let p = dst.as_mut_ptr();
+        let s = src.map_or(p as *const T, <[T]>::as_ptr);
+        // SAFETY: `s` is either `p` (in place) or a distinct live buffer of `n` elements
+        // (the group checked the lengths; Rust borrows forbid partial overlap).
+        unsafe { self.engine().all_reduce(s, p, n, op) }
+    }
+
+    fn typed_all_gather<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        counts: &[usize],
+    ) -> CommResult<()> {
+        self.engine().all_gather(src, dst, counts)
+    }
+
+    fn typed_reduce_scatter<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        self.engine().reduce_scatter(src, dst, counts, op)
+    }
+
+    fn typed_broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
+        self.engine().broadcast(buf, root)
+    }
 }
 
 impl Backend for ShmBackend {
-    fn all_reduce(
-        &self,
-        src: Option<HostBuf<'_>>,
-        dst: HostBufMut<'_>,
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        const WHAT: &str = "all_reduce (shm)";
-        for_element!(dst.dtype(), WHAT, |T| {
-            let d = typed_mut::<T>(dst, WHAT)?;
-            let n = d.len();
-            let p = d.as_mut_ptr();
-            let s = match src {
-                Some(s) => typed::<T>(s, WHAT)?.as_ptr(),
-                None => p as *const T,
-            };
-            // SAFETY: `s` is either `p` (in place) or a distinct live buffer of `n` elements
-            // (the group checked the lengths; Rust borrows forbid partial overlap).
-            unsafe { self.engine().all_reduce(s, p, n, op) }
-        })
-    }
-
-    fn all_gather_v(
-        &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
-        counts: &[usize],
-    ) -> CommResult<()> {
-        const WHAT: &str = "all_gather (shm)";
-        for_element!(dst.dtype(), WHAT, |T| self.engine().all_gather(
-            typed::<T>(src, WHAT)?,
-            typed_mut::<T>(dst, WHAT)?,
-            counts
-        ))
-    }
-
-    fn reduce_scatter_v(
-        &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        const WHAT: &str = "reduce_scatter (shm)";
-        for_element!(dst.dtype(), WHAT, |T| self.engine().reduce_scatter(
-            typed::<T>(src, WHAT)?,
-            typed_mut::<T>(dst, WHAT)?,
-            counts,
-            op
-        ))
-    }
-
-    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
-        const WHAT: &str = "broadcast (shm)";
-        for_element!(buf.dtype(), WHAT, |T| self
-            .engine()
-            .broadcast(typed_mut::<T>(buf, WHAT)?, root))
-    }
+    erased_collectives!();
 
     fn barrier(&self) -> CommResult<()> {
         self.engine().barrier("barrier")
@@ -192,10 +176,6 @@ impl Backend for ShmBackend {
 
     fn kind(&self) -> &'static str {
         "shm"
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
 

@@ -2,14 +2,12 @@
 //! a larger group makes), so layers on [`ProcessGroup::single`](super::ProcessGroup::single)
 //! behave exactly like candle-nn's.
 
-use std::any::Any;
 use std::sync::Arc;
 
-use super::backend::{for_element, typed, typed_mut, Backend, HostBuf, HostBufMut};
+use super::backend::{erased_collectives, Backend};
 use super::context::Context;
-use super::element::ReduceOp;
+use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
-use super::stats::CommStats;
 
 /// A group of one rank named `name`.
 pub(crate) struct Single {
@@ -25,63 +23,53 @@ impl Single {
         format!("{op} on group '{}' (rank 0 of 1)", self.name)
     }
 
-    /// `dst = src` for two buffers of one type and length.
-    fn copy(&self, op: &str, src: HostBuf<'_>, dst: HostBufMut<'_>) -> CommResult<()> {
-        let who = self.who(op);
-        for_element!(dst.dtype(), who.clone(), |T| {
-            let (s, d) = (typed::<T>(src, &who)?, typed_mut::<T>(dst, &who)?);
-            d.copy_from_slice(s);
-            Ok(())
-        })
-    }
-
     fn sizes_error(&self, op: &str, counts: &[usize], src: usize, dst: usize) -> CommError {
         CommError::invalid(
             self.who(op),
             format!("sizes {counts:?}, input {src} and output {dst} elements"),
         )
     }
-}
 
-impl Backend for Single {
-    fn all_reduce(
+    fn typed_all_reduce<T: Element>(
         &self,
-        src: Option<HostBuf<'_>>,
-        dst: HostBufMut<'_>,
+        src: Option<&[T]>,
+        dst: &mut [T],
         _op: ReduceOp,
     ) -> CommResult<()> {
-        match src {
-            Some(src) => self.copy("all_reduce", src, dst),
-            None => Ok(()),
+        if let Some(src) = src {
+            dst.copy_from_slice(src);
         }
+        Ok(())
     }
 
-    fn all_gather_v(
+    fn typed_all_gather<T: Element>(
         &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
+        src: &[T],
+        dst: &mut [T],
         counts: &[usize],
     ) -> CommResult<()> {
         if counts != [src.len()] || dst.len() != src.len() {
             return Err(self.sizes_error("all_gather", counts, src.len(), dst.len()));
         }
-        self.copy("all_gather", src, dst)
+        dst.copy_from_slice(src);
+        Ok(())
     }
 
-    fn reduce_scatter_v(
+    fn typed_reduce_scatter<T: Element>(
         &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
+        src: &[T],
+        dst: &mut [T],
         counts: &[usize],
         _op: ReduceOp,
     ) -> CommResult<()> {
         if counts != [dst.len()] || dst.len() != src.len() {
             return Err(self.sizes_error("reduce_scatter", counts, src.len(), dst.len()));
         }
-        self.copy("reduce_scatter", src, dst)
+        dst.copy_from_slice(src);
+        Ok(())
     }
 
-    fn broadcast(&self, _buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
+    fn typed_broadcast<T: Element>(&self, _buf: &mut [T], root: usize) -> CommResult<()> {
         if root == 0 {
             Ok(())
         } else {
@@ -91,18 +79,16 @@ impl Backend for Single {
             ))
         }
     }
+}
+
+impl Backend for Single {
+    erased_collectives!();
 
     fn barrier(&self) -> CommResult<()> {
         Ok(())
     }
 
     fn abort(&self, _reason: &str) {}
-
-    fn stats(&self) -> CommStats {
-        CommStats::default()
-    }
-
-    fn reset_stats(&self) {}
 
     fn subgroup(
         &self,
@@ -116,9 +102,5 @@ impl Backend for Single {
 
     fn kind(&self) -> &'static str {
         "single"
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }

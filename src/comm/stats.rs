@@ -1,6 +1,7 @@
 //! Per-group counters of what each collective moved, for checking communication formulas and
 //! for benchmarks that split time between compute and communication.
 
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 /// The collectives a group counts separately.
@@ -158,5 +159,27 @@ impl CommStats {
         for k in CollectiveKind::ALL {
             self.ops[k.index()] = self.get(k).plus(&other.get(k));
         }
+    }
+}
+
+/// A backend's counters behind a lock: its collectives record into it, [`SharedStats::get`]
+/// reads them. A poisoned lock (a panic while recording) still gives the counters.
+#[derive(Debug, Default)]
+pub(crate) struct SharedStats(Mutex<CommStats>);
+
+impl SharedStats {
+    /// The counters, locked.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, CommStats> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A copy of the counters.
+    pub(crate) fn get(&self) -> CommStats {
+        *self.lock()
+    }
+
+    /// Zeroes the counters.
+    pub(crate) fn reset(&self) {
+        *self.lock() = CommStats::default();
     }
 }

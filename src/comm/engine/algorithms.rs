@@ -113,20 +113,11 @@ impl Engine {
     ) -> CommResult<()> {
         let name = "all_gather";
         let t0 = Instant::now();
-        self.check_abort(name)?;
-        self.check_counts(name, counts, src.len(), dst.len(), true)?;
         let esz = std::mem::size_of::<T>();
-        let offsets = prefix_sums(counts);
-        let total: usize = counts.iter().sum();
-        dst[offsets[self.rank]..offsets[self.rank] + src.len()].copy_from_slice(src);
         let cap = self.slot_bytes / esz;
-        let chunks = counts
-            .iter()
-            .max()
-            .copied()
-            .unwrap_or(0)
-            .div_ceil(cap)
-            .max(1);
+        let (offsets, total, chunks) =
+            self.begin_sized(name, counts, (src.len(), dst.len()), true, cap)?;
+        dst[offsets[self.rank]..offsets[self.rank] + src.len()].copy_from_slice(src);
         let meta = MetaValue {
             kind: CollectiveKind::AllGather.code(),
             dtype: T::CODE,
@@ -187,19 +178,10 @@ impl Engine {
     ) -> CommResult<()> {
         let name = "reduce_scatter";
         let t0 = Instant::now();
-        self.check_abort(name)?;
-        self.check_counts(name, counts, dst.len(), src.len(), false)?;
         let esz = std::mem::size_of::<T>();
-        let offsets = prefix_sums(counts);
-        let total: usize = counts.iter().sum();
         let cap = (self.slot_bytes / esz / self.size).max(1);
-        let chunks = counts
-            .iter()
-            .max()
-            .copied()
-            .unwrap_or(0)
-            .div_ceil(cap)
-            .max(1);
+        let (offsets, total, chunks) =
+            self.begin_sized(name, counts, (dst.len(), src.len()), false, cap)?;
         let meta = MetaValue {
             kind: CollectiveKind::ReduceScatter.code(),
             dtype: T::CODE,
@@ -316,6 +298,28 @@ impl Engine {
             t0.elapsed(),
         );
         Ok(())
+    }
+
+    /// The start of a collective with per-rank sizes `counts`: the abort checked, and the
+    /// sizes (`mine` this rank's buffer, `whole` the concatenated one: [`Engine::check_counts`]);
+    /// gives the blocks' offsets, their total and the number of phases of at most `cap`
+    /// elements a block that the largest needs.
+    fn begin_sized(
+        &self,
+        name: &str,
+        counts: &[usize],
+        (mine, whole): (usize, usize),
+        gather: bool,
+        cap: usize,
+    ) -> CommResult<([usize; MAX_RANKS], usize, usize)> {
+        self.check_abort(name)?;
+        self.check_counts(name, counts, mine, whole, gather)?;
+        let largest = counts.iter().max().copied().unwrap_or(0);
+        Ok((
+            prefix_sums(counts),
+            counts.iter().sum(),
+            largest.div_ceil(cap).max(1),
+        ))
     }
 
     fn check_counts(

@@ -27,17 +27,18 @@
 mod algorithms;
 
 use std::any::Any;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use super::backend::{Backend, HostBuf, HostBufMut};
+use super::backend::{erased_collectives, Backend, HostBuf, HostBufMut};
 use super::context::{Context, GroupOptions};
+use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
 use super::group::ProcessGroup;
 use super::mpi::{mpi_world, MpiBackend};
 use super::region::{random_hex, RegionKind};
 use super::shm::rendezvous;
 use super::single::Single;
-use super::stats::{CollectiveKind, CommStats};
+use super::stats::{CollectiveKind, SharedStats};
 use super::store::{Store, TcpStore, TcpStoreServer};
 
 /// Where every world rank lives, and the world's two transports, shared by all groups.
@@ -70,7 +71,7 @@ pub(crate) struct Hierarchical {
     /// first members (uneven layouts; `None` on the others).
     cross: Option<Arc<dyn Backend>>,
     map: Arc<HostMap>,
-    stats: Mutex<CommStats>,
+    stats: SharedStats,
 }
 
 /// Joins the MPI job this process was started in (`mpirun`, `mpiexec`, `srun`) and returns its
@@ -243,7 +244,7 @@ impl Hierarchical {
             local,
             cross,
             map: map.clone(),
-            stats: Mutex::new(CommStats::default()),
+            stats: SharedStats::default(),
         }))
     }
 
@@ -282,7 +283,7 @@ impl Hierarchical {
         match f(&mut cross_bytes) {
             Ok(()) => {
                 let after = self.stage_totals();
-                let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+                let mut s = self.stats.lock();
                 s.record(
                     kind,
                     payload,
@@ -382,83 +383,68 @@ impl Hierarchical {
     }
 }
 
-impl Backend for Hierarchical {
-    fn all_reduce(
+/// The collectives on typed slices ([`erased_collectives!`] calls them).
+impl Hierarchical {
+    fn typed_all_reduce<T: Element>(
         &self,
-        src: Option<HostBuf<'_>>,
-        dst: HostBufMut<'_>,
-        op: super::element::ReduceOp,
+        src: Option<&[T]>,
+        dst: &mut [T],
+        op: ReduceOp,
     ) -> CommResult<()> {
-        let who = self.who("all_reduce");
-        super::backend::for_element!(dst.dtype(), who.clone(), |T| {
-            let d = super::backend::typed_mut::<T>(dst, &who)?;
-            let s = match src {
-                Some(s) => Some(super::backend::typed::<T>(s, &who)?),
-                None => None,
-            };
-            let payload = std::mem::size_of_val(d);
-            self.run(CollectiveKind::AllReduce, payload, |x| {
-                self.all_reduce_t(s, d, op, x)
-            })
+        let payload = std::mem::size_of_val(dst);
+        self.run(CollectiveKind::AllReduce, payload, |x| {
+            self.all_reduce_t(src, dst, op, x)
         })
     }
 
-    fn all_gather_v(
+    fn typed_all_gather<T: Element>(
         &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
+        src: &[T],
+        dst: &mut [T],
         counts: &[usize],
     ) -> CommResult<()> {
         let who = self.who("all_gather");
         self.check_counts(&who, counts, src.len(), dst.len(), true)?;
-        super::backend::for_element!(dst.dtype(), who.clone(), |T| {
-            let s = super::backend::typed::<T>(src, &who)?;
-            let d = super::backend::typed_mut::<T>(dst, &who)?;
-            let payload = std::mem::size_of_val(d);
-            self.run(CollectiveKind::AllGather, payload, |x| {
-                self.all_gather_t(s, d, counts, x)
-            })
+        let payload = std::mem::size_of_val(dst);
+        self.run(CollectiveKind::AllGather, payload, |x| {
+            self.all_gather_t(src, dst, counts, x)
         })
     }
 
-    fn reduce_scatter_v(
+    fn typed_reduce_scatter<T: Element>(
         &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
+        src: &[T],
+        dst: &mut [T],
         counts: &[usize],
-        op: super::element::ReduceOp,
+        op: ReduceOp,
     ) -> CommResult<()> {
         let who = self.who("reduce_scatter");
         self.check_counts(&who, counts, dst.len(), src.len(), false)?;
-        super::backend::for_element!(dst.dtype(), who.clone(), |T| {
-            let s = super::backend::typed::<T>(src, &who)?;
-            let d = super::backend::typed_mut::<T>(dst, &who)?;
-            let payload = std::mem::size_of_val(s);
-            self.run(CollectiveKind::ReduceScatter, payload, |x| {
-                self.reduce_scatter_t(s, d, counts, op, x)
-            })
+        let payload = std::mem::size_of_val(src);
+        self.run(CollectiveKind::ReduceScatter, payload, |x| {
+            self.reduce_scatter_t(src, dst, counts, op, x)
         })
     }
 
-    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
-        let who = self.who("broadcast");
+    fn typed_broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
         if root >= self.place.len() {
             return Err(CommError::invalid(
-                who,
+                self.who("broadcast"),
                 format!(
                     "root {root} is not a rank of this group of {}",
                     self.place.len()
                 ),
             ));
         }
-        super::backend::for_element!(buf.dtype(), who.clone(), |T| {
-            let b = super::backend::typed_mut::<T>(buf, &who)?;
-            let payload = std::mem::size_of_val(b);
-            self.run(CollectiveKind::Broadcast, payload, |x| {
-                self.broadcast_t(b, root, x)
-            })
+        let payload = std::mem::size_of_val(buf);
+        self.run(CollectiveKind::Broadcast, payload, |x| {
+            self.broadcast_t(buf, root, x)
         })
     }
+}
+
+impl Backend for Hierarchical {
+    erased_collectives!();
 
     fn barrier(&self) -> CommResult<()> {
         self.run(CollectiveKind::Barrier, 0, |_| {
@@ -477,12 +463,8 @@ impl Backend for Hierarchical {
         }
     }
 
-    fn stats(&self) -> CommStats {
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn reset_stats(&self) {
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = CommStats::default();
+    fn shared_stats(&self) -> Option<&SharedStats> {
+        Some(&self.stats)
     }
 
     fn subgroup(
@@ -500,9 +482,5 @@ impl Backend for Hierarchical {
 
     fn kind(&self) -> &'static str {
         "hierarchical"
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }

@@ -18,7 +18,6 @@
 //!   the launcher ends the job when a rank exits with an error.
 //! - Sub-groups are `MPI_Comm_create_group` over the members alone.
 
-use std::any::Any;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -26,13 +25,13 @@ use ::mpi::topology::{Communicator, SimpleCommunicator};
 use ::mpi::traits::*;
 use ::mpi::Threading;
 
-use super::backend::{for_element, typed, typed_mut, Backend, HostBuf, HostBufMut};
+use super::backend::{erased_collectives, Backend};
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
 use super::group::ProcessGroup;
 use super::region::random_hex;
-use super::stats::{CollectiveKind, CommStats};
+use super::stats::{CollectiveKind, SharedStats};
 use super::store::MemStore;
 
 mod bootstrap;
@@ -49,7 +48,7 @@ pub(crate) struct MpiBackend {
     rank: usize,
     size: usize,
     timeout: Duration,
-    stats: Mutex<CommStats>,
+    stats: SharedStats,
     aborted: Mutex<Option<String>>,
     /// The collective in progress and when it started, for the watchdog.
     in_flight: Mutex<Option<(Instant, &'static str)>>,
@@ -141,7 +140,7 @@ impl MpiBackend {
             }),
             name,
             timeout,
-            stats: Mutex::new(CommStats::default()),
+            stats: SharedStats::default(),
             aborted: Mutex::new(None),
             in_flight: Mutex::new(None),
         });
@@ -228,7 +227,7 @@ impl MpiBackend {
         if out.is_ok() {
             // The payload as `OpStats` defines it: the larger of input and output.
             let payload = bytes.0.max(bytes.1);
-            let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            let mut stats = self.stats.lock();
             stats.record(kind, payload, bytes.0, bytes.1, t0.elapsed());
             if self.spans_hosts {
                 stats.record_cross_host(kind, payload);
@@ -297,6 +296,12 @@ fn hash_counts(counts: &[usize]) -> u64 {
     })
 }
 
+/// What every rank must agree on before a collective: its kind, the element type, the
+/// length and one more value (`extra`: the op, the root, a hash of the sizes).
+fn meta<T: Element>(kind: CollectiveKind, len: usize, extra: u64) -> [u64; 4] {
+    [kind.code() as u64, T::CODE as u64, len as u64, extra]
+}
+
 fn displacements(counts: &[usize]) -> CommResult<(Vec<i32>, Vec<i32>)> {
     let mut displs = Vec::with_capacity(counts.len());
     let mut at = 0usize;
@@ -318,148 +323,113 @@ fn too_large(n: usize) -> CommError {
     )
 }
 
-impl Backend for MpiBackend {
-    fn all_reduce(
+/// The collectives on typed slices ([`erased_collectives!`] calls them).
+impl MpiBackend {
+    /// [`check_counts`] for this group, the error naming `op`.
+    fn check_counts(
         &self,
-        src: Option<HostBuf<'_>>,
-        dst: HostBufMut<'_>,
+        op: &str,
+        counts: &[usize],
+        mine: usize,
+        total: usize,
+        gather: bool,
+    ) -> CommResult<()> {
+        let who = self.who(op);
+        check_counts(&who, counts, self.size, self.rank, mine, total, gather)
+    }
+
+    fn typed_all_reduce<T: Wire>(
+        &self,
+        src: Option<&[T]>,
+        d: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
-        let who = self.who("all_reduce");
         let kind = CollectiveKind::AllReduce;
-        for_element!(dst.dtype(), who.clone(), |T| {
-            let d = typed_mut::<T>(dst, &who)?;
-            let s = src.map(|s| typed::<T>(s, &who)).transpose()?;
-            if let Some(s) = s.filter(|s| s.len() != d.len()) {
-                return Err(CommError::invalid(
-                    who,
-                    format!("input of {} elements, output of {}", s.len(), d.len()),
-                ));
+        if let Some(s) = src.filter(|s| s.len() != d.len()) {
+            return Err(CommError::invalid(
+                self.who("all_reduce"),
+                format!("input of {} elements, output of {}", s.len(), d.len()),
+            ));
+        }
+        let bytes = std::mem::size_of_val(d);
+        let meta = meta::<T>(kind, d.len(), op.code() as u64);
+        if bytes <= exchange::SMALL_ALL_REDUCE_BYTES {
+            if let Some(s) = src {
+                d.copy_from_slice(s);
             }
-            let bytes = std::mem::size_of_val(d);
-            let meta = [
-                kind.code() as u64,
-                T::CODE as u64,
-                d.len() as u64,
-                op.code() as u64,
-            ];
-            if bytes <= exchange::SMALL_ALL_REDUCE_BYTES {
-                if let Some(s) = s {
-                    d.copy_from_slice(s);
+            // Sizes and data in one exchange per step (the agreement costs nothing more).
+            return self.run_with(kind, (bytes, bytes), |comm| {
+                <T as Wire>::all_reduce_small(&comm.exchange, meta, d, op)
+                    .map_err(|e| self.disagreement(kind, meta, e))
+            });
+        }
+        self.run(kind, meta, (bytes, bytes), |c| {
+            match src {
+                Some(s) => <T as Wire>::all_reduce(c, s, d, op),
+                // In place: MPI's send and receive buffers must differ.
+                None => {
+                    let s = d.to_vec();
+                    <T as Wire>::all_reduce(c, &s, d, op)
                 }
-                // Sizes and data in one exchange per step (the agreement costs nothing more).
-                return self.run_with(kind, (bytes, bytes), |comm| {
-                    <T as Wire>::all_reduce_small(&comm.exchange, meta, d, op)
-                        .map_err(|e| self.disagreement(kind, meta, e))
-                });
             }
-            self.run(kind, meta, (bytes, bytes), |c| {
-                match s {
-                    Some(s) => <T as Wire>::all_reduce(c, s, d, op),
-                    // In place: MPI's send and receive buffers must differ.
-                    None => {
-                        let s = d.to_vec();
-                        <T as Wire>::all_reduce(c, &s, d, op)
-                    }
-                }
-                Ok(())
-            })
+            Ok(())
         })
     }
 
-    fn all_gather_v(
+    fn typed_all_gather<T: Wire>(
         &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
+        s: &[T],
+        out: &mut [T],
         counts: &[usize],
     ) -> CommResult<()> {
-        let who = self.who("all_gather");
-        check_counts(
-            &who,
-            counts,
-            self.size,
-            self.rank,
-            src.len(),
-            dst.len(),
-            true,
-        )?;
+        self.check_counts("all_gather", counts, s.len(), out.len(), true)?;
         let (c, d) = displacements(counts)?;
-        for_element!(dst.dtype(), who.clone(), |T| {
-            let (s, out) = (typed::<T>(src, &who)?, typed_mut::<T>(dst, &who)?);
-            let meta = [
-                CollectiveKind::AllGather.code() as u64,
-                T::CODE as u64,
-                out.len() as u64,
-                hash_counts(counts),
-            ];
-            let bytes = (std::mem::size_of_val(s), std::mem::size_of_val(out));
-            self.run(CollectiveKind::AllGather, meta, bytes, |comm| {
-                <T as Wire>::all_gather_v(comm, s, out, &c, &d);
-                Ok(())
-            })
+        let meta = meta::<T>(CollectiveKind::AllGather, out.len(), hash_counts(counts));
+        let bytes = (std::mem::size_of_val(s), std::mem::size_of_val(out));
+        self.run(CollectiveKind::AllGather, meta, bytes, |comm| {
+            <T as Wire>::all_gather_v(comm, s, out, &c, &d);
+            Ok(())
         })
     }
 
-    fn reduce_scatter_v(
+    fn typed_reduce_scatter<T: Wire>(
         &self,
-        src: HostBuf<'_>,
-        dst: HostBufMut<'_>,
+        s: &[T],
+        out: &mut [T],
         counts: &[usize],
         op: ReduceOp,
     ) -> CommResult<()> {
-        let who = self.who("reduce_scatter");
-        check_counts(
-            &who,
-            counts,
-            self.size,
-            self.rank,
-            dst.len(),
-            src.len(),
-            false,
-        )?;
+        self.check_counts("reduce_scatter", counts, out.len(), s.len(), false)?;
         let start: usize = counts[..self.rank].iter().sum();
-        for_element!(dst.dtype(), who.clone(), |T| {
-            let (s, out) = (typed::<T>(src, &who)?, typed_mut::<T>(dst, &who)?);
-            let meta = [
-                CollectiveKind::ReduceScatter.code() as u64,
-                T::CODE as u64,
-                s.len() as u64,
-                hash_counts(counts),
-            ];
-            let bytes = (std::mem::size_of_val(s), std::mem::size_of_val(out));
-            // MPI_Reduce_scatter with counts is not in rsmpi: reduce all, keep this block.
-            self.run(CollectiveKind::ReduceScatter, meta, bytes, |comm| {
-                let mut all = vec![T::default(); s.len()];
-                <T as Wire>::all_reduce(comm, s, &mut all, op);
-                out.copy_from_slice(&all[start..start + out.len()]);
-                Ok(())
-            })
+        let meta = meta::<T>(CollectiveKind::ReduceScatter, s.len(), hash_counts(counts));
+        let bytes = (std::mem::size_of_val(s), std::mem::size_of_val(out));
+        // MPI_Reduce_scatter with counts is not in rsmpi: reduce all, keep this block.
+        self.run(CollectiveKind::ReduceScatter, meta, bytes, |comm| {
+            let mut all = vec![T::default(); s.len()];
+            <T as Wire>::all_reduce(comm, s, &mut all, op);
+            out.copy_from_slice(&all[start..start + out.len()]);
+            Ok(())
         })
     }
 
-    fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()> {
-        let who = self.who("broadcast");
+    fn typed_broadcast<T: Wire>(&self, b: &mut [T], root: usize) -> CommResult<()> {
         if root >= self.size {
             return Err(CommError::invalid(
-                who,
+                self.who("broadcast"),
                 format!("root {root} is not a rank of this group of {}", self.size),
             ));
         }
-        for_element!(buf.dtype(), who.clone(), |T| {
-            let b = typed_mut::<T>(buf, &who)?;
-            let meta = [
-                CollectiveKind::Broadcast.code() as u64,
-                T::CODE as u64,
-                b.len() as u64,
-                root as u64,
-            ];
-            let bytes = std::mem::size_of_val(b);
-            self.run(CollectiveKind::Broadcast, meta, (bytes, bytes), |comm| {
-                <T as Wire>::broadcast(comm, b, root);
-                Ok(())
-            })
+        let meta = meta::<T>(CollectiveKind::Broadcast, b.len(), root as u64);
+        let bytes = std::mem::size_of_val(b);
+        self.run(CollectiveKind::Broadcast, meta, (bytes, bytes), |comm| {
+            <T as Wire>::broadcast(comm, b, root);
+            Ok(())
         })
     }
+}
+
+impl Backend for MpiBackend {
+    erased_collectives!();
 
     fn barrier(&self) -> CommResult<()> {
         let meta = [CollectiveKind::Barrier.code() as u64, 0, 0, 0];
@@ -476,12 +446,8 @@ impl Backend for MpiBackend {
         }
     }
 
-    fn stats(&self) -> CommStats {
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn reset_stats(&self) {
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = CommStats::default();
+    fn shared_stats(&self) -> Option<&SharedStats> {
+        Some(&self.stats)
     }
 
     fn subgroup(
@@ -526,10 +492,6 @@ impl Backend for MpiBackend {
 
     fn kind(&self) -> &'static str {
         "mpi"
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
 

@@ -79,12 +79,21 @@ impl NcclGroup {
         stream.synchronize().map_err(driver_err(what()))
     }
 
-    pub(crate) fn host_all_reduce<T: Element>(
+    /// In place (`src` none) through a copy of `dst`.
+    pub(crate) fn typed_all_reduce<T: Element>(
         &self,
-        src: &[T],
+        src: Option<&[T]>,
         dst: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
+        let copy;
+        let src = match src {
+            Some(s) => s,
+            None => {
+                copy = dst.to_vec();
+                &copy
+            }
+        };
         with_nccl_type!(self, "all_reduce", T, |U| {
             self.stage::<U>("all_reduce", cast(src)?, cast_mut(dst)?, |s, d| {
                 self.all_reduce(s, d, op)
@@ -92,7 +101,7 @@ impl NcclGroup {
         })
     }
 
-    pub(crate) fn host_reduce_scatter_v<T: Element>(
+    pub(crate) fn typed_reduce_scatter<T: Element>(
         &self,
         src: &[T],
         dst: &mut [T],
@@ -107,7 +116,7 @@ impl NcclGroup {
     }
 
     /// Bytes, whatever the element type (gathers do not compute).
-    pub(crate) fn host_all_gather_v<T: Element>(
+    pub(crate) fn typed_all_gather<T: Element>(
         &self,
         src: &[T],
         dst: &mut [T],
@@ -120,7 +129,7 @@ impl NcclGroup {
         })
     }
 
-    pub(crate) fn host_broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
+    pub(crate) fn typed_broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
         let src = as_bytes(buf).to_vec();
         self.stage::<u8>("broadcast", &src, as_bytes_mut(buf), |s, d| {
             self.broadcast(s, d, root)
@@ -130,7 +139,7 @@ impl NcclGroup {
     /// An all-reduce of one value, then a stream synchronisation.
     pub(crate) fn barrier(&self) -> CommResult<()> {
         let mut one = [0f32];
-        self.host_all_reduce(&[1f32], &mut one, ReduceOp::Sum)
+        self.typed_all_reduce(Some(&[1f32]), &mut one, ReduceOp::Sum)
     }
 }
 

@@ -13,7 +13,7 @@ use crate::comm::error::{CommError, CommResult};
 use crate::comm::group::ProcessGroup;
 use crate::comm::region::{random_hex, RegionKind};
 use crate::comm::shm::Rendezvous;
-use crate::comm::stats::CommStats;
+use crate::comm::stats::SharedStats;
 use crate::comm::store::connect_job_store;
 
 /// Joins the job described by `rv` with one NCCL communicator per rank on `device`, and returns
@@ -134,7 +134,7 @@ pub(crate) fn rendezvous(
         comm: Mutex::new(Some(NcclComm(comm))),
         abort_requested: std::sync::atomic::AtomicBool::new(false),
         device: device.clone(),
-        stats: Mutex::new(CommStats::default()),
+        stats: SharedStats::default(),
         name,
         rank,
         size,

@@ -72,14 +72,34 @@ fn connect_any(addr: &str, port: u16, within: Duration) -> io::Result<TcpStream>
     Err(last)
 }
 
-/// Connects to `addr:port`, retrying with a short backoff while nothing listens yet (the
-/// store's host may not have started), until `timeout`; `hint` ends the error message.
-pub(super) fn connect_retrying(
+/// Connects to `addr:port` as [`connect_retrying`] does, within `timeout` (at most a year),
+/// with Nagle's algorithm off and every read and write bounded by the I/O timeout it returns
+/// (`timeout`, at least 1 s).
+pub(super) fn open_stream(
     addr: &str,
     port: u16,
     timeout: Duration,
     hint: &str,
-) -> CommResult<TcpStream> {
+) -> CommResult<(TcpStream, Duration)> {
+    let timeout = timeout.min(MAX_WAIT);
+    let stream = connect_retrying(addr, port, timeout, hint)?;
+    let io_timeout = timeout.max(Duration::from_secs(1));
+    stream
+        .set_nodelay(true)
+        .and_then(|_| stream.set_read_timeout(Some(io_timeout)))
+        .and_then(|_| stream.set_write_timeout(Some(io_timeout)))
+        .map_err(|e| {
+            store_err(
+                &host_port(addr, port),
+                format!("setting up the connection: {}", io_reason(&e, io_timeout)),
+            )
+        })?;
+    Ok((stream, io_timeout))
+}
+
+/// Connects to `addr:port`, retrying with a short backoff while nothing listens yet (the
+/// store's host may not have started), until `timeout`; `hint` ends the error message.
+fn connect_retrying(addr: &str, port: u16, timeout: Duration, hint: &str) -> CommResult<TcpStream> {
     let start = Instant::now();
     let deadline = start + timeout;
     let mut backoff = Duration::from_millis(10);
@@ -119,20 +139,14 @@ impl TcpStore {
                 ),
             ));
         }
-        let timeout = timeout.min(MAX_WAIT);
-        let mut stream = connect_retrying(
+        let (mut stream, io_timeout) = open_stream(
             addr,
             port,
             timeout,
             "is rank 0 running and listening on this address?",
         )?;
-        let io_timeout = timeout.max(Duration::from_secs(1));
         let hello = Enc(Vec::new()).bytes(MAGIC).bytes(token.as_bytes()).0;
-        let reply = stream
-            .set_nodelay(true)
-            .and_then(|_| stream.set_read_timeout(Some(io_timeout)))
-            .and_then(|_| stream.set_write_timeout(Some(io_timeout)))
-            .and_then(|_| write_frame(&mut stream, &hello))
+        let reply = write_frame(&mut stream, &hello)
             .and_then(|_| read_frame(&mut stream, 16))
             .map_err(|e| {
                 store_err(

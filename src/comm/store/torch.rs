@@ -30,7 +30,7 @@ use std::net::TcpStream;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::client::{connect_retrying, io_reason, Conn};
+use super::client::{io_reason, open_stream, Conn};
 use super::{get_timeout_err, host_port, lock, store_err, Store, MAX_FRAME_BYTES, MAX_WAIT};
 use crate::comm::error::{CommError, CommResult};
 
@@ -138,14 +138,12 @@ impl TorchTcpStore {
     /// reply (besides `get`, which waits its own timeout).
     pub fn connect(addr: &str, port: u16, prefix: &str, timeout: Duration) -> CommResult<Self> {
         let desc = host_port(addr, port);
-        let timeout = timeout.min(MAX_WAIT);
-        let mut stream = connect_retrying(
+        let (mut stream, io_timeout) = open_stream(
             addr,
             port,
             timeout,
             "is torchrun's agent running? it hosts the store at MASTER_ADDR:MASTER_PORT",
         )?;
-        let io_timeout = timeout.max(Duration::from_secs(1));
         let nonce = std::process::id();
         let hello = [
             Request::new(Q_VALIDATE).u32(VALIDATION_MAGIC).0,
@@ -154,10 +152,7 @@ impl TorchTcpStore {
         .concat();
         let mut echoed = [0u8; 4];
         stream
-            .set_nodelay(true)
-            .and_then(|_| stream.set_read_timeout(Some(io_timeout)))
-            .and_then(|_| stream.set_write_timeout(Some(io_timeout)))
-            .and_then(|_| stream.write_all(&hello))
+            .write_all(&hello)
             .and_then(|_| stream.read_exact(&mut echoed))
             .map_err(|e| {
                 store_err(
