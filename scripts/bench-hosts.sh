@@ -14,7 +14,9 @@
 #   rank hands to the network per all-reduce (candle-tp's statistics).
 # decode: greedy decoding of --models (default SmolLM2 Q4_1, and the synthetic ~1 B Llama in
 #   Q4_0 and Q4_1 that scripts/make-gguf-models.sh makes with llama-quantize) at 1 host x 1
-#   rank, 1 host x 2 ranks, 2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank, at each
+#   rank, 1 host x 2 ranks, 2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank, and as
+#   pipelines across the hosts (2 hosts x 1 as 2 stages; 2 hosts x 2 as 2 stages of 2
+#   tensor-parallel ranks, a stage a host), at each
 #   link rate: tokens/s, collectives and bytes crossing hosts per token; llama.cpp's own
 #   llama-bench on the same files, on one host (1 and 2 threads) and with its RPC backend
 #   (rpc-server on the second host), built by scripts/lib/llama-cpp.sh from the sources in
@@ -71,9 +73,10 @@ bin="$target_dir/release/examples"
 
 # mpirun on the hosts (hosts.sh makes waiting ranks yield: the hosts share the cores), 1 thread
 # per rank.
+# MAP_BY=slot with --host h1:2,h2:2 keeps consecutive ranks (a tensor-parallel group) on a host.
 on_hosts() {
   local np=$1; shift
-  scripts/hosts.sh mpirun -np "$np" --map-by node --oversubscribe -x RAYON_NUM_THREADS=1 "$@"
+  scripts/hosts.sh mpirun -np "$np" --map-by "${MAP_BY:-node}" --oversubscribe -x RAYON_NUM_THREADS=1 "$@"
 }
 # Rank 0's JSON lines, tagged with the run's fields.
 tag() { sed -n "s/^\[1,0\]<stdout>:{/{$1, /p" | tee -a "$results" >&2; }
@@ -147,13 +150,23 @@ if [ "$only" != all-reduce ]; then
       for m in $models; do
         name=$(basename "$m")
         echo "==> decode $name, $rate links, round $r/$rounds" >&2
-        # 1 host x 1 rank, 1 host x 2 ranks (both on ctp-h1), 2 hosts x 1, 2 hosts x 2.
-        for layout in "1 ctp-h1:1" "2 ctp-h1:2" "2 " "4 "; do
+        # Tensor parallelism: 1 host x 1 rank, 1 host x 2 ranks (both on ctp-h1), 2 hosts x 1,
+        # 2 hosts x 2 (--map-by node: a host's ranks are not consecutive, every all-reduce
+        # crosses). Pipeline: 2 stages, one a host (2 hosts x 1, pp 2), and 2 stages of 2
+        # tensor-parallel ranks each inside its host (2 hosts x 2, pp 2 x tp 2: --map-by slot,
+        # ranks 0-1 on ctp-h1, 2-3 on ctp-h2).
+        for layout in "1 ctp-h1:1 node 1" "2 ctp-h1:2 node 1" "2 - node 1" "4 - node 1" \
+          "2 - node 2" "4 ctp-h1:2,ctp-h2:2 slot 2"; do
           set -- $layout
-          np=$1 host=${2:-}
-          label=$([ -n "$host" ] && echo "1 host x $np" || echo "2 hosts x $((np / 2))")
-          on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" --model "$m" \
-            "${common[@]}" \
+          np=$1 host=$2 map=$3 pp=$4
+          [ "$host" = - ] && host=""
+          case "$host" in *,*|"") label="2 hosts x $((np / 2))" ;; *) label="1 host x $np" ;; esac
+          if [ "$pp" != 1 ]; then
+            label="$label, pp $pp"
+            if [ "$np" -gt "$pp" ]; then label="$label x tp $((np / pp))"; fi
+          fi
+          MAP_BY=$map on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" \
+            --model "$m" --pp "$pp" "${common[@]}" \
             | tag "\"round\": $r, \"rate\": \"$rate\", \"model\": \"$name\", \"layout\": \"$label\""
         done
         # llama.cpp's RPC backend on the same file and hosts: rpc-server on ctp-h2 holds part

@@ -56,10 +56,11 @@ def main(path):
         print("\ndecode, 1 thread per rank: tokens/s (median over rounds); x 1 host x 1: against"
               " the same engine's one host, one thread\n")
         print("| model | link | layout | tokens/s | x 1 host x 1 | collectives / token "
-              "| bytes crossing hosts / token / rank | same ids as 1 x 1 |")
+              "| bytes crossing hosts / token, rank 0 / all ranks | same ids as 1 x 1 |")
         print("|---|---|---|---|---|---|---|---|")
         layouts = [("1 host x 1", "1 host x 1"), ("1 host x 2", "1 host x 1"),
                    ("2 hosts x 1", "1 host x 1"), ("2 hosts x 2", "1 host x 1"),
+                   ("2 hosts x 1, pp 2", "1 host x 1"), ("2 hosts x 2, pp 2 x tp 2", "1 host x 1"),
                    ("llama.cpp 1 host x 1 thread(s)", "llama.cpp 1 host x 1 thread(s)"),
                    ("llama.cpp 1 host x 2 thread(s)", "llama.cpp 1 host x 1 thread(s)"),
                    ("llama.cpp RPC 2 hosts x 1 thread", "llama.cpp 1 host x 1 thread(s)"),
@@ -76,7 +77,9 @@ def main(path):
                 b = tps.get((model, rate, base))
                 comm = rs[0].get("comm")
                 cpt = f"{comm['collectives_per_token']:.0f}" if comm else "-"
-                bpt = f"{comm['cross_host_bytes_per_token']:.0f}" if comm else "-"
+                bpt = (f"{comm['cross_host_bytes_per_token']:.0f} / "
+                       f"{comm.get('job_cross_host_bytes_per_token', float('nan')):.0f}"
+                       if comm else "-")
                 ones = dec.get((model, rate, "1 host x 1"))
                 same = (all(r["token_ids"] == ones[0]["token_ids"] for r in rs)
                         if ones and "token_ids" in rs[0] else "-")
