@@ -43,7 +43,6 @@ use candle_core::{DType, Device, Tensor};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
 use candle_tp::models::{CausalLm, FromCheckpoint, LlamaConfig, LoadOptions};
 use candle_tp::pipeline::PipelineStage;
-use candle_tp::ProcessGroup;
 use clap::Parser;
 
 #[path = "common/progress.rs"]
@@ -172,15 +171,6 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     candle_tp::set_batch_invariant_matmul(true);
     let pg = candle_tp::init_from_env(&device)?;
     let (stage, tp) = PipelineStage::from_option(&pg, args.pp, args.pp_layers.clone())?;
-    // Every group this rank's tokens cross: the world (barriers), the tensor-parallel group
-    // and, on a pipeline, the stages' group (activations handed on, tokens handed back).
-    let mut groups = vec![pg.clone()];
-    if tp.size() < pg.size() {
-        groups.push(tp.clone());
-    }
-    if let Some(s) = &stage {
-        groups.push(s.group().clone());
-    }
     let options = LoadOptions {
         progress: None,
         pipeline: stage,
@@ -198,12 +188,8 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     let mut out = vec![next];
     pg.barrier()?;
     candle_tp::set_matmul_timing(args.profile);
-    let stats = |groups: &[ProcessGroup]| {
-        let mut all = groups[0].stats();
-        groups[1..].iter().for_each(|g| all.add(&g.stats()));
-        all
-    };
-    let (mm0, comm0) = (candle_tp::matmul_time(), stats(&groups));
+    // The tensor-parallel group's and, on a pipeline, the stages' and the world's traffic.
+    let (mm0, comm0) = (candle_tp::matmul_time(), model.comm_stats());
     let bar = decode_bar(args, pg.rank() == 0);
     let t1 = Instant::now();
     for step in 1..args.new_tokens {
@@ -217,7 +203,7 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     bar.finish();
     candle_tp::set_matmul_timing(false);
     let steps = (args.new_tokens - 1) as f64;
-    let moved = stats(&groups).since(&comm0).total();
+    let moved = model.comm_stats().since(&comm0).total();
     let profile = args.profile.then(|| {
         let mm = (candle_tp::matmul_time() - mm0).as_secs_f64();
         let comm = moved.time.as_secs_f64();
