@@ -113,7 +113,7 @@ build_dllama() {
   echo "$dir/dllama"
 }
 
-if [ "$only" != decode ]; then
+if [ "$only" = "" ] || [ "$only" = all-reduce ]; then
   for rate in $rates; do
     if [ "$rate" = unlimited ]; then scripts/hosts.sh up 2 >&2; else scripts/hosts.sh up 2 "$rate" >&2; fi
     for r in $(seq "$rounds"); do
@@ -249,15 +249,15 @@ if [ "$only" = "" ] || [ "$only" = serve ]; then
         sport=$(wait_for_port "$spid" "$slog" 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "the server")
         metric() {
           ip netns exec ctp-h1 curl -s "http://127.0.0.1:$sport/metrics" \
-            | awk -v m="$1" '$1 == m {s += $2} END {printf "%.0f", s}'
+            | awk -v m="$1" '$1 == m || index($1, m "{") == 1 {s += $2} END {printf "%.0f", s}'
         }
         bytes0=$(metric candle_tp:comm_cross_host_bytes_total)
-        tokens0=$(metric vllm:generation_tokens_total)
+        tokens0=$(metric candle_tp:generation_tokens_total)
         ip netns exec ctp-h1 python3 scripts/bench_serve.py "$sport" --levels 1,4,8,16 \
           --max-tokens "$serve_tokens" --requests-per-stream 2 \
           --extra "{\"min_tokens\": $serve_tokens}" >"$out/serve-one.json"
         bytes1=$(metric candle_tp:comm_cross_host_bytes_total)
-        tokens1=$(metric vllm:generation_tokens_total)
+        tokens1=$(metric candle_tp:generation_tokens_total)
         python3 -c '
 import json, sys
 v = json.load(open(sys.argv[1]))

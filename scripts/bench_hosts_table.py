@@ -21,8 +21,11 @@ def main(path):
     coll = collections.defaultdict(list)
     cross = {}
     dec = collections.defaultdict(list)
+    srv = collections.defaultdict(list)
     for r in rows:
-        if "op" in r:
+        if "serve" in r:
+            srv[(r["rate"], r["serve"])].append(r)
+        elif "op" in r:
             impl = "Open MPI" if r["impl"] == "mpi" else f"candle-tp {r.get('backend', '?')}"
             if r.get("unchecked"):
                 impl += ", unchecked"
@@ -86,6 +89,32 @@ def main(path):
                 t = tps[(model, rate, layout)]
                 print(f"| {model} | {rate} | {layout} | {t:.1f} | "
                       + (f"{t / b:.2f}" if b else "-") + f" | {cpt} | {bpt} | {same} |")
+
+    if srv:
+        print("\nserving SmolLM2 Q4_1 from ctp-h1, 1 thread per rank: total tokens/s at N concurrent"
+              " streams (median over rounds); pp / tp: the pipeline against tensor parallelism on"
+              " the same 2 hosts\n")
+        levels = sorted({lv["streams"] for v in srv.values() for r in v for lv in r["levels"]})
+        print("| link | layout | " + " | ".join(f"{n} streams" for n in levels)
+              + " | bytes crossing hosts / generated token (rank 0) |")
+        print("|---|---|" + "---|" * (len(levels) + 1))
+        med = {}
+        for (rate, label), rs in sorted(srv.items()):
+            for n in levels:
+                xs = [lv["tokens_per_s"] for r in rs for lv in r["levels"] if lv["streams"] == n]
+                med[(rate, label, n)] = statistics.median(xs) if xs else None
+            bpt = [r["rank0_cross_host_bytes_per_token"] for r in rs
+                   if r.get("rank0_cross_host_bytes_per_token") is not None]
+            cells = [f"{med[(rate, label, n)]:.1f}" if med[(rate, label, n)] else "-"
+                     for n in levels]
+            b = f"{statistics.median(bpt):.0f}" if bpt else "-"
+            print(f"| {rate} | {label} | " + " | ".join(cells) + f" | {b} |")
+        for rate in sorted({k[0] for k in srv}):
+            tp = [med.get((rate, "2 hosts x 1, tp 2", n)) for n in levels]
+            pp = [med.get((rate, "2 hosts x 1, pp 2", n)) for n in levels]
+            if all(tp) and all(pp):
+                print(f"| {rate} | pp / tp | "
+                      + " | ".join(f"{p / t:.2f}" for p, t in zip(pp, tp)) + " | |")
 
 
 if __name__ == "__main__":
