@@ -22,7 +22,12 @@
 //! `threads_per_rank`, `backend`, `prompt_tokens`, `new_tokens`, `prefill_ms`,
 //! `tokens_per_s` (decode), `token_ids` (to check that both implementations agree), and for
 //! candle-tp `comm`: the world group's backend, collectives and payload bytes per decode
-//! token, and the payload rank 0 handed to the network per token (`cross_host_bytes_per_token`).
+//! token, and the payload rank 0 handed to the network per token (`cross_host_bytes_per_token`;
+//! every rank's together: `job_cross_host_bytes_per_token`).
+//!
+//! `--pp N` (candle-tp) runs the ranks as N pipeline stages of world / N tensor-parallel ranks,
+//! as `generate --pp`; `comm` then counts the world's, the tensor-parallel group's and the
+//! stages' group's traffic (activations handed on, tokens handed back).
 //!
 //! `--prefill-lens 128,512` (candle-tp) adds prompt-processing speed as `llama-bench`'s `pp N`
 //! measures it: after one warm-up forward, for each N a forward over a fresh prompt of N
@@ -36,8 +41,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_tp::generate::{DistributedSampler, SamplingParams};
-use candle_tp::models::FromCheckpoint;
-use candle_tp::models::{Llama, LlamaConfig};
+use candle_tp::models::{CausalLm, FromCheckpoint, LlamaConfig, LoadOptions};
+use candle_tp::pipeline::PipelineStage;
 use clap::Parser;
 
 #[path = "common/progress.rs"]
@@ -70,6 +75,13 @@ struct Args {
     /// before the decode run, comma-separated (candle-tp only).
     #[arg(long, value_delimiter = ',')]
     prefill_lens: Vec<usize>,
+    /// Pipeline stages (candle-tp): the ranks split into this many stages of layers, each
+    /// stage's layers split over world / N tensor-parallel ranks (as `generate --pp`).
+    #[arg(long, visible_alias = "pipeline-parallel-size", default_value_t = 1)]
+    pp: usize,
+    /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
+    #[arg(long, value_delimiter = ',')]
+    pp_layers: Option<Vec<usize>>,
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -90,7 +102,7 @@ type Prefills = Vec<(usize, f64)>;
 /// Times a prefill of each of `lens` tokens from an empty KV cache (after one warm-up
 /// forward), every rank starting together; the cache is left empty.
 fn timed_prefills(
-    model: &mut Llama,
+    model: &mut CausalLm,
     sampler: &mut DistributedSampler,
     pg: &candle_tp::ProcessGroup,
     lens: &[usize],
@@ -107,8 +119,8 @@ fn timed_prefills(
         pg.barrier()?;
         let t0 = Instant::now();
         let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-        let logits = model.forward(&input, 0)?;
-        sampler.sample_stage(Some(&logits.squeeze(0)?), model.decoder())?;
+        let logits = model.forward_stage(&input, 0)?;
+        sampler.sample_stage(logits.as_ref(), model)?;
         Ok(t0.elapsed().as_secs_f64())
     };
     if !lens.is_empty() {
@@ -158,26 +170,32 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     // "Batched decode").
     candle_tp::set_batch_invariant_matmul(true);
     let pg = candle_tp::init_from_env(&device)?;
-    let mut model = Llama::from_path(&args.model, args.dtype, &device, pg.clone())?;
+    let (stage, tp) = PipelineStage::from_option(&pg, args.pp, args.pp_layers.clone())?;
+    let options = LoadOptions {
+        progress: None,
+        pipeline: stage,
+    };
+    let mut model = CausalLm::from_path_with(&args.model, args.dtype, &device, tp, options)?;
     let vocab = model.config().vocab_size;
     let ids = prompt(args.prompt_len, vocab);
     let mut sampler = DistributedSampler::new(SamplingParams::greedy());
     let prefills = timed_prefills(&mut model, &mut sampler, &pg, &args.prefill_lens)?;
     let t0 = Instant::now();
     let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-    let logits = model.forward(&input, 0)?;
-    let mut next = sampler.sample_stage(Some(&logits.squeeze(0)?), model.decoder())?;
+    let logits = model.forward_stage(&input, 0)?;
+    let mut next = sampler.sample_stage(logits.as_ref(), &model)?;
     let prefill = t0.elapsed().as_secs_f64();
     let mut out = vec![next];
     pg.barrier()?;
     candle_tp::set_matmul_timing(args.profile);
-    let (mm0, comm0) = (candle_tp::matmul_time(), pg.stats());
+    // The tensor-parallel group's and, on a pipeline, the stages' and the world's traffic.
+    let (mm0, comm0) = (candle_tp::matmul_time(), model.comm_stats());
     let bar = decode_bar(args, pg.rank() == 0);
     let t1 = Instant::now();
     for step in 1..args.new_tokens {
         let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
-        let logits = model.forward(&input, args.prompt_len + step - 1)?;
-        next = sampler.sample_stage(Some(&logits.squeeze(0)?), model.decoder())?;
+        let logits = model.forward_stage(&input, args.prompt_len + step - 1)?;
+        next = sampler.sample_stage(logits.as_ref(), &model)?;
         out.push(next);
         bar.inc();
     }
@@ -185,17 +203,22 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     bar.finish();
     candle_tp::set_matmul_timing(false);
     let steps = (args.new_tokens - 1) as f64;
-    let moved = pg.stats().since(&comm0).total();
+    let moved = model.comm_stats().since(&comm0).total();
     let profile = args.profile.then(|| {
         let mm = (candle_tp::matmul_time() - mm0).as_secs_f64();
         let comm = moved.time.as_secs_f64();
         (mm / steps * 1e3, comm / steps * 1e3, decode / steps * 1e3)
     });
+    // What every rank handed to the network: a pipeline's stages do not move the same.
+    let mut each = vec![0i64; pg.size()];
+    pg.all_gather_slice(&[moved.cross_host_bytes as i64], &mut each)?;
     let comm = serde_json::json!({
         "backend": pg.backend(),
+        "pipeline_parallel_size": args.pp,
         "collectives_per_token": moved.calls as f64 / steps,
         "bytes_per_token": moved.payload_bytes as f64 / steps,
         "cross_host_bytes_per_token": moved.cross_host_bytes as f64 / steps,
+        "job_cross_host_bytes_per_token": each.iter().sum::<i64>() as f64 / steps,
     });
     Ok((
         pg.size(),

@@ -2,8 +2,9 @@
 # Across emulated hosts (scripts/hosts.sh: network namespaces on one machine), side by side in
 # one run, rounds interleaved, medians:
 #
-#   scripts/bench-hosts.sh                      # all-reduce, then decoding
+#   scripts/bench-hosts.sh                      # all-reduce, then decoding, then serving
 #   scripts/bench-hosts.sh --only all-reduce --rates "1gbit" --sizes 4K,1M --rounds 1
+#   scripts/bench-hosts.sh --only serve --rates "1gbit unlimited" --rounds 1
 #
 # all-reduce: f32, 4K..64M, 2 hosts x 2 ranks (--map-by node: a host's ranks are not
 #   consecutive), at each link rate of --rates (tc tbf on every host link; "unlimited" for
@@ -14,7 +15,9 @@
 #   rank hands to the network per all-reduce (candle-tp's statistics).
 # decode: greedy decoding of --models (default SmolLM2 Q4_1, and the synthetic ~1 B Llama in
 #   Q4_0 and Q4_1 that scripts/make-gguf-models.sh makes with llama-quantize) at 1 host x 1
-#   rank, 1 host x 2 ranks, 2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank, at each
+#   rank, 1 host x 2 ranks, 2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank, and as
+#   pipelines across the hosts (2 hosts x 1 as 2 stages; 2 hosts x 2 as 2 stages of 2
+#   tensor-parallel ranks, a stage a host), at each
 #   link rate: tokens/s, collectives and bytes crossing hosts per token; llama.cpp's own
 #   llama-bench on the same files, on one host (1 and 2 threads) and with its RPC backend
 #   (rpc-server on the second host), built by scripts/lib/llama-cpp.sh from the sources in
@@ -22,6 +25,11 @@
 #   (b4rtaz/distributed-llama, on no registry: clone it yourself; built here with make) on a
 #   random-weight model of the synthetic 1 B Llama's shape in its own Q40 format
 #   (scripts/dllama_model.py), 1 host x 1 thread and 2 hosts x 1 thread.
+# serve: candle-tp-serve under mpirun on the 2 hosts (rank 0, and so HTTP, on ctp-h1), SmolLM2
+#   Q4_1 (--serve-model), as 2 tensor-parallel ranks across the hosts and as 2 pipeline stages
+#   (one a host), at each link rate: scripts/bench_serve.py from ctp-h1 at 1, 4, 8 and 16
+#   concurrent streams of greedy requests (--serve-tokens tokens each, 2 per stream), total
+#   tokens/s, and what crossed the hosts per generated token (the server's /metrics).
 #
 # Needs root (network namespaces), Open MPI (installed by scripts/setup-mpi.sh) and the mpi
 # feature. The machine's cores are shared by every emulated host: 2 hosts x 2 ranks on 2 cores
@@ -37,6 +45,8 @@ rounds=3
 only=""
 models=""
 new_tokens=48
+serve_model=""
+serve_tokens=32
 while [ $# -gt 0 ]; do
   case "$1" in
     --rates) rates="$2"; shift 2 ;;
@@ -45,11 +55,13 @@ while [ $# -gt 0 ]; do
     --only) only="$2"; shift 2 ;;
     --models) models="$2"; shift 2 ;;
     --new-tokens) new_tokens="$2"; shift 2 ;;
+    --serve-model) serve_model="$2"; shift 2 ;;
+    --serve-tokens) serve_tokens="$2"; shift 2 ;;
     -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-case "$only" in ""|all-reduce|decode) ;; *) echo "--only all-reduce or decode" >&2; exit 2 ;; esac
+case "$only" in ""|all-reduce|decode|serve) ;; *) echo "--only all-reduce, decode or serve" >&2; exit 2 ;; esac
 
 scripts/hosts.sh check >/dev/null || { scripts/hosts.sh check; exit 1; }
 # The hosts are global: one user at a time on the machine (the tests take the same lock).
@@ -64,16 +76,18 @@ results="$out/results.jsonl"
 : >"$results"
 trap 'scripts/hosts.sh down >/dev/null 2>&1 || true' EXIT
 
-echo "==> building (release, feature mpi)" >&2
-cargo build --release --quiet --features mpi --example bench_collectives --example bench_generate
+echo "==> building (release, features mpi and server)" >&2
+cargo build --release --quiet --features mpi,server --example bench_collectives --example bench_generate \
+  --bin candle-tp-serve
 mpicc -O2 -o "$out/mpi_collectives" benches/mpi_collectives.c
 bin="$target_dir/release/examples"
 
 # mpirun on the hosts (hosts.sh makes waiting ranks yield: the hosts share the cores), 1 thread
 # per rank.
+# MAP_BY=slot with --host h1:2,h2:2 keeps consecutive ranks (a tensor-parallel group) on a host.
 on_hosts() {
   local np=$1; shift
-  scripts/hosts.sh mpirun -np "$np" --map-by node --oversubscribe -x RAYON_NUM_THREADS=1 "$@"
+  scripts/hosts.sh mpirun -np "$np" --map-by "${MAP_BY:-node}" --oversubscribe -x RAYON_NUM_THREADS=1 "$@"
 }
 # Rank 0's JSON lines, tagged with the run's fields.
 tag() { sed -n "s/^\[1,0\]<stdout>:{/{$1, /p" | tee -a "$results" >&2; }
@@ -99,7 +113,7 @@ build_dllama() {
   echo "$dir/dllama"
 }
 
-if [ "$only" != decode ]; then
+if [ "$only" = "" ] || [ "$only" = all-reduce ]; then
   for rate in $rates; do
     if [ "$rate" = unlimited ]; then scripts/hosts.sh up 2 >&2; else scripts/hosts.sh up 2 "$rate" >&2; fi
     for r in $(seq "$rounds"); do
@@ -118,7 +132,7 @@ if [ "$only" != decode ]; then
   done
 fi
 
-if [ "$only" != all-reduce ]; then
+if [ "$only" = "" ] || [ "$only" = decode ]; then
   if [ -z "$models" ]; then
     scripts/fetch-models.sh >&2
     # The synthetic ~1 B Llama, quantized by llama.cpp's llama-quantize (built once).
@@ -147,13 +161,23 @@ if [ "$only" != all-reduce ]; then
       for m in $models; do
         name=$(basename "$m")
         echo "==> decode $name, $rate links, round $r/$rounds" >&2
-        # 1 host x 1 rank, 1 host x 2 ranks (both on ctp-h1), 2 hosts x 1, 2 hosts x 2.
-        for layout in "1 ctp-h1:1" "2 ctp-h1:2" "2 " "4 "; do
+        # Tensor parallelism: 1 host x 1 rank, 1 host x 2 ranks (both on ctp-h1), 2 hosts x 1,
+        # 2 hosts x 2 (--map-by node: a host's ranks are not consecutive, every all-reduce
+        # crosses). Pipeline: 2 stages, one a host (2 hosts x 1, pp 2), and 2 stages of 2
+        # tensor-parallel ranks each inside its host (2 hosts x 2, pp 2 x tp 2: --map-by slot,
+        # ranks 0-1 on ctp-h1, 2-3 on ctp-h2).
+        for layout in "1 ctp-h1:1 node 1" "2 ctp-h1:2 node 1" "2 - node 1" "4 - node 1" \
+          "2 - node 2" "4 ctp-h1:2,ctp-h2:2 slot 2"; do
           set -- $layout
-          np=$1 host=${2:-}
-          label=$([ -n "$host" ] && echo "1 host x $np" || echo "2 hosts x $((np / 2))")
-          on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" --model "$m" \
-            "${common[@]}" \
+          np=$1 host=$2 map=$3 pp=$4
+          [ "$host" = - ] && host=""
+          case "$host" in *,*|"") label="2 hosts x $((np / 2))" ;; *) label="1 host x $np" ;; esac
+          if [ "$pp" != 1 ]; then
+            label="$label, pp $pp"
+            if [ "$np" -gt "$pp" ]; then label="$label x tp $((np / pp))"; fi
+          fi
+          MAP_BY=$map on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" \
+            --model "$m" --pp "$pp" "${common[@]}" \
             | tag "\"round\": $r, \"rate\": \"$rate\", \"model\": \"$name\", \"layout\": \"$label\""
         done
         # llama.cpp's RPC backend on the same file and hosts: rpc-server on ctp-h2 holds part
@@ -203,6 +227,49 @@ if [ "$only" != all-reduce ]; then
             | tee -a "$results" >&2
         done
       fi
+    done
+    scripts/hosts.sh down >&2
+  done
+fi
+
+if [ "$only" = "" ] || [ "$only" = serve ]; then
+  [ -n "$serve_model" ] || { scripts/fetch-models.sh >&2; serve_model="$home/models/smollm2-135m-instruct.Q4_1.gguf"; }
+  # shellcheck source=scripts/lib/start-server.sh
+  . scripts/lib/start-server.sh
+  for rate in $rates; do
+    if [ "$rate" = unlimited ]; then scripts/hosts.sh up 2 >&2; else scripts/hosts.sh up 2 "$rate" >&2; fi
+    for r in $(seq "$rounds"); do
+      for pp in 1 2; do
+        label=$([ "$pp" = 1 ] && echo "2 hosts x 1, tp 2" || echo "2 hosts x 1, pp 2")
+        echo "==> serve, $label, $rate links, round $r/$rounds" >&2
+        slog=$(mktemp)
+        on_hosts 2 --tag-output "$target_dir/release/candle-tp-serve" --model "$serve_model" \
+          --port 0 --pp "$pp" --max-batch 16 --max-seq-len 512 >"$slog" 2>&1 &
+        spid=$!
+        sport=$(wait_for_port "$spid" "$slog" 's/.*"listening":"http:\/\/[^:]*:\([0-9]*\)".*/\1/p' "the server")
+        metric() {
+          ip netns exec ctp-h1 curl -s "http://127.0.0.1:$sport/metrics" \
+            | awk -v m="$1" '$1 == m || index($1, m "{") == 1 {s += $2} END {printf "%.0f", s}'
+        }
+        bytes0=$(metric candle_tp:comm_cross_host_bytes_total)
+        tokens0=$(metric candle_tp:generation_tokens_total)
+        ip netns exec ctp-h1 python3 scripts/bench_serve.py "$sport" --levels 1,4,8,16 \
+          --max-tokens "$serve_tokens" --requests-per-stream 2 \
+          --extra "{\"min_tokens\": $serve_tokens}" >"$out/serve-one.json"
+        bytes1=$(metric candle_tp:comm_cross_host_bytes_total)
+        tokens1=$(metric candle_tp:generation_tokens_total)
+        python3 -c '
+import json, sys
+v = json.load(open(sys.argv[1]))
+b, t = float(sys.argv[6]) - float(sys.argv[5]), float(sys.argv[8]) - float(sys.argv[7])
+print(json.dumps({"round": int(sys.argv[2]), "rate": sys.argv[3], "serve": sys.argv[4],
+                  "levels": v["levels"], "rank0_cross_host_bytes_per_token": b / t if t else None}))' \
+          "$out/serve-one.json" "$r" "$rate" "$label" "$bytes0" "$bytes1" "$tokens0" "$tokens1" \
+          | tee -a "$results" >&2
+        kill -TERM "$spid" 2>/dev/null || true
+        wait "$spid" 2>/dev/null || true
+        rm -f "$slog"
+      done
     done
     scripts/hosts.sh down >&2
   done

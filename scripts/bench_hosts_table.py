@@ -21,8 +21,11 @@ def main(path):
     coll = collections.defaultdict(list)
     cross = {}
     dec = collections.defaultdict(list)
+    srv = collections.defaultdict(list)
     for r in rows:
-        if "op" in r:
+        if "serve" in r:
+            srv[(r["rate"], r["serve"])].append(r)
+        elif "op" in r:
             impl = "Open MPI" if r["impl"] == "mpi" else f"candle-tp {r.get('backend', '?')}"
             if r.get("unchecked"):
                 impl += ", unchecked"
@@ -56,10 +59,11 @@ def main(path):
         print("\ndecode, 1 thread per rank: tokens/s (median over rounds); x 1 host x 1: against"
               " the same engine's one host, one thread\n")
         print("| model | link | layout | tokens/s | x 1 host x 1 | collectives / token "
-              "| bytes crossing hosts / token / rank | same ids as 1 x 1 |")
+              "| bytes crossing hosts / token, rank 0 / all ranks | same ids as 1 x 1 |")
         print("|---|---|---|---|---|---|---|---|")
         layouts = [("1 host x 1", "1 host x 1"), ("1 host x 2", "1 host x 1"),
                    ("2 hosts x 1", "1 host x 1"), ("2 hosts x 2", "1 host x 1"),
+                   ("2 hosts x 1, pp 2", "1 host x 1"), ("2 hosts x 2, pp 2 x tp 2", "1 host x 1"),
                    ("llama.cpp 1 host x 1 thread(s)", "llama.cpp 1 host x 1 thread(s)"),
                    ("llama.cpp 1 host x 2 thread(s)", "llama.cpp 1 host x 1 thread(s)"),
                    ("llama.cpp RPC 2 hosts x 1 thread", "llama.cpp 1 host x 1 thread(s)"),
@@ -76,13 +80,41 @@ def main(path):
                 b = tps.get((model, rate, base))
                 comm = rs[0].get("comm")
                 cpt = f"{comm['collectives_per_token']:.0f}" if comm else "-"
-                bpt = f"{comm['cross_host_bytes_per_token']:.0f}" if comm else "-"
+                bpt = (f"{comm['cross_host_bytes_per_token']:.0f} / "
+                       f"{comm.get('job_cross_host_bytes_per_token', float('nan')):.0f}"
+                       if comm else "-")
                 ones = dec.get((model, rate, "1 host x 1"))
                 same = (all(r["token_ids"] == ones[0]["token_ids"] for r in rs)
                         if ones and "token_ids" in rs[0] else "-")
                 t = tps[(model, rate, layout)]
                 print(f"| {model} | {rate} | {layout} | {t:.1f} | "
                       + (f"{t / b:.2f}" if b else "-") + f" | {cpt} | {bpt} | {same} |")
+
+    if srv:
+        print("\nserving SmolLM2 Q4_1 from ctp-h1, 1 thread per rank: total tokens/s at N concurrent"
+              " streams (median over rounds); pp / tp: the pipeline against tensor parallelism on"
+              " the same 2 hosts\n")
+        levels = sorted({lv["streams"] for v in srv.values() for r in v for lv in r["levels"]})
+        print("| link | layout | " + " | ".join(f"{n} streams" for n in levels)
+              + " | bytes crossing hosts / generated token (rank 0) |")
+        print("|---|---|" + "---|" * (len(levels) + 1))
+        med = {}
+        for (rate, label), rs in sorted(srv.items()):
+            for n in levels:
+                xs = [lv["tokens_per_s"] for r in rs for lv in r["levels"] if lv["streams"] == n]
+                med[(rate, label, n)] = statistics.median(xs) if xs else None
+            bpt = [r["rank0_cross_host_bytes_per_token"] for r in rs
+                   if r.get("rank0_cross_host_bytes_per_token") is not None]
+            cells = [f"{med[(rate, label, n)]:.1f}" if med[(rate, label, n)] else "-"
+                     for n in levels]
+            b = f"{statistics.median(bpt):.0f}" if bpt else "-"
+            print(f"| {rate} | {label} | " + " | ".join(cells) + f" | {b} |")
+        for rate in sorted({k[0] for k in srv}):
+            tp = [med.get((rate, "2 hosts x 1, tp 2", n)) for n in levels]
+            pp = [med.get((rate, "2 hosts x 1, pp 2", n)) for n in levels]
+            if all(tp) and all(pp):
+                print(f"| {rate} | pp / tp | "
+                      + " | ".join(f"{p / t:.2f}" for p, t in zip(pp, tp)) + " | |")
 
 
 if __name__ == "__main__":

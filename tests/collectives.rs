@@ -353,6 +353,38 @@ fn counters_record_what_each_collective_moved() {
     }
 }
 
+/// A group's counters include its point-to-point transfers (`send_slice` / `recv_slice`, which
+/// run as broadcasts on a two-rank group made on first use): what a pipeline stage hands on
+/// must show in its group's statistics, and `reset_stats` zeroes them too.
+#[test]
+fn counters_include_point_to_point_transfers() {
+    let stats = run_threads(3, |pg| {
+        let mut v = vec![0f32; 256];
+        match pg.rank() {
+            0 => pg.send_slice(&v, 1)?,
+            1 => {
+                pg.recv_slice(&mut v, 0)?;
+                pg.send_slice(&v, 2)?;
+            }
+            _ => pg.recv_slice(&mut v, 1)?,
+        }
+        let before = pg.stats();
+        pg.reset_stats();
+        Ok((before, pg.stats()))
+    })
+    .unwrap();
+    for (rank, (s, after)) in stats.into_iter().enumerate() {
+        let b = s.get(CollectiveKind::Broadcast);
+        let transfers = if rank == 1 { 2 } else { 1 };
+        assert_eq!(
+            (b.calls, b.payload_bytes),
+            (transfers, transfers * 1024),
+            "rank {rank}: {s:?}"
+        );
+        assert_eq!(after.total().calls, 0, "rank {rank} after reset_stats");
+    }
+}
+
 #[test]
 fn invalid_arguments_are_clear_errors() {
     // Each in its own job: an argument error aborts the group (see the next test).

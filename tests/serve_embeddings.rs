@@ -4,6 +4,8 @@
 //! another order), for a batch of texts, one text alone, token-id inputs and base64 (the same
 //! bits as the floats); bad inputs are 400s naming the field; the completions endpoints answer
 //! 400 on an embedding model, and `/v1/embeddings` answers 400 on a text-generation model.
+//! The embedding server's router, as the generative one's: a model name with slashes is found by
+//! `/v1/models/{id}`, and a path the server does not have is a 404 with or without the key.
 //! Needs `--features server` and `scripts/fetch-models.sh`.
 #![cfg(feature = "server")]
 
@@ -17,7 +19,7 @@ use tokenizers::Tokenizer;
 
 mod common;
 
-use common::serve::{post, Server, SERIAL};
+use common::serve::{http_with, post, Server, SERIAL};
 
 const TEXTS: [&str; 3] = [
     "The cat sits on the mat.",
@@ -240,4 +242,52 @@ fn embeddings_equal_the_library() {
         (400, Some("model_not_supported")),
         "{v}"
     );
+}
+
+/// With `--api-key` and a Hugging Face id as `--model-name`: the key guards the endpoints
+/// (401 without it), `/v1/models/{id}` finds the id with its slash, another id is a 404
+/// `model_not_found`, and a path the server does not have is a 404 with or without the key
+/// (the key guards the endpoints, not their absence), and a wrong method is a 405.
+#[test]
+fn embedding_router_keys_slashes_and_unknown_paths() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let name = "sentence-transformers/all-MiniLM-L6-v2";
+    let key = "emb-key-3";
+    let server = Server::start_model(1, &minilm_dir(), &["--api-key", key, "--model-name", name]);
+    let port = server.port;
+    let auth = format!("Bearer {key}");
+    let auth = [("Authorization", auth.as_str())];
+    let body = json!({"input": "a", "model": name}).to_string();
+
+    let (status, text) = http_with(port, "POST", "/v1/embeddings", &body, &[]);
+    assert_eq!(status, 401, "without the key: {text}");
+    let (status, text) = http_with(port, "POST", "/v1/embeddings", &body, &auth);
+    assert_eq!(status, 200, "with the key and the model's id: {text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["model"], name, "{v}");
+
+    let (status, text) = http_with(port, "GET", &format!("/v1/models/{name}"), "", &auth);
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["id"], name, "{v}");
+    let (status, text) = http_with(
+        port,
+        "GET",
+        "/v1/models/sentence-transformers/other",
+        "",
+        &auth,
+    );
+    assert_eq!(status, 404, "{text}");
+    assert!(text.contains("model_not_found"), "{text}");
+
+    for headers in [&auth[..], &[]] {
+        let (status, text) = http_with(port, "GET", "/v1/no-such-endpoint", "", headers);
+        assert_eq!(status, 404, "{headers:?}: {text}");
+        assert!(text.contains("not_found"), "{headers:?}: {text}");
+        let (status, text) = http_with(port, "POST", "/v2/embeddings", "{}", headers);
+        assert_eq!(status, 404, "{headers:?}: {text}");
+    }
+    let (status, text) = http_with(port, "GET", "/v1/embeddings", "", &auth);
+    assert_eq!(status, 405, "{text}");
+    assert!(text.contains("method_not_allowed"), "{text}");
 }

@@ -145,6 +145,12 @@ fn metrics(port: u16) {
     assert_eq!(value(&after, "candle_tp:num_requests_waiting", None), 0.0);
     let kv = value(&after, "candle_tp:kv_cache_usage_perc", None);
     assert!((0.0..=1.0).contains(&kv), "{kv}");
+    // Communication: each of the 12 decode steps all-reduces SmolLM2's hidden state (576 f32)
+    // twice per layer (30 layers) at least; on one host nothing reaches the network.
+    let payload = delta("candle_tp:comm_payload_bytes_total", None);
+    let at_least = 12.0 * 2.0 * 30.0 * 576.0 * 4.0;
+    assert!(payload >= at_least, "{payload} bytes < {at_least}");
+    assert_eq!(delta("candle_tp:comm_cross_host_bytes_total", None), 0.0);
 }
 
 /// 401 without the key or with a wrong one; `/health` and `/metrics` stay open.

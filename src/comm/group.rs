@@ -127,14 +127,23 @@ impl ProcessGroup {
         &self.inner.members
     }
 
-    /// What this rank's collectives on this group moved so far.
+    /// What this rank's collectives on this group moved so far, its point-to-point transfers
+    /// ([`send_slice`](Self::send_slice) / [`recv_slice`](Self::recv_slice): broadcasts on a
+    /// two-rank group) included.
     pub fn stats(&self) -> CommStats {
-        self.inner.backend.stats()
+        let mut s = self.inner.backend.stats();
+        for pair in lock(&self.inner.pairs).values() {
+            s.add(&pair.stats());
+        }
+        s
     }
 
-    /// Zeroes this rank's counters of this group.
+    /// Zeroes this rank's counters of this group (its point-to-point transfers' too).
     pub fn reset_stats(&self) {
-        self.inner.backend.reset_stats()
+        self.inner.backend.reset_stats();
+        for pair in lock(&self.inner.pairs).values() {
+            pair.reset_stats();
+        }
     }
 
     /// Marks this group and every sub-group created from it as failed, so that peers waiting

@@ -135,7 +135,7 @@ impl ShardedVarBuilder {
     }
 
     /// This builder for a model split into pipeline stages: a model that knows stages (the
-    /// decoders, [`CausalLm`](crate::models::CausalLm)) loads only the layers of `stage`, and
+    /// decoders: `models::CausalLm`) loads only the layers of `stage`, and
     /// splits them over [`pg`](Self::pg) (the stage's tensor-parallel group).
     pub fn with_pipeline(&self, stage: PipelineStage) -> Self {
         let mut out = self.clone();

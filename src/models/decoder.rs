@@ -20,7 +20,7 @@ use crate::nn::{
     load_rms_norm, AttentionConfig, GatedMlp, MoeConfig, ParallelAttention, ParallelLmHead,
     RmsNormSpec, RotaryEmbedding, SparseMoe, VocabParallelEmbedding,
 };
-use crate::pipeline::PipelineStage;
+use crate::pipeline::{PipelineStage, StagePart};
 
 /// The feed-forward block of a decoder layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -283,22 +283,10 @@ impl CausalLm {
             }
         }
         let stage = vb.pipeline().cloned();
-        let (first, last) = stage
-            .as_ref()
-            .map_or((true, true), |s| (s.is_first(), s.is_last()));
-        let layer_range = match &stage {
-            Some(s) => s.layers(cfg.layers.len()).map_err(|e| {
-                candle_core::Error::msg(format!(
-                    "{}: pipeline stage {} of {}: {e}",
-                    cfg.architecture,
-                    s.index(),
-                    s.count()
-                ))
-            })?,
-            None => 0..cfg.layers.len(),
-        };
+        let part = StagePart::of(stage.as_ref(), &cfg.architecture, cfg.layers.len())?;
+        let (first, last, layer_range) = (part.first, part.last, part.layers.clone());
         let m = vb.pp("model");
-        let embed_tokens = if first || (last && cfg.tie_word_embeddings) {
+        let embed_tokens = if part.holds_embedding(cfg.tie_word_embeddings) {
             Some(VocabParallelEmbedding::load(
                 cfg.vocab_size,
                 cfg.hidden_size,

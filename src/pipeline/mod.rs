@@ -10,7 +10,7 @@ mod schedule;
 mod stages;
 mod train;
 
-pub use placement::PipelineStage;
+pub use placement::{PipelineStage, StagePart};
 pub use replay::{check, replay, Replay};
 pub use schedule::{peak_activations, schedule, Kind, Step};
 pub use stages::stage_layers;

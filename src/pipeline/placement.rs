@@ -163,3 +163,49 @@ impl PipelineStage {
         self.group.broadcast_slice(values, self.count() - 1)
     }
 }
+
+/// What a model loaded for a stage holds: its layers, whether it embeds the tokens (the first
+/// stage), whether it ends in the final norm and the LM head (the last stage). Without a
+/// pipeline, the whole model. One place for the decoders' and the trainer's loading.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagePart {
+    /// Whether this part embeds the tokens (the first stage, or no pipeline).
+    pub first: bool,
+    /// Whether this part holds the final norm and the LM head (the last stage, or no
+    /// pipeline).
+    pub last: bool,
+    /// The model's layers this part holds (the model's numbering).
+    pub layers: Range<usize>,
+}
+
+impl StagePart {
+    /// The part of a model of `total` layers that `stage` holds (the whole model when `None`);
+    /// an error names `model`, the stage and the sizes when the stages do not fit the layers.
+    pub fn of(stage: Option<&PipelineStage>, model: &str, total: usize) -> Result<Self> {
+        let Some(s) = stage else {
+            return Ok(Self {
+                first: true,
+                last: true,
+                layers: 0..total,
+            });
+        };
+        let layers = s.layers(total).map_err(|e| {
+            candle_core::Error::msg(format!(
+                "{model}: pipeline stage {} of {}: {e}",
+                s.index(),
+                s.count()
+            ))
+        })?;
+        Ok(Self {
+            first: s.is_first(),
+            last: s.is_last(),
+            layers,
+        })
+    }
+
+    /// Whether this part loads the token embedding: the first stage uses it, and the last one
+    /// too when the LM head is tied to it.
+    pub fn holds_embedding(&self, tied: bool) -> bool {
+        self.first || (self.last && tied)
+    }
+}

@@ -146,3 +146,29 @@ fn the_pp_dp_tp_mesh_keeps_tp_groups_consecutive() {
         .to_string();
     assert!(e.contains("pipeline size 3"), "{e}");
 }
+
+/// A stage's part: the whole model without a pipeline; with three stages of a 7-layer model
+/// the layers of `stage_layers`, the embedding on the first stage (and the last when tied),
+/// and an error naming the model and the stage when there are more stages than layers.
+#[test]
+fn stage_parts_hold_their_layers_and_ends() {
+    let whole = StagePart::of(None, "M", 7).unwrap();
+    assert_eq!((whole.first, whole.last, whole.layers), (true, true, 0..7));
+    let parts = crate::comm::run_threads(3, |world| {
+        let (stage, _) = PipelineStage::split(&world, 3, None)?;
+        let part = StagePart::of(Some(&stage), "M", 7).map_err(|e| e.to_string());
+        let few = StagePart::of(Some(&stage), "M", 2).map(|_| ());
+        Ok((part, few.map_err(|e| e.to_string())))
+    })
+    .unwrap();
+    let want = stage_layers(7, 3, None).unwrap();
+    for (s, (part, few)) in parts.into_iter().enumerate() {
+        let part = part.unwrap();
+        assert_eq!(part.layers, want[s], "stage {s}");
+        assert_eq!((part.first, part.last), (s == 0, s == 2), "stage {s}");
+        assert_eq!(part.holds_embedding(false), s == 0, "stage {s}");
+        assert_eq!(part.holds_embedding(true), s != 1, "stage {s}");
+        let e = few.unwrap_err();
+        assert!(e.contains(&format!("M: pipeline stage {s} of 3")), "{e}");
+    }
+}

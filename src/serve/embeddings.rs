@@ -262,20 +262,24 @@ pub struct EmbedState {
 }
 
 /// The router of an embedding server: `POST /v1/embeddings`, `GET /v1/models[/{id}]`,
-/// `GET /health`; the completions endpoints answer 400 (no text generation).
+/// `GET /health`; the completions endpoints answer 400 (no text generation). As the text
+/// server's router: ids may hold slashes (`org/name`), the key guards the routes only (a path
+/// the server does not have is a 404, key or not), and a wrong method is a 405.
 pub fn router(state: EmbedState) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
+        // A catch-all: Hugging Face ids hold slashes (`org/name`).
+        .route("/v1/models/{*id}", get(model))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/completions", post(not_generative))
         .route("/v1/chat/completions", post(not_generative))
-        .fallback(not_found)
-        .layer(axum::middleware::from_fn_with_state(
+        .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_key,
         ))
+        .fallback(not_found)
+        .method_not_allowed_fallback(crate::serve::http::method_not_allowed)
         .with_state(state)
 }
 

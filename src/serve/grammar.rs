@@ -2,7 +2,7 @@
 //! and SGLang's structured outputs): JSON schemas for `response_format`, Lark grammars for
 //! forced tool calls. [`Grammars`] is built once at start-up on rank 0 from the tokenizer; each
 //! constrained choice gets a [`GrammarFilter`], the batch decoder's
-//! [`TokenFilter`](crate::generate::TokenFilter).
+//! [`TokenFilter`].
 //!
 //! The token trie is built from the tokenizer's own JSON (`tokenizer.json`, or the one built
 //! from a GGUF file) by llguidance's `token_bytes_from_tokenizer_json` (byte-level BPE and

@@ -205,7 +205,8 @@ async fn not_found() -> ApiError {
     ApiError::new(404, "invalid_request_error", Some("not_found"), "no such endpoint: the server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /health, GET /metrics")
 }
 
-async fn method_not_allowed() -> ApiError {
+/// 405 `method_not_allowed` (both servers' routers).
+pub(crate) async fn method_not_allowed() -> ApiError {
     ApiError::new(
         405,
         "invalid_request_error",

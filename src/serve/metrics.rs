@@ -13,6 +13,8 @@
 //! | `candle_tp:time_to_first_token_seconds` | histogram | from queueing to the first token |
 //! | `candle_tp:time_per_output_token_seconds` | histogram | between a request's tokens |
 //! | `candle_tp:e2e_request_latency_seconds` | histogram | from queueing to the last token |
+//! | `candle_tp:comm_payload_bytes_total` | counter | rank 0's collective and point-to-point payload for the model ([`CausalLm::comm_stats`](crate::models::CausalLm::comm_stats)) |
+//! | `candle_tp:comm_cross_host_bytes_total` | counter | of it, what rank 0 handed to the network (0 on one host) |
 //!
 //! Every sample carries `model_name`. The buckets are vLLM's.
 
@@ -95,6 +97,10 @@ pub struct Metrics {
     pub finished_stop: AtomicU64,
     /// Requests finished by their length limit.
     pub finished_length: AtomicU64,
+    /// Rank 0's communication payload for the model (set by the loop after each step).
+    pub comm_payload_bytes: AtomicU64,
+    /// Of it, the bytes rank 0 handed to the network (set by the loop after each step).
+    pub comm_cross_host_bytes: AtomicU64,
     /// Time to first token.
     pub ttft: Histogram,
     /// Time between tokens of a request.
@@ -114,6 +120,8 @@ impl Default for Metrics {
             generation_tokens: AtomicU64::new(0),
             finished_stop: AtomicU64::new(0),
             finished_length: AtomicU64::new(0),
+            comm_payload_bytes: AtomicU64::new(0),
+            comm_cross_host_bytes: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BUCKETS),
             tpot: Histogram::new(TPOT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
@@ -183,6 +191,16 @@ impl Metrics {
                 "generation_tokens_total",
                 "Tokens generated.",
                 self.generation_tokens.load(Ordering::Relaxed),
+            ),
+            (
+                "comm_payload_bytes_total",
+                "Rank 0's collective and point-to-point payload for the model.",
+                self.comm_payload_bytes.load(Ordering::Relaxed),
+            ),
+            (
+                "comm_cross_host_bytes_total",
+                "Of rank 0's payload, the bytes handed to the network (0 on one host).",
+                self.comm_cross_host_bytes.load(Ordering::Relaxed),
             ),
         ] {
             let name = format!("candle_tp:{name}");

@@ -357,6 +357,12 @@ pub fn run_leader(
             .metrics
             .kv_capacity
             .store(dec.max_batch() * dec.max_seq_len(), Ordering::SeqCst);
+        let moved = model.comm_stats().total();
+        let m = &inbox.metrics;
+        m.comm_payload_bytes
+            .store(moved.payload_bytes, Ordering::Relaxed);
+        m.comm_cross_host_bytes
+            .store(moved.cross_host_bytes, Ordering::Relaxed);
         for e in events {
             let Some(tx) = leader.active.get(&e.id) else {
                 continue;

@@ -187,8 +187,9 @@ impl ModelText {
 mod tests {
     use super::*;
 
-    /// The test data folder, and a checkpoint folder holding SmolLM2's tokenizer alone.
-    fn checkpoint_with_tokenizer() -> (std::path::PathBuf, tempfile::TempDir) {
+    /// The test data folder, and a checkpoint folder holding SmolLM2's tokenizer alone (also
+    /// `stream`'s tests' fixture).
+    pub(super) fn checkpoint_with_tokenizer() -> (std::path::PathBuf, tempfile::TempDir) {
         let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
         let dir = tempfile::tempdir().unwrap();
         std::fs::copy(

@@ -155,16 +155,9 @@ impl TextStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     fn smollm2() -> ModelText {
-        let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::copy(
-            data.join("smollm2/tokenizer.json"),
-            dir.path().join("tokenizer.json"),
-        )
-        .unwrap();
+        let (_, dir) = crate::text::tests::checkpoint_with_tokenizer();
         ModelText::load(dir.path()).unwrap()
     }
 

@@ -21,7 +21,7 @@ use super::init::{Init, TrainInit};
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::ops::{copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp};
-use crate::pipeline::PipelineStage;
+use crate::pipeline::{PipelineStage, StagePart};
 use crate::{ColumnParallelLinear, Partition, RowParallelLinear};
 
 /// Shape of the model (the fields of a Llama `config.json`).
@@ -242,21 +242,10 @@ impl TrainLlama {
             ))
         })?;
         let stage = vb.pipeline().cloned();
-        let (first, last) = stage
-            .as_ref()
-            .map_or((true, true), |s| (s.is_first(), s.is_last()));
-        let range = match &stage {
-            Some(s) => s.layers(cfg.num_hidden_layers).map_err(|e| {
-                candle_core::Error::msg(format!(
-                    "TrainLlama: pipeline stage {} of {}: {e}",
-                    s.index(),
-                    s.count()
-                ))
-            })?,
-            None => 0..cfg.num_hidden_layers,
-        };
+        let part = StagePart::of(stage.as_ref(), "TrainLlama", cfg.num_hidden_layers)?;
+        let (first, last, range) = (part.first, part.last, part.layers.clone());
         let m = vb.pp("model");
-        let embed = if first || (last && cfg.tie_word_embeddings) {
+        let embed = if part.holds_embedding(cfg.tie_word_embeddings) {
             Some(
                 m.pp("embed_tokens")
                     .get_sharded((cfg.vocab_size, h), "weight", 0, &vocab)?,

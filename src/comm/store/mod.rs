@@ -4,7 +4,7 @@
 //! included) talks to it through a [`TcpStore`]; the threads backend uses a [`MemStore`]
 //! shared by its rank threads. Under PyTorch's `torchrun`, whose agent already hosts a
 //! `TCPStore` there (`TORCHELASTIC_USE_AGENT_STORE=True`), every rank joins that one through a
-//! [`TorchTcpStore`] instead ([`connect_job_store`] chooses). The store carries only small rendezvous data (segment names,
+//! [`TorchTcpStore`] instead (`connect_job_store` chooses). The store carries only small rendezvous data (segment names,
 //! pids, ids), never tensors. Semantics follow PyTorch's `TCPStore`: `get` blocks until the key
 //! is set, `add` is an atomic counter stored as a decimal string.
 //!

@@ -22,6 +22,18 @@ impl CausalLm {
         self.stage.as_ref().map_or(&self.pg, |s| s.world())
     }
 
+    /// What this rank's communication for the model moved so far: the tensor-parallel group's
+    /// collectives and, on a pipeline, the stages' group's transfers (activations handed on,
+    /// tokens handed back) and the world's (a serving loop's step plans).
+    pub fn comm_stats(&self) -> crate::comm::CommStats {
+        let mut all = self.pg.stats();
+        if let Some(s) = &self.stage {
+            all.add(&s.group().stats());
+            all.add(&s.world().stats());
+        }
+        all
+    }
+
     /// The decoder layers this rank holds, in the model's numbering (all of them without a
     /// pipeline).
     pub fn layer_range(&self) -> Range<usize> {
