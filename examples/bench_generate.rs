@@ -12,6 +12,7 @@
 //! ```
 //!
 //! `--dtype bf16|f16` runs a checkpoint directory in half precision (both implementations).
+//! `--device cuda` runs both on the GPU (a build with the `cuda` feature).
 //! `--model` is a checkpoint directory or a `.gguf` file (candle-tp keeps its blocks quantized;
 //! `--impl quantized_llama` is candle-transformers' quantized Llama on the same file).
 //! `--profile` adds the decode step's split: time in matmuls (every `ParallelWeight`), in
@@ -82,6 +83,10 @@ struct Args {
     /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
     #[arg(long, value_delimiter = ',')]
     pp_layers: Option<Vec<usize>>,
+    /// `cpu`, or `cuda` (the GPU of LOCAL_RANK; needs the `cuda` feature), for candle-tp and
+    /// candle-transformers alike.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -102,12 +107,12 @@ type Prefills = Vec<(usize, f64)>;
 /// Times a prefill of each of `lens` tokens from an empty KV cache (after one warm-up
 /// forward), every rank starting together; the cache is left empty.
 fn timed_prefills(
+    device: &Device,
     model: &mut CausalLm,
     sampler: &mut DistributedSampler,
     pg: &candle_tp::ProcessGroup,
     lens: &[usize],
 ) -> Result<Prefills> {
-    let device = Device::Cpu;
     let vocab = model.config().vocab_size;
     let max_pos = model.config().max_position_embeddings;
     if let Some(&n) = lens.iter().find(|&&n| n == 0 || n > max_pos) {
@@ -118,7 +123,7 @@ fn timed_prefills(
         let ids = prompt(n, vocab);
         pg.barrier()?;
         let t0 = Instant::now();
-        let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
+        let input = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
         let logits = model.forward_stage(&input, 0)?;
         sampler.sample_stage(logits.as_ref(), model)?;
         Ok(t0.elapsed().as_secs_f64())
@@ -165,7 +170,7 @@ type Measured = (usize, f64, f64, Vec<u32>, bool, Profile, Prefills, Comm);
 type Comm = Option<serde_json::Value>;
 
 fn run_candle_tp(args: &Args) -> Result<Measured> {
-    let device = Device::Cpu;
+    let device = candle_tp::device_from_arg(&args.device)?;
     // Prefill and decode as the server and examples/generate do (docs/PERFORMANCE.md,
     // "Batched decode").
     candle_tp::set_batch_invariant_matmul(true);
@@ -179,7 +184,7 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     let vocab = model.config().vocab_size;
     let ids = prompt(args.prompt_len, vocab);
     let mut sampler = DistributedSampler::new(SamplingParams::greedy());
-    let prefills = timed_prefills(&mut model, &mut sampler, &pg, &args.prefill_lens)?;
+    let prefills = timed_prefills(&device, &mut model, &mut sampler, &pg, &args.prefill_lens)?;
     let t0 = Instant::now();
     let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
     let logits = model.forward_stage(&input, 0)?;
@@ -234,7 +239,7 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
 
 fn run_quantized_llama(args: &Args) -> Result<Measured> {
     use candle_transformers::models::quantized_llama::ModelWeights;
-    let device = Device::Cpu;
+    let device = candle_tp::device_from_arg(&args.device)?;
     let mut f = std::fs::File::open(&args.model)
         .with_context(|| format!("opening {}", args.model.display()))?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut f)?;
@@ -256,7 +261,7 @@ fn single_process_greedy(
     ids: &[u32],
     mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
 ) -> Result<Measured> {
-    let device = Device::Cpu;
+    let device = candle_tp::device_from_arg(&args.device)?;
     let mut argmax = |x: &Tensor, pos: usize| -> Result<u32> {
         Ok(forward(x, pos)?.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?)
     };
@@ -279,7 +284,7 @@ fn single_process_greedy(
 
 fn run_candle_transformers(args: &Args) -> Result<Measured> {
     use candle_transformers::models::llama as ct;
-    let device = Device::Cpu;
+    let device = candle_tp::device_from_arg(&args.device)?;
     let text = std::fs::read_to_string(args.model.join("config.json")).context("config.json")?;
     // Reject configs candle-transformers would misread (the check our loader does too).
     let _ = LlamaConfig::from_json(&text, &args.model.join("config.json").display().to_string())?;
@@ -318,6 +323,7 @@ fn main() -> Result<()> {
                 "model": args.model.file_name().map(|s| s.to_string_lossy().into_owned()),
                 "world_size": world,
                 "dtype": format!("{:?}", args.dtype).to_lowercase(),
+                "device": args.device,
                 "threads_per_rank": candle_core::utils::get_num_threads(),
                 "backend": backend(),
                 "prompt_tokens": args.prompt_len,

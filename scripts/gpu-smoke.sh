@@ -22,6 +22,7 @@
 #   nccl_multi_rank    the multi-rank collective/layer tests of tests/gpu.rs under tprun
 #   embed_cuda_vs_cpu  examples/embed on MiniLM: CUDA embeddings vs CPU (max |diff| <= 1e-3)
 #   generate_N         examples/generate --device cuda (if built), tokens/s, 1 and N ranks
+#   generate_ids_cuda_vs_cpu  greedy ids: CUDA f32 equal to the CPU's; CUDA bf16 reported
 # NCCL refuses two ranks on one GPU: with one GPU the multi-rank steps are skipped, not faked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -156,8 +157,10 @@ PY
   fi
 
   if [ -x "$rel/examples/generate" ]; then
-    # GENERATE_ARGS overrides the arguments (the example's flags are its own).
-    read -r -a gen_args <<<"${GENERATE_ARGS:---device cuda}"
+    # GENERATE_MODEL_ARGS: the model and its flags (default: the example's own, SmolLM2 from
+    # the models directory); GENERATE_ARGS overrides the whole CUDA command line.
+    read -r -a model_args <<<"${GENERATE_MODEL_ARGS:-}"
+    read -r -a gen_args <<<"${GENERATE_ARGS:-${model_args[*]} --device cuda}"
     gen() {
       local n=$1
       if [ "$n" -eq 1 ]; then "$rel/examples/generate" "${gen_args[@]}"
@@ -167,13 +170,35 @@ PY
       t0=$(date +%s.%N); rc=0
       gen "$n" >"$log_dir/generate_$n.log" 2>&1 || rc=$?
       secs=$(python3 -c "print($(date +%s.%N) - $t0)")
-      tps=$(grep -oiE '[0-9]+(\.[0-9]+)? *(tokens|tok)/s' "$log_dir/generate_$n.log" | tail -n 1 | grep -oE '^[0-9.]+' || true)
+      # The example's JSON line: "tokens_per_s":N.
+      tps=$(grep -oE '"tokens_per_s": ?[0-9.eE+-]+' "$log_dir/generate_$n.log" | tail -n 1 | grep -oE '[0-9.eE+-]+$' || true)
       if [ $rc -eq 0 ] && [ -n "$tps" ]; then
         record "generate_$n" pass "$secs" "$(tail -c 400 "$log_dir/generate_$n.log")" "{\"ranks\": $n, \"tokens_per_s\": $tps}"
       else
         record "generate_$n" fail "$secs" "exit $rc, tokens/s ${tps:-not found}: $(tail -c 1200 "$log_dir/generate_$n.log")"
       fi
     done
+    # Greedy ids: CUDA f32 must equal the CPU's; CUDA bf16 is reported against them (the share
+    # of ids equal before the first difference), not required to match.
+    ids_cmp() {
+      local d t
+      for d in cpu cuda; do for t in f32 bf16; do
+        [ "$d$t" = cpubf16 ] && continue
+        "$rel/examples/generate" "${model_args[@]}" --device "$d" --dtype "$t" --max-new-tokens 32 \
+          >"$log_dir/ids_${d}_$t.log" 2>&1 || return 1
+      done; done
+      python3 - "$log_dir" <<'PY'
+import json, sys
+ids = {}
+for k in ("cpu_f32", "cuda_f32", "cuda_bf16"):
+    line = [l for l in open(f"{sys.argv[1]}/ids_{k}.log") if l.startswith("{")][-1]
+    ids[k] = json.loads(line)["token_ids"]
+same = next((i for i, (a, b) in enumerate(zip(ids["cpu_f32"], ids["cuda_bf16"])) if a != b), len(ids["cpu_f32"]))
+print(f"cpu f32 {ids['cpu_f32']}\ncuda f32 equal: {ids['cuda_f32'] == ids['cpu_f32']}; cuda bf16 equal for the first {same} of {len(ids['cpu_f32'])}")
+sys.exit(0 if ids["cuda_f32"] == ids["cpu_f32"] else 1)
+PY
+    }
+    run_step generate_ids_cuda_vs_cpu ids_cmp
   else
     skip generate "$rel/examples/generate is not built (the generate example lives on another branch)"
   fi

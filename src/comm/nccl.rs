@@ -38,7 +38,10 @@ mod host;
 mod setup;
 
 pub use setup::init_nccl;
-pub(crate) use setup::{init_nccl_on, rendezvous};
+pub(crate) use setup::rendezvous;
+// Only a job that mpirun launched meets over MPI's store (comm/env.rs).
+#[cfg(feature = "mpi")]
+pub(crate) use setup::init_nccl_on;
 
 /// An NCCL communicator that may move between threads.
 ///

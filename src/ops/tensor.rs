@@ -33,7 +33,7 @@ impl ProcessGroup {
     /// assert_eq!(out[0], vec![1.0, 2.0]);
     /// ```
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        if self.size() == 1 {
+        if self.returns_input() {
             return Ok(t.clone());
         }
         CollectiveOp::apply(self, t, Kind::AllReduce(op), None)
@@ -44,7 +44,7 @@ impl ProcessGroup {
     /// [`all_gather_with_sizes`](Self::all_gather_with_sizes) when they are known.
     pub fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         check_dim(self, t, dim, "all_gather")?;
-        if self.size() == 1 {
+        if self.returns_input() {
             return Ok(t.clone());
         }
         let mut sizes = vec![0i64; self.size()];
@@ -77,7 +77,7 @@ impl ProcessGroup {
                 self.name()
             ))
         })?;
-        if self.size() == 1 {
+        if self.returns_input() {
             return Ok(t.clone());
         }
         CollectiveOp::apply(
@@ -95,12 +95,23 @@ impl ProcessGroup {
     /// Returns `root`'s `t` on every rank (every rank passes a tensor of the same shape and
     /// dtype, as with `torch.distributed.broadcast`).
     pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        if self.size() == 1 {
-            if root != 0 {
-                candle_core::bail!("broadcast on a 1-rank group: root {root} does not exist");
-            }
+        if self.size() == 1 && root != 0 {
+            candle_core::bail!("broadcast on a 1-rank group: root {root} does not exist");
+        }
+        if self.returns_input() {
             return Ok(t.clone());
         }
         CollectiveOp::apply(self, t, Kind::Broadcast { root }, None)
+    }
+
+    /// Whether a tensor collective here returns its input as it is: one rank and no NCCL
+    /// communicator. A one-rank NCCL group still runs NCCL (a device copy), so that one GPU
+    /// exercises the NCCL path (`scripts/gpu-smoke.sh`) and counts in [`stats`](Self::stats).
+    fn returns_input(&self) -> bool {
+        #[cfg(feature = "nccl")]
+        if self.nccl().is_some() {
+            return false;
+        }
+        self.size() == 1
     }
 }
