@@ -1,16 +1,19 @@
-//! Waiting for a peer's sequence word: spin briefly, then yield while the peer is running,
+//! Waiting for a peer's sequence word: spin briefly, then poll while the peer is running,
 //! then sleep on a futex.
 //!
 //! A pure spin answers in well under a microsecond when every rank has a core, and collapses
 //! when ranks outnumber cores (3 ranks on 2 cores): a spinning rank eats the time slice its
-//! peer needs. So the spin budget shrinks when the group is larger than the machine.
+//! peer needs. So the spin budget shrinks when the group is larger than the machine, and only
+//! then does a waiter yield its core.
 //!
-//! After the spin the wait is adaptive: while the peer is itself running (computing its part,
-//! or descheduled by another process on a busy machine) the waiter keeps yielding, for up to
-//! [`WaitPolicy::patience`], because the peer will publish soon and a futex wake-up costs tens
-//! of microseconds on a loaded machine; a peer that is itself asleep in a wait (an idle
-//! server's ranks, all waiting on rank 0's next request) sends the waiter straight to the
-//! futex, so long waits cost ~0 % CPU. Every futex sleep has a short timeout so the caller can
+//! After the spin the wait is adaptive. On a quiet machine, while the peer is itself running
+//! (computing its part) the waiter keeps polling, for up to [`WaitPolicy::patience`], because
+//! the peer will publish soon and a futex wake-up costs tens of microseconds; a peer that is
+//! itself asleep in a wait (an idle server's ranks, all waiting on rank 0's next request)
+//! sends the waiter straight to the futex, so long waits cost ~0 % CPU. On a busy machine
+//! (this thread was preempted since its previous long wait: [`Spun::Busy`]) the waiter sleeps
+//! at once: the peer is likely descheduled too, and polling or yielding would only give this
+//! rank's share of the core away. Every futex sleep has a short timeout so the caller can
 //! check deadlines, aborts and dead peers.
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -21,7 +24,10 @@ use std::time::{Duration, Instant};
 pub(crate) struct WaitPolicy {
     /// How long to spin (each probe a load and a `spin_loop` hint).
     pub spin: Duration,
-    /// `sched_yield` calls after the spin, so a peer sharing this core can run.
+    /// `sched_yield` calls after the spin, so a peer sharing this core can run: only when ranks
+    /// outnumber cores. With a core per rank a yield helps no peer, and on a busy machine it
+    /// hands this core to another process until the next scheduler tick (4 ms at HZ=250):
+    /// that was the whole 8 ms of a 1 MiB all-reduce under load (two phases, two yields).
     pub yields: u32,
     /// How long to keep polling after the spin while the awaited peer is running (not asleep
     /// in a wait of its own) before sleeping on the futex.
@@ -36,17 +42,23 @@ pub(crate) struct WaitPolicy {
 
 impl WaitPolicy {
     /// Picks a policy for `ranks` ranks sharing this machine: `CANDLE_TP_SPIN_US`
-    /// microseconds of spinning (default 20, or 2 when ranks outnumber cores), then up to
-    /// `CANDLE_TP_PATIENCE_US` microseconds (default 5000) of yielding while the peer runs.
+    /// microseconds of spinning (default 20, or 2 when ranks outnumber cores), a few yields
+    /// when ranks outnumber cores, then up to `CANDLE_TP_PATIENCE_US` microseconds (default
+    /// 5000) of polling while the peer runs.
     pub(crate) fn for_ranks(ranks: usize) -> Self {
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1);
+        Self::for_ranks_on(ranks, cores)
+    }
+
+    /// [`Self::for_ranks`] for a machine of `cores` cores.
+    fn for_ranks_on(ranks: usize, cores: usize) -> Self {
         let oversubscribed = ranks > cores;
         let spin_us = env_u32("CANDLE_TP_SPIN_US").unwrap_or(if oversubscribed { 2 } else { 20 });
         Self {
             spin: Duration::from_micros(spin_us as u64),
-            yields: if oversubscribed { 4 } else { 8 },
+            yields: if oversubscribed { 4 } else { 0 },
             patience: Duration::from_micros(env_u32("CANDLE_TP_PATIENCE_US").unwrap_or(5000) as u64),
             patience_yields: match std::env::var("CANDLE_TP_PATIENCE_YIELD").ok().as_deref() {
                 Some("1") => true,
@@ -68,20 +80,37 @@ pub(crate) fn reached(seen: u32, target: u32) -> bool {
     (seen.wrapping_sub(target) as i32) >= 0
 }
 
-/// Spins for the policy's time budget, then yields a few times, until `word` reaches
-/// `target`. Returns whether it did; the caller then falls back to [`futex_wait`] in a loop of
-/// its own. The budget is in time, not iterations: a `pause` costs from 10 to 140 cycles
-/// depending on the CPU.
+/// How [`spin_then_yield`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Spun {
+    /// The word reached its target.
+    Reached,
+    /// Not reached, and this thread was preempted since its previous long wait
+    /// ([`preempted_since_last_check`]): the machine is busy, so the peer is likely
+    /// descheduled too. Polling for it (or yielding, which hands the core to another process
+    /// until the next scheduler tick) only burns this rank's share of the core: sleep on the
+    /// futex now. Under `bench-collectives.sh --load` a 4 MiB all-reduce took 5.4 ms polling
+    /// against 1.1 ms sleeping.
+    Busy,
+    /// Not reached on a quiet machine: poll while the peer runs ([`yield_while_running`]),
+    /// which saves a futex wake-up per wait.
+    Missed,
+}
+
+/// Spins for the policy's time budget, then (on a quiet machine) yields a few times, until
+/// `word` reaches `target`. The caller goes on as [`Spun`] says. The budget is in time, not
+/// iterations: a `pause` costs from 10 to 140 cycles depending on the CPU.
 #[inline]
-pub(crate) fn spin_then_yield(word: &AtomicU32, target: u32, policy: &WaitPolicy) -> bool {
-    if reached(word.load(Ordering::Acquire), target) {
-        return true;
+pub(crate) fn spin_then_yield(word: &AtomicU32, target: u32, policy: &WaitPolicy) -> Spun {
+    let done = || reached(word.load(Ordering::Acquire), target);
+    if done() {
+        return Spun::Reached;
     }
     let start = Instant::now();
     loop {
         for _ in 0..32 {
-            if reached(word.load(Ordering::Acquire), target) {
-                return true;
+            if done() {
+                return Spun::Reached;
             }
             std::hint::spin_loop();
         }
@@ -89,16 +118,23 @@ pub(crate) fn spin_then_yield(word: &AtomicU32, target: u32, policy: &WaitPolicy
             break;
         }
     }
+    if preempted_since_last_check() {
+        return if done() { Spun::Reached } else { Spun::Busy };
+    }
     for _ in 0..policy.yields {
-        if reached(word.load(Ordering::Acquire), target) {
-            return true;
+        if done() {
+            return Spun::Reached;
         }
         std::thread::yield_now();
     }
-    reached(word.load(Ordering::Acquire), target)
+    if done() {
+        Spun::Reached
+    } else {
+        Spun::Missed
+    }
 }
 
-/// After [`spin_then_yield`] failed: keeps yielding until `word` reaches `target`, as long as
+/// After [`spin_then_yield`] missed on a quiet machine: keeps yielding until `word` reaches `target`, as long as
 /// `peer_running()` says the peer that will publish it is running and the policy's patience
 /// lasts. Returns whether the word was reached; if not, the caller sleeps on the futex.
 pub(crate) fn yield_while_running(
@@ -123,6 +159,28 @@ pub(crate) fn yield_while_running(
             }
         }
     }
+}
+
+/// Whether the calling thread was preempted (an involuntary context switch, as
+/// `getrusage(RUSAGE_THREAD)` counts them) since its previous call: what tells a waiter that
+/// the machine has more runnable work than cores. One system call; made only by waits that
+/// outlasted the spin.
+pub(crate) fn preempted_since_last_check() -> bool {
+    thread_local! {
+        static LAST: std::cell::Cell<i64> = const { std::cell::Cell::new(-1) };
+    }
+    // SAFETY: getrusage writes the struct it is given; zeroed is a valid rusage.
+    let now = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        if libc::getrusage(libc::RUSAGE_THREAD, &mut u) != 0 {
+            return false;
+        }
+        u.ru_nivcsw as i64
+    };
+    LAST.with(|last| {
+        let before = last.replace(now);
+        before >= 0 && now > before
+    })
 }
 
 /// Sleeps while `word` still holds `expected`, at most `timeout`. Spurious wake-ups are fine.
@@ -188,4 +246,22 @@ pub fn default_timeout() -> Duration {
         .filter(|s| s.is_finite() && *s > 0.0)
         .map(Duration::from_secs_f64)
         .unwrap_or(Duration::from_secs(300))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WaitPolicy;
+
+    #[test]
+    fn yields_only_when_ranks_outnumber_cores() {
+        for (ranks, cores) in [(1, 1), (2, 2), (2, 16), (4, 4)] {
+            let p = WaitPolicy::for_ranks_on(ranks, cores);
+            assert_eq!(p.yields, 0, "{ranks} ranks on {cores} cores");
+            assert!(!p.patience_yields, "{ranks} ranks on {cores} cores");
+        }
+        for (ranks, cores) in [(3, 2), (2, 1), (8, 4)] {
+            let p = WaitPolicy::for_ranks_on(ranks, cores);
+            assert!(p.yields > 0, "{ranks} ranks on {cores} cores");
+        }
+    }
 }

@@ -45,7 +45,8 @@ use super::error::{CommError, CommResult};
 use super::region::Mapping;
 use super::stats::{CollectiveKind, CommStats};
 use super::wait::{
-    futex_wait, futex_wake_all, reached, spin_then_yield, yield_while_running, Deadline, WaitPolicy,
+    futex_wait, futex_wake_all, reached, spin_then_yield, yield_while_running, Deadline, Spun,
+    WaitPolicy,
 };
 
 const MAGIC: u64 = 0x7074_656c_646e_6163; // "candletp", little endian
@@ -388,12 +389,15 @@ impl Engine {
         let mut deadline: Option<Deadline> = None;
         for r in (0..self.size).filter(|&r| r != self.rank) {
             let rec = self.record(r);
-            if spin_then_yield(&rec.seq, phase, &self.policy) {
-                continue;
-            }
-            let running = || rec.sleeping.load(Ordering::Acquire) == 0;
-            if yield_while_running(&rec.seq, phase, &self.policy, running) {
-                continue;
+            match spin_then_yield(&rec.seq, phase, &self.policy) {
+                Spun::Reached => continue,
+                Spun::Busy => {}
+                Spun::Missed => {
+                    let running = || rec.sleeping.load(Ordering::Acquire) == 0;
+                    if yield_while_running(&rec.seq, phase, &self.policy, running) {
+                        continue;
+                    }
+                }
             }
             let dl = *deadline.get_or_insert_with(|| Deadline::after(self.timeout));
             let me = self.record(self.rank);
