@@ -6,15 +6,13 @@
 //! peer needs. So the spin budget shrinks when the group is larger than the machine, and only
 //! then does a waiter yield its core.
 //!
-//! After the spin the wait is adaptive. On a quiet machine, while the peer is itself running
-//! (computing its part) the waiter keeps polling, for up to [`WaitPolicy::patience`], because
-//! the peer will publish soon and a futex wake-up costs tens of microseconds; a peer that is
-//! itself asleep in a wait (an idle server's ranks, all waiting on rank 0's next request)
-//! sends the waiter straight to the futex, so long waits cost ~0 % CPU. On a busy machine
-//! (this thread was preempted since its previous long wait: [`Spun::Busy`]) the waiter sleeps
-//! at once: the peer is likely descheduled too, and polling or yielding would only give this
-//! rank's share of the core away. Every futex sleep has a short timeout so the caller can
-//! check deadlines, aborts and dead peers.
+//! After the spin the wait is adaptive: while the peer is itself running (computing its
+//! part) the waiter keeps polling, for up to [`WaitPolicy::patience`], because the peer will
+//! publish soon and a futex wake-up costs tens of microseconds; a peer that is itself asleep
+//! in a wait (an idle server's ranks, all waiting on rank 0's next request) sends the waiter
+//! straight to the futex, so long waits cost ~0 % CPU. On a busy machine the waiter yields
+//! while yields come back quickly and sleeps once one did not ([`spin_then_yield`]). Every
+//! futex sleep has a short timeout so the caller can check deadlines, aborts and dead peers.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -25,16 +23,14 @@ pub(crate) struct WaitPolicy {
     /// How long to spin (each probe a load and a `spin_loop` hint).
     pub spin: Duration,
     /// `sched_yield` calls after the spin, so a peer sharing this core can run: only when ranks
-    /// outnumber cores. With a core per rank a yield helps no peer, and on a busy machine it
-    /// hands this core to another process until the next scheduler tick (4 ms at HZ=250):
-    /// that was the whole 8 ms of a 1 MiB all-reduce under load (two phases, two yields).
+    /// outnumber cores (and on a busy machine, see [`spin_then_yield`]). With a core per rank
+    /// on a quiet machine a yield helps no peer.
     pub yields: u32,
     /// How long to keep polling after the spin while the awaited peer is running (not asleep
     /// in a wait of its own) before sleeping on the futex.
     pub patience: Duration,
     /// Whether that polling yields the core between probes (ranks outnumber cores: the peer
-    /// may need this very core) or spins (each rank can have a core of its own; yielding on a
-    /// busy machine hands the core to another process for a whole scheduler slice).
+    /// may need this very core) or spins (each rank can have a core of its own).
     pub patience_yields: bool,
     /// Longest single futex sleep, so deadlines and dead peers are noticed.
     pub sleep_slice: Duration,
@@ -85,21 +81,59 @@ pub(crate) fn reached(seen: u32, target: u32) -> bool {
 pub(crate) enum Spun {
     /// The word reached its target.
     Reached,
-    /// Not reached, and this thread was preempted since its previous long wait
-    /// ([`preempted_since_last_check`]): the machine is busy, so the peer is likely
-    /// descheduled too. Polling for it (or yielding, which hands the core to another process
-    /// until the next scheduler tick) only burns this rank's share of the core: sleep on the
-    /// futex now. Under `bench-collectives.sh --load` a 4 MiB all-reduce took 5.4 ms polling
-    /// against 1.1 ms sleeping.
-    Busy,
-    /// Not reached on a quiet machine: poll while the peer runs ([`yield_while_running`]),
-    /// which saves a futex wake-up per wait.
-    Missed,
+    /// Not reached, and a yield is known to be costly: sleep on the futex now.
+    Sleep,
+    /// Not reached: poll while the peer runs ([`yield_while_running`]), yielding between
+    /// probes if `yielding`, which saves a futex wake-up per wait.
+    Poll {
+        /// Yield the core between probes (ranks outnumber cores, or the machine is busy).
+        yielding: bool,
+    },
 }
 
-/// Spins for the policy's time budget, then (on a quiet machine) yields a few times, until
-/// `word` reaches `target`. The caller goes on as [`Spun`] says. The budget is in time, not
-/// iterations: a `pause` costs from 10 to 140 cycles depending on the CPU.
+/// A `sched_yield` that took longer than this gave the core to a process that kept it for a
+/// scheduler slice: the other load on this core does not give way.
+const COSTLY_YIELD: Duration = Duration::from_millis(1);
+/// How long a costly yield sends this thread's waits straight to the futex.
+const COSTLY_MEMORY: Duration = Duration::from_millis(100);
+/// Yields a waiter tries when the machine is busy (see [`spin_then_yield`]).
+const BUSY_YIELDS: u32 = 4;
+
+thread_local! {
+    static YIELDS_COSTLY_UNTIL: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether a yield of this thread recently kept it off its core for a scheduler slice.
+fn yields_costly() -> bool {
+    YIELDS_COSTLY_UNTIL.with(|u| u.get().is_some_and(|t| Instant::now() < t))
+}
+
+/// Yields the core; returns whether it came back quickly (else remembers that yields are
+/// costly for [`COSTLY_MEMORY`]).
+fn timed_yield() -> bool {
+    let t = Instant::now();
+    std::thread::yield_now();
+    let now = Instant::now();
+    let cheap = now - t < COSTLY_YIELD;
+    if !cheap {
+        YIELDS_COSTLY_UNTIL.with(|u| u.set(Some(now + COSTLY_MEMORY)));
+    }
+    cheap
+}
+
+/// Spins for the policy's time budget, then yields a few times, until `word` reaches
+/// `target`; the caller goes on as [`Spun`] says. The budget is in time, not iterations: a
+/// `pause` costs from 10 to 140 cycles depending on the CPU.
+///
+/// A waiter yields when ranks outnumber cores (the peer may need this very core), and when
+/// the machine is busy: this thread was preempted since its previous long wait
+/// ([`preempted_since_last_check`]), so the peer may be waiting for a core too. A yield on a
+/// busy machine is only worth it while the other processes give the core back soon (other
+/// ranks of the job, which wait and yield in turn: emulated hosts on one machine). Where a
+/// yield hands the core to a process that keeps it until the next scheduler tick (a compile,
+/// a busy loop: 4 ms at HZ=250) the waiter sleeps on the futex instead, for
+/// [`COSTLY_MEMORY`]: under `bench-collectives.sh --load` a 1 MiB all-reduce took 8 ms while
+/// its two phases yielded, 0.1 ms sleeping.
 #[inline]
 pub(crate) fn spin_then_yield(word: &AtomicU32, target: u32, policy: &WaitPolicy) -> Spun {
     let done = || reached(word.load(Ordering::Acquire), target);
@@ -118,29 +152,41 @@ pub(crate) fn spin_then_yield(word: &AtomicU32, target: u32, policy: &WaitPolicy
             break;
         }
     }
-    if preempted_since_last_check() {
-        return if done() { Spun::Reached } else { Spun::Busy };
+    let busy = preempted_since_last_check();
+    let yields = if busy {
+        policy.yields.max(BUSY_YIELDS)
+    } else {
+        policy.yields
+    };
+    if yields > 0 && yields_costly() {
+        return if done() { Spun::Reached } else { Spun::Sleep };
     }
-    for _ in 0..policy.yields {
+    for _ in 0..yields {
         if done() {
             return Spun::Reached;
         }
-        std::thread::yield_now();
+        if !timed_yield() {
+            return if done() { Spun::Reached } else { Spun::Sleep };
+        }
     }
     if done() {
         Spun::Reached
     } else {
-        Spun::Missed
+        Spun::Poll {
+            yielding: policy.patience_yields || busy,
+        }
     }
 }
 
-/// After [`spin_then_yield`] missed on a quiet machine: keeps yielding until `word` reaches `target`, as long as
-/// `peer_running()` says the peer that will publish it is running and the policy's patience
-/// lasts. Returns whether the word was reached; if not, the caller sleeps on the futex.
+/// After [`spin_then_yield`] said [`Spun::Poll`]: polls until `word` reaches `target`, as
+/// long as `peer_running()` says the peer that will publish it is running and the policy's
+/// patience lasts, yielding between probes if `yielding` (and giving up at a costly yield).
+/// Returns whether the word was reached; if not, the caller sleeps on the futex.
 pub(crate) fn yield_while_running(
     word: &AtomicU32,
     target: u32,
     policy: &WaitPolicy,
+    yielding: bool,
     peer_running: impl Fn() -> bool,
 ) -> bool {
     let start = Instant::now();
@@ -151,8 +197,10 @@ pub(crate) fn yield_while_running(
         if !peer_running() || start.elapsed() >= policy.patience {
             return false;
         }
-        if policy.patience_yields {
-            std::thread::yield_now();
+        if yielding {
+            if !timed_yield() {
+                return reached(word.load(Ordering::Acquire), target);
+            }
         } else {
             for _ in 0..64 {
                 std::hint::spin_loop();

@@ -391,10 +391,10 @@ impl Engine {
             let rec = self.record(r);
             match spin_then_yield(&rec.seq, phase, &self.policy) {
                 Spun::Reached => continue,
-                Spun::Busy => {}
-                Spun::Missed => {
+                Spun::Sleep => {}
+                Spun::Poll { yielding } => {
                     let running = || rec.sleeping.load(Ordering::Acquire) == 0;
-                    if yield_while_running(&rec.seq, phase, &self.policy, running) {
+                    if yield_while_running(&rec.seq, phase, &self.policy, yielding, running) {
                         continue;
                     }
                 }
