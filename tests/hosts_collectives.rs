@@ -9,7 +9,8 @@
 //! - sub-groups that live on one host (shm), one per host (MPI) or spread unevenly
 //!   (hierarchical), point-to-point across and inside hosts;
 //! - bytes that crossed hosts against the formula: a hierarchical all-reduce hands each rank's
-//!   1/l shard to MPI (l ranks per host), a flat one the whole buffer.
+//!   1/l shard to MPI (l ranks per host), a flat one the whole buffer; one of 4 KB goes
+//!   through each host's first rank.
 //!
 //! Needs root, iproute2, Open MPI and the `mpi` feature; elsewhere it prints `SKIPPED: ...`.
 
@@ -288,6 +289,25 @@ fn worker() {
         (moved.calls, moved.payload_bytes, moved.cross_host_bytes),
         (1, 4 * n as u64, want as u64),
         "{backend} {layout}: bytes across hosts"
+    );
+    // A small one (decoding's size) goes through each host's first rank in every layout.
+    let n = 1000;
+    let before = pg.stats();
+    let mut v: Vec<f32> = (0..n).map(|i| (rank * n + i) as f32).collect();
+    pg.all_reduce_slice(&mut v, ReduceOp::Sum).unwrap();
+    let exact = |i: usize| (0..world).map(|r| (r * n + i) as f32).sum::<f32>();
+    assert!((0..n).all(|i| v[i] == exact(i)), "small all-reduce values");
+    let moved = pg.stats().since(&before).get(CollectiveKind::AllReduce);
+    let want = match (backend, layout) {
+        ("shm", _) => 0,
+        ("hierarchical", _) if local_rank == 0 => 4 * n,
+        ("hierarchical", _) => 0,
+        ("mpi", _) => 4 * n,
+        other => panic!("no formula for {other:?}"),
+    };
+    assert_eq!(
+        moved.cross_host_bytes, want as u64,
+        "{backend} {layout}: bytes across hosts of a {n}-element all-reduce"
     );
 
     // Sub-groups: with --map-by node, even world ranks are on the first host, odd on the

@@ -8,6 +8,12 @@ use crate::comm::error::CommResult;
 
 use super::Hierarchical;
 
+/// Largest all-reduce (bytes) that goes through each host's first member even in an even
+/// layout: below it the message count, not the bytes, sets the time (each host sends the
+/// same bytes across either way: `l` shards of `B / l`, or `B` once), so one across-host
+/// exchange per host beats `l` of them competing for the host's cores and link.
+pub(crate) const LEADER_ALL_REDUCE_BYTES: usize = 64 << 10;
+
 /// `n` elements cut into `parts` nearly equal blocks (the first `n % parts` one larger).
 fn split_even(n: usize, parts: usize) -> Vec<usize> {
     (0..parts)
@@ -51,7 +57,7 @@ impl Hierarchical {
         cross: &mut usize,
     ) -> CommResult<()> {
         let (_, j) = self.here();
-        if self.even {
+        if self.even && std::mem::size_of_val(dst) > LEADER_ALL_REDUCE_BYTES {
             let counts = split_even(dst.len(), self.per_host());
             let mut shard = vec![T::default(); counts[j]];
             let input: &[T] = src.unwrap_or(dst);
