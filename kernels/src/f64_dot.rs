@@ -307,6 +307,10 @@ pub(crate) mod testing {
         std::array::from_fn(|j| (pseudo(i * 131 + j + 99).to_bits() >> 3) as u8)
     }
 
+    /// A block type's `rows_dot` (e.g. [`crate::q5_0::rows_dot`]).
+    pub type RowsDotFn<B> =
+        fn(Kernel, &[B], usize, &[<B as F64Dot>::Act], usize, usize, &mut [f32]);
+
     /// The f32 row kernels of `B` against the exact f64 sum ([`dot_f64`] with the scalar
     /// kernel) of the same blocks, `block(row, b)` giving block `b` of weight row `row`, for
     /// odd and even block counts, with every kernel under test: four rows at once equal one
@@ -317,7 +321,7 @@ pub(crate) mod testing {
     pub fn f32_rows_match_the_f64_sum<B: crate::kernel::RowDot>(
         block: impl Fn(usize, usize) -> B,
         magnitude: impl Fn(&B, &B::Act) -> f64,
-        rows_dot: fn(Kernel, &[B], usize, &[B::Act], usize, usize, &mut [f32]),
+        rows_dot: RowsDotFn<B>,
     ) {
         use crate::kernel::dot_rows_by;
         const ROWS: usize = 7;

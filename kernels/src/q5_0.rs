@@ -6,7 +6,7 @@
 //! the little-endian `u32` `qh`. Against a Q8_0 block `x[j] = d' · q'[j]`:
 //! `Σ w·x = d·d' · Σ (q − 16)·q'`. The AVX2 kernels build the 32 signed values `q − 16` in one
 //! register (nibbles widened to bytes; each bit of `qh` spread to a byte mask, see
-//! [`crate::f64_dot::avx2::bit_bytes`]; `0xF0` or-ed into the bytes whose bit is clear, which
+//! `f64_dot::avx2::bit_bytes`; `0xF0` or-ed into the bytes whose bit is clear, which
 //! is −16 in two's complement) and sum the products as Q4_0 does (`sign`/`maddubs`/`madd`).
 //! Two kernels, as for [`crate::q4_0`]:
 //! - [`F64Dot`] (row-parallel layers): four blocks at once, their f64 products added in block

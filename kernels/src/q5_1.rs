@@ -6,7 +6,7 @@
 //! the little-endian `u32` `qh`. Against a Q8_1 block `x[j] = d' · q'[j]` with `s' = d' · Σ q'`
 //! (rounded through f16, as ggml stores it): `Σ w·x = d·d' · Σ q·q' + m · s'`. The AVX2
 //! kernels build the 32 values in one register (nibbles widened to bytes, and `0x10` where
-//! the bit of `qh` is set, see [`crate::f64_dot::avx2::bit_bytes`]) and sum the products as
+//! the bit of `qh` is set, see `f64_dot::avx2::bit_bytes`) and sum the products as
 //! Q4_1 does (`maddubs` of unsigned values and signed activations, pairs at most
 //! 2·31·127: no saturation; `madd` to i32). Two kernels, as for [`crate::q4_1`]:
 //! - [`F64Dot`] (row-parallel layers): four blocks at once, their f64 products added in block
