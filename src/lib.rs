@@ -49,9 +49,9 @@
 //! - [`text`]: a checkpoint's tokenizer, chat template and end-of-sequence tokens
 //!   ([`text::ModelText`]) and incremental detokenisation with stop strings
 //!   ([`text::TextStream`]), used by `examples/generate.rs` and the server.
-//! - [`quant`]: quantized CPU kernels ([`quant::QuantMatMul`]: SIMD Q4_1, Q8_0 and Q4_K
-//!   matmuls, f64-summed products for row-parallel layers, candle's `QMatMul` for the other
-//!   types; [`quant::QuantType`] describes each type once).
+//! - [`quant`]: quantized CPU kernels ([`quant::QuantMatMul`]: SIMD Q4_0, Q4_1, Q5_0, Q5_1,
+//!   Q8_0 and Q4_K matmuls, f64-summed products for row-parallel layers, candle's `QMatMul`
+//!   for the other types; [`quant::QuantType`] describes each type once).
 //! - [`ops`]: Megatron's mappings (`copy_to_tp`, `reduce_from_tp`, …) with backward.
 //! - [`loader`]: [`ShardedVarBuilder`] over memory-mapped safetensors or GGUF files (each
 //!   rank reads only its slice) or tensors in memory. [`gguf`]: reading GGUF files (header,

@@ -1,6 +1,6 @@
 //! The tensor-parallel Llama straight from GGUF files of SmolLM2-135M (9 heads, 3 KV heads):
-//! the shipped Q4_1 file and Q8_0 / Q4_K / Q6_K files written from it once into the model
-//! cache by `common::smollm2_gguf`.
+//! the shipped Q4_1 file and Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K files written from it once
+//! into the model cache by `common::smollm2_gguf`.
 //!
 //! Worlds 2 and 3 (uneven: 5 + 4 and 3 + 3 + 3 heads; the down projection's 6 k-quant
 //! super-blocks 3 + 3 and 2 + 2 + 2) against world 1, four prompts x 32 greedy tokens each:
@@ -75,6 +75,8 @@ fn worlds_two_and_three_generate_the_ids_of_world_one() -> anyhow::Result<()> {
     for dtype in [
         GgmlDType::Q4_0,
         GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
         GgmlDType::Q8_0,
         GgmlDType::Q4K,
         GgmlDType::Q6K,

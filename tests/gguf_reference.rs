@@ -1,11 +1,13 @@
 //! World 1 from a GGUF file against candle-transformers' `quantized_llama` on the same file
-//! (SmolLM2-135M: the shipped Q4_1 and Q8_0 / Q4_K / Q6_K files written from it).
+//! (SmolLM2-135M: the shipped Q4_1 and Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K files written from
+//! it).
 //!
 //! Two comparisons:
 //! - with `CANDLE_DEQUANTIZE_ALL=1` (a fresh thread: Candle reads it once per thread), both
 //!   multiply the same dequantized blocks in f32: the models agree to float rounding;
-//! - with the quantized kernels (candle-tp's own for Q4_1, Q8_0 and Q4_K, f64 sums in the
-//!   row-parallel layers and for Q8_0 / Q4_K; candle's for the rest; activations rounded to
+//! - with the quantized kernels (candle-tp's own for Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K, f64 sums
+//!   in the row-parallel layers and for Q8_0 / Q4_K; candle's for the rest, and for every type
+//!   in `quantized_llama`, whose Q5_0 / Q5_1 products are candle's scalar code; activations rounded to
 //!   8 bits before each matmul): the logits agree up to the flips of that rounding which an
 //!   ulp of difference upstream causes (also the rotary embedding, applied half-split on rows
 //!   put back in Hugging Face order, against interleaved), and the greedy ids agree at all
@@ -54,8 +56,10 @@ fn compare(dtype: GgmlDType) -> candle_core::Result<(Vec<u32>, Vec<u32>, f32)> {
     Ok((want_ids, got_ids, worst))
 }
 
-const TYPES: [GgmlDType; 4] = [
+const TYPES: [GgmlDType; 6] = [
     GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
     GgmlDType::Q8_0,
     GgmlDType::Q4K,
     GgmlDType::Q6K,

@@ -1,8 +1,10 @@
-//! `candle_tp::quant`: the Q4_1 × Q8_1 matmul against independent references.
+//! `candle_tp::quant`: the Q4_1 × Q8_1 and Q5_1 × Q8_1 matmuls against independent references
+//! (and Q4_0, Q5_0, Q8_0, Q4_K against the exact product of their quantized operands, below).
 //!
 //! - candle's own `QMatMul` on the same `QTensor` (same activation quantization, so only the
-//!   summation order differs): tight. Candle's Q4_1 dot product asserts an even block count
-//!   per row in debug builds, so odd counts are compared with the next reference instead.
+//!   summation order differs): tight, bit for bit for Q4_1's scalar kernel. Candle's Q4_1 and
+//!   Q5_1 dot products assert an even block count per row in debug builds, so odd counts are
+//!   compared with the next reference instead.
 //! - The exact product of what is multiplied: candle's `QTensor::dequantize` of W times the
 //!   activations quantized to Q8_1 and dequantized by candle (`QTensor::quantize(x, Q8_1)`),
 //!   summed in f64. Differs only by f32 rounding and the f16 rounding of Q8_1's `s`.
@@ -56,10 +58,15 @@ struct Errors {
     scalar_vs_avx2: f32,
 }
 
-/// Runs every check for weight `w` ([n, k] Q4_1) and input `x` ([.., k] f32).
+/// Runs every check for weight `w` ([n, k] Q4_1 or Q5_1: Q8_1 activations) and input `x`
+/// ([.., k] f32).
 fn check(w: impl Into<Arc<QTensor>>, x: &Tensor, label: &str) -> Result<Errors> {
     let w: Arc<QTensor> = w.into();
-    assert_eq!(w.dtype(), GgmlDType::Q4_1, "{label}");
+    assert!(
+        matches!(w.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_1),
+        "{label}: {:?}",
+        w.dtype()
+    );
     let (n, k) = w.shape().dims2()?;
     let dev = Device::Cpu;
     let x2 = x.flatten_to(x.rank() - 2)?; // [m, k]
@@ -93,11 +100,14 @@ fn check(w: impl Into<Arc<QTensor>>, x: &Tensor, label: &str) -> Result<Errors> 
         outs.push(y.flatten_to(x.rank() - 2)?);
     }
     let y = outs.last().unwrap();
-    if let (Some(c), Some(i)) = (
+    if let (Some(c), Some(i), GgmlDType::Q4_1) = (
         &candle,
         under_test.iter().position(|&k| k == Kernel::Scalar),
+        w.dtype(),
     ) {
-        // Same blocks, same arithmetic in the same order: bit-identical.
+        // Same blocks, same arithmetic in the same order: bit-identical. (The Q5_1 scalar
+        // kernel rounds `Σq·q' · (d·d')` once, as ggml does, candle's `(Σq·q' · d) · d'`
+        // twice: within f32 rounding, checked below.)
         let d = max_abs_diff(&outs[i], c, label)?;
         assert_eq!(d, 0.0, "{label}: scalar kernel vs candle QMatMul");
     }
@@ -111,8 +121,9 @@ fn check(w: impl Into<Arc<QTensor>>, x: &Tensor, label: &str) -> Result<Errors> 
         scalar_vs_avx2: max_abs_diff(&outs[0], y, label)? / scale,
     };
     eprintln!(
-        "{label}: n={n} k={k} ({} blocks) m={} |y|max={scale:.3}: rel err vs QMatMul {:?}, \
+        "{label} {:?}: n={n} k={k} ({} blocks) m={} |y|max={scale:.3}: rel err vs QMatMul {:?}, \
          vs exact {:.2e}, vs f32 {:.2e}, scalar vs avx2 {:.2e}",
+        w.dtype(),
         k / 32,
         x2.dim(0)?,
         errs.vs_qmatmul,
@@ -122,7 +133,8 @@ fn check(w: impl Into<Arc<QTensor>>, x: &Tensor, label: &str) -> Result<Errors> 
     );
     // Tolerances near the measured maxima (relative to max |y|), on this file's cases:
     // vs QMatMul and scalar vs AVX2 6.4e-7 (f32 summation order), vs the exact product
-    // 9.6e-4 (Q8_1 stores s = d·Σq in f16), vs the f32 product 7.2e-3 (Q8_1 rounding of x).
+    // 9.6e-4 (Q8_1 stores s = d·Σq in f16), vs the f32 product 7.2e-3 (Q8_1 rounding of x)
+    // for Q4_1; Q5_1 (measured below) within the same bounds.
     if let Some(e) = errs.vs_qmatmul {
         assert!(e <= 1e-6, "{label}: {e} vs candle QMatMul");
     }
@@ -145,9 +157,13 @@ fn check(w: impl Into<Arc<QTensor>>, x: &Tensor, label: &str) -> Result<Errors> 
 }
 
 fn random_q4_1(n: usize, k: usize, seed: u64) -> Result<QTensor> {
-    // Rows with an offset, as real weights have: Q4_1's m term matters.
+    random_q(GgmlDType::Q4_1, n, k, seed)
+}
+
+fn random_q(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> Result<QTensor> {
+    // Rows with an offset, as real weights have: Q4_1's and Q5_1's m term matters.
     let w = (seeded_uniform(&[n, k], seed, 0.08, &Device::Cpu)? + 0.01)?;
-    Ok(QTensor::quantize(&w, GgmlDType::Q4_1)?)
+    Ok(QTensor::quantize(&w, dtype)?)
 }
 
 #[test]
@@ -160,23 +176,24 @@ fn random_weights_even_and_odd_blocks() -> Result<()> {
         (9, 1536),
         (576, 288),
     ] {
-        let w = random_q4_1(n, k, n as u64 * 7 + k as u64)?;
-        for m in [1usize, 7] {
-            let x = seeded_uniform(&[m, k], (m * n) as u64, 1.0, &dev)?;
-            check(
-                QTensor::new(
-                    QStorage::from_data(w.data()?, &dev, GgmlDType::Q4_1)?,
-                    (n, k),
-                )?,
-                &x,
-                &format!("random [{n}, {k}] m={m}"),
-            )?;
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_1] {
+            let w = random_q(dtype, n, k, n as u64 * 7 + k as u64)?;
+            for m in [1usize, 7] {
+                let x = seeded_uniform(&[m, k], (m * n) as u64, 1.0, &dev)?;
+                check(
+                    QTensor::new(QStorage::from_data(w.data()?, &dev, dtype)?, (n, k))?,
+                    &x,
+                    &format!("random [{n}, {k}] m={m}"),
+                )?;
+            }
         }
     }
     // Leading batch dims: [2, 3, k] is 6 rows.
-    let w = random_q4_1(40, 160, 3)?;
-    let x = seeded_uniform(&[2, 3, 160], 11, 1.0, &dev)?;
-    check(w, &x, "random [40, 160] x [2, 3, 160]")?;
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_1] {
+        let w = random_q(dtype, 40, 160, 3)?;
+        let x = seeded_uniform(&[2, 3, 160], 11, 1.0, &dev)?;
+        check(w, &x, "random [40, 160] x [2, 3, 160]")?;
+    }
     Ok(())
 }
 
@@ -224,7 +241,7 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     let dev = Device::Cpu;
     let w = seeded_uniform(&[32, 256], 1, 1.0, &dev)?;
     let x = seeded_uniform(&[3, 256], 2, 1.0, &dev)?;
-    for dtype in [GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q6K] {
+    for dtype in [GgmlDType::Q5K, GgmlDType::Q6K] {
         let q = Arc::new(QTensor::quantize(&w, dtype)?);
         let mm = QuantMatMul::from_arc(q.clone())?;
         assert_eq!(mm.kernel(), None);
@@ -238,8 +255,10 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     Ok(())
 }
 
-/// Q8_0 and Q4_K run the crate's f64-summing kernel rounded to f32 (Q4_0 its f32 kernel), for
-/// decode and prefill shapes, with every kernel under test (`CANDLE_TP_KERNEL` forces one):
+/// Q8_0 and Q4_K run the crate's f64-summing kernel rounded to f32 (Q4_0 and Q5_0 its f32
+/// kernel), for decode and prefill shapes, with every kernel under test (`CANDLE_TP_KERNEL`
+/// forces one), on a shape of 24 blocks and 48 rows and one of 9 blocks and 37 rows (an odd
+/// block count, rows not a multiple of 4):
 /// - against the exact product of the quantized operands (above): within the f32 rounding of
 ///   the result and of candle's dequantized weight;
 /// - against candle's `QMatMul`, loosely: candle 0.11.1 quantizes the activations of a
@@ -249,28 +268,43 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
 ///   ggml's Q8_0 activations and agrees to f32 rounding;
 /// - and each row's result does not depend on how many rows are in the batch.
 #[test]
-fn q4_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
+fn q4_0_q5_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
     let dev = Device::Cpu;
     // 48 rows × 768 columns: the shape candle repacks (a multiple of 16 × 256).
     let w = seeded_uniform(&[48, 768], 3, 1.0, &dev)?;
     let x = seeded_uniform(&[5, 768], 4, 2.0, &dev)?;
-    for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4K] {
-        let q = Arc::new(QTensor::quantize(&w, dtype)?);
-        let (exact, mag) = common::quantized::exact_product(&q, &x)?;
+    let w_odd = seeded_uniform(&[37, 288], 5, 1.0, &dev)?;
+    let x_odd = seeded_uniform(&[3, 288], 6, 2.0, &dev)?;
+    let cases = [
+        (GgmlDType::Q4_0, &w, &x),
+        (GgmlDType::Q5_0, &w, &x),
+        (GgmlDType::Q8_0, &w, &x),
+        (GgmlDType::Q4K, &w, &x),
+        (GgmlDType::Q4_0, &w_odd, &x_odd),
+        (GgmlDType::Q5_0, &w_odd, &x_odd),
+        (GgmlDType::Q8_0, &w_odd, &x_odd),
+    ];
+    for (dtype, w, x) in cases {
+        let q = Arc::new(QTensor::quantize(w, dtype)?);
+        let blocks_per_row = q.shape().dims2()?.1 as f64 / 32.0;
+        let (exact, mag) = common::quantized::exact_product(&q, x)?;
         let scale = exact.iter().fold(0f64, |a, v| a.max(v.abs()));
         anyhow::ensure!(scale > 1.0, "{dtype:?}: the reference is trivially small");
         for kernel in kernels() {
             let mm = QuantMatMul::with_kernel(q.clone(), kernel)?;
             anyhow::ensure!(mm.kernel() == Some(kernel), "{dtype:?}: {mm:?}");
-            let got = mm.forward(&x)?;
+            let got = mm.forward(x)?;
             let v = got.flatten_all()?.to_vec1::<f32>()?;
             anyhow::ensure!(v.len() == exact.len(), "{dtype:?}: {} outputs", v.len());
             let mut worst = 0f64;
             for (i, ((&g, &e), &a)) in v.iter().zip(&exact).zip(&mag).enumerate() {
                 anyhow::ensure!(g.is_finite(), "{dtype:?} {kernel:?}: output {i} is {g}");
                 // One f32 rounding of the result, and f32 rounding of each dequantized weight;
-                // Q4_0's f32 kernel also rounds at each of the row's 24 blocks.
-                let blocks = if dtype == GgmlDType::Q4_0 { 24.0 } else { 1.0 };
+                // Q4_0's and Q5_0's f32 kernels also round at each of the row's blocks.
+                let blocks = match dtype {
+                    GgmlDType::Q4_0 | GgmlDType::Q5_0 => blocks_per_row,
+                    _ => 1.0,
+                };
                 let bound = blocks * f32::EPSILON as f64 * (e.abs() + a);
                 let d = (g as f64 - e).abs();
                 anyhow::ensure!(
@@ -280,7 +314,8 @@ fn q4_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
                 worst = worst.max(d / scale);
             }
             eprintln!(
-                "{dtype:?} {kernel:?}: {worst:.2e} of |y|max = {scale:.2} from the exact product"
+                "{dtype:?} {:?} {kernel:?}: {worst:.2e} of |y|max = {scale:.2} from the exact product",
+                q.shape().dims()
             );
             let alone = mm.forward(&x.narrow(0, 2, 1)?)?;
             assert_eq!(
@@ -289,7 +324,11 @@ fn q4_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
                 "{dtype:?} {kernel:?}: a row alone differs from the same row in a batch"
             );
         }
-        let candle = QMatMul::from_arc(q)?.forward(&x)?;
+        if blocks_per_row % 2.0 != 0.0 && dtype == GgmlDType::Q5_0 {
+            // Candle's Q5_0 dot product asserts an even block count in debug builds.
+            continue;
+        }
+        let candle = QMatMul::from_arc(q)?.forward(x)?;
         let c = candle.flatten_all()?.to_vec1::<f32>()?;
         let worst = c
             .iter()
@@ -315,22 +354,25 @@ fn q4_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
     Ok(())
 }
 
-/// Rows `0..n` of `w` ([n, k] Q4_1), blocks `b0..b1` of each: a row-parallel shard, built the
-/// way the GGUF loader builds one (a byte range per row, `QStorage::from_data`).
+/// Rows `0..n` of `w` ([n, k], 32-wide blocks), blocks `b0..b1` of each: a row-parallel shard,
+/// built the way the GGUF loader builds one (a byte range per row, `QStorage::from_data`).
 fn block_range(w: &QTensor, b0: usize, b1: usize) -> Result<QTensor> {
     let (n, k) = w.shape().dims2()?;
     let kb = k / 32;
+    let size = w.dtype().type_size();
     let data = w.data()?;
-    let mut bytes = Vec::with_capacity(n * (b1 - b0) * 20);
+    let mut bytes = Vec::with_capacity(n * (b1 - b0) * size);
     for r in 0..n {
-        bytes.extend_from_slice(&data[(r * kb + b0) * 20..(r * kb + b1) * 20]);
+        bytes.extend_from_slice(&data[(r * kb + b0) * size..(r * kb + b1) * size]);
     }
     Ok(QTensor::new(
-        QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::Q4_1)?,
+        QStorage::from_data(bytes.into(), &Device::Cpu, w.dtype())?,
         (n, (b1 - b0) * 32),
     )?)
 }
 
+/// SmolLM2's shipped Q4_1 file, and its Q5_1 requantization (written once into the model
+/// cache by `common::smollm2_gguf`).
 #[test]
 fn smollm2_gguf_tensors() -> Result<()> {
     let path = candle_tp::models::models_dir()?.join(GGUF_NAME);
@@ -340,7 +382,14 @@ fn smollm2_gguf_tensors() -> Result<()> {
             path.display()
         );
     }
-    let mut file = std::fs::File::open(&path)?;
+    gguf_tensors(&path, GgmlDType::Q4_1)?;
+    gguf_tensors(&common::smollm2_gguf(GgmlDType::Q5_1)?, GgmlDType::Q5_1)
+}
+
+/// Three weights of a SmolLM2 GGUF file of type `dtype`, whole and cut to an odd number of
+/// blocks per row.
+fn gguf_tensors(path: &std::path::Path, dtype: GgmlDType) -> Result<()> {
+    let mut file = std::fs::File::open(path)?;
     let content =
         gguf_file::Content::read(&mut file).with_context(|| path.display().to_string())?;
     let dev = Device::Cpu;
@@ -353,8 +402,8 @@ fn smollm2_gguf_tensors() -> Result<()> {
     .enumerate()
     {
         let w = content.tensor(&mut file, name, &dev)?;
-        if w.dtype() != GgmlDType::Q4_1 {
-            bail!("{name} is {:?}, expected Q4_1", w.dtype());
+        if w.dtype() != dtype {
+            bail!("{name} is {:?}, expected {dtype:?}", w.dtype());
         }
         let (_, k) = w.shape().dims2()?;
         for m in [1usize, 7] {

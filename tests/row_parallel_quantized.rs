@@ -3,12 +3,14 @@
 //! Its ranks sum their block ranges in f64 (`candle_tp_kernels::f64_dot`), all-reduce the
 //! f64 partials and round once; the f32 path (candle's `QMatMul` per shard, f32 all-reduce)
 //! does not, which is what made worlds 2 and 3 of a quantized model drift from world 1
-//! (tests/gguf_quantized.rs). Checked for Q4_1, Q8_0, Q4_K and Q6_K with uneven splits
-//! (7 k-quant super-blocks: 4 + 3 and 3 + 2 + 2), against:
+//! (tests/gguf_quantized.rs). Checked for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K with
+//! uneven splits (7 k-quant super-blocks: 4 + 3 and 3 + 2 + 2; Q5_0 / Q5_1 split, as the GGUF
+//! loader splits them, by pairs of blocks: 28 pairs as 14 + 14 and 10 + 9 + 9), against:
 //! - world 1, bit for bit;
 //! - the exact product of the quantized operands (tests/common/quantized.rs) within one f32
-//!   rounding for Q8_0, Q4_K and Q6_K; candle's own `QMatMul` on the whole weight within f32
-//!   rounding for Q4_1 and loosely for the others (its activation format depends on the CPU);
+//!   rounding for Q4_0, Q5_0, Q8_0, Q4_K and Q6_K; candle's own `QMatMul` on the whole weight
+//!   within f32 rounding for Q4_1 and Q5_1 and loosely for the others (its activation format
+//!   depends on the CPU);
 //! - and, as a control, the f32 path at world 2 (candle's `QMatMul` per shard, summed in f32)
 //!   against the same at world 1: it differs somewhere, so the bitwise check is not vacuous.
 
@@ -63,12 +65,16 @@ fn quantized_row_parallel_sums_do_not_depend_on_the_world_size() -> Result<()> {
     for dtype in [
         GgmlDType::Q4_0,
         GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
         GgmlDType::Q8_0,
         GgmlDType::Q4K,
         GgmlDType::Q6K,
     ] {
         let q = QTensor::quantize(&w, dtype)?;
-        let unit = dtype.block_size();
+        // The loader's split unit (two blocks for Q5_0 / Q5_1, whose candle dot product, run by
+        // the control below, needs an even block count).
+        let unit = candle_tp::quant::QuantType::of(dtype).split_unit();
         let layer = |pg: candle_tp::ProcessGroup| -> candle_core::Result<Tensor> {
             let part = Partition::with_unit(K, pg.size(), unit)
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -95,9 +101,9 @@ fn quantized_row_parallel_sums_do_not_depend_on_the_world_size() -> Result<()> {
             }
         }
         // The reference: the exact product of the quantized operands where the kernel sums
-        // exactly (Q4_0, Q8_0, the k-quants), within one f32 rounding; for Q4_1, whose kernel uses
-        // Q8_1's f16-rounded block sums as ggml does, candle's QMatMul (portable scalar code
-        // for Q4_1 in candle 0.11.1, the same on every CPU). Candle's QMatMul on the other
+        // exactly (Q4_0, Q5_0, Q8_0, the k-quants), within one f32 rounding; for Q4_1 and Q5_1,
+        // whose kernels use Q8_1's f16-rounded block sums as ggml does, candle's QMatMul
+        // (portable scalar code for both in candle 0.11.1, the same on every CPU). Candle's QMatMul on the other
         // types only loosely: on AVX-512 VNNI / AVX-VNNI CPUs it may quantize activations
         // differently (tests/common/quantized.rs).
         let candle = QMatMul::from_qtensor(columns(&q, 0, K)?)?.forward(&x)?;
@@ -112,7 +118,7 @@ fn quantized_row_parallel_sums_do_not_depend_on_the_world_size() -> Result<()> {
             .iter()
             .zip(&theirs)
             .fold(0f32, |a, (g, c)| a.max((g - c).abs()));
-        let worst = if dtype == GgmlDType::Q4_1 {
+        let worst = if matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q5_1) {
             ensure!(
                 from_candle <= 1e-5 * mag,
                 "{dtype:?}: {from_candle} from candle's QMatMul (outputs up to {mag})"

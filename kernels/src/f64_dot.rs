@@ -120,6 +120,48 @@ pub(crate) mod avx2 {
         _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7))
     }
 
+    /// The sum of the 8 f32 lanes of `v` (halves, then pairs, then the last two).
+    #[inline(always)]
+    pub unsafe fn hsum_ps(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// The 32 nibbles of the 16 bytes at `qs` as bytes 0..16, in ggml's order: the low
+    /// nibbles are values 0..16 (the low lane), the high nibbles values 16..32.
+    ///
+    /// # Safety
+    /// `qs` points to 16 readable bytes.
+    #[inline(always)]
+    pub unsafe fn nibbles(qs: *const u8) -> __m256i {
+        let packed = _mm_loadu_si128(qs as *const __m128i);
+        _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+            _mm256_set1_epi8(0x0F),
+        )
+    }
+
+    /// Each bit of `bits` as a byte: byte `j` is `0xFF` where bit `j` is set, else 0 (the
+    /// fifth bits of Q5_0 / Q5_1 values, ggml's `bytes_from_bits_32`).
+    #[inline(always)]
+    pub unsafe fn bit_bytes(bits: u32) -> __m256i {
+        // Byte j gets byte j / 8 of `bits` (the shuffle works within each 128-bit lane, and
+        // both lanes hold all four bytes), then keeps bit j % 8 of it.
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_setr_epi64x(
+                0,
+                0x0101_0101_0101_0101,
+                0x0202_0202_0202_0202,
+                0x0303_0303_0303_0303,
+            ),
+        );
+        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select)
+    }
+
     /// `acc + p[0] + … + p[n - 1]` (`n ≤ 4`), added in that order (as the scalar kernel does).
     #[inline(always)]
     unsafe fn add_in_order(acc: f64, p: __m256d, n: usize) -> f64 {
@@ -255,6 +297,150 @@ pub(crate) mod testing {
                         "{} nb={nb}: {kernel:?} {got} {k0:?} {v0}",
                         B::NAME
                     ),
+                }
+            }
+        }
+    }
+
+    /// `N` deterministic pseudo-random bytes, `i` their seed.
+    pub fn pseudo_bytes<const N: usize>(i: usize) -> [u8; N] {
+        std::array::from_fn(|j| (pseudo(i * 131 + j + 99).to_bits() >> 3) as u8)
+    }
+
+    /// A block type's `rows_dot` (e.g. [`crate::q5_0::rows_dot`]).
+    pub type RowsDotFn<B> =
+        fn(Kernel, &[B], usize, &[<B as F64Dot>::Act], usize, usize, &mut [f32]);
+
+    /// The f32 row kernels of `B` against the exact f64 sum ([`dot_f64`] with the scalar
+    /// kernel) of the same blocks, `block(row, b)` giving block `b` of weight row `row`, for
+    /// odd and even block counts, with every kernel under test: four rows at once equal one
+    /// at a time bit for bit, both within f32 rounding of the exact sum; and `rows_dot` over 7
+    /// weight rows (four, then three one by one) and 3 activation rows gives the same bits.
+    /// `magnitude(w, x)` bounds what f32 rounds in one block's product: the sum of its terms'
+    /// absolute values (`|d·d'|·Σ|q·q'| + |m·s'|`), not the absolute value of their sum.
+    pub fn f32_rows_match_the_f64_sum<B: crate::kernel::RowDot>(
+        block: impl Fn(usize, usize) -> B,
+        magnitude: impl Fn(&B, &B::Act) -> f64,
+        rows_dot: RowsDotFn<B>,
+    ) {
+        use crate::kernel::dot_rows_by;
+        const ROWS: usize = 7;
+        const M: usize = 3;
+        for nb in [1usize, 2, 3, 5, 18, 19] {
+            let w: Vec<B> = (0..ROWS)
+                .flat_map(|r| (0..nb).map(move |b| (r, b)))
+                .map(|(r, b)| block(r, b))
+                .collect();
+            let row = |r: usize| &w[r * nb..(r + 1) * nb];
+            let x: Vec<f32> = (0..M * nb * B::BLOCK)
+                .map(|i| pseudo(i + 1000) * 3.0 + if i % 41 == 7 { 9.0 } else { 0.0 })
+                .collect();
+            let mut xq = vec![B::ACT_ZERO; M * nb];
+            B::quantize(&x, &mut xq);
+            let act = |i: usize| &xq[i * nb..(i + 1) * nb];
+            for kernel in Kernel::under_test() {
+                let mut all = vec![0f32; ROWS * M];
+                rows_dot(kernel, &w, nb, &xq, M, 0, &mut all);
+                for i in 0..M {
+                    let mut four = [0f32; 4];
+                    dot_rows_by(kernel, [row(0), row(1), row(2), row(3)], act(i), &mut four);
+                    for r in 0..ROWS {
+                        let exact = dot_f64(Kernel::Scalar, row(r), act(i));
+                        let mut one = [0f32];
+                        dot_rows_by(kernel, [row(r)], act(i), &mut one);
+                        let got = one[0];
+                        assert!(
+                            got.is_finite() && exact.is_finite() && all[r * M + i].is_finite(),
+                            "{} {kernel:?}: {got} {exact}",
+                            B::NAME
+                        );
+                        if r < 4 {
+                            assert_eq!(
+                                four[r].to_bits(),
+                                got.to_bits(),
+                                "{} {kernel:?} nb={nb}: 4 rows vs 1",
+                                B::NAME
+                            );
+                        }
+                        assert_eq!(
+                            all[r * M + i].to_bits(),
+                            got.to_bits(),
+                            "{} {kernel:?} nb={nb} row {r} activation {i}: rows_dot vs dot_rows",
+                            B::NAME
+                        );
+                        let mag: f64 = row(r)
+                            .iter()
+                            .zip(act(i))
+                            .map(|(w, x)| magnitude(w, x))
+                            .sum();
+                        assert!(
+                            mag > 1e-3,
+                            "{} nb={nb}: the reference is trivially small",
+                            B::NAME
+                        );
+                        assert!(
+                            (got as f64 - exact).abs() <= 4.0 * f32::EPSILON as f64 * mag,
+                            "{} {kernel:?} nb={nb} row {r}: f32 {got}, exact {exact}",
+                            B::NAME
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row's f64 sum split into block ranges as row-parallel ranks split it (2 and 3 parts,
+    /// uneven, odd part sizes included), the parts' sums added in f64: the same f32 value as
+    /// the whole row's, and the same f64 value within 2⁻⁵⁰ of the blocks' magnitudes, with
+    /// every kernel under test (and the same bits from every kernel).
+    pub fn split_sums_round_alike<B: F64Dot>(block: impl Fn(usize) -> B) {
+        for nb in [6usize, 7, 18, 19] {
+            let w: Vec<B> = (0..nb).map(&block).collect();
+            let x: Vec<f32> = (0..nb * B::BLOCK)
+                .map(|i| pseudo(i + 5000) * 2.0 + if i % 53 == 11 { 15.0 } else { 0.0 })
+                .collect();
+            let mut xq = vec![B::ACT_ZERO; nb];
+            B::quantize(&x, &mut xq);
+            let mag: f64 = w
+                .iter()
+                .zip(&xq)
+                .map(|(w, x)| B::block_dot(w, x).abs())
+                .sum();
+            let cuts = [
+                vec![0, nb / 2, nb],
+                vec![0, nb / 2 + 1, nb],
+                vec![0, 1, nb],
+                vec![0, nb / 3, 2 * nb / 3 + 1, nb],
+            ];
+            let mut first: Option<f64> = None;
+            for kernel in Kernel::under_test() {
+                let whole = dot_f64(kernel, &w, &xq);
+                assert!(
+                    whole.is_finite() && mag > 1e-3,
+                    "{} nb={nb}: {whole}",
+                    B::NAME
+                );
+                if let Some(v) = first {
+                    assert_eq!(whole.to_bits(), v.to_bits(), "{} {kernel:?}", B::NAME);
+                }
+                first = Some(whole);
+                for cut in &cuts {
+                    let parts: f64 = cut
+                        .windows(2)
+                        .map(|r| dot_f64(kernel, &w[r[0]..r[1]], &xq[r[0]..r[1]]))
+                        .sum();
+                    assert!(parts.is_finite(), "{} {kernel:?} {cut:?}", B::NAME);
+                    assert!(
+                        (parts - whole).abs() <= mag * 2f64.powi(-50),
+                        "{} {kernel:?} nb={nb} split {cut:?}: {parts} vs {whole}",
+                        B::NAME
+                    );
+                    assert_eq!(
+                        parts as f32,
+                        whole as f32,
+                        "{} {kernel:?} nb={nb} split {cut:?}",
+                        B::NAME
+                    );
                 }
             }
         }

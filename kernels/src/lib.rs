@@ -6,9 +6,12 @@
 //! - [`q8_1`]: ggml's Q8_1 activation blocks and their quantization;
 //! - [`q4_1`]: the Q4_1 × Q8_1 dot product (scalar and AVX2 + FMA + F16C);
 //! - [`q4_0`]: the Q4_0 × Q8_0 dot products, in f32 for whole rows and in f64 (below);
-//! - [`f64_dot`]: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K dot products accumulated in f64, whose sums
-//!   do not depend on how a row's blocks are split between ranks ([`q4_0`], [`q8_0`], [`q8_k`],
-//!   [`q4_k`], [`q6_k`]: the block types), and [`f64_matmul`], their matmul over rayon;
+//! - [`q5_0`], [`q5_1`]: the Q5_0 × Q8_0 and Q5_1 × Q8_1 dot products (scalar and AVX2 + FMA +
+//!   F16C), in f32 for whole rows and in f64 (below);
+//! - [`f64_dot`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K dot products accumulated in f64,
+//!   whose sums do not depend on how a row's blocks are split between ranks ([`q4_0`],
+//!   [`q5_0`], [`q5_1`], [`q8_0`], [`q8_k`], [`q4_k`], [`q6_k`]: the block types), and
+//!   [`f64_matmul`], their matmul over rayon;
 //! - [`kernel`]: which implementation runs ([`kernel::Kernel`]: scalar or AVX2, detected at run
 //!   time, forced with `CANDLE_TP_KERNEL=scalar|avx2`);
 //! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant.
@@ -19,6 +22,8 @@ pub mod kernel;
 pub mod q4_0;
 pub mod q4_1;
 pub mod q4_k;
+pub mod q5_0;
+pub mod q5_1;
 pub mod q6_k;
 pub mod q8_0;
 pub mod q8_1;

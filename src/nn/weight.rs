@@ -4,7 +4,7 @@
 //! `VocabParallelEmbedding`, `ParallelLmHead`) holds its shard as a `ParallelWeight`, chosen
 //! by what the source holds: a dense `candle_nn::Linear` (candle-nn's matmul; for small CPU inference inputs
 //! in bf16/f16, or in f32 after [`set_batch_invariant_matmul`], the crate's small-m kernel), or
-//! GGUF blocks multiplied by [`QuantMatMul`] (the crate's Q4_1, Q8_0 and Q4_K kernels, Candle's
+//! GGUF blocks multiplied by [`QuantMatMul`] (the crate's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K kernels, Candle's
 //! `QMatMul` for the other types; f64 sums for row-parallel layers). So each layer type and each model is written
 //! once for both.
 
@@ -64,7 +64,7 @@ impl QuantizedWeight {
         &self.qtensor
     }
 
-    /// `x Wᵀ`: Q4_1, Q8_0 and Q4_K through the crate's SIMD kernels ([`QuantMatMul`]), every
+    /// `x Wᵀ`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K through the crate's SIMD kernels ([`QuantMatMul`]), every
     /// other type through Candle's `QMatMul` (x in f32; other dtypes are converted and back).
     fn matmul(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();

@@ -1,5 +1,6 @@
 //! `QuantMatMul`: `y = x · Wᵀ` with W a GGUF-quantized [`QTensor`], the crate's kernels where
-//! it has one (Q4_0, Q4_1, Q8_0, Q4_K on CPU) and candle's [`QMatMul`] everywhere else.
+//! it has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K on CPU) and candle's [`QMatMul`] everywhere
+//! else.
 
 use super::f64_matmul::F64MatMul;
 use super::types::{CpuProduct, QuantType};
@@ -9,8 +10,10 @@ use candle_tp_kernels::f64_dot::blocks_from_bytes;
 use candle_tp_kernels::f64_matmul::{check_matmul, fill_by_weight_rows};
 use candle_tp_kernels::q4_0::{self, BlockQ4_0, QK4_0};
 use candle_tp_kernels::q4_1::{self, BlockQ4_1, Kernel, QK4_1};
+use candle_tp_kernels::q5_0::{self, BlockQ5_0, QK5_0};
+use candle_tp_kernels::q5_1::{self, BlockQ5_1, QK5_1};
 use candle_tp_kernels::q8_0::{quantize_row_q8_0, BlockQ8_0, QK8_0};
-use candle_tp_kernels::q8_1::{quantize_row_q8_1_into, BlockQ8_1};
+use candle_tp_kernels::q8_1::quantize_row_q8_1_into;
 use std::sync::Arc;
 
 /// `dst[m, n] = x[m, k] · W[n, k]ᵀ` for a Q4_1 weight given as its `n * k / 32` blocks (the
@@ -27,14 +30,13 @@ pub fn matmul_q4_1(
     w: &[BlockQ4_1],
     dst: &mut [f32],
 ) -> Result<()> {
-    let quantize = |x: &[f32], k: usize, xq: &mut Vec<BlockQ8_1>| quantize_row_q8_1_into(x, k, xq);
     matmul_rows(
         "Q4_1 matmul",
         kernel,
         dims,
         (x, w, dst),
         QK4_1,
-        quantize,
+        quantize_row_q8_1_into,
         q4_1::rows_dot,
     )
 }
@@ -47,20 +49,61 @@ pub fn matmul_q4_0(
     w: &[BlockQ4_0],
     dst: &mut [f32],
 ) -> Result<()> {
-    let quantize = |x: &[f32], _k: usize, xq: &mut Vec<BlockQ8_0>| {
-        xq.clear();
-        xq.resize(x.len() / QK8_0, BlockQ8_0::ZERO);
-        quantize_row_q8_0(x, xq);
-    };
     matmul_rows(
         "Q4_0 matmul",
         kernel,
         dims,
         (x, w, dst),
         QK4_0,
-        quantize,
+        quantize_q8_0_into,
         q4_0::rows_dot,
     )
+}
+
+/// As [`matmul_q4_1`] for a Q5_0 weight (activations quantized to Q8_0, candle's rounding).
+pub fn matmul_q5_0(
+    kernel: Kernel,
+    dims: (usize, usize, usize),
+    x: &[f32],
+    w: &[BlockQ5_0],
+    dst: &mut [f32],
+) -> Result<()> {
+    matmul_rows(
+        "Q5_0 matmul",
+        kernel,
+        dims,
+        (x, w, dst),
+        QK5_0,
+        quantize_q8_0_into,
+        q5_0::rows_dot,
+    )
+}
+
+/// As [`matmul_q4_1`] for a Q5_1 weight (activations quantized to Q8_1, candle's rounding).
+pub fn matmul_q5_1(
+    kernel: Kernel,
+    dims: (usize, usize, usize),
+    x: &[f32],
+    w: &[BlockQ5_1],
+    dst: &mut [f32],
+) -> Result<()> {
+    matmul_rows(
+        "Q5_1 matmul",
+        kernel,
+        dims,
+        (x, w, dst),
+        QK5_1,
+        quantize_row_q8_1_into,
+        q5_1::rows_dot,
+    )
+}
+
+/// Quantizes rows of activations to Q8_0 into a reused buffer (the `k` of
+/// [`quantize_row_q8_1_into`]'s signature is not needed: the blocks run on across rows).
+fn quantize_q8_0_into(x: &[f32], _k: usize, xq: &mut Vec<BlockQ8_0>) {
+    xq.clear();
+    xq.resize(x.len() / QK8_0, BlockQ8_0::ZERO);
+    quantize_row_q8_0(x, xq);
 }
 
 /// The driver of the f32 block kernels: checks, quantizes the activations once, fills the
@@ -97,7 +140,7 @@ fn matmul_rows<W: Sync, X: Sync>(
     Ok(())
 }
 
-/// The Q4_1 or Q4_0 product as a candle op (CPU, f32 input; inference only, no backward).
+/// The Q4_0, Q4_1, Q5_0 or Q5_1 product as a candle op (CPU, f32 input; inference only, no backward).
 #[derive(Clone)]
 struct BlockMatMul {
     w: Arc<QTensor>,
@@ -140,6 +183,12 @@ impl CustomOp1 for BlockMatMul {
             GgmlDType::Q4_0 => {
                 matmul_q4_0(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
             }
+            GgmlDType::Q5_0 => {
+                matmul_q5_0(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
+            }
+            GgmlDType::Q5_1 => {
+                matmul_q5_1(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
+            }
             other => candle_core::bail!("QuantMatMul: no f32 block kernel for {other:?}"),
         }
         let mut dims = shape.dims().to_vec();
@@ -150,7 +199,7 @@ impl CustomOp1 for BlockMatMul {
 
 #[derive(Clone)]
 enum Inner {
-    /// The crate's f32 kernel (CPU Q4_1 and Q4_0).
+    /// The crate's f32 kernel (CPU Q4_0, Q4_1, Q5_0 and Q5_1).
     Block(BlockMatMul),
     /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q8_0 and Q4_K: at one
     /// thread as fast as candle's or faster, and batch-invariant).
@@ -164,12 +213,12 @@ enum Inner {
 ///
 /// | weight type | CPU | other devices |
 /// |---|---|---|
-/// | Q4_1, Q4_0 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
+/// | Q4_0, Q4_1, Q5_0, Q5_1 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
 /// | Q8_0, Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
 /// | anything else | `QMatMul` | `QMatMul` |
 ///
-/// [`QuantMatMul::forward_f64`] sums in f64 instead (crate kernels for Q4_1, Q8_0, Q4_K and
-/// Q6_K on the CPU): what row-parallel layers use.
+/// [`QuantMatMul::forward_f64`] sums in f64 instead (crate kernels for Q4_0, Q4_1, Q5_0, Q5_1,
+/// Q8_0, Q4_K and Q6_K on the CPU): what row-parallel layers use.
 ///
 /// Input: any leading dims, last dim `k`; f32 (f16 / bf16 are converted to f32 and the result
 /// back). Inference only: the output does not track gradients.
@@ -276,10 +325,7 @@ impl QuantMatMul {
             CpuProduct::Block => {}
         }
         let dtype = w.dtype();
-        let (block, block_bytes) = match dtype {
-            GgmlDType::Q4_1 => (QK4_1, std::mem::size_of::<BlockQ4_1>()),
-            _ => (QK4_0, std::mem::size_of::<BlockQ4_0>()),
-        };
+        let (block, block_bytes) = (dtype.block_size(), dtype.type_size());
         if k % block != 0 {
             candle_core::bail!(
                 "QuantMatMul: {dtype:?} weight [{n}, {k}]: k is not a multiple of the block size {block}"
@@ -305,7 +351,7 @@ impl QuantMatMul {
     }
 
     /// `x · Wᵀ` with the blocks' products summed in f64, as an f64 tensor `[.., n]`, for the
-    /// weight types with an f64 kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on the CPU; `None` for the
+    /// weight types with an f64 kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) on the CPU; `None` for the
     /// others (and when candle's `CANDLE_DEQUANTIZE_ALL` is set).
     ///
     /// A row-parallel layer all-reduces these partials in f64 and rounds the total to f32

@@ -8,6 +8,8 @@ use candle_tp_kernels::f64_matmul::{matmul_f64_bytes, F64MatMulFn};
 use candle_tp_kernels::q4_0::BlockQ4_0;
 use candle_tp_kernels::q4_1::BlockQ4_1;
 use candle_tp_kernels::q4_k::BlockQ4K;
+use candle_tp_kernels::q5_0::BlockQ5_0;
+use candle_tp_kernels::q5_1::BlockQ5_1;
 use candle_tp_kernels::q6_k::BlockQ6K;
 use candle_tp_kernels::q8_0::BlockQ8_0;
 
@@ -17,8 +19,8 @@ use candle_tp_kernels::q8_0::BlockQ8_0;
 pub enum CpuProduct {
     /// Candle's `QMatMul`.
     Candle,
-    /// The crate's f32 block kernels, four weight rows per pass: Q4_1 × Q8_1 and Q4_0 × Q8_0
-    /// (any block count per row).
+    /// The crate's f32 block kernels, four weight rows per pass: Q4_0 × Q8_0, Q4_1 × Q8_1,
+    /// Q5_0 × Q8_0 and Q5_1 × Q8_1 (any block count per row).
     Block,
     /// The crate's f64-summing kernel ([`QuantType::f64_matmul`]), rounded to f32.
     Sum64,
@@ -32,7 +34,9 @@ pub struct QuantType {
     /// A float type (F32, F16, BF16): the GGUF loader serves it as a dense tensor.
     pub dense: bool,
     /// The blocks a row-parallel split keeps together: 1, or 2 where candle's dot product
-    /// needs an even number of blocks per row (Q5_0, Q5_1). See [`QuantType::split_unit`].
+    /// needs an even number of blocks per row (Q5_0, Q5_1: the crate's kernels do not, but
+    /// candle's `QMatMul` still multiplies these types off the CPU and under
+    /// `CANDLE_DEQUANTIZE_ALL`). See [`QuantType::split_unit`].
     pub split_blocks: usize,
     /// The product of `QuantMatMul::forward` on the CPU.
     pub cpu_product: CpuProduct,
@@ -102,8 +106,16 @@ pub const TYPES: &[QuantType] = &[
         f64_matmul: Some(matmul_f64_bytes::<BlockQ4_1>),
         ..QuantType::candle(GgmlDType::Q4_1, 1)
     },
-    QuantType::candle(GgmlDType::Q5_0, 2),
-    QuantType::candle(GgmlDType::Q5_1, 2),
+    QuantType {
+        cpu_product: CpuProduct::Block,
+        f64_matmul: Some(matmul_f64_bytes::<BlockQ5_0>),
+        ..QuantType::candle(GgmlDType::Q5_0, 2)
+    },
+    QuantType {
+        cpu_product: CpuProduct::Block,
+        f64_matmul: Some(matmul_f64_bytes::<BlockQ5_1>),
+        ..QuantType::candle(GgmlDType::Q5_1, 2)
+    },
     QuantType {
         cpu_product: CpuProduct::Sum64,
         f64_matmul: Some(matmul_f64_bytes::<BlockQ8_0>),
@@ -152,6 +164,8 @@ mod tests {
             [
                 GgmlDType::Q4_0,
                 GgmlDType::Q4_1,
+                GgmlDType::Q5_0,
+                GgmlDType::Q5_1,
                 GgmlDType::Q8_0,
                 GgmlDType::Q4K,
                 GgmlDType::Q6K

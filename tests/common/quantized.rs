@@ -9,9 +9,9 @@ use anyhow::{bail, ensure, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-/// What a Q8_0, Q4_K or Q6_K product multiplies, as candle's own code makes it, in f64: the
-/// weight dequantized by candle, and the activations quantized by candle to the type's ggml
-/// activation format (Q8_0 for Q8_0 weights, Q8K for the k-quants) read from candle's block
+/// What a Q4_0, Q5_0, Q8_0, Q4_K or Q6_K product multiplies, as candle's own code makes it, in
+/// f64: the weight dequantized by candle, and the activations quantized by candle to the type's
+/// ggml activation format (Q8_0 for Q4_0, Q5_0 and Q8_0 weights, Q8K for the k-quants) read from candle's block
 /// bytes (`d · q`, exact in f64). Returns the product `[m, n]` summed in f64 and, per output,
 /// `Σ |w x|` (what bounds the rounding of candle's f32 dequantization of the weight).
 pub fn exact_product(w: &QTensor, x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
@@ -27,7 +27,7 @@ pub fn exact_product(w: &QTensor, x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
         .collect();
     // The activation format: its type, values and bytes per block, and where `qs` starts.
     let (act, block, size, off) = match w.dtype() {
-        GgmlDType::Q4_0 | GgmlDType::Q8_0 => (GgmlDType::Q8_0, 32, 34, 2),
+        GgmlDType::Q4_0 | GgmlDType::Q5_0 | GgmlDType::Q8_0 => (GgmlDType::Q8_0, 32, 34, 2),
         GgmlDType::Q4K | GgmlDType::Q6K => (GgmlDType::Q8K, 256, 292, 4),
         other => bail!("no exact reference for {other:?}"),
     };

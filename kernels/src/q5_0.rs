@@ -1,0 +1,318 @@
+//! Q5_0 (ggml's `block_q5_0`): 32 weights as 5-bit values around 16 with an f16 scale, against
+//! Q8_0 activations (as ggml and candle quantize them for this type).
+//!
+//! `w[j] = d · (q[j] − 16)`, `q[j]` in 0..32: its low four bits are nibbles (`qs`, low nibbles
+//! holding values 0..16 and high nibbles 16..32, as in Q4_0) and its fifth bit is bit `j` of
+//! the little-endian `u32` `qh`. Against a Q8_0 block `x[j] = d' · q'[j]`:
+//! `Σ w·x = d·d' · Σ (q − 16)·q'`. The AVX2 kernels build the 32 signed values `q − 16` in one
+//! register (nibbles widened to bytes; each bit of `qh` spread to a byte mask, see
+//! `f64_dot::avx2::bit_bytes`; `0xF0` or-ed into the bytes whose bit is clear, which
+//! is −16 in two's complement) and sum the products as Q4_0 does (`sign`/`maddubs`/`madd`).
+//! Two kernels, as for [`crate::q4_0`]:
+//! - [`F64Dot`] (row-parallel layers): four blocks at once, their f64 products added in block
+//!   order, bit for bit the scalar sum;
+//! - [`dot_rows`] / [`rows_dot`] (whole rows): f32 FMA chains, four weight rows sharing each
+//!   activation load. Any block count (candle 0.11's needs an even one).
+
+use crate::f64_dot::F64Dot;
+use crate::kernel::Kernel;
+use crate::q8_0::{quantize_row_q8_0, BlockQ8_0, QK8_0};
+use candle_core::Result;
+use half::f16;
+
+/// Values per Q5_0 block (ggml's `QK5_0`).
+pub const QK5_0: usize = 32;
+
+/// One Q5_0 block, laid out as GGUF stores it (22 bytes): for `j < 16`,
+/// `w[j] = d · ((qs[j] & 15 | bit j of qh << 4) − 16)` and
+/// `w[j + 16] = d · ((qs[j] >> 4 | bit j + 16 of qh << 4) − 16)`, `qh` read as a little-endian
+/// `u32`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ5_0 {
+    /// Scale.
+    pub d: f16,
+    /// The values' fifth bits, bit `j` for value `j` (a little-endian `u32`).
+    pub qh: [u8; 4],
+    /// The values' low four bits, packed two per byte.
+    pub qs: [u8; QK5_0 / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+
+impl BlockQ5_0 {
+    /// The all-zero block (every weight `0 · (q − 16) = 0`).
+    pub const ZERO: Self = Self {
+        d: f16::ZERO,
+        qh: [0; 4],
+        qs: [0; QK5_0 / 2],
+    };
+
+    /// Views GGUF bytes (e.g. `QTensor::data()` of a Q5_0 tensor) as blocks, without copying.
+    /// Errors if the length is not a whole number of 22-byte blocks or the bytes are not
+    /// 2-byte aligned (candle's CPU storage always is).
+    pub fn slice_from_bytes(bytes: &[u8]) -> Result<&[Self]> {
+        crate::f64_dot::blocks_from_bytes(bytes)
+    }
+
+    /// The 32 signed values `q − 16` (−16..=15) of the block, in order.
+    pub fn values(&self) -> [i8; QK5_0] {
+        let qh = u32::from_le_bytes(self.qh);
+        std::array::from_fn(|j| {
+            let nibble = if j < QK5_0 / 2 {
+                self.qs[j] & 0x0F
+            } else {
+                self.qs[j - QK5_0 / 2] >> 4
+            };
+            (nibble | (((qh >> j) & 1) << 4) as u8) as i8 - 16
+        })
+    }
+}
+
+/// Dot products of `R` weight rows with one activation row in f32, sharing its loads (`R` = 1
+/// or 4 in the matmul).
+///
+/// # Panics
+/// If a row's length differs from `xs`'s, or `kernel` is not available on this CPU.
+pub fn dot_rows<const R: usize>(
+    kernel: Kernel,
+    ws: [&[BlockQ5_0]; R],
+    xs: &[BlockQ8_0],
+    out: &mut [f32; R],
+) {
+    crate::kernel::dot_rows_by(kernel, ws, xs, out)
+}
+
+/// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
+/// activation rows `xq`, into `out[(row - row0) * m + i]`, four rows at a time. Non-generic,
+/// so that it is compiled with this crate's optimisations even in a caller's debug build.
+pub fn rows_dot(
+    kernel: Kernel,
+    w: &[BlockQ5_0],
+    kb: usize,
+    xq: &[BlockQ8_0],
+    m: usize,
+    row0: usize,
+    out: &mut [f32],
+) {
+    crate::kernel::rows_dot_by(kernel, (w, kb), (xq, m), row0, out)
+}
+
+/// The integer sum `Σ (q − 16)·q'` of one block pair.
+#[inline(always)]
+fn int_sum(w: &BlockQ5_0, x: &BlockQ8_0) -> i32 {
+    let qh = u32::from_le_bytes(w.qh);
+    let mut sum = 0i32;
+    for j in 0..QK8_0 / 2 {
+        let lo = (w.qs[j] & 0x0F) as i32 | (((qh >> j) & 1) << 4) as i32;
+        let hi = (w.qs[j] >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
+        sum += (lo - 16) * x.qs[j] as i32 + (hi - 16) * x.qs[j + QK8_0 / 2] as i32;
+    }
+    sum
+}
+
+impl crate::kernel::RowDot for BlockQ5_0 {
+    /// Scalar reference in f32 (ggml's generic `ggml_vec_dot_q5_0_q8_0`, block after block).
+    fn dot_scalar(ws: &[BlockQ5_0], xs: &[BlockQ8_0]) -> f32 {
+        ws.iter().zip(xs).fold(0f32, |sum, (w, x)| {
+            sum + int_sum(w, x) as f32 * (w.d.to_f32() * x.d.to_f32())
+        })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_rows_avx2<const R: usize>(ws: [&[Self]; R], xs: &[Self::Act]) -> [f32; R] {
+        avx2::dot_rows(ws, xs)
+    }
+}
+
+// SAFETY: repr(C) plain data (f16 is a transparent u16), every bit pattern valid.
+unsafe impl F64Dot for BlockQ5_0 {
+    type Act = BlockQ8_0;
+    const BLOCK: usize = QK5_0;
+    const NAME: &'static str = "Q5_0";
+    const ACT_ZERO: Self::Act = BlockQ8_0::ZERO;
+
+    fn quantize(xs: &[f32], ys: &mut [Self::Act]) {
+        quantize_row_q8_0(xs, ys)
+    }
+
+    #[inline(always)]
+    fn block_dot(w: &Self, x: &Self::Act) -> f64 {
+        // d·d' is exact in f64 (two 11-bit mantissas), and so is its product with the sum.
+        (w.d.to_f64() * x.d.to_f64()) * int_sum(w, x) as f64
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
+        avx2::dot(w, x)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::BlockQ5_0;
+    use crate::f64_dot::avx2::{
+        bit_bytes, deinterleave, dot_by_fours, f16_pairs, hsum4, hsum_ps, nibbles,
+    };
+    use crate::q8_0::BlockQ8_0;
+    use std::arch::x86_64::*;
+
+    /// Four blocks at a time, added to the f64 total in block order.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; `w` and `x` have the same length.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(w: &[BlockQ5_0], x: &[BlockQ8_0]) -> f64 {
+        dot_by_fours(w, x, BlockQ5_0::ZERO, |w, x| four(w, x))
+    }
+
+    /// The block's 32 values `q − 16` as signed bytes, in order.
+    #[inline(always)]
+    unsafe fn values(w: &BlockQ5_0) -> __m256i {
+        let low4 = nibbles(w.qs.as_ptr());
+        // Bytes whose fifth bit is clear get 0xF0 or-ed in: nibble − 16 as an i8; the others
+        // keep nibble + 16 − 16.
+        let minus16 = _mm256_andnot_si256(
+            bit_bytes(u32::from_le_bytes(w.qh)),
+            _mm256_set1_epi8(0xF0u8 as i8),
+        );
+        _mm256_or_si256(low4, minus16)
+    }
+
+    /// The integer sum `Σ (q − 16)·q'` of one block pair, in eight i32 lanes.
+    #[inline(always)]
+    unsafe fn block_sums(w: &BlockQ5_0, qx: __m256i) -> __m256i {
+        let qw = values(w); // -16..15
+                            // |w| times x with w's sign: maddubs needs an unsigned left operand (|w| ≤ 16, so a
+                            // pair is at most 2·16·127: no saturation).
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    }
+
+    /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
+    #[inline(always)]
+    unsafe fn four(w: *const BlockQ5_0, x: *const BlockQ8_0) -> __m256d {
+        let mut sums = [_mm256_setzero_si256(); 4];
+        for (t, s) in sums.iter_mut().enumerate() {
+            let qx = _mm256_loadu_si256((*x.add(t)).qs.as_ptr() as *const __m256i);
+            *s = block_sums(&*w.add(t), qx);
+        }
+        // Each block starts with its f16 `d` (the next two bytes are unused lanes).
+        let dd = deinterleave(_mm256_mul_ps(f16_pairs(w), f16_pairs(x)));
+        _mm256_mul_pd(
+            _mm256_cvtepi32_pd(hsum4(sums)),
+            _mm256_cvtps_pd(_mm256_castps256_ps128(dd)),
+        )
+    }
+
+    /// `R` rows at once in f32: `R` independent FMA chains hide the FMA latency, and each
+    /// activation block is loaded once for all rows.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every row must have `xs.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_rows<const R: usize>(
+        ws: [&[BlockQ5_0]; R],
+        xs: &[BlockQ8_0],
+    ) -> [f32; R] {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (b, x) in xs.iter().enumerate() {
+            let xd = _mm_cvtph_ps(_mm_cvtsi32_si128(x.d.to_bits() as i32));
+            let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+            for r in 0..R {
+                let w = ws[r].get_unchecked(b);
+                let wd = _mm_cvtph_ps(_mm_cvtsi32_si128(w.d.to_bits() as i32));
+                let dd = _mm256_broadcastss_ps(_mm_mul_ss(wd, xd));
+                acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(block_sums(w, qx)), acc[r]);
+            }
+        }
+        std::array::from_fn(|r| hsum_ps(acc[r]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::f64_dot::testing::{
+        check_against_candle, f32_rows_match_the_f64_sum, nan_and_inf_activations_propagate,
+        pseudo, pseudo_bytes, split_sums_round_alike,
+    };
+    use candle_core::quantized::GgmlDType;
+
+    /// A block of pseudo-random values and scale, `i` its seed.
+    fn block(i: usize) -> BlockQ5_0 {
+        BlockQ5_0 {
+            d: f16::from_f32(0.01 + 0.02 * pseudo(i).abs()),
+            qh: pseudo_bytes(i * 7 + 3),
+            qs: pseudo_bytes(i * 13 + 5),
+        }
+    }
+
+    #[test]
+    fn values_match_candles_dequantization() {
+        use candle_core::quantized::k_quants::{BlockQ5_0 as Candle, GgmlType};
+        let blocks: Vec<BlockQ5_0> = (0..5).map(block).collect();
+        // SAFETY: the same repr(C) 22-byte layout (asserted by both crates).
+        let theirs: &[Candle] = unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast(), 5) };
+        let mut deq = vec![0f32; 5 * QK5_0];
+        Candle::to_float(theirs, &mut deq);
+        for (b, d) in blocks.iter().zip(deq.chunks_exact(QK5_0)) {
+            for (j, (&v, &want)) in b.values().iter().zip(d).enumerate() {
+                assert_eq!(b.d.to_f32() * v as f32, want, "value {j} of {b:?}");
+            }
+        }
+        assert!(blocks.iter().any(|b| b.values().contains(&-16)));
+        assert!(blocks.iter().any(|b| b.values().contains(&15)));
+    }
+
+    #[test]
+    fn f64_dot_is_the_dot_of_candles_dequantized_blocks() {
+        check_against_candle::<BlockQ5_0>(
+            GgmlDType::Q5_0,
+            |x| x.qs.iter().map(|&q| x.d.to_f64() * q as f64).collect(),
+            |_, _| 0.0,
+            1e-12,
+        );
+    }
+
+    #[test]
+    fn nan_and_inf_activations_give_nan() {
+        nan_and_inf_activations_propagate::<BlockQ5_0>(GgmlDType::Q5_0);
+        // The f32 kernels too.
+        let ws = [block(1)];
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut x = vec![0.5f32; 32];
+            x[3] = bad;
+            let mut xs = vec![BlockQ8_0::ZERO; 1];
+            quantize_row_q8_0(&x, &mut xs);
+            for kernel in Kernel::under_test() {
+                let mut y = [0f32];
+                dot_rows(kernel, [&ws[..]], &xs, &mut y);
+                assert!(y[0].is_nan(), "{kernel:?}: activation {bad} gave {}", y[0]);
+            }
+        }
+    }
+
+    /// The f32 kernels (4 rows, 1 row, `rows_dot` over 7 rows and 3 activation rows) against
+    /// the exact f64 sum of the same blocks, for odd and even block counts.
+    #[test]
+    fn f32_rows_match_the_exact_sum() {
+        f32_rows_match_the_f64_sum::<BlockQ5_0>(
+            |r, b| block(r * 1000 + b),
+            |w, x| {
+                let vs = w.values();
+                let s: i32 = vs
+                    .iter()
+                    .zip(&x.qs)
+                    .map(|(&v, &q)| (v as i32 * q as i32).abs())
+                    .sum();
+                (w.d.to_f64() * x.d.to_f64()).abs() * s as f64
+            },
+            rows_dot,
+        );
+    }
+
+    #[test]
+    fn f64_sums_do_not_depend_on_the_split() {
+        split_sums_round_alike::<BlockQ5_0>(block);
+    }
+}
