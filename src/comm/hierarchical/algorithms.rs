@@ -12,7 +12,7 @@ use super::Hierarchical;
 /// layout: below it the message count, not the bytes, sets the time (each host sends the
 /// same bytes across either way: `l` shards of `B / l`, or `B` once), so one across-host
 /// exchange per host beats `l` of them competing for the host's cores and link.
-pub(crate) const LEADER_ALL_REDUCE_BYTES: usize = 64 << 10;
+pub(crate) const LEADER_ALL_REDUCE_BYTES: usize = 16 << 10;
 
 /// `n` elements cut into `parts` nearly equal blocks (the first `n % parts` one larger).
 fn split_even(n: usize, parts: usize) -> Vec<usize> {

@@ -11,7 +11,7 @@
 //! - all-reduce: reduce-scatter inside the host into `l` shards, an all-reduce of shard `j`
 //!   across hosts among the members whose index on their host is `j` (one MPI communicator per
 //!   local index), then an all-gather inside the host. Each host sends its data across once,
-//!   split over `l` streams, against `l` times for a flat MPI all-reduce. Up to 64 KiB
+//!   split over `l` streams, against `l` times for a flat MPI all-reduce. Up to 16 KiB
 //!   (`LEADER_ALL_REDUCE_BYTES`, what decoding sends) it goes through the hosts' first members
 //!   instead, as uneven layouts do: the same bytes leave each host, in one message instead of
 //!   `l`;
