@@ -233,26 +233,36 @@ mod avx2 {
         ws: [&[BlockQ4_1]; R],
         xs: [&[BlockQ8_1]; M],
     ) -> [[f32; R]; M] {
-        const { assert!(R <= 4, "the m·s' sums of R rows share one 4-lane vector") };
+        const {
+            assert!(
+                R <= 4 && M <= 8,
+                "the m·s' sums of 4 × 8 pairs at most in 4 vectors"
+            )
+        };
         let mut acc = [[_mm256_setzero_ps(); R]; M];
-        // Lane r of acc_ms[i]: Σ m·s' of weight row r and activation row i.
-        let mut acc_ms = [_mm_setzero_ps(); M];
+        // Lane 4·(i % 2) + r of acc_ms[i / 2]: Σ m·s' of weight row r and activation row i.
+        let mut acc_ms = [_mm256_setzero_ps(); 4];
         let nb = if M == 0 { 0 } else { xs[0].len() };
         for b in 0..nb {
-            // The weight blocks' offsets m, one row per lane.
+            // The weight blocks' offsets m, one row per lane, twice.
             let mut m = [0u16; 4];
             for r in 0..R {
                 m[r] = ws[r].get_unchecked(b).m.to_bits();
             }
             let m = _mm_cvtph_ps(_mm_loadl_epi64(m.as_ptr() as *const __m128i));
+            let m = _mm256_set_m128(m, m);
             let mut xd = [_mm256_setzero_ps(); M];
+            let mut s = [_mm_setzero_ps(); M];
             for i in 0..M {
                 let x = xs[i].get_unchecked(b);
                 let xds = f16_pair(x as *const BlockQ8_1 as *const u8);
                 // `wd · xd` and `m · s'` lane by lane are the f32 products of `dot_rows`.
                 xd[i] = _mm256_broadcastss_ps(xds);
-                let s = _mm_shuffle_ps(xds, xds, 0b01_01_01_01);
-                acc_ms[i] = _mm_add_ps(acc_ms[i], _mm_mul_ps(m, s));
+                s[i] = _mm_shuffle_ps(xds, xds, 0b01_01_01_01);
+            }
+            for j in 0..M.div_ceil(2) {
+                let s = _mm256_set_m128(s[(2 * j + 1).min(M - 1)], s[2 * j]);
+                acc_ms[j] = _mm256_add_ps(acc_ms[j], _mm256_mul_ps(m, s));
             }
             for r in 0..R {
                 let w = ws[r].get_unchecked(b);
@@ -266,12 +276,14 @@ mod avx2 {
                 }
             }
         }
+        let mut ms = [0f32; 32];
+        for (j, a) in acc_ms.into_iter().enumerate() {
+            _mm256_storeu_ps(ms.as_mut_ptr().add(8 * j), a);
+        }
         let mut out = [[0f32; R]; M];
         for i in 0..M {
-            let mut ms = [0f32; 4];
-            _mm_storeu_ps(ms.as_mut_ptr(), acc_ms[i]);
             for r in 0..R {
-                out[i][r] = hsum(acc[i][r]) + ms[r];
+                out[i][r] = hsum(acc[i][r]) + ms[4 * i + r];
             }
         }
         out
