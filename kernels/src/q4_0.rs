@@ -9,7 +9,10 @@
 //!   block order, bit for bit the scalar sum, so a row's value does not depend on how its
 //!   blocks are split between ranks;
 //! - [`dot_rows`] / [`rows_dot`] (whole rows: column-parallel layers, one rank): f32 FMA
-//!   chains, four weight rows sharing each activation load, as fast as ggml's.
+//!   chains, four weight rows sharing each activation load, as fast as ggml's; for several
+//!   activation rows (prefill) [`rows_dot`] takes tiles of four weight rows × four activation
+//!   rows that unpack each weight block once for all four, every value bit for bit what one
+//!   activation row at a time gives.
 
 use crate::f64_dot::F64Dot;
 use crate::kernel::Kernel;
@@ -54,7 +57,8 @@ pub fn dot_rows<const R: usize>(
 }
 
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
-/// activation rows `xq`, into `out[(row - row0) * m + i]`, four rows at a time. Non-generic,
+/// activation rows `xq`, into `out[(row - row0) * m + i]`, four rows at a time against four
+/// activation rows at a time (each value bit for bit [`dot_rows`]'s). Non-generic,
 /// so that it is compiled with this crate's optimisations even in a caller's debug build.
 pub fn rows_dot(
     kernel: Kernel,
@@ -218,7 +222,11 @@ mod avx2 {
                 acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(block_sums(w, qx)), acc[r]);
             }
         }
-        acc.map(|a| hsum(a))
+        let mut out = [0f32; R];
+        for r in 0..R {
+            out[r] = hsum(acc[r]);
+        }
+        out
     }
 
     /// `R` weight rows against `M` activation rows: each weight block is unpacked once (and
@@ -240,8 +248,10 @@ mod avx2 {
         for b in 0..nb {
             // The activation blocks' scales, broadcast: `wd · xd` lane by lane is the same
             // f32 product as `_mm_mul_ss` in `dot_rows`.
-            let xd: [__m256; M] =
-                std::array::from_fn(|i| _mm256_broadcastss_ps(scale(xs[i].get_unchecked(b).d)));
+            let mut xd = [_mm256_setzero_ps(); M];
+            for i in 0..M {
+                xd[i] = _mm256_broadcastss_ps(scale(xs[i].get_unchecked(b).d));
+            }
             for r in 0..R {
                 let w = ws[r].get_unchecked(b);
                 let wd = _mm256_broadcastss_ps(scale(w.d));
@@ -255,7 +265,15 @@ mod avx2 {
                 }
             }
         }
-        acc.map(|a| a.map(|a| hsum(a)))
+        // Loops, not `map`: a closure would not inherit the target features, and `hsum`
+        // would become a call.
+        let mut out = [[0f32; R]; M];
+        for i in 0..M {
+            for r in 0..R {
+                out[i][r] = hsum(acc[i][r]);
+            }
+        }
+        out
     }
 }
 

@@ -73,7 +73,9 @@ pub fn dot_rows<const R: usize>(
 
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
 /// activation rows `xq` (rows of `kb` blocks), into `out[(row - row0) * m + i]`: four weight
-/// rows at a time share each activation load. Non-generic, so that it is compiled with this
+/// rows at a time share each activation load, and against four activation rows at a time
+/// (prefill) each weight block is unpacked once for the four; every value is bit for bit
+/// what [`dot_rows`] gives for its pair. Non-generic, so that it is compiled with this
 /// crate's optimisations even in a caller's debug build.
 pub fn rows_dot(
     kernel: Kernel,
