@@ -193,29 +193,43 @@ mod avx2 {
         ws: [&[BlockQ4_1]; R],
         xs: &[BlockQ8_1],
     ) -> [f32; R] {
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); R];
         // Lane 1 of each accumulates m·s (lane 0 collects d·d', unused).
         let mut acc_ms = [_mm_setzero_ps(); R];
         for (b, x) in xs.iter().enumerate() {
             // [d', s'] of the activation block as f32.
-            let xds = f16_pair(x as *const BlockQ8_1 as *const u8);
+            let xds = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
+                x as *const BlockQ8_1 as *const i32,
+            )));
             let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
             for r in 0..R {
                 let w = ws[r].get_unchecked(b);
-                let wdm = f16_pair(w as *const BlockQ4_1 as *const u8);
+                let wdm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
+                    w as *const BlockQ4_1 as *const i32,
+                )));
                 let prod = _mm_mul_ps(wdm, xds); // [d·d', m·s', 0, 0]
                 acc_ms[r] = _mm_add_ps(acc_ms[r], prod);
+                let packed = _mm_loadu_si128(w.qs.as_ptr() as *const __m128i);
+                let qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+                let pairs = _mm256_maddubs_epi16(qw, qx);
+                let quads = _mm256_madd_epi16(pairs, ones);
                 acc[r] = _mm256_fmadd_ps(
                     _mm256_broadcastss_ps(prod),
-                    _mm256_cvtepi32_ps(unpacked_sums(unpack(w), qx)),
+                    _mm256_cvtepi32_ps(quads),
                     acc[r],
                 );
             }
         }
         let mut out = [0f32; R];
         for r in 0..R {
+            let a = acc[r];
+            let s = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
             let ms = _mm_cvtss_f32(_mm_shuffle_ps(acc_ms[r], acc_ms[r], 1));
-            out[r] = hsum(acc[r]) + ms;
+            out[r] = _mm_cvtss_f32(s) + ms;
         }
         out
     }
