@@ -9,7 +9,10 @@
 //!   block order, bit for bit the scalar sum, so a row's value does not depend on how its
 //!   blocks are split between ranks;
 //! - [`dot_rows`] / [`rows_dot`] (whole rows: column-parallel layers, one rank): f32 FMA
-//!   chains, four weight rows sharing each activation load, as fast as ggml's.
+//!   chains, four weight rows sharing each activation load, as fast as ggml's; for several
+//!   activation rows (prefill) [`rows_dot`] takes tiles of four weight rows × four activation
+//!   rows that unpack each weight block once for all four, every value bit for bit what one
+//!   activation row at a time gives.
 
 use crate::f64_dot::F64Dot;
 use crate::kernel::Kernel;
@@ -54,7 +57,8 @@ pub fn dot_rows<const R: usize>(
 }
 
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
-/// activation rows `xq`, into `out[(row - row0) * m + i]`, four rows at a time. Non-generic,
+/// activation rows `xq`, into `out[(row - row0) * m + i]`, four rows at a time against four
+/// activation rows at a time (each value bit for bit [`dot_rows`]'s). Non-generic,
 /// so that it is compiled with this crate's optimisations even in a caller's debug build.
 pub fn rows_dot(
     kernel: Kernel,
@@ -90,6 +94,14 @@ impl crate::kernel::RowDot for BlockQ4_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_rows_avx2<const R: usize>(ws: [&[Self]; R], xs: &[Self::Act]) -> [f32; R] {
         avx2::dot_rows(ws, xs)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_tile_avx2<const R: usize, const M: usize>(
+        ws: [&[Self]; R],
+        xs: [&[Self::Act]; M],
+    ) -> [[f32; R]; M] {
+        avx2::dot_tile(ws, xs)
     }
 }
 
@@ -132,18 +144,46 @@ mod avx2 {
         dot_by_fours(w, x, BlockQ4_0::ZERO, |w, x| four(w, x))
     }
 
-    /// The integer sum `Σ (q − 8)·q'` of one block pair, in eight i32 lanes.
+    /// The 32 values `q − 8` (−8..7) of a block, as bytes in its order.
     #[inline(always)]
-    unsafe fn block_sums(w: &BlockQ4_0, qx: __m256i) -> __m256i {
+    unsafe fn unpack(w: &BlockQ4_0) -> __m256i {
         let packed = _mm_loadu_si128(w.qs.as_ptr() as *const __m128i);
         let nibbles = _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
             _mm256_set1_epi8(0x0F),
         );
-        let qw = _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8)); // -8..7
-                                                                // |w| times x with w's sign: maddubs needs an unsigned left operand.
-        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+        _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8))
+    }
+
+    /// The integer sum `Σ (q − 8)·q'` of one block pair in eight i32 lanes, from the unpacked
+    /// weights `qw` and their magnitudes `aw` (`|qw|`): maddubs needs an unsigned left
+    /// operand, so `|w|` times `x` with `w`'s sign.
+    #[inline(always)]
+    unsafe fn unpacked_sums(qw: __m256i, aw: __m256i, qx: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(qx, qw));
         _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    }
+
+    /// The integer sum `Σ (q − 8)·q'` of one block pair, in eight i32 lanes.
+    #[inline(always)]
+    unsafe fn block_sums(w: &BlockQ4_0, qx: __m256i) -> __m256i {
+        let qw = unpack(w);
+        unpacked_sums(qw, _mm256_sign_epi8(qw, qw), qx)
+    }
+
+    /// The sum of the eight lanes, in the order every f32 kernel here adds them.
+    #[inline(always)]
+    unsafe fn hsum(a: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// A block's f16 scale as f32, in lane 0.
+    #[inline(always)]
+    unsafe fn scale(d: half::f16) -> __m128 {
+        _mm_cvtph_ps(_mm_cvtsi32_si128(d.to_bits() as i32))
     }
 
     /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
@@ -174,22 +214,64 @@ mod avx2 {
     ) -> [f32; R] {
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, x) in xs.iter().enumerate() {
-            let xd = _mm_cvtph_ps(_mm_cvtsi32_si128(x.d.to_bits() as i32));
+            let xd = scale(x.d);
             let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
             for r in 0..R {
                 let w = ws[r].get_unchecked(b);
-                let wd = _mm_cvtph_ps(_mm_cvtsi32_si128(w.d.to_bits() as i32));
-                let dd = _mm256_broadcastss_ps(_mm_mul_ss(wd, xd));
+                let dd = _mm256_broadcastss_ps(_mm_mul_ss(scale(w.d), xd));
                 acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(block_sums(w, qx)), acc[r]);
             }
         }
         let mut out = [0f32; R];
         for r in 0..R {
-            let a = acc[r];
-            let s = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            out[r] = _mm_cvtss_f32(s);
+            out[r] = hsum(acc[r]);
+        }
+        out
+    }
+
+    /// `R` weight rows against `M` activation rows: each weight block is unpacked once (and
+    /// its scale converted once) for all `M` activation rows. Every accumulator takes the
+    /// same operations in the same order as in [`dot_rows`] (`d·d'` rounded to f32, one FMA
+    /// per block in block order, the same horizontal sum), so each value is bit for bit that
+    /// of the one-activation-row kernel.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every row of `ws` and `xs` has `xs[0].len()`
+    /// blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_tile<const R: usize, const M: usize>(
+        ws: [&[BlockQ4_0]; R],
+        xs: [&[BlockQ8_0]; M],
+    ) -> [[f32; R]; M] {
+        let mut acc = [[_mm256_setzero_ps(); R]; M];
+        let nb = if M == 0 { 0 } else { xs[0].len() };
+        for b in 0..nb {
+            // The activation blocks' scales, broadcast: `wd · xd` lane by lane is the same
+            // f32 product as `_mm_mul_ss` in `dot_rows`.
+            let mut xd = [_mm256_setzero_ps(); M];
+            for i in 0..M {
+                xd[i] = _mm256_broadcastss_ps(scale(xs[i].get_unchecked(b).d));
+            }
+            for r in 0..R {
+                let w = ws[r].get_unchecked(b);
+                let wd = _mm256_broadcastss_ps(scale(w.d));
+                let qw = unpack(w);
+                let aw = _mm256_sign_epi8(qw, qw);
+                for i in 0..M {
+                    let x = xs[i].get_unchecked(b);
+                    let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+                    let sums = _mm256_cvtepi32_ps(unpacked_sums(qw, aw, qx));
+                    acc[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xd[i]), sums, acc[i][r]);
+                }
+            }
+        }
+        // Loops, not `map`: a closure would not inherit the target features, and `hsum`
+        // would become a call.
+        let mut out = [[0f32; R]; M];
+        for i in 0..M {
+            for r in 0..R {
+                out[i][r] = hsum(acc[i][r]);
+            }
         }
         out
     }
@@ -261,6 +343,49 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The tiled product (four weight rows × several activation rows, each weight block
+    /// unpacked once) gives every value bit for bit as the one-row kernel, through
+    /// `rows_dot` for m = 1..9 too (prefill must not change the output a batch of one
+    /// gives: tests/batch_invariance.rs).
+    #[test]
+    fn tiles_are_bit_for_bit_the_one_row_kernel() {
+        use crate::f64_dot::testing::pseudo;
+        for nb in [1usize, 2, 3, 5, 18, 19] {
+            let rows: Vec<Vec<BlockQ4_0>> = (0..7)
+                .map(|r| {
+                    (0..nb)
+                        .map(|b| BlockQ4_0 {
+                            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b).abs()),
+                            qs: std::array::from_fn(|j| {
+                                (pseudo(r * 1000 + b * 16 + j + 99).to_bits() & 0xFF) as u8
+                            }),
+                        })
+                        .collect()
+                })
+                .collect();
+            let xs: Vec<Vec<BlockQ8_0>> = (0..9)
+                .map(|i| {
+                    let x: Vec<f32> = (0..nb * 32)
+                        .map(|j| pseudo(i * 7919 + j + 1000) * (1.0 + i as f32))
+                        .collect();
+                    let mut xs = vec![BlockQ8_0::ZERO; nb];
+                    quantize_row_q8_0(&x, &mut xs);
+                    xs
+                })
+                .collect();
+            let abs_dot = |w: &BlockQ4_0, x: &BlockQ8_0| {
+                let sum: i32 = (0..QK4_0 / 2)
+                    .map(|j| {
+                        ((w.qs[j] & 15) as i32 - 8).abs() * (x.qs[j] as i32).abs()
+                            + ((w.qs[j] >> 4) as i32 - 8).abs() * (x.qs[j + 16] as i32).abs()
+                    })
+                    .sum();
+                (w.d.to_f64() * x.d.to_f64()).abs() * sum as f64
+            };
+            crate::kernel::testing::check_rows_dot(&rows, &xs, abs_dot);
         }
     }
 }

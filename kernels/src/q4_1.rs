@@ -73,7 +73,9 @@ pub fn dot_rows<const R: usize>(
 
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
 /// activation rows `xq` (rows of `kb` blocks), into `out[(row - row0) * m + i]`: four weight
-/// rows at a time share each activation load. Non-generic, so that it is compiled with this
+/// rows at a time share each activation load, and against four activation rows at a time
+/// (prefill) each weight block is unpacked once for the four; every value is bit for bit
+/// what [`dot_rows`] gives for its pair. Non-generic, so that it is compiled with this
 /// crate's optimisations even in a caller's debug build.
 pub fn rows_dot(
     kernel: Kernel,
@@ -111,6 +113,14 @@ impl crate::kernel::RowDot for BlockQ4_1 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_rows_avx2<const R: usize>(ws: [&[Self]; R], xs: &[Self::Act]) -> [f32; R] {
         avx2::dot_rows(ws, xs)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_tile_avx2<const R: usize, const M: usize>(
+        ws: [&[Self]; R],
+        xs: [&[Self::Act]; M],
+    ) -> [[f32; R]; M] {
+        avx2::dot_tile(ws, xs)
     }
 }
 
@@ -223,6 +233,110 @@ mod avx2 {
         }
         out
     }
+
+    /// `R` (at most 4) weight rows against `M` activation rows: each weight block is
+    /// unpacked once (and its scale converted once) for all `M` activation rows. Every value
+    /// takes the same operations in the same order as in [`dot_rows`] (`d·d'` rounded to f32,
+    /// one FMA per block in block order, the same horizontal sum; `m·s'` rounded to f32 and
+    /// added in block order, here in lane `r` of one vector per activation row), so each is
+    /// bit for bit that of the one-activation-row kernel.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every row of `ws` and `xs` has `xs[0].len()`
+    /// blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_tile<const R: usize, const M: usize>(
+        ws: [&[BlockQ4_1]; R],
+        xs: [&[BlockQ8_1]; M],
+    ) -> [[f32; R]; M] {
+        const {
+            assert!(
+                R <= 4 && M <= 8,
+                "the m·s' sums of 4 × 8 pairs at most in 4 vectors"
+            )
+        };
+        let mut acc = [[_mm256_setzero_ps(); R]; M];
+        // Lane 4·(i % 2) + r of acc_ms[i / 2]: Σ m·s' of weight row r and activation row i.
+        let mut acc_ms = [_mm256_setzero_ps(); 4];
+        let nb = if M == 0 { 0 } else { xs[0].len() };
+        for b in 0..nb {
+            // The weight blocks' offsets m, one row per lane, twice.
+            let mut m = [0u16; 4];
+            for r in 0..R {
+                m[r] = ws[r].get_unchecked(b).m.to_bits();
+            }
+            let m = _mm_cvtph_ps(_mm_loadl_epi64(m.as_ptr() as *const __m128i));
+            let m = _mm256_set_m128(m, m);
+            let mut xd = [_mm256_setzero_ps(); M];
+            let mut s = [_mm_setzero_ps(); M];
+            for i in 0..M {
+                let x = xs[i].get_unchecked(b);
+                let xds = f16_pair(x as *const BlockQ8_1 as *const u8);
+                // `wd · xd` and `m · s'` lane by lane are the f32 products of `dot_rows`.
+                xd[i] = _mm256_broadcastss_ps(xds);
+                s[i] = _mm_shuffle_ps(xds, xds, 0b01_01_01_01);
+            }
+            for j in 0..M.div_ceil(2) {
+                let s = _mm256_set_m128(s[(2 * j + 1).min(M - 1)], s[2 * j]);
+                acc_ms[j] = _mm256_add_ps(acc_ms[j], _mm256_mul_ps(m, s));
+            }
+            for r in 0..R {
+                let w = ws[r].get_unchecked(b);
+                let wd = _mm256_broadcastss_ps(f16_pair(w as *const BlockQ4_1 as *const u8));
+                let qw = unpack(w);
+                for i in 0..M {
+                    let x = xs[i].get_unchecked(b);
+                    let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+                    let sums = _mm256_cvtepi32_ps(unpacked_sums(qw, qx));
+                    acc[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xd[i]), sums, acc[i][r]);
+                }
+            }
+        }
+        let mut ms = [0f32; 32];
+        for (j, a) in acc_ms.into_iter().enumerate() {
+            _mm256_storeu_ps(ms.as_mut_ptr().add(8 * j), a);
+        }
+        let mut out = [[0f32; R]; M];
+        for i in 0..M {
+            for r in 0..R {
+                out[i][r] = hsum(acc[i][r]) + ms[4 * i + r];
+            }
+        }
+        out
+    }
+
+    /// The two f16 at `p` (`[d, m]` of a weight block, `[d', s']` of an activation block) as
+    /// f32 in lanes 0 and 1.
+    #[inline(always)]
+    unsafe fn f16_pair(p: *const u8) -> __m128 {
+        _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)))
+    }
+
+    /// The block's 32 values `q` (0..15), as bytes in its order.
+    #[inline(always)]
+    unsafe fn unpack(w: &BlockQ4_1) -> __m256i {
+        let packed = _mm_loadu_si128(w.qs.as_ptr() as *const __m128i);
+        _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+            _mm256_set1_epi8(0x0F),
+        )
+    }
+
+    /// The integer sum `Σ q·q'` of one block pair in eight i32 lanes (`maddubs`: unsigned
+    /// nibbles times signed bytes, pairs to i16 without saturation, then `madd` to i32).
+    #[inline(always)]
+    unsafe fn unpacked_sums(qw: __m256i, qx: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), _mm256_set1_epi16(1))
+    }
+
+    /// The sum of the eight lanes, in the order every f32 kernel here adds them.
+    #[inline(always)]
+    unsafe fn hsum(a: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
 }
 
 #[cfg(test)]
@@ -299,6 +413,50 @@ mod tests {
                 let y = vec_dot_q4_1_q8_1(kernel, &ws, &xs);
                 assert!(y.is_nan(), "{kernel:?}: activation {bad} gave {y}");
             }
+        }
+    }
+
+    /// The tiled product (four weight rows × several activation rows, each weight block
+    /// unpacked once) gives every value bit for bit as the one-row kernel, through
+    /// `rows_dot` for m = 1..9 too (prefill must not change the output a batch of one
+    /// gives: tests/batch_invariance.rs).
+    #[test]
+    fn tiles_are_bit_for_bit_the_one_row_kernel() {
+        for nb in [1usize, 2, 3, 5, 18, 19] {
+            let rows: Vec<Vec<BlockQ4_1>> = (0..7)
+                .map(|r| {
+                    (0..nb)
+                        .map(|b| BlockQ4_1 {
+                            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b).abs()),
+                            m: f16::from_f32(-0.1 * pseudo(r * 31 + b + 7)),
+                            qs: std::array::from_fn(|j| {
+                                (pseudo(r * 1000 + b * 16 + j + 99).to_bits() & 0xFF) as u8
+                            }),
+                        })
+                        .collect()
+                })
+                .collect();
+            let xs: Vec<Vec<BlockQ8_1>> = (0..9)
+                .map(|i| {
+                    let x: Vec<f32> = (0..nb * 32)
+                        .map(|j| pseudo(i * 7919 + j + 1000) * (1.0 + i as f32))
+                        .collect();
+                    let mut xs = vec![BlockQ8_1::ZERO; nb];
+                    quantize_row_q8_1(&x, &mut xs);
+                    xs
+                })
+                .collect();
+            let abs_dot = |w: &BlockQ4_1, x: &BlockQ8_1| {
+                let sum: i32 = (0..QK4_1 / 2)
+                    .map(|j| {
+                        (w.qs[j] & 15) as i32 * (x.qs[j] as i32).abs()
+                            + (w.qs[j] >> 4) as i32 * (x.qs[j + 16] as i32).abs()
+                    })
+                    .sum();
+                (w.d.to_f64() * x.d.to_f64()).abs() * sum as f64
+                    + (w.m.to_f64() * x.s.to_f64()).abs()
+            };
+            crate::kernel::testing::check_rows_dot(&rows, &xs, abs_dot);
         }
     }
 }

@@ -22,7 +22,9 @@ use std::sync::Arc;
 /// Each activation row is quantized to Q8_1 once; the weight rows are split over the current
 /// rayon pool (`RAYON_NUM_THREADS`) in ranges of whole rows, four rows at a time sharing each
 /// activation load, every activation row (`m > 1`, prefill) reusing the four rows while they
-/// are in L1. `k` may be any multiple of 32 (odd block counts included).
+/// are in L1, four activation rows at a time against each unpacked weight block (the same
+/// values bit for bit as one row at a time). `k` may be any multiple of 32 (odd block counts
+/// included).
 pub fn matmul_q4_1(
     kernel: Kernel,
     dims: (usize, usize, usize),
