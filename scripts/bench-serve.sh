@@ -94,14 +94,16 @@ elif [ "$llama_cpp" = 1 ]; then
   py=$(install_llama_cpp_server)
 fi
 extra=$(printf '{"min_tokens": %d, "repeat_penalty": 1.0}' "$MAX_TOKENS")
-[ "$llama_server" = 1 ] && extra=$(printf '{"min_tokens": %d, "repeat_penalty": 1.0, "ignore_eos": true}' "$MAX_TOKENS")
+# llama-server has no min_tokens: `ignore_eos` makes it decode max_tokens (candle-tp, which
+# refuses fields it does not read, gets min_tokens only).
+llama_extra=$(printf '{"min_tokens": %d, "repeat_penalty": 1.0, "ignore_eos": true}' "$MAX_TOKENS")
 
-# bench SERVER ROUND PORT: one bench_serve.py run, appended to $tmp/runs.jsonl.
+# bench SERVER ROUND PORT [EXTRA]: one bench_serve.py run, appended to $tmp/runs.jsonl.
 bench() {
   local before after
   before=$(loadavg)
   python3 scripts/bench_serve.py "$3" --levels "$LEVELS" --max-tokens "$MAX_TOKENS" \
-    --requests-per-stream "$REQUESTS" --extra "$extra" >"$tmp/one.json"
+    --requests-per-stream "$REQUESTS" --extra "${4:-$extra}" >"$tmp/one.json"
   after=$(loadavg)
   python3 -c '
 import json, sys
@@ -132,7 +134,7 @@ for r in $(seq "$rounds"); do
   if [ "$llama_server" = 1 ]; then
     start_llama_server "$lbin" "$MODEL" "$LLAMA_THREADS" "$PARALLEL" "$N_CTX"
     echo "==> round $r: llama-server on port $llama_port ($LLAMA_THREADS threads, $PARALLEL slots, $MODEL)" >&2
-    bench llama.cpp "$r" "$llama_port"
+    bench llama.cpp "$r" "$llama_port" "$llama_extra"
     stop_llama_cpp_server
   elif [ "$llama_cpp" = 1 ]; then
     start_llama_cpp_server "$py" "$MODEL" "$LLAMA_THREADS" --n_ctx "$N_CTX" --logits_all False
@@ -161,6 +163,7 @@ meta = {
 if "$lbin":
     meta["llama.cpp"] = {
         "server": "llama-server from llama-cpp-python 0.3.36's vendored llama.cpp ($lbin)",
+        "request_fields": json.loads('$llama_extra'),
         "options": "-t $LLAMA_THREADS -tb $LLAMA_THREADS --parallel $PARALLEL --cont-batching -c $((N_CTX * PARALLEL)) (N_CTX per slot)",
         "concurrency": "$PARALLEL slots, continuous batching",
         "token_count": "usage (llama-server sends it in the last chunk of a stream)",
