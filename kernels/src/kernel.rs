@@ -403,7 +403,7 @@ pub(crate) mod testing {
     /// (`abs_dot` gives it for one block pair; with `|Σ w·x|` instead, a sum that cancels
     /// would fail for lack of the f32 rounding of its partial sums). `rows` must have at least
     /// 5 rows and `xs` at least 9, all of one length.
-    pub(crate) fn check_rows_dot<B: RowDot>(
+    fn check_rows_dot<B: RowDot>(
         rows: &[Vec<B>],
         xs: &[Vec<B::Act>],
         abs_dot: fn(&B, &B::Act) -> f64,
@@ -453,6 +453,53 @@ pub(crate) mod testing {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// [`check_rows_dot`] at 1, 2, 3, 5, 18 and 19 blocks per row: 7 weight rows, block `b` of
+    /// row `r` being `block(r, b)`, against 9 activation rows of pseudo-random values (scaled
+    /// differently per row), quantized as the type's kernels quantize them.
+    pub(crate) fn check_rows_dot_sizes<B: RowDot>(
+        block: impl Fn(usize, usize) -> B,
+        abs_dot: fn(&B, &B::Act) -> f64,
+    ) {
+        use crate::f64_dot::testing::pseudo;
+        for nb in [1usize, 2, 3, 5, 18, 19] {
+            let rows: Vec<Vec<B>> = (0..7)
+                .map(|r| (0..nb).map(|b| block(r, b)).collect())
+                .collect();
+            let xs: Vec<Vec<B::Act>> = (0..9)
+                .map(|i| {
+                    let x: Vec<f32> = (0..nb * B::BLOCK)
+                        .map(|j| pseudo(i * 7919 + j + 1000) * (1.0 + i as f32))
+                        .collect();
+                    let mut xs = vec![B::ACT_ZERO; nb];
+                    B::quantize(&x, &mut xs);
+                    xs
+                })
+                .collect();
+            check_rows_dot(&rows, &xs, abs_dot);
+        }
+    }
+
+    /// A NaN or an infinity in the activations gives NaN from the f32 kernels ([`dot_rows_by`])
+    /// with every kernel under test, as from the f64 ones.
+    pub(crate) fn f32_kernels_propagate_nan<B: RowDot>(w: B) {
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut x = vec![0.5f32; B::BLOCK];
+            x[3] = bad;
+            let mut xs = [B::ACT_ZERO];
+            B::quantize(&x, &mut xs);
+            for kernel in Kernel::under_test() {
+                let mut y = [0f32];
+                dot_rows_by(kernel, [&[w][..]], &xs, &mut y);
+                assert!(
+                    y[0].is_nan(),
+                    "{} {kernel:?}: activation {bad} gave {}",
+                    B::NAME,
+                    y[0]
+                );
             }
         }
     }

@@ -298,52 +298,34 @@ mod tests {
         nan_and_inf_activations_propagate::<BlockQ4_0>(GgmlDType::Q4_0);
     }
 
-    /// The f32 kernels against the exact f64 sum of the same blocks, for every block count
-    /// and 1 or 4 rows at once; the AVX2 one against the scalar one within f32 rounding.
+    /// Block `b` of weight row `r` of the f32 kernels' tests.
+    fn block(r: usize, b: usize) -> BlockQ4_0 {
+        use crate::f64_dot::testing::pseudo;
+        BlockQ4_0 {
+            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b).abs()),
+            qs: std::array::from_fn(|j| {
+                (pseudo(r * 1000 + b * 16 + j + 99).to_bits() & 0xFF) as u8
+            }),
+        }
+    }
+
+    /// `|d·d'| · Σ |(q − 8)·q'|`: what f32 rounds in one block pair's product.
+    fn abs_dot(w: &BlockQ4_0, x: &BlockQ8_0) -> f64 {
+        let sum: i32 = (0..QK4_0 / 2)
+            .map(|j| {
+                ((w.qs[j] & 15) as i32 - 8).abs() * (x.qs[j] as i32).abs()
+                    + ((w.qs[j] >> 4) as i32 - 8).abs() * (x.qs[j + 16] as i32).abs()
+            })
+            .sum();
+        (w.d.to_f64() * x.d.to_f64()).abs() * sum as f64
+    }
+
+    /// The f32 kernels (4 rows, 1 row, `rows_dot`) against the exact f64 sum of the same
+    /// blocks, for odd and even block counts.
     #[test]
     fn f32_rows_match_the_f64_sum() {
-        use crate::f64_dot::{dot_f64, testing::pseudo};
-        for nb in [1usize, 2, 3, 5, 18, 19] {
-            let rows: Vec<Vec<BlockQ4_0>> = (0..4)
-                .map(|r| {
-                    (0..nb)
-                        .map(|b| BlockQ4_0 {
-                            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b).abs()),
-                            qs: std::array::from_fn(|j| {
-                                (pseudo(r * 1000 + b * 16 + j + 99).to_bits() & 0xFF) as u8
-                            }),
-                        })
-                        .collect()
-                })
-                .collect();
-            let x: Vec<f32> = (0..nb * 32).map(|i| pseudo(i + 1000) * 3.0).collect();
-            let mut xs = vec![BlockQ8_0::ZERO; nb];
-            quantize_row_q8_0(&x, &mut xs);
-            let ws = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
-            for kernel in Kernel::under_test() {
-                let mut four = [0f32; 4];
-                dot_rows(kernel, ws, &xs, &mut four);
-                for (r, &got) in four.iter().enumerate() {
-                    let exact = dot_f64(Kernel::Scalar, ws[r], &xs);
-                    let mut one = [0f32];
-                    dot_rows(kernel, [ws[r]], &xs, &mut one);
-                    assert!(
-                        got.is_finite() && exact.is_finite(),
-                        "{kernel:?} {got} {exact}"
-                    );
-                    assert_eq!(got.to_bits(), one[0].to_bits(), "{kernel:?}: 4 rows vs 1");
-                    let mag: f64 = ws[r]
-                        .iter()
-                        .zip(&xs)
-                        .map(|(w, x)| BlockQ4_0::block_dot(w, x).abs())
-                        .sum();
-                    assert!(
-                        (got as f64 - exact).abs() <= 4.0 * f32::EPSILON as f64 * mag,
-                        "{kernel:?} nb={nb} row {r}: f32 {got}, exact {exact}"
-                    );
-                }
-            }
-        }
+        crate::f64_dot::testing::f32_rows_match_the_f64_sum::<BlockQ4_0>(block, abs_dot, rows_dot);
+        crate::kernel::testing::f32_kernels_propagate_nan(block(1, 2));
     }
 
     /// The tiled product (four weight rows × several activation rows, each weight block
@@ -352,40 +334,6 @@ mod tests {
     /// gives: tests/batch_invariance.rs).
     #[test]
     fn tiles_are_bit_for_bit_the_one_row_kernel() {
-        use crate::f64_dot::testing::pseudo;
-        for nb in [1usize, 2, 3, 5, 18, 19] {
-            let rows: Vec<Vec<BlockQ4_0>> = (0..7)
-                .map(|r| {
-                    (0..nb)
-                        .map(|b| BlockQ4_0 {
-                            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b).abs()),
-                            qs: std::array::from_fn(|j| {
-                                (pseudo(r * 1000 + b * 16 + j + 99).to_bits() & 0xFF) as u8
-                            }),
-                        })
-                        .collect()
-                })
-                .collect();
-            let xs: Vec<Vec<BlockQ8_0>> = (0..9)
-                .map(|i| {
-                    let x: Vec<f32> = (0..nb * 32)
-                        .map(|j| pseudo(i * 7919 + j + 1000) * (1.0 + i as f32))
-                        .collect();
-                    let mut xs = vec![BlockQ8_0::ZERO; nb];
-                    quantize_row_q8_0(&x, &mut xs);
-                    xs
-                })
-                .collect();
-            let abs_dot = |w: &BlockQ4_0, x: &BlockQ8_0| {
-                let sum: i32 = (0..QK4_0 / 2)
-                    .map(|j| {
-                        ((w.qs[j] & 15) as i32 - 8).abs() * (x.qs[j] as i32).abs()
-                            + ((w.qs[j] >> 4) as i32 - 8).abs() * (x.qs[j + 16] as i32).abs()
-                    })
-                    .sum();
-                (w.d.to_f64() * x.d.to_f64()).abs() * sum as f64
-            };
-            crate::kernel::testing::check_rows_dot(&rows, &xs, abs_dot);
-        }
+        crate::kernel::testing::check_rows_dot_sizes(block, abs_dot);
     }
 }

@@ -288,38 +288,32 @@ mod tests {
     #[test]
     fn nan_and_inf_activations_give_nan() {
         nan_and_inf_activations_propagate::<BlockQ5_1>(GgmlDType::Q5_1);
-        // The f32 kernels too.
-        let ws = [block(1)];
-        for bad in [f32::NAN, f32::INFINITY] {
-            let mut x = vec![0.5f32; 32];
-            x[3] = bad;
-            let mut xs = vec![BlockQ8_1::ZERO; 1];
-            quantize_row_q8_1(&x, &mut xs);
-            for kernel in Kernel::under_test() {
-                let mut y = [0f32];
-                dot_rows(kernel, [&ws[..]], &xs, &mut y);
-                assert!(y[0].is_nan(), "{kernel:?}: activation {bad} gave {}", y[0]);
-            }
-        }
+        crate::kernel::testing::f32_kernels_propagate_nan(block(1));
     }
 
     /// The f32 kernels (4 rows, 1 row, `rows_dot` over 7 rows and 3 activation rows) against
     /// the exact f64 sum of the same blocks, for odd and even block counts.
     #[test]
     fn f32_rows_match_the_exact_sum() {
-        f32_rows_match_the_f64_sum::<BlockQ5_1>(
-            |r, b| block(r * 1000 + b),
-            |w, x| {
-                let vs = w.values();
-                let s: i32 = vs
-                    .iter()
-                    .zip(&x.qs)
-                    .map(|(&v, &q)| (v as i32 * q as i32).abs())
-                    .sum();
-                (w.d.to_f64() * x.d.to_f64()).abs() * s as f64 + (w.m.to_f64() * x.s.to_f64()).abs()
-            },
-            rows_dot,
-        );
+        f32_rows_match_the_f64_sum::<BlockQ5_1>(|r, b| block(r * 1000 + b), abs_dot, rows_dot);
+    }
+
+    /// What f32 rounds in one block pair's product: `|d·d'|·Σ|q·q'| + |m·s'|`.
+    fn abs_dot(w: &BlockQ5_1, x: &BlockQ8_1) -> f64 {
+        let s: i32 = w
+            .values()
+            .iter()
+            .zip(&x.qs)
+            .map(|(&v, &q)| (v as i32 * q as i32).abs())
+            .sum();
+        (w.d.to_f64() * x.d.to_f64()).abs() * s as f64 + (w.m.to_f64() * x.s.to_f64()).abs()
+    }
+
+    /// The tiled path of `rows_dot` (the trait's default tile, one activation row at a time)
+    /// gives the one-row kernel's bits.
+    #[test]
+    fn tiles_are_bit_for_bit_the_one_row_kernel() {
+        crate::kernel::testing::check_rows_dot_sizes(|r, b| block(r * 1000 + b), abs_dot);
     }
 
     #[test]
