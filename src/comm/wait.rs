@@ -3,8 +3,8 @@
 //!
 //! A pure spin answers in well under a microsecond when every rank has a core, and collapses
 //! when ranks outnumber cores (3 ranks on 2 cores): a spinning rank eats the time slice its
-//! peer needs. So the spin budget shrinks when the group is larger than the machine, and only
-//! then does a waiter yield its core.
+//! peer needs. So the spin budget shrinks when the group is larger than the machine, and a
+//! waiter yields its core only then or when the machine is busy.
 //!
 //! After the spin the wait is adaptive: while the peer is itself running (computing its
 //! part) the waiter keeps polling, for up to [`WaitPolicy::patience`], because the peer will
