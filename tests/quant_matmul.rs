@@ -255,8 +255,8 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     Ok(())
 }
 
-/// Q8_0 and Q4_K run the crate's f64-summing kernel rounded to f32 (Q4_0 and Q5_0 its f32
-/// kernel), for decode and prefill shapes, with every kernel under test (`CANDLE_TP_KERNEL`
+/// Q4_0 (repacked four rows at a time), Q8_0 and Q4_K run the crate's f64-summing kernels
+/// rounded to f32 (Q5_0 its f32 kernel), for decode and prefill shapes, with every kernel under test (`CANDLE_TP_KERNEL`
 /// forces one), on a shape of 24 blocks and 48 rows and one of 9 blocks and 37 rows (an odd
 /// block count, rows not a multiple of 4):
 /// - against the exact product of the quantized operands (above): within the f32 rounding of
@@ -300,9 +300,9 @@ fn q4_0_q5_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
             for (i, ((&g, &e), &a)) in v.iter().zip(&exact).zip(&mag).enumerate() {
                 anyhow::ensure!(g.is_finite(), "{dtype:?} {kernel:?}: output {i} is {g}");
                 // One f32 rounding of the result, and f32 rounding of each dequantized weight;
-                // Q4_0's and Q5_0's f32 kernels also round at each of the row's blocks.
+                // Q5_0's f32 kernel also rounds at each of the row's blocks.
                 let blocks = match dtype {
-                    GgmlDType::Q4_0 | GgmlDType::Q5_0 => blocks_per_row,
+                    GgmlDType::Q5_0 => blocks_per_row,
                     _ => 1.0,
                 };
                 let bound = blocks * f32::EPSILON as f64 * (e.abs() + a);
@@ -466,5 +466,47 @@ fn empty_inner_dimension_gives_zeros() -> Result<()> {
     let mut dst = vec![f32::NAN; 6];
     candle_tp::quant::matmul_q4_1(Kernel::detect(), (2, 0, 3), &[], &[], &mut dst)?;
     assert_eq!(dst, vec![0.0; 6]);
+    Ok(())
+}
+
+/// A Q4_0 `QuantMatMul` keeps its weight repacked and drops the `QTensor` it was built from
+/// (the model holds its weights once): its rows read back as candle's `QTensor::embedding`
+/// gives them (a tied LM head's embedding lookups), bad row ids are errors naming the weight,
+/// and its f64 product (row-parallel layers) rounds to its f32 product.
+#[test]
+fn q4_0_holds_its_weight_once_and_reads_rows_back() -> Result<()> {
+    let dev = Device::Cpu;
+    let w = seeded_uniform(&[37, 288], 8, 1.0, &dev)?;
+    let q = Arc::new(QTensor::quantize(&w, GgmlDType::Q4_0)?);
+    for kernel in kernels() {
+        let mm = QuantMatMul::with_kernel(q.clone(), kernel)?;
+        anyhow::ensure!(mm.holds_weight(), "{mm:?}");
+        anyhow::ensure!(Arc::strong_count(&q) == 1, "{mm:?} keeps the QTensor too");
+        let ids = Tensor::new(&[[0u32, 36], [5, 5]], &dev)?;
+        let got = mm.dequantize_rows(&ids)?;
+        let want = q.embedding(&ids)?;
+        anyhow::ensure!(got.dims() == [2, 2, 288], "{:?}", got.dims());
+        assert_eq!(
+            got.flatten_all()?.to_vec1::<f32>()?,
+            want.flatten_all()?.to_vec1::<f32>()?
+        );
+        let err = mm
+            .dequantize_rows(&Tensor::new(&[37u32], &dev)?)
+            .unwrap_err()
+            .to_string();
+        anyhow::ensure!(err.contains("row 37") && err.contains("[37, 288]"), "{err}");
+        let x = seeded_uniform(&[3, 288], 9, 2.0, &dev)?;
+        let y = mm.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
+        let y64 = mm.forward_f64(&x)?.expect("Q4_0 has an f64 product");
+        anyhow::ensure!(y64.dtype() == candle_core::DType::F64);
+        let y64: Vec<f32> = y64
+            .flatten_all()?
+            .to_vec1::<f64>()?
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        anyhow::ensure!(y.iter().all(|v| v.is_finite()));
+        assert_eq!(y, y64, "{kernel:?}");
+    }
     Ok(())
 }

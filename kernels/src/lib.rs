@@ -5,7 +5,9 @@
 //!
 //! - [`q8_1`]: ggml's Q8_1 activation blocks and their quantization;
 //! - [`q4_1`]: the Q4_1 × Q8_1 dot product (scalar and AVX2 + FMA + F16C);
-//! - [`q4_0`]: the Q4_0 × Q8_0 dot products, in f32 for whole rows and in f64 (below);
+//! - [`q4_0`]: the Q4_0 × Q8_0 dot product in f64 (below), one row at a time;
+//! - [`q4_0x4`]: Q4_0 weights repacked four rows at a time and their matmul, summed in f64:
+//!   what every Q4_0 product runs;
 //! - [`q5_0`], [`q5_1`]: the Q5_0 × Q8_0 and Q5_1 × Q8_1 dot products (scalar and AVX2 + FMA +
 //!   F16C), in f32 for whole rows and in f64 (below);
 //! - [`f64_dot`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K dot products accumulated in f64,
@@ -20,6 +22,7 @@ pub mod f64_dot;
 pub mod f64_matmul;
 pub mod kernel;
 pub mod q4_0;
+pub mod q4_0x4;
 pub mod q4_1;
 pub mod q4_k;
 pub mod q5_0;

@@ -53,15 +53,22 @@ pub fn matmul_time() -> Duration {
 /// A quantized weight `[out, in]` (GGUF blocks along `in`) and an optional dense bias.
 #[derive(Debug, Clone)]
 pub struct QuantizedWeight {
-    qtensor: Arc<QTensor>,
+    /// The blocks as the source gave them; `None` where the matmul keeps the weight in a
+    /// layout of its own ([`QuantMatMul::holds_weight`]: Q4_0 on the CPU), so that it is in
+    /// memory once.
+    qtensor: Option<Arc<QTensor>>,
+    dtype: GgmlDType,
+    dims: (usize, usize),
+    device: candle_core::Device,
     matmul: QuantMatMul,
     bias: Option<Tensor>,
 }
 
 impl QuantizedWeight {
-    /// The blocks.
-    pub fn qtensor(&self) -> &Arc<QTensor> {
-        &self.qtensor
+    /// The blocks as the source gave them, unless the matmul keeps the weight in a layout of
+    /// its own (Q4_0 on the CPU, repacked four rows at a time: `None`).
+    pub fn qtensor(&self) -> Option<&Arc<QTensor>> {
+        self.qtensor.as_ref()
     }
 
     /// `x Wᵀ`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K through the crate's SIMD kernels ([`QuantMatMul`]), every
@@ -98,7 +105,10 @@ impl ParallelWeight {
         let qtensor = Arc::new(qtensor);
         let matmul = QuantMatMul::from_arc(qtensor.clone())?;
         Ok(Self::Quantized(QuantizedWeight {
-            qtensor,
+            dtype: qtensor.dtype(),
+            dims: matmul.dims(),
+            device: qtensor.device(),
+            qtensor: (!matmul.holds_weight()).then_some(qtensor),
             matmul,
             bias,
         }))
@@ -127,7 +137,7 @@ impl ParallelWeight {
     pub fn dims(&self) -> Result<(usize, usize)> {
         match self {
             Self::Dense(l) => l.weight().dims2(),
-            Self::Quantized(q) => q.qtensor.shape().dims2(),
+            Self::Quantized(q) => Ok(q.dims),
         }
     }
 
@@ -137,8 +147,8 @@ impl ParallelWeight {
             Self::Dense(l) => Ok(l.weight()),
             Self::Quantized(q) => candle_core::bail!(
                 "the layer holds a quantized {:?} weight of shape {:?}, not a dense tensor",
-                q.qtensor.dtype(),
-                q.qtensor.shape().dims()
+                q.dtype,
+                q.dims
             ),
         }
     }
@@ -155,7 +165,7 @@ impl ParallelWeight {
     pub fn device(&self) -> candle_core::Device {
         match self {
             Self::Dense(l) => l.weight().device().clone(),
-            Self::Quantized(q) => q.qtensor.device(),
+            Self::Quantized(q) => q.device.clone(),
         }
     }
 
@@ -163,7 +173,7 @@ impl ParallelWeight {
     pub fn ggml_dtype(&self) -> Option<GgmlDType> {
         match self {
             Self::Dense(_) => None,
-            Self::Quantized(q) => Some(q.qtensor.dtype()),
+            Self::Quantized(q) => Some(q.dtype),
         }
     }
 
@@ -172,7 +182,10 @@ impl ParallelWeight {
     pub fn rows(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
         match self {
             Self::Dense(l) => l.weight().index_select(ids, 0),
-            Self::Quantized(q) => q.qtensor.embedding(ids)?.to_dtype(dtype),
+            Self::Quantized(q) => match &q.qtensor {
+                Some(t) => t.embedding(ids)?.to_dtype(dtype),
+                None => q.matmul.dequantize_rows(ids)?.to_dtype(dtype),
+            },
         }
     }
 }

@@ -8,7 +8,8 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
 use candle_tp_kernels::f64_dot::blocks_from_bytes;
 use candle_tp_kernels::f64_matmul::{check_matmul, fill_by_weight_rows};
-use candle_tp_kernels::q4_0::{self, BlockQ4_0, QK4_0};
+use candle_tp_kernels::q4_0::BlockQ4_0;
+use candle_tp_kernels::q4_0x4::RepackedQ4_0;
 use candle_tp_kernels::q4_1::{self, BlockQ4_1, Kernel, QK4_1};
 use candle_tp_kernels::q5_0::{self, BlockQ5_0, QK5_0};
 use candle_tp_kernels::q5_1::{self, BlockQ5_1, QK5_1};
@@ -43,23 +44,17 @@ pub fn matmul_q4_1(
     )
 }
 
-/// As [`matmul_q4_1`] for a Q4_0 weight (activations quantized to Q8_0, candle's rounding).
+/// As [`matmul_q4_1`] for a Q4_0 weight (activations quantized to Q8_0, candle's rounding),
+/// summed in f64 and rounded (`candle_tp_kernels::q4_0x4`). The weight is repacked four rows
+/// at a time on every call: [`QuantMatMul`] repacks once, when it is built.
 pub fn matmul_q4_0(
     kernel: Kernel,
-    dims: (usize, usize, usize),
+    (m, k, n): (usize, usize, usize),
     x: &[f32],
     w: &[BlockQ4_0],
     dst: &mut [f32],
 ) -> Result<()> {
-    matmul_rows(
-        "Q4_0 matmul",
-        kernel,
-        dims,
-        (x, w, dst),
-        QK4_0,
-        quantize_q8_0_into,
-        q4_0::rows_dot,
-    )
+    RepackedQ4_0::new(w, n, k)?.matmul_f32(kernel, m, x, dst)
 }
 
 /// As [`matmul_q4_1`] for a Q5_0 weight (activations quantized to Q8_0, candle's rounding).
@@ -142,7 +137,64 @@ fn matmul_rows<W: Sync, X: Sync>(
     Ok(())
 }
 
-/// The Q4_0, Q4_1, Q5_0 or Q5_1 product as a candle op (CPU, f32 input; inference only, no backward).
+/// The product of a repacked Q4_0 weight as a candle op (CPU, f32 input, f32 or f64 output;
+/// inference only).
+#[derive(Clone)]
+struct RepackedQ4_0MatMul {
+    w: Arc<RepackedQ4_0>,
+    kernel: Kernel,
+    /// The f64 sums (`forward_f64`: a row-parallel layer's partials) instead of f32.
+    f64_out: bool,
+}
+
+impl CustomOp1 for RepackedQ4_0MatMul {
+    fn name(&self) -> &'static str {
+        "quantized-matmul-q4_0x4"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, k) = (self.w.n(), self.w.k());
+        let (x, m, out) = input_rows("Q4_0", (n, k), storage, layout)?;
+        let storage = if self.f64_out {
+            let mut dst = vec![0f64; m * n];
+            self.w.matmul_f64(self.kernel, m, x, &mut dst)?;
+            CpuStorage::F64(dst)
+        } else {
+            let mut dst = vec![0f32; m * n];
+            self.w.matmul_f32(self.kernel, m, x, &mut dst)?;
+            CpuStorage::F32(dst)
+        };
+        Ok((storage, out))
+    }
+}
+
+/// The f32 rows of a quantized matmul's input (`[.., k]`, contiguous), their count and the
+/// output's shape `[.., n]`; errors name the weight `[n, k]` of type `dtype`.
+fn input_rows<'a>(
+    dtype: &str,
+    (n, k): (usize, usize),
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> Result<(&'a [f32], usize, Shape)> {
+    let shape = layout.shape();
+    let Some(&last) = shape.dims().last() else {
+        candle_core::bail!("QuantMatMul: input is a scalar, expected [.., {k}]")
+    };
+    if last != k {
+        candle_core::bail!(
+            "QuantMatMul: input {shape:?} has last dim {last}, the {dtype} weight [n, k] = [{n}, {k}] needs k = {k}"
+        )
+    }
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("QuantMatMul: input {shape:?} is not contiguous")
+    };
+    let x = &storage.as_slice::<f32>()?[start..end];
+    let mut out = shape.dims().to_vec();
+    *out.last_mut().expect("rank checked above") = n;
+    Ok((x, shape.elem_count() / k.max(1), Shape::from(out)))
+}
+
+/// The Q4_1, Q5_0 or Q5_1 product as a candle op (CPU, f32 input; inference only, no backward).
 #[derive(Clone)]
 struct BlockMatMul {
     w: Arc<QTensor>,
@@ -157,33 +209,15 @@ impl CustomOp1 for BlockMatMul {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let shape = layout.shape();
         let dtype = self.w.dtype();
-        let Some(&k) = shape.dims().last() else {
-            candle_core::bail!("QuantMatMul: input is a scalar, expected [.., {}]", self.k)
-        };
-        if k != self.k {
-            candle_core::bail!(
-                "QuantMatMul: input {shape:?} has last dim {k}, the {dtype:?} weight [n, k] = [{}, {}] needs k = {}",
-                self.n,
-                self.k,
-                self.k
-            )
-        }
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("QuantMatMul: input {shape:?} is not contiguous")
-        };
-        let x = &storage.as_slice::<f32>()?[start..end];
+        let (x, m, out) = input_rows(&format!("{dtype:?}"), (self.n, self.k), storage, layout)?;
+        let k = self.k;
         let data = self.w.data()?;
-        let m = shape.elem_count() / k.max(1);
         let mut dst = vec![0f32; m * self.n];
         let dims = (m, k, self.n);
         match dtype {
             GgmlDType::Q4_1 => {
                 matmul_q4_1(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
-            }
-            GgmlDType::Q4_0 => {
-                matmul_q4_0(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
             }
             GgmlDType::Q5_0 => {
                 matmul_q5_0(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
@@ -193,16 +227,17 @@ impl CustomOp1 for BlockMatMul {
             }
             other => candle_core::bail!("QuantMatMul: no f32 block kernel for {other:?}"),
         }
-        let mut dims = shape.dims().to_vec();
-        *dims.last_mut().expect("rank checked above") = self.n;
-        Ok((CpuStorage::F32(dst), Shape::from(dims)))
+        Ok((CpuStorage::F32(dst), out))
     }
 }
 
 #[derive(Clone)]
 enum Inner {
-    /// The crate's f32 kernel (CPU Q4_0, Q4_1, Q5_0 and Q5_1).
+    /// The crate's f32 kernel (CPU Q4_1, Q5_0 and Q5_1).
     Block(BlockMatMul),
+    /// A Q4_0 weight repacked four rows at a time (CPU), summed in f64: the only copy of
+    /// the weight this matmul keeps.
+    Q4_0x4(RepackedQ4_0MatMul),
     /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q8_0 and Q4_K: at one
     /// thread as fast as candle's or faster, and batch-invariant).
     Sum64(F64MatMul),
@@ -215,7 +250,8 @@ enum Inner {
 ///
 /// | weight type | CPU | other devices |
 /// |---|---|---|
-/// | Q4_0, Q4_1, Q5_0, Q5_1 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
+/// | Q4_0 | this crate: repacked four rows at a time when built, summed in f64 and rounded (AVX2 + FMA + F16C or scalar); the `QTensor` is not kept | `QMatMul` |
+/// | Q4_1, Q5_0, Q5_1 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
 /// | Q8_0, Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
 /// | anything else | `QMatMul` | `QMatMul` |
 ///
@@ -327,6 +363,24 @@ impl QuantMatMul {
             CpuProduct::Block => {}
         }
         let dtype = w.dtype();
+        if dtype == GgmlDType::Q4_0 {
+            // Repacked, and `w` dropped: the caller's copy is the only other one.
+            let data = w.data()?;
+            let blocks = blocks_from_bytes::<BlockQ4_0>(&data)?;
+            let repacked = Arc::new(
+                RepackedQ4_0::new(blocks, n, k)
+                    .map_err(|e| candle_core::Error::Msg(format!("QuantMatMul: {e}")))?,
+            );
+            return Ok(Self {
+                inner: Inner::Q4_0x4(RepackedQ4_0MatMul {
+                    w: repacked,
+                    kernel,
+                    f64_out: false,
+                }),
+                f64_op: None,
+                dims: (n, k),
+            });
+        }
         let (block, block_bytes) = (dtype.block_size(), dtype.type_size());
         if k % block != 0 {
             candle_core::bail!(
@@ -362,6 +416,13 @@ impl QuantMatMul {
     /// is quantized as for [`Module::forward`]; the result equals candle's `QMatMul` up to
     /// the precision and order of the sum.
     pub fn forward_f64(&self, xs: &Tensor) -> Result<Option<Tensor>> {
+        if let Inner::Q4_0x4(op) = &self.inner {
+            let op = RepackedQ4_0MatMul {
+                f64_out: true,
+                ..op.clone()
+            };
+            return crate_op_raw(xs, &op, "Q4_0", self.dims).map(Some);
+        }
         let Some(op) = &self.f64_op else {
             return Ok(None);
         };
@@ -383,9 +444,42 @@ impl QuantMatMul {
     pub fn kernel(&self) -> Option<Kernel> {
         match &self.inner {
             Inner::Block(op) => Some(op.kernel),
+            Inner::Q4_0x4(op) => Some(op.kernel),
             Inner::Sum64(op) => Some(op.kernel),
             Inner::Candle(_) => None,
         }
+    }
+
+    /// Whether this matmul keeps the weight in a layout of its own (Q4_0 on the CPU, repacked
+    /// four rows at a time) rather than sharing the `QTensor` it was built from: its owner
+    /// may then drop that tensor and read rows with [`QuantMatMul::dequantize_rows`].
+    pub fn holds_weight(&self) -> bool {
+        matches!(self.inner, Inner::Q4_0x4(_))
+    }
+
+    /// Rows `ids` of the weight, dequantized: `[ids.., k]` in f32, as candle's
+    /// `QTensor::embedding` gives them, for a matmul that [holds its
+    /// weight](QuantMatMul::holds_weight); an error otherwise (read the `QTensor`).
+    pub fn dequantize_rows(&self, ids: &Tensor) -> Result<Tensor> {
+        let Inner::Q4_0x4(op) = &self.inner else {
+            candle_core::bail!(
+                "QuantMatMul::dequantize_rows: {self:?} shares its QTensor: read rows from it"
+            )
+        };
+        let (n, k) = self.dims;
+        let mut shape = ids.dims().to_vec();
+        shape.push(k);
+        let ids = ids.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?;
+        let mut out = vec![0f32; ids.len() * k];
+        for (&id, row) in ids.iter().zip(out.chunks_exact_mut(k.max(1))) {
+            if id as usize >= n {
+                candle_core::bail!(
+                    "QuantMatMul: row {id} of the Q4_0 weight [{n}, {k}] does not exist"
+                )
+            }
+            op.w.dequantize_row(id as usize, row);
+        }
+        Tensor::from_vec(out, shape, &candle_core::Device::Cpu)
     }
 }
 
@@ -394,6 +488,7 @@ impl Module for QuantMatMul {
         match &self.inner {
             Inner::Candle(mm) => mm.forward(xs),
             Inner::Block(op) => crate_op(xs, op, &format!("{:?}", op.w.dtype()), (op.n, op.k)),
+            Inner::Q4_0x4(op) => crate_op(xs, op, "Q4_0", self.dims),
             Inner::Sum64(op) => crate_op(xs, op, &format!("{:?}", op.w.dtype()), (op.n, op.k)),
         }
     }
@@ -401,7 +496,12 @@ impl Module for QuantMatMul {
 
 /// Runs one of the crate's CPU ops on `xs` (converted to contiguous f32, the result back to
 /// `xs`'s dtype).
-fn crate_op(
+fn crate_op(xs: &Tensor, op: &impl CustomOp1, dtype: &str, dims: (usize, usize)) -> Result<Tensor> {
+    crate_op_raw(xs, op, dtype, dims)?.to_dtype(xs.dtype())
+}
+
+/// As [`crate_op`], the op's output as it gives it (f32 or f64).
+fn crate_op_raw(
     xs: &Tensor,
     op: &impl CustomOp1,
     dtype: &str,
@@ -414,9 +514,7 @@ fn crate_op(
             xs.device().location(),
         )
     }
-    let dtype = xs.dtype();
-    let x = xs.to_dtype(DType::F32)?.contiguous()?;
-    x.apply_op1_no_bwd(op)?.to_dtype(dtype)
+    xs.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(op)
 }
 
 impl std::fmt::Debug for QuantMatMul {
@@ -428,6 +526,13 @@ impl std::fmt::Debug for QuantMatMul {
                 op.w.dtype(),
                 op.n,
                 op.k,
+                op.kernel
+            ),
+            Inner::Q4_0x4(op) => write!(
+                f,
+                "QuantMatMul(Q4_0 [{}, {}] repacked x4, summed in f64, {:?})",
+                op.w.n(),
+                op.w.k(),
                 op.kernel
             ),
             Inner::Sum64(op) => write!(
