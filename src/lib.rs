@@ -80,6 +80,7 @@ pub mod nn;
 pub mod ops;
 pub mod partition;
 pub mod pipeline;
+mod pool;
 pub mod quant;
 pub mod rng;
 #[cfg(feature = "server")]

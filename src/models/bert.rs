@@ -400,6 +400,16 @@ impl BertModel {
         token_type_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
+        // One hand-off to rayon's pool for the whole pass (see `crate::pool`).
+        crate::pool::on_worker(|| self.forward_here(input_ids, token_type_ids, attention_mask))
+    }
+
+    fn forward_here(
+        &self,
+        input_ids: &Tensor,
+        token_type_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let zeros;
         let token_type_ids = match token_type_ids {

@@ -399,11 +399,15 @@ impl CausalLm {
         if seq_len == 0 {
             candle_core::bail!("{}: empty input (no tokens)", self.config.architecture);
         }
-        let mut x = self.stage_input(ids, &[batch, seq_len, self.config.hidden_size])?;
-        for layer in &mut self.layers {
-            x = layer.forward_with(&x, &self.ropes, |a, h, rope| a.forward(h, index_pos, rope))?;
-        }
-        self.stage_output(x)
+        // One hand-off to rayon's pool for the whole pass (see `crate::pool`).
+        crate::pool::on_worker(|| {
+            let mut x = self.stage_input(ids, &[batch, seq_len, self.config.hidden_size])?;
+            for layer in &mut self.layers {
+                x = layer
+                    .forward_with(&x, &self.ropes, |a, h, rope| a.forward(h, index_pos, rope))?;
+            }
+            self.stage_output(x)
+        })
     }
 
     /// The hidden state after the final norm at the last position, `[batch, hidden]`.
@@ -414,6 +418,10 @@ impl CausalLm {
     }
 
     fn logits(&self, h: &Tensor, gathered: bool) -> Result<Tensor> {
+        crate::pool::on_worker(|| self.logits_here(h, gathered))
+    }
+
+    fn logits_here(&self, h: &Tensor, gathered: bool) -> Result<Tensor> {
         let head = self.head("the logits")?;
         let logits = if gathered {
             head.forward_gathered(h)?

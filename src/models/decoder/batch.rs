@@ -69,34 +69,37 @@ impl CausalLm {
         let device = self.ropes[0].device().clone();
         let rows = ids.len();
         let ids = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
-        let mut x = self.stage_input(&ids, &[1, rows, self.config.hidden_size])?;
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            let mut caches: Vec<(usize, &mut LayerKvCache)> = seqs
-                .iter_mut()
-                .map(|s| {
-                    let n = s.tokens.len();
-                    (
-                        n,
-                        s.cache.layer_mut(i).expect("checked: one cache per layer"),
-                    )
-                })
-                .collect();
-            x = layer.forward_with(&x, &self.ropes, |a, h, rope| {
-                a.forward_batch(h, rope, &mut caches)
-            })?;
-        }
-        let Some(h) = self.stage_output(x)? else {
-            return Ok(None);
-        };
-        let h = h.i(0)?;
-        let mut last = Vec::with_capacity(seqs.len());
-        let mut end = 0u32;
-        for s in seqs.iter() {
-            end += s.tokens.len() as u32;
-            last.push(end - 1);
-        }
-        let rows = Tensor::new(last.as_slice(), &device)?;
-        let h = h.index_select(&rows, 0)?.contiguous()?;
-        self.logits(&h, false).map(Some)
+        // One hand-off to rayon's pool for the whole pass (see `crate::pool`).
+        crate::pool::on_worker(|| {
+            let mut x = self.stage_input(&ids, &[1, rows, self.config.hidden_size])?;
+            for (i, layer) in self.layers.iter_mut().enumerate() {
+                let mut caches: Vec<(usize, &mut LayerKvCache)> = seqs
+                    .iter_mut()
+                    .map(|s| {
+                        let n = s.tokens.len();
+                        (
+                            n,
+                            s.cache.layer_mut(i).expect("checked: one cache per layer"),
+                        )
+                    })
+                    .collect();
+                x = layer.forward_with(&x, &self.ropes, |a, h, rope| {
+                    a.forward_batch(h, rope, &mut caches)
+                })?;
+            }
+            let Some(h) = self.stage_output(x)? else {
+                return Ok(None);
+            };
+            let h = h.i(0)?;
+            let mut last = Vec::with_capacity(seqs.len());
+            let mut end = 0u32;
+            for s in seqs.iter() {
+                end += s.tokens.len() as u32;
+                last.push(end - 1);
+            }
+            let rows = Tensor::new(last.as_slice(), &device)?;
+            let h = h.index_select(&rows, 0)?.contiguous()?;
+            self.logits(&h, false).map(Some)
+        })
     }
 }
