@@ -19,7 +19,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_tp::quant::{Kernel, QuantMatMul};
+use candle_tp::quant::{matmul_q4_1, BlockQ4_1, Kernel, QuantMatMul};
 use candle_tp::rng::seeded_uniform;
 
 mod common;
@@ -100,16 +100,32 @@ fn check(w: impl Into<Arc<QTensor>>, x: &Tensor, label: &str) -> Result<Errors> 
         outs.push(y.flatten_to(x.rank() - 2)?);
     }
     let y = outs.last().unwrap();
-    if let (Some(c), Some(i), GgmlDType::Q4_1) = (
-        &candle,
-        under_test.iter().position(|&k| k == Kernel::Scalar),
-        w.dtype(),
-    ) {
-        // Same blocks, same arithmetic in the same order: bit-identical. (The Q5_1 scalar
+    if let (Some(c), GgmlDType::Q4_1) = (&candle, w.dtype()) {
+        // The crate's f32 Q4_1 kernel (`quant::matmul_q4_1`, scalar): the same blocks and the
+        // same arithmetic in the same order as candle's: bit-identical. (The Q5_1 scalar
         // kernel rounds `Σq·q' · (d·d')` once, as ggml does, candle's `(Σq·q' · d) · d'`
         // twice: within f32 rounding, checked below.)
-        let d = max_abs_diff(&outs[i], c, label)?;
-        assert_eq!(d, 0.0, "{label}: scalar kernel vs candle QMatMul");
+        let data = w.data()?;
+        let blocks = candle_tp_kernels::f64_dot::blocks_from_bytes::<BlockQ4_1>(&data)?;
+        let m = x2.dim(0)?;
+        let mut f32_kernel = vec![0f32; m * n];
+        let xv = x2.flatten_all()?.to_vec1::<f32>()?;
+        matmul_q4_1(Kernel::Scalar, (m, k, n), &xv, blocks, &mut f32_kernel)?;
+        let f32_kernel = Tensor::from_vec(f32_kernel, (m, n), &dev)?;
+        let d = max_abs_diff(&f32_kernel, c, label)?;
+        assert_eq!(d, 0.0, "{label}: scalar f32 kernel vs candle QMatMul");
+    }
+    {
+        // QuantMatMul repacks Q4_1 and Q5_1 and sums in f64: every kernel gives the same bits.
+        for (o, kernel) in outs.iter().zip(&under_test) {
+            let d = max_abs_diff(o, y, label)?;
+            assert_eq!(
+                d,
+                0.0,
+                "{label}: {kernel:?} against {:?}",
+                under_test.last()
+            );
+        }
     }
     let errs = Errors {
         vs_qmatmul: match &candle {
@@ -255,9 +271,9 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     Ok(())
 }
 
-/// Q4_0 (repacked four rows at a time), Q8_0 and Q4_K run the crate's f64-summing kernels
-/// rounded to f32 (Q5_0 its f32 kernel), for decode and prefill shapes, with every kernel under test (`CANDLE_TP_KERNEL`
-/// forces one), on a shape of 24 blocks and 48 rows and one of 9 blocks and 37 rows (an odd
+/// Q4_0, Q5_0 and Q8_0 (repacked four rows at a time) and Q4_K run the crate's f64-summing
+/// kernels rounded to f32, for decode and prefill shapes, with every kernel under test
+/// (`CANDLE_TP_KERNEL` forces one), on a shape of 24 blocks and 48 rows and one of 9 blocks and 37 rows (an odd
 /// block count, rows not a multiple of 4):
 /// - against the exact product of the quantized operands (above): within the f32 rounding of
 ///   the result and of candle's dequantized weight;
@@ -286,7 +302,7 @@ fn q4_0_q5_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
     ];
     for (dtype, w, x) in cases {
         let q = Arc::new(QTensor::quantize(w, dtype)?);
-        let blocks_per_row = q.shape().dims2()?.1 as f64 / 32.0;
+        let blocks_per_row = q.shape().dims2()?.1 / 32;
         let (exact, mag) = common::quantized::exact_product(&q, x)?;
         let scale = exact.iter().fold(0f64, |a, v| a.max(v.abs()));
         anyhow::ensure!(scale > 1.0, "{dtype:?}: the reference is trivially small");
@@ -299,13 +315,8 @@ fn q4_0_q5_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
             let mut worst = 0f64;
             for (i, ((&g, &e), &a)) in v.iter().zip(&exact).zip(&mag).enumerate() {
                 anyhow::ensure!(g.is_finite(), "{dtype:?} {kernel:?}: output {i} is {g}");
-                // One f32 rounding of the result, and f32 rounding of each dequantized weight;
-                // Q5_0's f32 kernel also rounds at each of the row's blocks.
-                let blocks = match dtype {
-                    GgmlDType::Q5_0 => blocks_per_row,
-                    _ => 1.0,
-                };
-                let bound = blocks * f32::EPSILON as f64 * (e.abs() + a);
+                // One f32 rounding of the result, and f32 rounding of each dequantized weight.
+                let bound = f32::EPSILON as f64 * (e.abs() + a);
                 let d = (g as f64 - e).abs();
                 anyhow::ensure!(
                     d <= bound,
@@ -324,7 +335,7 @@ fn q4_0_q5_0_q8_0_and_q4_k_run_the_crates_kernel() -> Result<()> {
                 "{dtype:?} {kernel:?}: a row alone differs from the same row in a batch"
             );
         }
-        if blocks_per_row % 2.0 != 0.0 && dtype == GgmlDType::Q5_0 {
+        if blocks_per_row % 2 != 0 && dtype == GgmlDType::Q5_0 {
             // Candle's Q5_0 dot product asserts an even block count in debug builds.
             continue;
         }
@@ -469,44 +480,57 @@ fn empty_inner_dimension_gives_zeros() -> Result<()> {
     Ok(())
 }
 
-/// A Q4_0 `QuantMatMul` keeps its weight repacked and drops the `QTensor` it was built from
-/// (the model holds its weights once): its rows read back as candle's `QTensor::embedding`
-/// gives them (a tied LM head's embedding lookups), bad row ids are errors naming the weight,
-/// and its f64 product (row-parallel layers) rounds to its f32 product.
+/// A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 `QuantMatMul` keeps its weight repacked and drops the `QTensor` it was
+/// built from (the model holds its weights once): its rows read back as candle's
+/// `QTensor::embedding` gives them (a tied LM head's embedding lookups), bad row ids are
+/// errors naming the weight, and its f64 product (row-parallel layers) rounds to its f32
+/// product.
 #[test]
-fn q4_0_holds_its_weight_once_and_reads_rows_back() -> Result<()> {
+fn repacked_types_hold_their_weight_once_and_read_rows_back() -> Result<()> {
     let dev = Device::Cpu;
     let w = seeded_uniform(&[37, 288], 8, 1.0, &dev)?;
-    let q = Arc::new(QTensor::quantize(&w, GgmlDType::Q4_0)?);
-    for kernel in kernels() {
-        let mm = QuantMatMul::with_kernel(q.clone(), kernel)?;
-        anyhow::ensure!(mm.holds_weight(), "{mm:?}");
-        anyhow::ensure!(Arc::strong_count(&q) == 1, "{mm:?} keeps the QTensor too");
-        let ids = Tensor::new(&[[0u32, 36], [5, 5]], &dev)?;
-        let got = mm.dequantize_rows(&ids)?;
-        let want = q.embedding(&ids)?;
-        anyhow::ensure!(got.dims() == [2, 2, 288], "{:?}", got.dims());
-        assert_eq!(
-            got.flatten_all()?.to_vec1::<f32>()?,
-            want.flatten_all()?.to_vec1::<f32>()?
-        );
-        let err = mm
-            .dequantize_rows(&Tensor::new(&[37u32], &dev)?)
-            .unwrap_err()
-            .to_string();
-        anyhow::ensure!(err.contains("row 37") && err.contains("[37, 288]"), "{err}");
-        let x = seeded_uniform(&[3, 288], 9, 2.0, &dev)?;
-        let y = mm.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
-        let y64 = mm.forward_f64(&x)?.expect("Q4_0 has an f64 product");
-        anyhow::ensure!(y64.dtype() == candle_core::DType::F64);
-        let y64: Vec<f32> = y64
-            .flatten_all()?
-            .to_vec1::<f64>()?
-            .iter()
-            .map(|&v| v as f32)
-            .collect();
-        anyhow::ensure!(y.iter().all(|v| v.is_finite()));
-        assert_eq!(y, y64, "{kernel:?}");
+    for dtype in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+    ] {
+        let q = Arc::new(QTensor::quantize(&w, dtype)?);
+        for kernel in kernels() {
+            let mm = QuantMatMul::with_kernel(q.clone(), kernel)?;
+            anyhow::ensure!(mm.holds_weight(), "{mm:?}");
+            anyhow::ensure!(Arc::strong_count(&q) == 1, "{mm:?} keeps the QTensor too");
+            let ids = Tensor::new(&[[0u32, 36], [5, 5]], &dev)?;
+            let got = mm.dequantize_rows(&ids)?;
+            let want = q.embedding(&ids)?;
+            anyhow::ensure!(got.dims() == [2, 2, 288], "{:?}", got.dims());
+            assert_eq!(
+                got.flatten_all()?.to_vec1::<f32>()?,
+                want.flatten_all()?.to_vec1::<f32>()?,
+                "{dtype:?}"
+            );
+            let err = mm
+                .dequantize_rows(&Tensor::new(&[37u32], &dev)?)
+                .unwrap_err()
+                .to_string();
+            anyhow::ensure!(
+                err.contains("row 37") && err.contains(&format!("{dtype:?}")),
+                "{err}"
+            );
+            let x = seeded_uniform(&[3, 288], 9, 2.0, &dev)?;
+            let y = mm.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
+            let y64 = mm.forward_f64(&x)?.context("an f64 product")?;
+            anyhow::ensure!(y64.dtype() == DType::F64);
+            let y64: Vec<f32> = y64
+                .flatten_all()?
+                .to_vec1::<f64>()?
+                .iter()
+                .map(|&v| v as f32)
+                .collect();
+            anyhow::ensure!(y.iter().all(|v| v.is_finite()));
+            assert_eq!(y, y64, "{dtype:?} {kernel:?}");
+        }
     }
     Ok(())
 }

@@ -136,11 +136,12 @@ pub(crate) mod avx2 {
     /// `qs` points to 16 readable bytes.
     #[inline(always)]
     pub unsafe fn nibbles(qs: *const u8) -> __m256i {
-        let packed = _mm_loadu_si128(qs as *const __m128i);
-        _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-            _mm256_set1_epi8(0x0F),
-        )
+        // Both lanes hold the 16 bytes (a broadcast load); the high lane's 64-bit halves are
+        // shifted right by 4, which brings every byte's high nibble down (the bits shifted in
+        // from the next byte are masked off).
+        let packed = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs as *const __m128i));
+        let shifted = _mm256_srlv_epi64(packed, _mm256_setr_epi64x(0, 0, 4, 4));
+        _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
     }
 
     /// Each bit of `bits` as a byte: byte `j` is `0xFF` where bit `j` is set, else 0 (the

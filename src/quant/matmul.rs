@@ -4,9 +4,8 @@
 
 use super::f64_matmul::F64MatMul;
 use super::types::{CpuProduct, QuantType};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
-use candle_tp_kernels::f64_dot::blocks_from_bytes;
 use candle_tp_kernels::f64_matmul::{check_matmul, fill_by_weight_rows};
 use candle_tp_kernels::q4_0::BlockQ4_0;
 use candle_tp_kernels::q4_0x4::RepackedQ4_0;
@@ -15,6 +14,7 @@ use candle_tp_kernels::q5_0::{self, BlockQ5_0, QK5_0};
 use candle_tp_kernels::q5_1::{self, BlockQ5_1, QK5_1};
 use candle_tp_kernels::q8_0::{quantize_row_q8_0, BlockQ8_0, QK8_0};
 use candle_tp_kernels::q8_1::quantize_row_q8_1_into;
+use candle_tp_kernels::repack::RepackedMatMul;
 use std::sync::Arc;
 
 /// `dst[m, n] = x[m, k] · W[n, k]ᵀ` for a Q4_1 weight given as its `n * k / 32` blocks (the
@@ -137,24 +137,24 @@ fn matmul_rows<W: Sync, X: Sync>(
     Ok(())
 }
 
-/// The product of a repacked Q4_0 weight as a candle op (CPU, f32 input, f32 or f64 output;
+/// The product of a repacked weight as a candle op (CPU, f32 input, f32 or f64 output;
 /// inference only).
 #[derive(Clone)]
-struct RepackedQ4_0MatMul {
-    w: Arc<RepackedQ4_0>,
+struct RepackedOp {
+    w: Arc<dyn RepackedMatMul>,
     kernel: Kernel,
     /// The f64 sums (`forward_f64`: a row-parallel layer's partials) instead of f32.
     f64_out: bool,
 }
 
-impl CustomOp1 for RepackedQ4_0MatMul {
+impl CustomOp1 for RepackedOp {
     fn name(&self) -> &'static str {
-        "quantized-matmul-q4_0x4"
+        "quantized-matmul-repacked"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (n, k) = (self.w.n(), self.w.k());
-        let (x, m, out) = input_rows("Q4_0", (n, k), storage, layout)?;
+        let (n, k) = self.w.dims();
+        let (x, m, out) = input_rows(self.w.type_name(), (n, k), storage, layout)?;
         let storage = if self.f64_out {
             let mut dst = vec![0f64; m * n];
             self.w.matmul_f64(self.kernel, m, x, &mut dst)?;
@@ -194,52 +194,13 @@ fn input_rows<'a>(
     Ok((x, shape.elem_count() / k.max(1), Shape::from(out)))
 }
 
-/// The Q4_1, Q5_0 or Q5_1 product as a candle op (CPU, f32 input; inference only, no backward).
-#[derive(Clone)]
-struct BlockMatMul {
-    w: Arc<QTensor>,
-    n: usize,
-    k: usize,
-    kernel: Kernel,
-}
-
-impl CustomOp1 for BlockMatMul {
-    fn name(&self) -> &'static str {
-        "quantized-matmul-f32"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let dtype = self.w.dtype();
-        let (x, m, out) = input_rows(&format!("{dtype:?}"), (self.n, self.k), storage, layout)?;
-        let k = self.k;
-        let data = self.w.data()?;
-        let mut dst = vec![0f32; m * self.n];
-        let dims = (m, k, self.n);
-        match dtype {
-            GgmlDType::Q4_1 => {
-                matmul_q4_1(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
-            }
-            GgmlDType::Q5_0 => {
-                matmul_q5_0(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
-            }
-            GgmlDType::Q5_1 => {
-                matmul_q5_1(self.kernel, dims, x, blocks_from_bytes(&data)?, &mut dst)?
-            }
-            other => candle_core::bail!("QuantMatMul: no f32 block kernel for {other:?}"),
-        }
-        Ok((CpuStorage::F32(dst), out))
-    }
-}
-
 #[derive(Clone)]
 enum Inner {
-    /// The crate's f32 kernel (CPU Q4_1, Q5_0 and Q5_1).
-    Block(BlockMatMul),
-    /// A Q4_0 weight repacked four rows at a time (CPU), summed in f64: the only copy of
-    /// the weight this matmul keeps.
-    Q4_0x4(RepackedQ4_0MatMul),
-    /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q8_0 and Q4_K: at one
-    /// thread as fast as candle's or faster, and batch-invariant).
+    /// A weight repacked four rows at a time (CPU Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0), summed in f64: the only
+    /// copy of the weight this matmul keeps.
+    Repacked(RepackedOp),
+    /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q4_K: at one thread as fast
+    /// as candle's or faster, and batch-invariant).
     Sum64(F64MatMul),
     /// Everything else: candle's own quantized matmul.
     Candle(QMatMul),
@@ -250,9 +211,8 @@ enum Inner {
 ///
 /// | weight type | CPU | other devices |
 /// |---|---|---|
-/// | Q4_0 | this crate: repacked four rows at a time when built, summed in f64 and rounded (AVX2 + FMA + F16C or scalar); the `QTensor` is not kept | `QMatMul` |
-/// | Q4_1, Q5_0, Q5_1 | this crate: AVX2 + FMA + F16C if the CPU has them, else scalar; any block count | `QMatMul` |
-/// | Q8_0, Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
+/// | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 | this crate: repacked four rows at a time when built, summed in f64 and rounded (AVX2 + FMA + F16C or scalar; any block count); the `QTensor` is not kept | `QMatMul` |
+/// | Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
 /// | anything else | `QMatMul` | `QMatMul` |
 ///
 /// [`QuantMatMul::forward_f64`] sums in f64 instead (crate kernels for Q4_0, Q4_1, Q5_0, Q5_1,
@@ -333,13 +293,11 @@ impl QuantMatMul {
             CpuProduct::Candle
         };
         match product {
-            CpuProduct::Candle => {
-                return Ok(Self {
-                    inner: Inner::Candle(QMatMul::from_arc(w)?),
-                    f64_op,
-                    dims: (n, k),
-                })
-            }
+            CpuProduct::Candle => Ok(Self {
+                inner: Inner::Candle(QMatMul::from_arc(w)?),
+                f64_op,
+                dims: (n, k),
+            }),
             CpuProduct::Sum64 => {
                 let block = qtype.block_size();
                 if k % block != 0 {
@@ -348,7 +306,7 @@ impl QuantMatMul {
                         w.dtype()
                     )
                 }
-                return Ok(Self {
+                Ok(Self {
                     inner: Inner::Sum64(F64MatMul {
                         w,
                         n,
@@ -358,47 +316,26 @@ impl QuantMatMul {
                     }),
                     f64_op,
                     dims: (n, k),
-                });
+                })
             }
-            CpuProduct::Block => {}
+            CpuProduct::Repacked => {
+                let Some(repack) = qtype.repack else {
+                    candle_core::bail!("QuantMatMul: no repacking for {:?}", w.dtype())
+                };
+                // Repacked, and `w` dropped: the caller's copy is the only other one.
+                let repacked = repack(&w.data()?, n, k)
+                    .map_err(|e| candle_core::Error::Msg(format!("QuantMatMul: {e}")))?;
+                Ok(Self {
+                    inner: Inner::Repacked(RepackedOp {
+                        w: repacked,
+                        kernel,
+                        f64_out: false,
+                    }),
+                    f64_op: None,
+                    dims: (n, k),
+                })
+            }
         }
-        let dtype = w.dtype();
-        if dtype == GgmlDType::Q4_0 {
-            // Repacked, and `w` dropped: the caller's copy is the only other one.
-            let data = w.data()?;
-            let blocks = blocks_from_bytes::<BlockQ4_0>(&data)?;
-            let repacked = Arc::new(
-                RepackedQ4_0::new(blocks, n, k)
-                    .map_err(|e| candle_core::Error::Msg(format!("QuantMatMul: {e}")))?,
-            );
-            return Ok(Self {
-                inner: Inner::Q4_0x4(RepackedQ4_0MatMul {
-                    w: repacked,
-                    kernel,
-                    f64_out: false,
-                }),
-                f64_op: None,
-                dims: (n, k),
-            });
-        }
-        let (block, block_bytes) = (dtype.block_size(), dtype.type_size());
-        if k % block != 0 {
-            candle_core::bail!(
-                "QuantMatMul: {dtype:?} weight [{n}, {k}]: k is not a multiple of the block size {block}"
-            )
-        }
-        let bytes = w.storage_size_in_bytes();
-        let expected = n * (k / block) * block_bytes;
-        if bytes != expected {
-            candle_core::bail!(
-                "QuantMatMul: {dtype:?} weight [{n}, {k}] holds {bytes} bytes, expected {expected}"
-            )
-        }
-        Ok(Self {
-            inner: Inner::Block(BlockMatMul { w, n, k, kernel }),
-            f64_op,
-            dims: (n, k),
-        })
     }
 
     /// The weight's `(n, k)`: output and input features.
@@ -416,12 +353,12 @@ impl QuantMatMul {
     /// is quantized as for [`Module::forward`]; the result equals candle's `QMatMul` up to
     /// the precision and order of the sum.
     pub fn forward_f64(&self, xs: &Tensor) -> Result<Option<Tensor>> {
-        if let Inner::Q4_0x4(op) = &self.inner {
-            let op = RepackedQ4_0MatMul {
+        if let Inner::Repacked(op) = &self.inner {
+            let op = RepackedOp {
                 f64_out: true,
                 ..op.clone()
             };
-            return crate_op_raw(xs, &op, "Q4_0", self.dims).map(Some);
+            return crate_op_raw(xs, &op, op.w.type_name(), self.dims).map(Some);
         }
         let Some(op) = &self.f64_op else {
             return Ok(None);
@@ -443,25 +380,24 @@ impl QuantMatMul {
     /// The crate's kernel this matmul runs, or `None` where it defers to candle's `QMatMul`.
     pub fn kernel(&self) -> Option<Kernel> {
         match &self.inner {
-            Inner::Block(op) => Some(op.kernel),
-            Inner::Q4_0x4(op) => Some(op.kernel),
+            Inner::Repacked(op) => Some(op.kernel),
             Inner::Sum64(op) => Some(op.kernel),
             Inner::Candle(_) => None,
         }
     }
 
-    /// Whether this matmul keeps the weight in a layout of its own (Q4_0 on the CPU, repacked
-    /// four rows at a time) rather than sharing the `QTensor` it was built from: its owner
+    /// Whether this matmul keeps the weight in a layout of its own (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on the CPU,
+    /// repacked four rows at a time) rather than sharing the `QTensor` it was built from: its owner
     /// may then drop that tensor and read rows with [`QuantMatMul::dequantize_rows`].
     pub fn holds_weight(&self) -> bool {
-        matches!(self.inner, Inner::Q4_0x4(_))
+        matches!(self.inner, Inner::Repacked(_))
     }
 
     /// Rows `ids` of the weight, dequantized: `[ids.., k]` in f32, as candle's
     /// `QTensor::embedding` gives them, for a matmul that [holds its
     /// weight](QuantMatMul::holds_weight); an error otherwise (read the `QTensor`).
     pub fn dequantize_rows(&self, ids: &Tensor) -> Result<Tensor> {
-        let Inner::Q4_0x4(op) = &self.inner else {
+        let Inner::Repacked(op) = &self.inner else {
             candle_core::bail!(
                 "QuantMatMul::dequantize_rows: {self:?} shares its QTensor: read rows from it"
             )
@@ -474,7 +410,8 @@ impl QuantMatMul {
         for (&id, row) in ids.iter().zip(out.chunks_exact_mut(k.max(1))) {
             if id as usize >= n {
                 candle_core::bail!(
-                    "QuantMatMul: row {id} of the Q4_0 weight [{n}, {k}] does not exist"
+                    "QuantMatMul: row {id} of the {} weight [{n}, {k}] does not exist",
+                    op.w.type_name()
                 )
             }
             op.w.dequantize_row(id as usize, row);
@@ -487,8 +424,7 @@ impl Module for QuantMatMul {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match &self.inner {
             Inner::Candle(mm) => mm.forward(xs),
-            Inner::Block(op) => crate_op(xs, op, &format!("{:?}", op.w.dtype()), (op.n, op.k)),
-            Inner::Q4_0x4(op) => crate_op(xs, op, "Q4_0", self.dims),
+            Inner::Repacked(op) => crate_op(xs, op, op.w.type_name(), self.dims),
             Inner::Sum64(op) => crate_op(xs, op, &format!("{:?}", op.w.dtype()), (op.n, op.k)),
         }
     }
@@ -520,19 +456,11 @@ fn crate_op_raw(
 impl std::fmt::Debug for QuantMatMul {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.inner {
-            Inner::Block(op) => write!(
+            Inner::Repacked(op) => write!(
                 f,
-                "QuantMatMul({:?} [{}, {}], {:?})",
-                op.w.dtype(),
-                op.n,
-                op.k,
-                op.kernel
-            ),
-            Inner::Q4_0x4(op) => write!(
-                f,
-                "QuantMatMul(Q4_0 [{}, {}] repacked x4, summed in f64, {:?})",
-                op.w.n(),
-                op.w.k(),
+                "QuantMatMul({} {:?} repacked x4, summed in f64, {:?})",
+                op.w.type_name(),
+                op.w.dims(),
                 op.kernel
             ),
             Inner::Sum64(op) => write!(

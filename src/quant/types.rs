@@ -12,6 +12,7 @@ use candle_tp_kernels::q5_0::BlockQ5_0;
 use candle_tp_kernels::q5_1::BlockQ5_1;
 use candle_tp_kernels::q6_k::BlockQ6K;
 use candle_tp_kernels::q8_0::BlockQ8_0;
+use candle_tp_kernels::repack::RepackFn;
 
 /// Which product [`QuantMatMul`](super::QuantMatMul)'s `forward` runs for a weight on the CPU
 /// (on other devices it is always candle's `QMatMul`).
@@ -19,11 +20,11 @@ use candle_tp_kernels::q8_0::BlockQ8_0;
 pub enum CpuProduct {
     /// Candle's `QMatMul`.
     Candle,
-    /// The crate's f32 block kernels, four weight rows per pass: Q4_0 × Q8_0, Q4_1 × Q8_1,
-    /// Q5_0 × Q8_0 and Q5_1 × Q8_1 (any block count per row).
-    Block,
     /// The crate's f64-summing kernel ([`QuantType::f64_matmul`]), rounded to f32.
     Sum64,
+    /// The weight repacked four rows at a time when the matmul is built
+    /// ([`QuantType::repack`]), every product summed in f64 (rounded to f32 by `forward`).
+    Repacked,
 }
 
 /// How the crate handles weights of one ggml type.
@@ -43,6 +44,9 @@ pub struct QuantType {
     /// The f64-summing matmul over the type's blocks (`QuantMatMul::forward_f64`, what
     /// row-parallel layers use), where the crate has one.
     pub f64_matmul: Option<F64MatMulFn>,
+    /// Repacks GGUF bytes four rows at a time (`candle_tp_kernels::repack`), for
+    /// [`CpuProduct::Repacked`].
+    pub repack: Option<RepackFn>,
 }
 
 impl QuantType {
@@ -54,6 +58,7 @@ impl QuantType {
             split_blocks,
             cpu_product: CpuProduct::Candle,
             f64_matmul: None,
+            repack: None,
         }
     }
 
@@ -97,28 +102,33 @@ pub const TYPES: &[QuantType] = &[
     QuantType::dense(GgmlDType::F16),
     QuantType::dense(GgmlDType::BF16),
     QuantType {
-        cpu_product: CpuProduct::Block,
+        cpu_product: CpuProduct::Repacked,
         f64_matmul: Some(matmul_f64_bytes::<BlockQ4_0>),
+        repack: Some(candle_tp_kernels::q4_0x4::repack),
         ..QuantType::candle(GgmlDType::Q4_0, 1)
     },
     QuantType {
-        cpu_product: CpuProduct::Block,
+        cpu_product: CpuProduct::Repacked,
         f64_matmul: Some(matmul_f64_bytes::<BlockQ4_1>),
+        repack: Some(candle_tp_kernels::q4_1x4::repack),
         ..QuantType::candle(GgmlDType::Q4_1, 1)
     },
     QuantType {
-        cpu_product: CpuProduct::Block,
+        cpu_product: CpuProduct::Repacked,
         f64_matmul: Some(matmul_f64_bytes::<BlockQ5_0>),
+        repack: Some(candle_tp_kernels::q5_0x4::repack),
         ..QuantType::candle(GgmlDType::Q5_0, 2)
     },
     QuantType {
-        cpu_product: CpuProduct::Block,
+        cpu_product: CpuProduct::Repacked,
         f64_matmul: Some(matmul_f64_bytes::<BlockQ5_1>),
+        repack: Some(candle_tp_kernels::q5_1x4::repack),
         ..QuantType::candle(GgmlDType::Q5_1, 2)
     },
     QuantType {
-        cpu_product: CpuProduct::Sum64,
+        cpu_product: CpuProduct::Repacked,
         f64_matmul: Some(matmul_f64_bytes::<BlockQ8_0>),
+        repack: Some(candle_tp_kernels::q8_0x4::repack),
         ..QuantType::candle(GgmlDType::Q8_0, 1)
     },
     QuantType {

@@ -1,0 +1,160 @@
+//! Q5_0 weights repacked four rows at a time ([`BlockQ5_0x4`], [`crate::repack`] says why),
+//! and their AVX2 product with Q8_0 activations summed in f64: what every Q5_0 matmul of
+//! candle-tp runs on the CPU (most of `llama-quantize`'s Q4_K_M files of 576-wide models).
+//!
+//! The five-bit values `u` (0..31: nibbles, and each bit of `qh` spread to a byte) go into
+//! `maddubs` unsigned, the `−16` is `16·Σ q'` per activation block
+//! ([`crate::repack::Interleave::act_sum`]): every value is bit for bit
+//! [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
+
+use crate::q5_0::{BlockQ5_0, QK5_0};
+use crate::q8_0::BlockQ8_0;
+use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use candle_core::Result;
+use half::f16;
+use std::sync::Arc;
+
+/// Four Q5_0 blocks of four consecutive rows (the same block index), interleaved: row `r`'s
+/// block is `d[r]`, `qh[r]` and `qs[r]`. 88 bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ5_0x4 {
+    /// The rows' scales.
+    pub d: [f16; 4],
+    /// The rows' fifth bits (little-endian `u32`s).
+    pub qh: [[u8; 4]; 4],
+    /// The rows' low four bits, packed two per byte.
+    pub qs: [[u8; QK5_0 / 2]; 4],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_0x4>() == 88);
+
+impl BlockQ5_0x4 {
+    /// Four all-zero blocks (the padding rows of a last, partial group).
+    pub const ZERO: Self = Self {
+        d: [f16::ZERO; 4],
+        qh: [[0; 4]; 4],
+        qs: [[0; QK5_0 / 2]; 4],
+    };
+}
+
+/// A repacked Q5_0 weight ([`Repacked`] of [`BlockQ5_0`]).
+pub type RepackedQ5_0 = Repacked<BlockQ5_0>;
+
+/// [`crate::repack::repack_bytes`] for Q5_0, instantiated in this crate so that the kernel
+/// and its driver are compiled with its optimisations in every profile (a generic
+/// instantiated in candle-tp's debug build, what its tests run, would be unoptimised).
+pub fn repack(bytes: &[u8], n: usize, k: usize) -> Result<Arc<dyn RepackedMatMul>> {
+    repack_bytes::<BlockQ5_0>(bytes, n, k)
+}
+
+impl Interleave for BlockQ5_0 {
+    type X4 = BlockQ5_0x4;
+    const X4_ZERO: BlockQ5_0x4 = BlockQ5_0x4::ZERO;
+
+    fn set_row(x4: &mut BlockQ5_0x4, r: usize, block: &Self) {
+        x4.d[r] = block.d;
+        x4.qh[r] = block.qh;
+        x4.qs[r] = block.qs;
+    }
+
+    fn row(x4: &BlockQ5_0x4, r: usize) -> Self {
+        BlockQ5_0 {
+            d: x4.d[r],
+            qh: x4.qh[r],
+            qs: x4.qs[r],
+        }
+    }
+
+    fn dequantize(block: &Self, out: &mut [f32]) {
+        let d = block.d.to_f32();
+        for (o, v) in out.iter_mut().zip(block.values()) {
+            *o = v as f32 * d;
+        }
+    }
+
+    fn act_sum(x: &BlockQ8_0) -> i32 {
+        16 * x.qs.iter().map(|&q| q as i32).sum::<i32>()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx2<const M: usize>(
+        group: &[BlockQ5_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot(group, xs)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::BlockQ5_0x4;
+    use crate::f64_dot::avx2::{bit_bytes, nibbles};
+    use crate::q8_0::BlockQ8_0;
+    use crate::repack::avx2::{f16x4, unsigned_group_dot};
+    use std::arch::x86_64::*;
+
+    /// The 32 five-bit values of a block as unsigned bytes: the nibbles, with `0x10` where
+    /// the value's bit of `qh` is set.
+    #[inline(always)]
+    pub unsafe fn five_bits(qs: &[u8; 16], qh: [u8; 4]) -> __m256i {
+        let high = _mm256_and_si256(bit_bytes(u32::from_le_bytes(qh)), _mm256_set1_epi8(0x10));
+        _mm256_or_si256(nibbles(qs.as_ptr()), high)
+    }
+
+    /// `unsigned_group_dot` with the five-bit values as `u`, no `m` (the `−16` is the
+    /// activations' `16·Σ q'`).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group_dot<const M: usize>(
+        group: &[BlockQ5_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        unsigned_group_dot(group, xs, |g| {
+            let u = [
+                five_bits(&g.qs[0], g.qh[0]),
+                five_bits(&g.qs[1], g.qh[1]),
+                five_bits(&g.qs[2], g.qh[2]),
+                five_bits(&g.qs[3], g.qh[3]),
+            ];
+            (u, f16x4(&g.d), _mm_setzero_ps())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::f64_dot::testing::{pseudo, pseudo_bytes};
+    use crate::repack::testing;
+
+    /// Block `b` of row `r`: every nibble and fifth-bit pattern, scales of both signs.
+    fn block(r: usize, b: usize) -> BlockQ5_0 {
+        BlockQ5_0 {
+            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b)),
+            qh: pseudo_bytes::<4>(r * 1000 + b * 4 + 7),
+            qs: pseudo_bytes::<16>(r * 1000 + b * 16 + 99),
+        }
+    }
+
+    #[test]
+    fn every_value_is_the_unpacked_rows_f64_dot() {
+        testing::every_value_is_the_unpacked_rows_f64_dot(block);
+    }
+
+    #[test]
+    fn blocks_and_rows_come_back_as_stored() {
+        testing::blocks_and_rows_come_back(block, |b| {
+            b.values()
+                .iter()
+                .map(|&v| v as f32 * b.d.to_f32())
+                .collect()
+        });
+    }
+
+    #[test]
+    fn nan_activations_give_nan_and_bad_sizes_are_errors() {
+        testing::nan_activations_give_nan_and_bad_sizes_are_errors(block);
+    }
+}

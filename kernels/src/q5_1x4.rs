@@ -1,0 +1,150 @@
+//! Q5_1 weights repacked four rows at a time ([`BlockQ5_1x4`], [`crate::repack`] says why),
+//! and their AVX2 product with Q8_1 activations summed in f64: what every Q5_1 matmul of
+//! candle-tp runs on the CPU (most of `llama-quantize`'s Q5_K_M files of 576-wide models).
+//!
+//! The five-bit values `u` (0..31) go into `maddubs` unsigned, and each block's
+//! `d·d' · Σ u·q' + m·s'` is rounded once before it is added to the row's f64 sum: every value
+//! is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
+
+use crate::q5_1::{BlockQ5_1, QK5_1};
+use crate::q8_1::BlockQ8_1;
+use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use candle_core::Result;
+use half::f16;
+use std::sync::Arc;
+
+/// Four Q5_1 blocks of four consecutive rows (the same block index), interleaved: row `r`'s
+/// block is `d[r]`, `m[r]`, `qh[r]` and `qs[r]`. 96 bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ5_1x4 {
+    /// The rows' scales.
+    pub d: [f16; 4],
+    /// The rows' offsets.
+    pub m: [f16; 4],
+    /// The rows' fifth bits (little-endian `u32`s).
+    pub qh: [[u8; 4]; 4],
+    /// The rows' low four bits, packed two per byte.
+    pub qs: [[u8; QK5_1 / 2]; 4],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_1x4>() == 96);
+
+impl BlockQ5_1x4 {
+    /// Four all-zero blocks (the padding rows of a last, partial group).
+    pub const ZERO: Self = Self {
+        d: [f16::ZERO; 4],
+        m: [f16::ZERO; 4],
+        qh: [[0; 4]; 4],
+        qs: [[0; QK5_1 / 2]; 4],
+    };
+}
+
+/// A repacked Q5_1 weight ([`Repacked`] of [`BlockQ5_1`]).
+pub type RepackedQ5_1 = Repacked<BlockQ5_1>;
+
+/// [`crate::repack::repack_bytes`] for Q5_1, instantiated in this crate so that the kernel
+/// and its driver are compiled with its optimisations in every profile (a generic
+/// instantiated in candle-tp's debug build, what its tests run, would be unoptimised).
+pub fn repack(bytes: &[u8], n: usize, k: usize) -> Result<Arc<dyn RepackedMatMul>> {
+    repack_bytes::<BlockQ5_1>(bytes, n, k)
+}
+
+impl Interleave for BlockQ5_1 {
+    type X4 = BlockQ5_1x4;
+    const X4_ZERO: BlockQ5_1x4 = BlockQ5_1x4::ZERO;
+
+    fn set_row(x4: &mut BlockQ5_1x4, r: usize, block: &Self) {
+        x4.d[r] = block.d;
+        x4.m[r] = block.m;
+        x4.qh[r] = block.qh;
+        x4.qs[r] = block.qs;
+    }
+
+    fn row(x4: &BlockQ5_1x4, r: usize) -> Self {
+        BlockQ5_1 {
+            d: x4.d[r],
+            m: x4.m[r],
+            qh: x4.qh[r],
+            qs: x4.qs[r],
+        }
+    }
+
+    fn dequantize(block: &Self, out: &mut [f32]) {
+        let (d, m) = (block.d.to_f32(), block.m.to_f32());
+        for (o, v) in out.iter_mut().zip(block.values()) {
+            *o = v as f32 * d + m;
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx2<const M: usize>(
+        group: &[BlockQ5_1x4],
+        xs: [(&[BlockQ8_1], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot(group, xs)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::BlockQ5_1x4;
+    use crate::q5_0x4::avx2::five_bits;
+    use crate::q8_1::BlockQ8_1;
+    use crate::repack::avx2::{f16x4, unsigned_group_dot};
+
+    /// `unsigned_group_dot` with the five-bit values as `u` and the blocks' offsets `m`.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group_dot<const M: usize>(
+        group: &[BlockQ5_1x4],
+        xs: [(&[BlockQ8_1], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        unsigned_group_dot(group, xs, |g| {
+            let u = [
+                five_bits(&g.qs[0], g.qh[0]),
+                five_bits(&g.qs[1], g.qh[1]),
+                five_bits(&g.qs[2], g.qh[2]),
+                five_bits(&g.qs[3], g.qh[3]),
+            ];
+            (u, f16x4(&g.d), f16x4(&g.m))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::f64_dot::testing::{pseudo, pseudo_bytes};
+    use crate::repack::testing;
+
+    /// Block `b` of row `r`: every nibble and fifth-bit pattern, scales and offsets of both
+    /// signs.
+    fn block(r: usize, b: usize) -> BlockQ5_1 {
+        BlockQ5_1 {
+            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b)),
+            m: f16::from_f32(0.3 * pseudo(r * 89 + b + 3)),
+            qh: pseudo_bytes::<4>(r * 1000 + b * 4 + 7),
+            qs: pseudo_bytes::<16>(r * 1000 + b * 16 + 99),
+        }
+    }
+
+    #[test]
+    fn every_value_is_the_unpacked_rows_f64_dot() {
+        testing::every_value_is_the_unpacked_rows_f64_dot(block);
+    }
+
+    #[test]
+    fn blocks_and_rows_come_back_as_stored() {
+        testing::blocks_and_rows_come_back(block, |b| {
+            let (d, m) = (b.d.to_f32(), b.m.to_f32());
+            b.values().iter().map(|&v| v as f32 * d + m).collect()
+        });
+    }
+
+    #[test]
+    fn nan_activations_give_nan_and_bad_sizes_are_errors() {
+        testing::nan_activations_give_nan_and_bad_sizes_are_errors(block);
+    }
+}

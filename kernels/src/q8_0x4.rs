@@ -1,0 +1,170 @@
+//! Q8_0 weights repacked four rows at a time ([`BlockQ8_0x4`], [`crate::repack`] says why),
+//! and their AVX2 product with Q8_0 activations summed in f64: what every Q8_0 matmul of
+//! candle-tp runs on the CPU.
+//!
+//! Signed bytes against signed bytes: `maddubs` wants an unsigned left operand, so each row
+//! multiplies `|q|` by `q'` with `q`'s sign (as ggml's `ggml_vec_dot_q8_0_q8_0`; a pair sums to
+//! at most 2·128·127, no saturation). The four rows' sums are reduced to one integer each per
+//! block and multiplied by the exact product of the scales `d·d'` in f64, the blocks added in
+//! order: every value is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
+
+use crate::q8_0::{BlockQ8_0, QK8_0};
+use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use candle_core::Result;
+use half::f16;
+use std::sync::Arc;
+
+/// Four Q8_0 blocks of four consecutive rows (the same block index), interleaved: row `r`'s
+/// block is `d[r]` and `qs[r]`. 136 bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8_0x4 {
+    /// The rows' scales.
+    pub d: [f16; 4],
+    /// The rows' values.
+    pub qs: [[i8; QK8_0]; 4],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8_0x4>() == 136);
+
+impl BlockQ8_0x4 {
+    /// Four all-zero blocks (the padding rows of a last, partial group).
+    pub const ZERO: Self = Self {
+        d: [f16::ZERO; 4],
+        qs: [[0; QK8_0]; 4],
+    };
+}
+
+/// A repacked Q8_0 weight ([`Repacked`] of [`BlockQ8_0`]).
+pub type RepackedQ8_0 = Repacked<BlockQ8_0>;
+
+/// [`crate::repack::repack_bytes`] for Q8_0, instantiated in this crate so that the kernel
+/// and its driver are compiled with its optimisations in every profile (a generic
+/// instantiated in candle-tp's debug build, what its tests run, would be unoptimised).
+pub fn repack(bytes: &[u8], n: usize, k: usize) -> Result<Arc<dyn RepackedMatMul>> {
+    repack_bytes::<BlockQ8_0>(bytes, n, k)
+}
+
+impl Interleave for BlockQ8_0 {
+    type X4 = BlockQ8_0x4;
+    const X4_ZERO: BlockQ8_0x4 = BlockQ8_0x4::ZERO;
+
+    fn set_row(x4: &mut BlockQ8_0x4, r: usize, block: &Self) {
+        x4.d[r] = block.d;
+        x4.qs[r] = block.qs;
+    }
+
+    fn row(x4: &BlockQ8_0x4, r: usize) -> Self {
+        BlockQ8_0 {
+            d: x4.d[r],
+            qs: x4.qs[r],
+        }
+    }
+
+    fn dequantize(block: &Self, out: &mut [f32]) {
+        let d = block.d.to_f32();
+        for (o, &q) in out.iter_mut().zip(&block.qs) {
+            *o = q as f32 * d;
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx2<const M: usize>(
+        group: &[BlockQ8_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot(group, xs)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::BlockQ8_0x4;
+    use crate::f64_dot::avx2::hsum4;
+    use crate::q8_0::BlockQ8_0;
+    use std::arch::x86_64::*;
+
+    /// Bytes ahead of the group's current block that each step prefetches (about four
+    /// groups, as for Q4_0).
+    const PREFETCH: usize = 512;
+
+    /// As the scalar sum, bit for bit: per block, the four rows' `Σ q·q'` reduced to one
+    /// integer each, times `d·d'` (exact in f32, widened to f64), added to the row's f64 sum
+    /// by an FMA whose product is exact, so it rounds once, as the scalar addition does.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group_dot<const M: usize>(
+        group: &[BlockQ8_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_pd(); M];
+        for (b, g) in group.iter().enumerate() {
+            // A hint: no fault past the end of the weight.
+            _mm_prefetch(
+                (g as *const BlockQ8_0x4 as *const i8).wrapping_add(PREFETCH),
+                _MM_HINT_T0,
+            );
+            let load = |r: usize| _mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i);
+            let q = [load(0), load(1), load(2), load(3)];
+            let aq = [
+                _mm256_sign_epi8(q[0], q[0]),
+                _mm256_sign_epi8(q[1], q[1]),
+                _mm256_sign_epi8(q[2], q[2]),
+                _mm256_sign_epi8(q[3], q[3]),
+            ];
+            let wd = _mm_cvtph_ps(_mm_loadl_epi64(g.d.as_ptr() as *const __m128i));
+            for i in 0..M {
+                let x = xs[i].0.get_unchecked(b);
+                let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+                let dot = |r: usize| {
+                    let pairs = _mm256_maddubs_epi16(aq[r], _mm256_sign_epi8(qx, q[r]));
+                    _mm256_madd_epi16(pairs, ones)
+                };
+                let sums = hsum4([dot(0), dot(1), dot(2), dot(3)]);
+                let xd = _mm_cvtph_ps(_mm_set1_epi16(x.d.to_bits() as i16));
+                let dd = _mm256_cvtps_pd(_mm_mul_ps(wd, xd));
+                acc[i] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, acc[i]);
+            }
+        }
+        let mut out = [[0f64; 4]; M];
+        for i in 0..M {
+            _mm256_storeu_pd(out[i].as_mut_ptr(), acc[i]);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::f64_dot::testing::{pseudo, pseudo_bytes};
+    use crate::repack::testing;
+
+    /// Block `b` of row `r`: every byte, −128 included, scales of both signs.
+    fn block(r: usize, b: usize) -> BlockQ8_0 {
+        BlockQ8_0 {
+            d: f16::from_f32(0.01 + 0.02 * pseudo(r * 97 + b)),
+            qs: pseudo_bytes::<32>(r * 1000 + b * 32 + 7).map(|v| v as i8),
+        }
+    }
+
+    #[test]
+    fn every_value_is_the_unpacked_rows_f64_dot() {
+        assert!((0..64).any(|i| block(i / 8, i % 8).qs.contains(&-128)));
+        testing::every_value_is_the_unpacked_rows_f64_dot(block);
+    }
+
+    #[test]
+    fn blocks_and_rows_come_back_as_stored() {
+        testing::blocks_and_rows_come_back(block, |b| {
+            b.qs.iter().map(|&q| q as f32 * b.d.to_f32()).collect()
+        });
+    }
+
+    #[test]
+    fn nan_activations_give_nan_and_bad_sizes_are_errors() {
+        testing::nan_activations_give_nan_and_bad_sizes_are_errors(block);
+    }
+}

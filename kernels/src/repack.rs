@@ -1,0 +1,542 @@
+//! Quantized weights repacked four rows at a time ([`Repacked`]), and their product with
+//! quantized activations summed in f64: what candle-tp's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 products run on the CPU
+//! (decode, prefill, row-parallel partials).
+//!
+//! GGUF stores a quantized matrix row after row, each row a run of blocks. A kernel that
+//! multiplies four rows at once then reads four streams of short rows (1152 bytes for a Q4_0
+//! row of 2048 values), which the hardware prefetcher follows badly: measured on a Zen 3 core,
+//! one thread, Q4_0 weights streaming from memory, the four-row kernel reached 4.6-6.2 GB/s.
+//! [`Repacked`] interleaves rows `4g .. 4g + 4` block by block ([`Interleave::X4`]: for Q4_0
+//! the four f16 scales, then the four 16-byte nibble runs, 72 bytes, the size of the four
+//! blocks), so a group of four rows is one sequential stream, which the kernels also
+//! prefetch ahead of: 10-12 GB/s on the same core (llama.cpp repacks Q4_0 for the same reason,
+//! into 8-row blocks, `ggml-cpu/repack.cpp`).
+//!
+//! Each block type's kernel reduces the four rows' products with one activation block to one
+//! integer each, multiplies it by the exact product of the scales in f64 and adds the blocks
+//! in order: every value is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row
+//! (tested), whatever the kernel, the number of activation rows or the thread count. The f32
+//! product ([`Repacked::matmul_f32`]) rounds that f64 sum, so decode, prefill, batches and
+//! row-parallel shards all compute the same numbers.
+
+use crate::f64_dot::F64Dot;
+use crate::f64_matmul::{check_matmul, fill_by_weight_rows};
+use crate::kernel::Kernel;
+use candle_core::Result;
+use std::sync::Arc;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::q4_0::BlockQ4_0 {}
+    impl Sealed for crate::q4_1::BlockQ4_1 {}
+    impl Sealed for crate::q5_0::BlockQ5_0 {}
+    impl Sealed for crate::q5_1::BlockQ5_1 {}
+    impl Sealed for crate::q8_0::BlockQ8_0 {}
+}
+
+/// A block type whose weights the crate repacks four rows at a time (implemented for Q4_0,
+/// Q4_1, Q5_0, Q5_1 and Q8_0 blocks; sealed).
+pub trait Interleave: F64Dot + sealed::Sealed {
+    /// Block `b` of four consecutive rows, interleaved.
+    type X4: Copy + Send + Sync + std::fmt::Debug + 'static;
+    /// Four all-zero blocks (the padding rows of a last, partial group).
+    const X4_ZERO: Self::X4;
+
+    /// Puts `block` as row `r` (0..4) of `x4`.
+    fn set_row(x4: &mut Self::X4, r: usize, block: &Self);
+
+    /// Row `r`'s block, as GGUF stores it.
+    fn row(x4: &Self::X4, r: usize) -> Self;
+
+    /// The block's `BLOCK` values, as candle dequantizes them.
+    fn dequantize(block: &Self, out: &mut [f32]);
+
+    /// What the AVX2 kernel wants precomputed per activation block, once for all weight rows
+    /// (Q4_0: `8 · Σ q'`); 0 where it wants nothing.
+    fn act_sum(_x: &Self::Act) -> i32 {
+        0
+    }
+
+    /// The four rows of `group` against `M` activation rows (`xs[i]`: the blocks and their
+    /// [`Interleave::act_sum`]s): `out[i][r]`, bit for bit the scalar f64 sum.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` entries.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    unsafe fn group_dot_avx2<const M: usize>(
+        group: &[Self::X4],
+        xs: [(&[Self::Act], &[i32]); M],
+    ) -> [[f64; 4]; M];
+}
+
+/// A quantized weight `[n, k]` repacked in groups of four rows (the last group padded with
+/// zero rows), with its products against f32 activations.
+///
+/// ```
+/// use candle_tp_kernels::{kernel::Kernel, q4_0::BlockQ4_0, repack::Repacked};
+/// let block = BlockQ4_0 { d: half::f16::from_f32(0.5), qs: [0x9A; 16] }; // values 1 and 2
+/// let w = Repacked::new(&[block; 3], 3, 32).unwrap(); // 3 rows of one block
+/// let x = [127.0f32; 32]; // Q8_0: scale 1, values 127
+/// let mut y = [0f32; 3];
+/// w.matmul_f32(Kernel::detect(), 1, &x, &mut y).unwrap();
+/// assert_eq!(y, [3048.0; 3]); // 0.5 · 127 · (16 · 2 + 16 · 1)
+/// ```
+#[derive(Clone)]
+pub struct Repacked<B: Interleave> {
+    groups: Vec<B::X4>,
+    n: usize,
+    kb: usize,
+}
+
+impl<B: Interleave> std::fmt::Debug for Repacked<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Repacked({} [{}, {}])", B::NAME, self.n, self.k())
+    }
+}
+
+impl<B: Interleave> Repacked<B> {
+    /// Repacks `n` rows of `k / BLOCK` blocks each (GGUF's layout of a `[n, k]` tensor).
+    /// Errors if `k` is not a multiple of the block or `w` holds another number of blocks.
+    pub fn new(w: &[B], n: usize, k: usize) -> Result<Self> {
+        let name = B::NAME;
+        if k % B::BLOCK != 0 {
+            candle_core::bail!(
+                "{name} weight [{n}, {k}]: k is not a multiple of {}",
+                B::BLOCK
+            )
+        }
+        let kb = k / B::BLOCK;
+        if w.len() != n * kb {
+            candle_core::bail!(
+                "{name} weight [{n}, {k}]: {} blocks, expected {}",
+                w.len(),
+                n * kb
+            )
+        }
+        let mut groups = vec![B::X4_ZERO; n.div_ceil(4) * kb];
+        for (row, blocks) in w.chunks_exact(kb.max(1)).enumerate().take(n) {
+            let (g, r) = (row / 4, row % 4);
+            for (dst, src) in groups[g * kb..(g + 1) * kb].iter_mut().zip(blocks) {
+                B::set_row(dst, r, src);
+            }
+        }
+        Ok(Self { groups, n, kb })
+    }
+
+    /// Rows (output features).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Columns (input features).
+    pub fn k(&self) -> usize {
+        self.kb * B::BLOCK
+    }
+
+    /// Block `b` of row `row`, as GGUF stores it.
+    ///
+    /// # Panics
+    /// If `row >= n` or `b >= k / BLOCK`.
+    pub fn block(&self, row: usize, b: usize) -> B {
+        assert!(
+            row < self.n && b < self.kb,
+            "{} block ({row}, {b}) of [{}, {} blocks]",
+            B::NAME,
+            self.n,
+            self.kb
+        );
+        B::row(&self.groups[row / 4 * self.kb + b], row % 4)
+    }
+
+    /// Row `row` dequantized into `out` (`k` values), as candle dequantizes it.
+    ///
+    /// # Panics
+    /// If `row >= n` or `out.len() != k`.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert_eq!(
+            out.len(),
+            self.k(),
+            "{} row of {} values into {}",
+            B::NAME,
+            self.k(),
+            out.len()
+        );
+        for (b, out) in out.chunks_exact_mut(B::BLOCK).enumerate() {
+            B::dequantize(&self.block(row, b), out);
+        }
+    }
+
+    /// `dst[i * n + j] = Σ_t x[i, t] · W[j, t]` for `m` activation rows of `k` values, summed
+    /// in f64 (see the module's documentation); the activations are quantized as candle
+    /// quantizes them for this type. Weight rows are split over the current rayon pool.
+    pub fn matmul_f64(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f64]) -> Result<()> {
+        self.matmul(kernel, m, x, dst, |v| v)
+    }
+
+    /// [`Repacked::matmul_f64`] rounded to f32.
+    pub fn matmul_f32(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f32]) -> Result<()> {
+        self.matmul(kernel, m, x, dst, |v| v as f32)
+    }
+
+    fn matmul<T: Send + Copy + Default>(
+        &self,
+        kernel: Kernel,
+        m: usize,
+        x: &[f32],
+        dst: &mut [T],
+        out: impl Fn(f64) -> T + Sync,
+    ) -> Result<()> {
+        let (n, k, kb) = (self.n, self.k(), self.kb);
+        let what = format!("{} (repacked) matmul", B::NAME);
+        // `check_matmul` counts weight blocks; the repacked weight has them by construction.
+        check_matmul(
+            &what,
+            kernel,
+            (m, k, n),
+            B::BLOCK,
+            (x.len(), n * kb, dst.len()),
+        )?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if kb == 0 {
+            dst.fill(out(0.0)); // empty sums
+            return Ok(());
+        }
+        let mut act = vec![B::ACT_ZERO; m * kb];
+        B::quantize(x, &mut act);
+        let sums: Vec<i32> = act.iter().map(B::act_sum).collect();
+        let row = |i: usize| (&act[i * kb..(i + 1) * kb], &sums[i * kb..(i + 1) * kb]);
+        let fill = |row0: usize, o: &mut [T]| {
+            let rows = o.len() / m;
+            // Task ranges start on a group (`fill_by_weight_rows` cuts multiples of 4 rows).
+            debug_assert_eq!(row0 % 4, 0);
+            for g in 0..rows.div_ceil(4) {
+                let first = (row0 / 4 + g) * kb;
+                let group = &self.groups[first..first + kb];
+                let live = (rows - 4 * g).min(4);
+                let mut put = |i: usize, v: [f64; 4]| {
+                    for (r, &v) in v.iter().enumerate().take(live) {
+                        o[(4 * g + r) * m + i] = out(v);
+                    }
+                };
+                let tiled = m / 4 * 4;
+                for i in (0..tiled).step_by(4) {
+                    let v = group_dot::<B, 4>(kernel, group, std::array::from_fn(|t| row(i + t)));
+                    for (t, v) in v.into_iter().enumerate() {
+                        put(i + t, v);
+                    }
+                }
+                for i in tiled..m {
+                    put(i, group_dot::<B, 1>(kernel, group, [row(i)])[0]);
+                }
+            }
+        };
+        fill_by_weight_rows(n, m, dst, fill);
+        Ok(())
+    }
+}
+
+/// The four rows of `group` against `M` activation rows: `out[i][r]`.
+fn group_dot<B: Interleave, const M: usize>(
+    kernel: Kernel,
+    group: &[B::X4],
+    xs: [(&[B::Act], &[i32]); M],
+) -> [[f64; 4]; M] {
+    for (x, s) in xs {
+        assert!(
+            x.len() == group.len() && s.len() == group.len(),
+            "{} group of {} blocks against {} activation blocks",
+            B::NAME,
+            group.len(),
+            x.len()
+        );
+    }
+    crate::kernel::by_kernel!(kernel,
+        scalar => group_dot_scalar::<B, M>(group, xs),
+        // The lengths were checked above.
+        avx2 => B::group_dot_avx2(group, xs))
+}
+
+/// The reference: each row's blocks' [`F64Dot::block_dot`] added in block order, as the
+/// scalar [`crate::f64_dot::dot_f64`] does.
+fn group_dot_scalar<B: Interleave, const M: usize>(
+    group: &[B::X4],
+    xs: [(&[B::Act], &[i32]); M],
+) -> [[f64; 4]; M] {
+    let mut acc = [[0f64; 4]; M];
+    for (acc, (x, _)) in acc.iter_mut().zip(xs) {
+        for (g, x) in group.iter().zip(x) {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                *acc += B::block_dot(&B::row(g, r), x);
+            }
+        }
+    }
+    acc
+}
+
+/// The 8-bit activation blocks the repacked kernels read (Q8_0 and Q8_1).
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait Act8 {
+    /// The 32 values.
+    fn qs(&self) -> &[i8; 32];
+    /// The scale `d'`, as f16 bits.
+    fn d_bits(&self) -> u16;
+    /// `s' = d'·Σ q'` as f16 bits (0 where the block has none).
+    fn s_bits(&self) -> u16;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Act8 for crate::q8_0::BlockQ8_0 {
+    fn qs(&self) -> &[i8; 32] {
+        &self.qs
+    }
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
+    }
+    fn s_bits(&self) -> u16 {
+        0
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Act8 for crate::q8_1::BlockQ8_1 {
+    fn qs(&self) -> &[i8; 32] {
+        &self.qs
+    }
+    fn d_bits(&self) -> u16 {
+        self.d.to_bits()
+    }
+    fn s_bits(&self) -> u16 {
+        self.s.to_bits()
+    }
+}
+
+/// The AVX2 group kernel shared by the 32-wide types whose values are unsigned bytes.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::Act8;
+    use crate::f64_dot::avx2::hsum4;
+    use std::arch::x86_64::*;
+
+    /// Bytes ahead of the group's current block that each step prefetches (measured for
+    /// Q4_0 on a Zen 3 core: 512 streamed 10-15 % faster than none, and than 1024).
+    pub const PREFETCH: usize = 512;
+
+    /// The four rows of `group` against `M` activation rows, for a type whose block `b` of
+    /// row `r` is `d·(u − o) + m` with unsigned byte values `u` (Q4_0: nibbles, `o` = 8, no
+    /// `m`; Q4_1: nibbles and `m`; Q5_0 / Q5_1: five bits): `unpack(g)` gives the four rows'
+    /// `u` (32 bytes each), their `d` and `m` (0 where the type has none) as f32; `xs[i].1`
+    /// holds `o·Σ q'` per activation block. Per block and row: `Σ u·q'` (`maddubs` of unsigned
+    /// and signed bytes, pairs of at most 2·31·127, no saturation) reduced to one integer,
+    /// minus `o·Σ q'`, times `d·d'`, plus `m·s'` (both products exact in f32, widened), rounded
+    /// once by an FMA and added to the row's f64 sum: bit for bit the types' scalar
+    /// `block_dot` added in block order (tested for each type).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c (inline this into a function that enables
+    /// them); every slice of `xs` has `group.len()` entries.
+    #[inline(always)]
+    pub unsafe fn unsigned_group_dot<G, A: Act8, const M: usize>(
+        group: &[G],
+        xs: [(&[A], &[i32]); M],
+        unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
+    ) -> [[f64; 4]; M] {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_pd(); M];
+        for (b, g) in group.iter().enumerate() {
+            // A hint: no fault past the end of the weight.
+            _mm_prefetch(
+                (g as *const G as *const i8).wrapping_add(PREFETCH),
+                _MM_HINT_T0,
+            );
+            let (u, wd, wm) = unpack(g);
+            for i in 0..M {
+                let (x, offsets) = xs[i];
+                let x = x.get_unchecked(b);
+                let qx = _mm256_loadu_si256(x.qs().as_ptr() as *const __m256i);
+                let s = [
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(u[0], qx), ones),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(u[1], qx), ones),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(u[2], qx), ones),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(u[3], qx), ones),
+                ];
+                let sums = _mm_sub_epi32(hsum4(s), _mm_set1_epi32(*offsets.get_unchecked(b)));
+                let xd = _mm_cvtph_ps(_mm_set1_epi16(x.d_bits() as i16));
+                let xs = _mm_cvtph_ps(_mm_set1_epi16(x.s_bits() as i16));
+                let dd = _mm256_cvtps_pd(_mm_mul_ps(wd, xd));
+                let ms = _mm256_cvtps_pd(_mm_mul_ps(wm, xs));
+                let block = _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, ms);
+                acc[i] = _mm256_add_pd(acc[i], block);
+            }
+        }
+        let mut out = [[0f64; 4]; M];
+        for i in 0..M {
+            _mm256_storeu_pd(out[i].as_mut_ptr(), acc[i]);
+        }
+        out
+    }
+
+    /// Four f16 values as f32.
+    #[inline(always)]
+    pub unsafe fn f16x4(v: &[half::f16; 4]) -> __m128 {
+        _mm_cvtph_ps(_mm_loadl_epi64(v.as_ptr() as *const __m128i))
+    }
+}
+
+/// A repacked weight of any type, as `candle_tp::quant::QuantMatMul` holds it.
+pub trait RepackedMatMul: Send + Sync + std::fmt::Debug {
+    /// The block type's name (`Q4_0`).
+    fn type_name(&self) -> &'static str;
+    /// `(n, k)`.
+    fn dims(&self) -> (usize, usize);
+    /// [`Repacked::matmul_f64`].
+    fn matmul_f64(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f64]) -> Result<()>;
+    /// [`Repacked::matmul_f32`].
+    fn matmul_f32(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f32]) -> Result<()>;
+    /// [`Repacked::dequantize_row`].
+    fn dequantize_row(&self, row: usize, out: &mut [f32]);
+}
+
+impl<B: Interleave> RepackedMatMul for Repacked<B> {
+    fn type_name(&self) -> &'static str {
+        B::NAME
+    }
+    fn dims(&self) -> (usize, usize) {
+        (self.n, self.k())
+    }
+    fn matmul_f64(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f64]) -> Result<()> {
+        Repacked::matmul_f64(self, kernel, m, x, dst)
+    }
+    fn matmul_f32(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f32]) -> Result<()> {
+        Repacked::matmul_f32(self, kernel, m, x, dst)
+    }
+    fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        Repacked::dequantize_row(self, row, out)
+    }
+}
+
+/// Repacks a weight `[n, k]` given as GGUF bytes (a `QTensor`'s data) of blocks of `B`. Call
+/// the block types' non-generic `repack` (e.g. [`crate::q4_0x4::repack`]) from other crates:
+/// this generic would be instantiated there, with their optimisation level.
+pub fn repack_bytes<B: Interleave>(
+    bytes: &[u8],
+    n: usize,
+    k: usize,
+) -> Result<Arc<dyn RepackedMatMul>> {
+    let blocks = crate::f64_dot::blocks_from_bytes::<B>(bytes)?;
+    Ok(Arc::new(Repacked::new(blocks, n, k)?))
+}
+
+/// The signature of [`repack_bytes`] for one block type.
+pub type RepackFn = fn(&[u8], usize, usize) -> Result<Arc<dyn RepackedMatMul>>;
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+    use crate::f64_dot::dot_f64;
+    use crate::f64_dot::testing::pseudo;
+
+    fn activations(m: usize, k: usize) -> Vec<f32> {
+        (0..m * k).map(|i| 3.0 * pseudo(i + 5)).collect()
+    }
+
+    /// Every value of every kernel, for 1..9 activation rows (tiles of four and the rows
+    /// left over), row counts that leave partial groups and block counts odd and even, is
+    /// bit for bit the f64 dot product of the unpacked row (`dot_f64`, scalar); the f32
+    /// product is its rounding. `block(r, b)`: block `b` of row `r`.
+    pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(
+        block: impl Fn(usize, usize) -> B,
+    ) {
+        let kernels = Kernel::under_test();
+        for n in [1, 3, 4, 5, 8, 9] {
+            for kb in [1, 2, 3, 5, 18] {
+                let w: Vec<B> = (0..n * kb).map(|i| block(i / kb, i % kb)).collect();
+                let packed = Repacked::new(&w, n, kb * B::BLOCK).unwrap();
+                for m in 1..=9 {
+                    let x = activations(m, kb * B::BLOCK);
+                    let mut xq = vec![B::ACT_ZERO; m * kb];
+                    B::quantize(&x, &mut xq);
+                    for &kernel in &kernels {
+                        let mut y = vec![f64::NAN; m * n];
+                        packed.matmul_f64(kernel, m, &x, &mut y).unwrap();
+                        let mut y32 = vec![f32::NAN; m * n];
+                        packed.matmul_f32(kernel, m, &x, &mut y32).unwrap();
+                        for i in 0..m {
+                            for j in 0..n {
+                                let want = dot_f64(
+                                    Kernel::Scalar,
+                                    &w[j * kb..(j + 1) * kb],
+                                    &xq[i * kb..(i + 1) * kb],
+                                );
+                                assert!(want.is_finite() && want != 0.0, "{want}");
+                                let got = y[i * n + j];
+                                assert_eq!(
+                                    got.to_bits(),
+                                    want.to_bits(),
+                                    "{} {kernel:?} n={n} kb={kb} m={m} ({i}, {j}): {got} != {want}",
+                                    B::NAME
+                                );
+                                assert_eq!(y32[i * n + j].to_bits(), (want as f32).to_bits());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Blocks and dequantized rows come back as stored (`dequantize(block)`: the values).
+    pub fn blocks_and_rows_come_back<B: Interleave + PartialEq + std::fmt::Debug>(
+        block: impl Fn(usize, usize) -> B,
+        dequantize: impl Fn(&B) -> Vec<f32>,
+    ) {
+        let (n, kb) = (7, 3);
+        let w: Vec<B> = (0..n * kb).map(|i| block(i / kb, i % kb)).collect();
+        let packed = Repacked::new(&w, n, kb * B::BLOCK).unwrap();
+        assert_eq!((packed.n(), packed.k()), (7, kb * B::BLOCK));
+        let mut row = vec![0f32; kb * B::BLOCK];
+        for r in 0..n {
+            packed.dequantize_row(r, &mut row);
+            for b in 0..kb {
+                assert_eq!(packed.block(r, b), w[r * kb + b]);
+                assert_eq!(
+                    row[b * B::BLOCK..(b + 1) * B::BLOCK],
+                    dequantize(&w[r * kb + b])
+                );
+            }
+        }
+    }
+
+    /// A NaN activation gives NaN in its row only; wrong sizes are errors naming the type.
+    pub fn nan_activations_give_nan_and_bad_sizes_are_errors<B: Interleave>(
+        block: impl Fn(usize, usize) -> B,
+    ) {
+        let k = 2 * B::BLOCK;
+        let w: Vec<B> = (0..10).map(|i| block(i / 2, i % 2)).collect();
+        let packed = Repacked::new(&w, 5, k).unwrap();
+        for kernel in Kernel::under_test() {
+            let mut x = activations(2, k);
+            x[k + 6] = f32::NAN; // row 1, block 0
+            let mut y = vec![0f32; 10];
+            packed.matmul_f32(kernel, 2, &x, &mut y).unwrap();
+            assert!(y[..5].iter().all(|v| v.is_finite()), "{kernel:?}: {y:?}");
+            assert!(y[5..].iter().all(|v| v.is_nan()), "{kernel:?}: {y:?}");
+            let err = packed
+                .matmul_f32(kernel, 2, &x[..k + 4], &mut y)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(B::NAME) && err.contains(&format!("{}", k + 4)),
+                "{err}"
+            );
+        }
+        let err = Repacked::new(&w, 5, 3 * B::BLOCK).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("[5, {}]", 3 * B::BLOCK)) && err.contains("10 blocks"),
+            "{err}"
+        );
+        assert!(Repacked::new(&w, 5, k + 8).is_err());
+    }
+}
