@@ -54,8 +54,8 @@ pub fn matmul_time() -> Duration {
 #[derive(Debug, Clone)]
 pub struct QuantizedWeight {
     /// The blocks as the source gave them; `None` where the matmul keeps the weight in a
-    /// layout of its own ([`QuantMatMul::holds_weight`]: Q4_0 on the CPU), so that it is in
-    /// memory once.
+    /// layout of its own ([`QuantMatMul::holds_weight`]: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on the
+    /// CPU), so that it is in memory once.
     qtensor: Option<Arc<QTensor>>,
     dtype: GgmlDType,
     dims: (usize, usize),
@@ -66,7 +66,8 @@ pub struct QuantizedWeight {
 
 impl QuantizedWeight {
     /// The blocks as the source gave them, unless the matmul keeps the weight in a layout of
-    /// its own (Q4_0 on the CPU, repacked four rows at a time: `None`).
+    /// its own (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on the CPU, repacked four rows at a time:
+    /// `None`).
     pub fn qtensor(&self) -> Option<&Arc<QTensor>> {
         self.qtensor.as_ref()
     }

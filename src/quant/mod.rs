@@ -9,13 +9,16 @@
 //! - [`BlockQ8_1`] and [`quantize_row_q8_1`]: the activation format (ggml's `block_q8_1`);
 //! - [`vec_dot_q4_1_q8_1`]: the Q4_1 × Q8_1 dot product, [`Kernel::Scalar`] or
 //!   [`Kernel::Avx2`] (AVX2 + FMA + F16C, runtime-detected), any block count;
-//! - [`matmul_q4_1`], [`matmul_q4_0`], [`matmul_q5_0`], [`matmul_q5_1`]: `x · Wᵀ` over rayon,
-//!   quantizing each activation row once, four weight rows sharing each activation load;
+//! - [`matmul_q4_1`], [`matmul_q5_0`], [`matmul_q5_1`]: `x · Wᵀ` over rayon in f32 (Q4_1's bit
+//!   for bit candle's), quantizing each activation row once, four weight rows sharing each
+//!   activation load; [`matmul_q4_0`]: the same call through the repacked kernel;
 //! - [`matmul_f64`] and [`QuantMatMul::forward_f64`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
 //!   Q6_K products summed in f64, so that a row-parallel layer gives the same values at every
 //!   world size;
 //! - [`QuantMatMul`]: the one-call `Module` for a quantized weight, the crate's kernel where it
-//!   has one and candle's `QMatMul` otherwise (other types, other devices);
+//!   has one (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights repacked four rows at a time when it is
+//!   built, `candle_tp_kernels::repack`, every product summed in f64) and candle's `QMatMul`
+//!   otherwise (other types, other devices);
 //! - [`QuantType`]: each weight type described once (split unit, CPU product, f64 kernel);
 //! - [`matmul_small_m`]: dense f32 / bf16 / f16 weights at decode sizes (≤ 16 rows), reading
 //!   each weight row once for the whole batch, batch-invariant (candle 0.11 packs the weight
