@@ -58,7 +58,6 @@ pub struct QuantizedWeight {
     /// CPU), so that it is in memory once.
     qtensor: Option<Arc<QTensor>>,
     dtype: GgmlDType,
-    dims: (usize, usize),
     device: candle_core::Device,
     matmul: QuantMatMul,
     bias: Option<Tensor>,
@@ -107,7 +106,6 @@ impl ParallelWeight {
         let matmul = QuantMatMul::from_arc(qtensor.clone())?;
         Ok(Self::Quantized(QuantizedWeight {
             dtype: qtensor.dtype(),
-            dims: matmul.dims(),
             device: qtensor.device(),
             qtensor: (!matmul.holds_weight()).then_some(qtensor),
             matmul,
@@ -138,7 +136,7 @@ impl ParallelWeight {
     pub fn dims(&self) -> Result<(usize, usize)> {
         match self {
             Self::Dense(l) => l.weight().dims2(),
-            Self::Quantized(q) => Ok(q.dims),
+            Self::Quantized(q) => Ok(q.matmul.dims()),
         }
     }
 
@@ -149,7 +147,7 @@ impl ParallelWeight {
             Self::Quantized(q) => candle_core::bail!(
                 "the layer holds a quantized {:?} weight of shape {:?}, not a dense tensor",
                 q.dtype,
-                q.dims
+                q.matmul.dims()
             ),
         }
     }
