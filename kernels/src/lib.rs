@@ -7,8 +7,8 @@
 //! - [`q4_1`]: the Q4_1 × Q8_1 dot product (scalar and AVX2 + FMA + F16C);
 //! - [`q4_0`]: the Q4_0 × Q8_0 dot product in f64 (below), one row at a time;
 //! - [`repack`]: weights repacked four rows at a time and their matmul, summed in f64: what
-//!   every Q4_0 ([`q4_0x4`]), Q4_1 ([`q4_1x4`]), Q5_0 ([`q5_0x4`]), Q5_1 ([`q5_1x4`]) and Q8_0
-//!   ([`q8_0x4`]) product runs;
+//!   every Q4_0 ([`q4_0x4`]), Q4_1 ([`q4_1x4`]), Q5_0 ([`q5_0x4`]), Q5_1 ([`q5_1x4`]), Q8_0
+//!   ([`q8_0x4`]), Q4_K ([`q4_kx4`]) and Q6_K ([`q6_kx4`]) product runs;
 //! - [`q5_0`], [`q5_1`]: the Q5_0 × Q8_0 and Q5_1 × Q8_1 dot products (scalar and AVX2 + FMA +
 //!   F16C), in f32 for whole rows and in f64 (below);
 //! - [`f64_dot`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K dot products accumulated in f64,
@@ -27,11 +27,13 @@ pub mod q4_0x4;
 pub mod q4_1;
 pub mod q4_1x4;
 pub mod q4_k;
+pub mod q4_kx4;
 pub mod q5_0;
 pub mod q5_0x4;
 pub mod q5_1;
 pub mod q5_1x4;
 pub mod q6_k;
+pub mod q6_kx4;
 pub mod q8_0;
 pub mod q8_0x4;
 pub mod q8_1;

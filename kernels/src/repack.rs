@@ -1,6 +1,6 @@
 //! Quantized weights repacked four rows at a time ([`Repacked`]), and their product with
-//! quantized activations summed in f64: what candle-tp's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 products run on the CPU
-//! (decode, prefill, row-parallel partials).
+//! quantized activations summed in f64: what candle-tp's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
+//! Q6_K products run on the CPU (decode, prefill, row-parallel partials).
 //!
 //! GGUF stores a quantized matrix row after row, each row a run of blocks. A kernel that
 //! multiplies four rows at once then reads four streams of short rows (1152 bytes for a Q4_0
@@ -32,10 +32,12 @@ mod sealed {
     impl Sealed for crate::q5_0::BlockQ5_0 {}
     impl Sealed for crate::q5_1::BlockQ5_1 {}
     impl Sealed for crate::q8_0::BlockQ8_0 {}
+    impl Sealed for crate::q4_k::BlockQ4K {}
+    impl Sealed for crate::q6_k::BlockQ6K {}
 }
 
 /// A block type whose weights the crate repacks four rows at a time (implemented for Q4_0,
-/// Q4_1, Q5_0, Q5_1 and Q8_0 blocks; sealed).
+/// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K blocks; sealed).
 pub trait Interleave: F64Dot + sealed::Sealed {
     /// Block `b` of four consecutive rows, interleaved.
     type X4: Copy + Send + Sync + std::fmt::Debug + 'static;

@@ -2,7 +2,6 @@
 //! it has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K on CPU) and candle's [`QMatMul`] everywhere
 //! else.
 
-use super::f64_matmul::F64MatMul;
 use super::types::{CpuProduct, QuantType};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
@@ -196,12 +195,9 @@ fn input_rows<'a>(
 
 #[derive(Clone)]
 enum Inner {
-    /// A weight repacked four rows at a time (CPU Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0), summed in f64: the only
-    /// copy of the weight this matmul keeps.
+    /// A weight repacked four rows at a time (CPU Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
+    /// Q6_K), summed in f64: the only copy of the weight this matmul keeps.
     Repacked(RepackedOp),
-    /// The crate's f64-accumulating kernel, rounded to f32 (CPU Q4_K: at one thread as fast
-    /// as candle's or faster, and batch-invariant).
-    Sum64(F64MatMul),
     /// Everything else: candle's own quantized matmul.
     Candle(QMatMul),
 }
@@ -211,12 +207,11 @@ enum Inner {
 ///
 /// | weight type | CPU | other devices |
 /// |---|---|---|
-/// | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 | this crate: repacked four rows at a time when built, summed in f64 and rounded (AVX2 + FMA + F16C or scalar; any block count); the `QTensor` is not kept | `QMatMul` |
-/// | Q4_K | this crate's f64-summing kernel (AVX2 or scalar), rounded to f32 | `QMatMul` |
+/// | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K | this crate: repacked four rows at a time when built, summed in f64 and rounded (AVX2 + FMA + F16C or scalar; any block count); the `QTensor` is not kept | `QMatMul` |
 /// | anything else | `QMatMul` | `QMatMul` |
 ///
-/// [`QuantMatMul::forward_f64`] sums in f64 instead (crate kernels for Q4_0, Q4_1, Q5_0, Q5_1,
-/// Q8_0, Q4_K and Q6_K on the CPU): what row-parallel layers use.
+/// [`QuantMatMul::forward_f64`] returns the f64 sums instead (the same types, on the CPU):
+/// what row-parallel layers use.
 ///
 /// Input: any leading dims, last dim `k`; f32 (f16 / bf16 are converted to f32 and the result
 /// back). Inference only: the output does not track gradients.
@@ -232,8 +227,6 @@ enum Inner {
 #[derive(Clone)]
 pub struct QuantMatMul {
     inner: Inner,
-    /// The f64-accumulating product ([`QuantMatMul::forward_f64`]), where the type has one.
-    f64_op: Option<F64MatMul>,
     /// The weight's `(n, k)`.
     dims: (usize, usize),
 }
@@ -254,7 +247,6 @@ impl QuantMatMul {
             let (n, k) = w.shape().dims2()?;
             return Ok(Self {
                 inner: Inner::Candle(QMatMul::from_arc(w)?),
-                f64_op: None,
                 dims: (n, k),
             });
         }
@@ -280,13 +272,6 @@ impl QuantMatMul {
         })?;
         let cpu = w.device().is_cpu();
         let qtype = QuantType::of(w.dtype());
-        let f64_op = (cpu && qtype.sums_in_f64()).then(|| F64MatMul {
-            w: w.clone(),
-            n,
-            k,
-            kernel,
-            f32_out: false,
-        });
         let product = if cpu {
             qtype.cpu_product
         } else {
@@ -295,29 +280,8 @@ impl QuantMatMul {
         match product {
             CpuProduct::Candle => Ok(Self {
                 inner: Inner::Candle(QMatMul::from_arc(w)?),
-                f64_op,
                 dims: (n, k),
             }),
-            CpuProduct::Sum64 => {
-                let block = qtype.block_size();
-                if k % block != 0 {
-                    candle_core::bail!(
-                        "QuantMatMul: {:?} weight [{n}, {k}]: k is not a multiple of the block size {block}",
-                        w.dtype()
-                    )
-                }
-                Ok(Self {
-                    inner: Inner::Sum64(F64MatMul {
-                        w,
-                        n,
-                        k,
-                        kernel,
-                        f32_out: true,
-                    }),
-                    f64_op,
-                    dims: (n, k),
-                })
-            }
             CpuProduct::Repacked => {
                 let Some(repack) = qtype.repack else {
                     candle_core::bail!("QuantMatMul: no repacking for {:?}", w.dtype())
@@ -331,7 +295,6 @@ impl QuantMatMul {
                         kernel,
                         f64_out: false,
                     }),
-                    f64_op: None,
                     dims: (n, k),
                 })
             }
@@ -344,8 +307,8 @@ impl QuantMatMul {
     }
 
     /// `x · Wᵀ` with the blocks' products summed in f64, as an f64 tensor `[.., n]`, for the
-    /// weight types with an f64 kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) on the CPU; `None` for the
-    /// others (and when candle's `CANDLE_DEQUANTIZE_ALL` is set).
+    /// weight types with an f64 kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) on the CPU;
+    /// `None` for the others (and when candle's `CANDLE_DEQUANTIZE_ALL` is set).
     ///
     /// A row-parallel layer all-reduces these partials in f64 and rounds the total to f32
     /// once, so its output does not depend on how many ranks share the row
@@ -360,34 +323,19 @@ impl QuantMatMul {
             };
             return crate_op_raw(xs, &op, op.w.type_name(), self.dims).map(Some);
         }
-        let Some(op) = &self.f64_op else {
-            return Ok(None);
-        };
-        if !xs.device().is_cpu() {
-            candle_core::bail!(
-                "QuantMatMul: input {:?} is on {:?}, the {:?} weight [{}, {}] on the CPU",
-                xs.shape(),
-                xs.device().location(),
-                op.w.dtype(),
-                op.n,
-                op.k
-            )
-        }
-        let x = xs.to_dtype(DType::F32)?.contiguous()?;
-        Ok(Some(x.apply_op1_no_bwd(op)?))
+        Ok(None)
     }
 
     /// The crate's kernel this matmul runs, or `None` where it defers to candle's `QMatMul`.
     pub fn kernel(&self) -> Option<Kernel> {
         match &self.inner {
             Inner::Repacked(op) => Some(op.kernel),
-            Inner::Sum64(op) => Some(op.kernel),
             Inner::Candle(_) => None,
         }
     }
 
-    /// Whether this matmul keeps the weight in a layout of its own (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 on the CPU,
-    /// repacked four rows at a time) rather than sharing the `QTensor` it was built from: its owner
+    /// Whether this matmul keeps the weight in a layout of its own (Q4_0, Q4_1, Q5_0, Q5_1,
+    /// Q8_0, Q4_K and Q6_K on the CPU, repacked four rows at a time) rather than sharing the `QTensor` it was built from: its owner
     /// may then drop that tensor and read rows with [`QuantMatMul::dequantize_rows`].
     pub fn holds_weight(&self) -> bool {
         matches!(self.inner, Inner::Repacked(_))
@@ -425,7 +373,6 @@ impl Module for QuantMatMul {
         match &self.inner {
             Inner::Candle(mm) => mm.forward(xs),
             Inner::Repacked(op) => crate_op(xs, op, op.w.type_name(), self.dims),
-            Inner::Sum64(op) => crate_op(xs, op, &format!("{:?}", op.w.dtype()), (op.n, op.k)),
         }
     }
 }
@@ -461,14 +408,6 @@ impl std::fmt::Debug for QuantMatMul {
                 "QuantMatMul({} {:?} repacked x4, summed in f64, {:?})",
                 op.w.type_name(),
                 op.w.dims(),
-                op.kernel
-            ),
-            Inner::Sum64(op) => write!(
-                f,
-                "QuantMatMul({:?} [{}, {}] summed in f64, {:?})",
-                op.w.dtype(),
-                op.n,
-                op.k,
                 op.kernel
             ),
             Inner::Candle(mm) => write!(f, "QuantMatMul({mm:?})"),

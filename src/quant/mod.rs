@@ -16,9 +16,9 @@
 //!   Q6_K products summed in f64, so that a row-parallel layer gives the same values at every
 //!   world size;
 //! - [`QuantMatMul`]: the one-call `Module` for a quantized weight, the crate's kernel where it
-//!   has one (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights repacked four rows at a time when it is
-//!   built, `candle_tp_kernels::repack`, every product summed in f64) and candle's `QMatMul`
-//!   otherwise (other types, other devices);
+//!   has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights repacked four rows at a time
+//!   when it is built, `candle_tp_kernels::repack`, every product summed in f64) and candle's
+//!   `QMatMul` otherwise (other types, other devices);
 //! - [`QuantType`]: each weight type described once (split unit, CPU product, f64 kernel);
 //! - [`matmul_small_m`]: dense f32 / bf16 / f16 weights at decode sizes (≤ 16 rows), reading
 //!   each weight row once for the whole batch, batch-invariant (candle 0.11 packs the weight
@@ -29,7 +29,6 @@
 //!
 //! See "Quantized kernels" in `docs/PERFORMANCE.md` for which types are fast on which CPUs.
 
-mod f64_matmul;
 mod matmul;
 mod small_m;
 pub mod types;
@@ -38,7 +37,6 @@ pub use candle_tp_kernels::f64_dot::{dot_f64, F64Dot};
 pub use candle_tp_kernels::f64_matmul::{matmul_f64, matmul_f64_bytes, F64MatMulFn};
 pub use candle_tp_kernels::q4_1::{vec_dot_q4_1_q8_1, BlockQ4_1, Kernel, QK4_1};
 pub use candle_tp_kernels::q8_1::{quantize_row_q8_1, BlockQ8_1, QK8_1};
-pub use f64_matmul::has_f64_kernel;
 pub use matmul::{matmul_q4_0, matmul_q4_1, matmul_q5_0, matmul_q5_1, QuantMatMul};
 pub use small_m::{matmul_small_m, SMALL_M_MAX_ROWS};
-pub use types::{CpuProduct, QuantType};
+pub use types::{has_f64_kernel, CpuProduct, QuantType};

@@ -4,14 +4,6 @@
 //! (once its kernels exist in `candle-tp-kernels`) is one entry in [`TYPES`].
 
 use candle_core::quantized::GgmlDType;
-use candle_tp_kernels::f64_matmul::{matmul_f64_bytes, F64MatMulFn};
-use candle_tp_kernels::q4_0::BlockQ4_0;
-use candle_tp_kernels::q4_1::BlockQ4_1;
-use candle_tp_kernels::q4_k::BlockQ4K;
-use candle_tp_kernels::q5_0::BlockQ5_0;
-use candle_tp_kernels::q5_1::BlockQ5_1;
-use candle_tp_kernels::q6_k::BlockQ6K;
-use candle_tp_kernels::q8_0::BlockQ8_0;
 use candle_tp_kernels::repack::RepackFn;
 
 /// Which product [`QuantMatMul`](super::QuantMatMul)'s `forward` runs for a weight on the CPU
@@ -20,11 +12,15 @@ use candle_tp_kernels::repack::RepackFn;
 pub enum CpuProduct {
     /// Candle's `QMatMul`.
     Candle,
-    /// The crate's f64-summing kernel ([`QuantType::f64_matmul`]), rounded to f32.
-    Sum64,
     /// The weight repacked four rows at a time when the matmul is built
     /// ([`QuantType::repack`]), every product summed in f64 (rounded to f32 by `forward`).
     Repacked,
+}
+
+/// Whether [`crate::quant::QuantMatMul::forward_f64`] has a kernel for weights of this type
+/// ([`QuantType::sums_in_f64`]).
+pub fn has_f64_kernel(dtype: GgmlDType) -> bool {
+    QuantType::of(dtype).sums_in_f64()
 }
 
 /// How the crate handles weights of one ggml type.
@@ -41,9 +37,6 @@ pub struct QuantType {
     pub split_blocks: usize,
     /// The product of `QuantMatMul::forward` on the CPU.
     pub cpu_product: CpuProduct,
-    /// The f64-summing matmul over the type's blocks (`QuantMatMul::forward_f64`, what
-    /// row-parallel layers use), where the crate has one.
-    pub f64_matmul: Option<F64MatMulFn>,
     /// Repacks GGUF bytes four rows at a time (`candle_tp_kernels::repack`), for
     /// [`CpuProduct::Repacked`].
     pub repack: Option<RepackFn>,
@@ -57,7 +50,6 @@ impl QuantType {
             dense: false,
             split_blocks,
             cpu_product: CpuProduct::Candle,
-            f64_matmul: None,
             repack: None,
         }
     }
@@ -80,9 +72,10 @@ impl QuantType {
             .unwrap_or(Self::candle(dtype, 1))
     }
 
-    /// Whether the crate has an f64-summing kernel for the type.
+    /// Whether the crate has an f64-summing kernel for the type (its repacked product,
+    /// `QuantMatMul::forward_f64`, what row-parallel layers use).
     pub fn sums_in_f64(&self) -> bool {
-        self.f64_matmul.is_some()
+        self.repack.is_some()
     }
 
     /// Values per block (1 for the float types).
@@ -103,41 +96,37 @@ pub const TYPES: &[QuantType] = &[
     QuantType::dense(GgmlDType::BF16),
     QuantType {
         cpu_product: CpuProduct::Repacked,
-        f64_matmul: Some(matmul_f64_bytes::<BlockQ4_0>),
         repack: Some(candle_tp_kernels::q4_0x4::repack),
         ..QuantType::candle(GgmlDType::Q4_0, 1)
     },
     QuantType {
         cpu_product: CpuProduct::Repacked,
-        f64_matmul: Some(matmul_f64_bytes::<BlockQ4_1>),
         repack: Some(candle_tp_kernels::q4_1x4::repack),
         ..QuantType::candle(GgmlDType::Q4_1, 1)
     },
     QuantType {
         cpu_product: CpuProduct::Repacked,
-        f64_matmul: Some(matmul_f64_bytes::<BlockQ5_0>),
         repack: Some(candle_tp_kernels::q5_0x4::repack),
         ..QuantType::candle(GgmlDType::Q5_0, 2)
     },
     QuantType {
         cpu_product: CpuProduct::Repacked,
-        f64_matmul: Some(matmul_f64_bytes::<BlockQ5_1>),
         repack: Some(candle_tp_kernels::q5_1x4::repack),
         ..QuantType::candle(GgmlDType::Q5_1, 2)
     },
     QuantType {
         cpu_product: CpuProduct::Repacked,
-        f64_matmul: Some(matmul_f64_bytes::<BlockQ8_0>),
         repack: Some(candle_tp_kernels::q8_0x4::repack),
         ..QuantType::candle(GgmlDType::Q8_0, 1)
     },
     QuantType {
-        cpu_product: CpuProduct::Sum64,
-        f64_matmul: Some(matmul_f64_bytes::<BlockQ4K>),
+        cpu_product: CpuProduct::Repacked,
+        repack: Some(candle_tp_kernels::q4_kx4::repack),
         ..QuantType::candle(GgmlDType::Q4K, 1)
     },
     QuantType {
-        f64_matmul: Some(matmul_f64_bytes::<BlockQ6K>),
+        cpu_product: CpuProduct::Repacked,
+        repack: Some(candle_tp_kernels::q6_kx4::repack),
         ..QuantType::candle(GgmlDType::Q6K, 1)
     },
 ];
