@@ -3,13 +3,14 @@
 //! candle-tp runs on the CPU (decode, prefill, row-parallel partials).
 //!
 //! Four rows' super-blocks `b` are one 840-byte record (the four super-scales, the four rows'
-//! 16 scales, their low 4 bits, then their high 2 bits), so a group of four rows is one
-//! sequential stream. Per super-block the kernel unpacks each row's 256 six-bit values `q`
-//! (0..63, unsigned) once for all activation rows, multiplies them by the Q8_K bytes `q'`
-//! (`maddubs`) and each 16 by their scale `sc` (`madd`), and takes the offset off as
-//! `32·Σ_j sc_j·bsums_j` (as [`crate::q6_k`]'s per-row kernel): `Σ_j sc_j Σ (q − 32)·q'`, one
-//! exact integer per row, times the exact product of the scales `d·d'` in f64, the blocks added
-//! in order: every value is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row
+//! 16 scales, then their values' low 4 and high 2 bits in runs of 8 values of each row), so a
+//! group of four rows is one sequential stream and one 32-byte load holds 8 values of each of
+//! the four rows. Per super-block the kernel unpacks the values `q` (0..63, unsigned) once for
+//! all activation rows; per 16 values it multiplies them by the Q8_K bytes `q'` (`maddubs`,
+//! two added in i16) and by the four rows' scales `sc` (one `madd`), and takes the offset off
+//! as `32·Σ_j sc_j·bsums_j` (as [`crate::q6_k`]'s per-row kernel): `Σ_j sc_j Σ (q − 32)·q'`,
+//! one exact integer per row, times the exact product of the scales `d·d'` in f64, the blocks
+//! added in order: every value is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row
 //! (tested).
 
 use crate::q6_k::BlockQ6K;
@@ -20,8 +21,12 @@ use half::f16;
 use std::sync::Arc;
 
 /// Four Q6_K super-blocks of four consecutive rows (the same block index), interleaved: row
-/// `r`'s block is `d[r]`, `scales[r]`, `ql[r]` and `qh[r]` (values as in [`BlockQ6K`]).
-/// 840 bytes.
+/// `r`'s block is `d[r]` and `scales[r]` (as in [`BlockQ6K`]) and its 256 six-bit values `q`
+/// (value `p` as [`BlockQ6K`] orders them, before the offset 32) in runs of 8, so that one
+/// 32-byte load holds the same 8 values of the four rows: `ql[u][r][l]` holds the low 4 bits
+/// of values `8u + l` (low nibble) and `8(u + 16) + l` (high nibble), `qh[w][r][l]` the high 2
+/// bits of values `8(w + 8i) + l` in its bits `2i, 2i + 1` (`i = 0..4`). 840 bytes, the four
+/// blocks' size.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[repr(C)]
 pub struct BlockQ6Kx4 {
@@ -29,10 +34,10 @@ pub struct BlockQ6Kx4 {
     pub d: [f16; 4],
     /// The rows' scales, one per 16 values.
     pub scales: [[i8; QK_K / 16]; 4],
-    /// The rows' low 4 bits of the values.
-    pub ql: [[u8; QK_K / 2]; 4],
-    /// The rows' high 2 bits of the values.
-    pub qh: [[u8; QK_K / 4]; 4],
+    /// The low 4 bits of the values, two runs of 8 of each row in turn.
+    pub ql: [[[u8; 8]; 4]; QK_K / 16],
+    /// The high 2 bits of the values, four runs of 8 of each row in turn.
+    pub qh: [[[u8; 8]; 4]; QK_K / 32],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ6Kx4>() == 840);
 
@@ -41,9 +46,25 @@ impl BlockQ6Kx4 {
     pub const ZERO: Self = Self {
         d: [f16::ZERO; 4],
         scales: [[0; QK_K / 16]; 4],
-        ql: [[0; QK_K / 2]; 4],
-        qh: [[0; QK_K / 4]; 4],
+        ql: [[[0; 8]; 4]; QK_K / 16],
+        qh: [[[0; 8]; 4]; QK_K / 32],
     };
+}
+
+/// The 256 six-bit values of a block (0..63, before the offset 32), in order.
+fn values(block: &BlockQ6K) -> [u8; QK_K] {
+    let mut q = [0u8; QK_K];
+    for half in 0..2 {
+        let (ql, qh) = (&block.ql[64 * half..], &block.qh[32 * half..]);
+        let q = &mut q[128 * half..128 * half + 128];
+        for l in 0..32 {
+            q[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            q[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    q
 }
 
 /// A repacked Q6_K weight ([`Repacked`] of [`BlockQ6K`]).
@@ -63,17 +84,45 @@ impl Interleave for BlockQ6K {
     fn set_row(x4: &mut BlockQ6Kx4, r: usize, block: &Self) {
         x4.d[r] = block.d;
         x4.scales[r] = block.scales;
-        x4.ql[r] = block.ql;
-        x4.qh[r] = block.qh;
+        let q = values(block);
+        for u in 0..QK_K / 16 {
+            for l in 0..8 {
+                x4.ql[u][r][l] = (q[8 * u + l] & 0xF) | ((q[8 * (u + 16) + l] & 0xF) << 4);
+            }
+        }
+        for w in 0..QK_K / 32 {
+            for l in 0..8 {
+                x4.qh[w][r][l] =
+                    (0..4).fold(0, |h, i| h | ((q[8 * (w + 8 * i) + l] >> 4) << (2 * i)));
+            }
+        }
     }
 
     fn row(x4: &BlockQ6Kx4, r: usize) -> Self {
-        BlockQ6K {
-            ql: x4.ql[r],
-            qh: x4.qh[r],
+        let q: [u8; QK_K] = std::array::from_fn(|p| {
+            let (t, l) = (p / 8, p % 8);
+            let low = x4.ql[t % 16][r][l] >> (4 * (t / 16)) & 0xF;
+            let high = (x4.qh[t % 8][r][l] >> (2 * (t / 8))) & 3;
+            low | (high << 4)
+        });
+        let mut block = BlockQ6K {
+            ql: [0; QK_K / 2],
+            qh: [0; QK_K / 4],
             scales: x4.scales[r],
             d: x4.d[r],
+        };
+        for half in 0..2 {
+            let q = &q[128 * half..128 * half + 128];
+            for l in 0..32 {
+                block.ql[64 * half + l] = (q[l] & 0xF) | ((q[l + 64] & 0xF) << 4);
+                block.ql[64 * half + l + 32] = (q[l + 32] & 0xF) | ((q[l + 96] & 0xF) << 4);
+                block.qh[32 * half + l] = (q[l] >> 4)
+                    | ((q[l + 32] >> 4) << 2)
+                    | ((q[l + 64] >> 4) << 4)
+                    | ((q[l + 96] >> 4) << 6);
+            }
         }
+        block
     }
 
     /// candle 0.11.1's `BlockQ6K::to_float`, operation for operation: `d · sc · (q − 32)` in
@@ -112,18 +161,24 @@ impl Interleave for BlockQ6K {
 mod avx2 {
     use super::BlockQ6Kx4;
     use crate::f64_dot::avx2::hsum4;
-    use crate::q8_k::BlockQ8K;
+    use crate::q8_k::{BlockQ8K, QK_K};
     use crate::repack::avx2::{f16x4, PREFETCH};
     use std::arch::x86_64::*;
 
-    /// As the scalar sum, bit for bit: per super-block, each row's values unpacked once
-    /// (unsigned, 0..63: low 4 bits of `ql`, high 2 of `qh`, as [`crate::q6_k`]'s kernel) with
-    /// its scales widened to i16; per activation row, `Σ sc·q·q'` (`maddubs`, pairs of at most
-    /// 2·63·128, no saturation, then `madd` by the scale of each 16 values) minus
-    /// `32·Σ_j sc_j·bsums_j` (a `madd` of the scales with the block sums, shifted by 5), the
-    /// four rows reduced to one integer each (the scalar's `dots`, whose magnitude is below
-    /// 2^31, so wrapping lanes do not matter), times `d·d'` (exact in f64) with one rounding,
-    /// then added to the row's f64 sum: the scalar's `(d · d') · dots` and `+`.
+    /// Eight bytes of `p`, in each 64-bit lane.
+    #[inline(always)]
+    unsafe fn bytes8(p: *const i8) -> __m256i {
+        _mm256_set1_epi64x(std::ptr::read_unaligned(p as *const i64))
+    }
+
+    /// As the scalar sum, bit for bit. Per super-block, once for every activation row: the
+    /// four rows' values in runs of 8 ([`BlockQ6Kx4`]: `v[t]` holds values `8t .. 8t + 8` of
+    /// each row, unsigned 0..63) and, per 16 values, the four rows' scales as i16 (four lanes
+    /// each: a byte transpose of the scales). Per activation row and 16 values: two `maddubs`
+    /// with the activations' bytes (broadcast) added in i16 (each lane at most
+    /// 2·2·63·128 = 32256, no overflow), one `madd` by the rows' scales (two i32 lanes per
+    /// row), minus `32·Σ_j sc_j·bsums_j` per row; the scalar's `dots`, below 2^31 in
+    /// magnitude, times `d·d'` (exact in f64) with one rounding, added to the row's f64 sum.
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
@@ -134,14 +189,14 @@ mod avx2 {
     ) -> [[f64; 4]; M] {
         let m4 = _mm256_set1_epi8(0x0F);
         let m30 = _mm256_set1_epi8(0x30);
-        // Vector `t` of a half holds values `32 t .. 32 t + 32`: scale `2 t` in its low 128
-        // bits, `2 t + 1` in its high 128 bits. `pick[t]` broadcasts those i16 words of a
-        // half's eight scales (copied in both 128-bit lanes).
-        let pick: [__m256i; 4] = std::array::from_fn(|t| {
-            let bytes: [u8; 32] = std::array::from_fn(|j| (4 * t + 2 * (j / 16) + j % 2) as u8);
-            _mm256_loadu_si256(bytes.as_ptr() as *const __m256i)
+        // Byte `s % 4` of four rows (one 32-bit word per 16 values), each repeated 4 times.
+        let spread: [__m128i; 4] = std::array::from_fn(|w| {
+            let c: [u8; 16] = std::array::from_fn(|i| (4 * w + i / 4) as u8);
+            _mm_loadu_si128(c.as_ptr() as *const __m128i)
         });
         let mut acc = [_mm256_setzero_pd(); M];
+        let mut v = [_mm256_setzero_si256(); QK_K / 8];
+        let mut sc = [_mm256_setzero_si256(); QK_K / 16];
         for (b, g) in group.iter().enumerate() {
             // A hint: no fault past the end of the weight. Every cache line of the record,
             // `PREFETCH` bytes ahead.
@@ -149,69 +204,67 @@ mod avx2 {
             for line in (0..std::mem::size_of::<BlockQ6Kx4>()).step_by(64) {
                 _mm_prefetch(at.wrapping_add(line), _MM_HINT_T0);
             }
-            // The four rows' values (vector `4 h + t`: values `128 h + 32 t ..`), the
-            // matching scales, and the 16 scales as i16, for every activation row.
-            let mut q = [[_mm256_setzero_si256(); 8]; 4];
-            let mut sc = [[_mm256_setzero_si256(); 8]; 4];
-            let mut sc16 = [_mm256_setzero_si256(); 4];
-            for r in 0..4 {
-                let s =
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128(g.scales[r].as_ptr() as *const __m128i));
-                sc16[r] = s;
-                let halves = [
-                    _mm256_permute2x128_si256(s, s, 0x00),
-                    _mm256_permute2x128_si256(s, s, 0x11),
-                ];
-                for (h, &scales) in halves.iter().enumerate() {
-                    let ql = g.ql[r].as_ptr().add(64 * h);
-                    let ql0 = _mm256_loadu_si256(ql as *const __m256i);
-                    let ql1 = _mm256_loadu_si256(ql.add(32) as *const __m256i);
-                    let qh = _mm256_loadu_si256(g.qh[r].as_ptr().add(32 * h) as *const __m256i);
-                    let v = &mut q[r][4 * h..4 * h + 4];
-                    v[0] = _mm256_or_si256(
-                        _mm256_and_si256(ql0, m4),
-                        _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                    );
-                    v[1] = _mm256_or_si256(
-                        _mm256_and_si256(ql1, m4),
-                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                    );
-                    v[2] = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                        _mm256_and_si256(qh, m30),
-                    );
-                    v[3] = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                    );
-                    for t in 0..4 {
-                        sc[r][4 * h + t] = _mm256_shuffle_epi8(scales, pick[t]);
-                    }
-                }
+            for u in 0..QK_K / 16 {
+                let ql = _mm256_loadu_si256(g.ql[u].as_ptr() as *const __m256i);
+                let qh = _mm256_loadu_si256(g.qh[u % 8].as_ptr() as *const __m256i);
+                // Values 8u.. take bits 0-1 (u < 8) or 2-3 of `qh`; values 8(u + 16).. bits
+                // 4-5 or 6-7.
+                let (h_lo, h_hi) = if u < 8 {
+                    (_mm256_slli_epi16(qh, 4), qh)
+                } else {
+                    (_mm256_slli_epi16(qh, 2), _mm256_srli_epi16(qh, 2))
+                };
+                v[u] = _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(h_lo, m30));
+                v[u + 16] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
+                    _mm256_and_si256(h_hi, m30),
+                );
             }
+            // The scales transposed: `t[w]` holds, for `s = 4w .. 4w + 4`, the four rows'
+            // scale `s` (one word each).
+            let rows: [__m128i; 4] =
+                std::array::from_fn(|r| _mm_loadu_si128(g.scales[r].as_ptr() as *const __m128i));
+            let (a01, b01) = (
+                _mm_unpacklo_epi8(rows[0], rows[1]),
+                _mm_unpackhi_epi8(rows[0], rows[1]),
+            );
+            let (a23, b23) = (
+                _mm_unpacklo_epi8(rows[2], rows[3]),
+                _mm_unpackhi_epi8(rows[2], rows[3]),
+            );
+            let t = [
+                _mm_unpacklo_epi16(a01, a23),
+                _mm_unpackhi_epi16(a01, a23),
+                _mm_unpacklo_epi16(b01, b23),
+                _mm_unpackhi_epi16(b01, b23),
+            ];
+            for (s, sc) in sc.iter_mut().enumerate() {
+                *sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t[s / 4], spread[s % 4]));
+            }
+            let sc16: [__m256i; 4] = rows.map(|r| _mm256_cvtepi8_epi16(r));
             let dw = _mm256_cvtps_pd(f16x4(&g.d));
             for i in 0..M {
                 // In bounds: `xs[i].0` has `group.len()` blocks (the caller's contract).
                 let x = xs[i].0.get_unchecked(b);
-                let mut a = [_mm256_setzero_si256(); 8];
-                for (v, a) in a.iter_mut().enumerate() {
-                    *a = _mm256_loadu_si256(x.qs.as_ptr().add(32 * v) as *const __m256i);
+                let a = x.qs.as_ptr();
+                let mut sum = _mm256_setzero_si256();
+                for s in 0..QK_K / 16 {
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(v[2 * s], bytes8(a.add(16 * s))),
+                        _mm256_maddubs_epi16(v[2 * s + 1], bytes8(a.add(16 * s + 8))),
+                    );
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, sc[s]));
                 }
+                // Lanes [r0, r0, r1, r1 | r2, r2, r3, r3] -> [r0, r1, r2, r3].
+                let h = _mm256_hadd_epi32(sum, sum);
+                let sums =
+                    _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
                 let bsums = _mm256_loadu_si256(x.bsums.as_ptr() as *const __m256i);
-                let mut s = [_mm256_setzero_si256(); 4];
-                for r in 0..4 {
-                    let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16[r], bsums), 5);
-                    let mut sum = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
-                    for v in 0..8 {
-                        let pairs = _mm256_maddubs_epi16(q[r][v], a[v]);
-                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, sc[r][v]));
-                    }
-                    s[r] = sum;
-                }
-                let dots = _mm256_cvtepi32_pd(hsum4(s));
+                let offsets = hsum4(sc16.map(|s| _mm256_madd_epi16(s, bsums)));
+                let dots = _mm_sub_epi32(sums, _mm_slli_epi32(offsets, 5));
                 let dd = _mm256_mul_pd(dw, _mm256_set1_pd(x.d as f64));
                 // Not an FMA: the scalar rounds the product, then the sum.
-                acc[i] = _mm256_add_pd(acc[i], _mm256_mul_pd(dd, dots));
+                acc[i] = _mm256_add_pd(acc[i], _mm256_mul_pd(dd, _mm256_cvtepi32_pd(dots)));
             }
         }
         let mut out = [[0f64; 4]; M];
