@@ -79,6 +79,7 @@ fn worlds_two_and_three_generate_the_ids_of_world_one() -> anyhow::Result<()> {
         GgmlDType::Q5_1,
         GgmlDType::Q8_0,
         GgmlDType::Q4K,
+        GgmlDType::Q5K,
         GgmlDType::Q6K,
     ] {
         let path = gguf(dtype);

@@ -56,12 +56,13 @@ fn compare(dtype: GgmlDType) -> candle_core::Result<(Vec<u32>, Vec<u32>, f32)> {
     Ok((want_ids, got_ids, worst))
 }
 
-const TYPES: [GgmlDType; 6] = [
+const TYPES: [GgmlDType; 7] = [
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
     GgmlDType::Q5_1,
     GgmlDType::Q8_0,
     GgmlDType::Q4K,
+    GgmlDType::Q5K,
     GgmlDType::Q6K,
 ];
 

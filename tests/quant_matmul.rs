@@ -257,7 +257,7 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     let dev = Device::Cpu;
     let w = seeded_uniform(&[32, 256], 1, 1.0, &dev)?;
     let x = seeded_uniform(&[3, 256], 2, 1.0, &dev)?;
-    for dtype in [GgmlDType::Q2K, GgmlDType::Q3K, GgmlDType::Q5K] {
+    for dtype in [GgmlDType::Q2K, GgmlDType::Q3K] {
         let q = Arc::new(QTensor::quantize(&w, dtype)?);
         let mm = QuantMatMul::from_arc(q.clone())?;
         assert_eq!(mm.kernel(), None);
@@ -271,7 +271,7 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
     Ok(())
 }
 
-/// Q4_0, Q5_0, Q8_0, Q4_K and Q6_K (repacked four rows at a time) run the crate's f64-summing
+/// Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K (repacked four rows at a time) run the crate's f64-summing
 /// kernels rounded to f32, for decode and prefill shapes, with every kernel under test
 /// (`CANDLE_TP_KERNEL` forces one), on a shape of 24 blocks and 48 rows and one of 9 blocks and 37 rows (an odd
 /// block count, rows not a multiple of 4):
@@ -284,7 +284,7 @@ fn other_types_fall_back_to_candle_qmatmul() -> Result<()> {
 ///   ggml's Q8_0 activations and agrees to f32 rounding;
 /// - and each row's result does not depend on how many rows are in the batch.
 #[test]
-fn q4_0_q5_0_q8_0_q4_k_and_q6_k_run_the_crates_kernel() -> Result<()> {
+fn q4_0_q5_0_q8_0_and_k_quants_run_the_crates_kernel() -> Result<()> {
     let dev = Device::Cpu;
     // 48 rows × 768 columns: the shape candle repacks (a multiple of 16 × 256).
     let w = seeded_uniform(&[48, 768], 3, 1.0, &dev)?;
@@ -296,6 +296,7 @@ fn q4_0_q5_0_q8_0_q4_k_and_q6_k_run_the_crates_kernel() -> Result<()> {
         (GgmlDType::Q5_0, &w, &x),
         (GgmlDType::Q8_0, &w, &x),
         (GgmlDType::Q4K, &w, &x),
+        (GgmlDType::Q5K, &w, &x),
         (GgmlDType::Q6K, &w, &x),
         (GgmlDType::Q4_0, &w_odd, &x_odd),
         (GgmlDType::Q5_0, &w_odd, &x_odd),
@@ -498,6 +499,7 @@ fn repacked_types_hold_their_weight_once_and_read_rows_back() -> Result<()> {
         (GgmlDType::Q5_1, "Q5_1"),
         (GgmlDType::Q8_0, "Q8_0"),
         (GgmlDType::Q4K, "Q4_K"),
+        (GgmlDType::Q5K, "Q5_K"),
         (GgmlDType::Q6K, "Q6_K"),
     ] {
         let q = Arc::new(QTensor::quantize(&w, dtype)?);

@@ -3,12 +3,12 @@
 //! Its ranks sum their block ranges in f64 (`candle_tp_kernels::f64_dot`), all-reduce the
 //! f64 partials and round once; the f32 path (candle's `QMatMul` per shard, f32 all-reduce)
 //! does not, which is what made worlds 2 and 3 of a quantized model drift from world 1
-//! (tests/gguf_quantized.rs). Checked for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K with
+//! (tests/gguf_quantized.rs). Checked for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K with
 //! uneven splits (7 k-quant super-blocks: 4 + 3 and 3 + 2 + 2; Q5_0 / Q5_1 split, as the GGUF
 //! loader splits them, by pairs of blocks: 28 pairs as 14 + 14 and 10 + 9 + 9), against:
 //! - world 1, bit for bit;
 //! - the exact product of the quantized operands (tests/common/quantized.rs) within one f32
-//!   rounding for Q4_0, Q5_0, Q8_0, Q4_K and Q6_K; candle's own `QMatMul` on the whole weight
+//!   rounding for Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K; candle's own `QMatMul` on the whole weight
 //!   within f32 rounding for Q4_1 and Q5_1 and loosely for the others (its activation format
 //!   depends on the CPU);
 //! - and, as a control, the f32 path at world 2 (candle's `QMatMul` per shard, summed in f32)
@@ -69,6 +69,7 @@ fn quantized_row_parallel_sums_do_not_depend_on_the_world_size() -> Result<()> {
         GgmlDType::Q5_1,
         GgmlDType::Q8_0,
         GgmlDType::Q4K,
+        GgmlDType::Q5K,
         GgmlDType::Q6K,
     ] {
         let q = QTensor::quantize(&w, dtype)?;

@@ -8,12 +8,12 @@
 //! - [`q4_0`]: the Q4_0 × Q8_0 dot product in f64 (below), one row at a time;
 //! - [`repack`]: weights repacked four rows at a time and their matmul, summed in f64: what
 //!   every Q4_0 ([`q4_0x4`]), Q4_1 ([`q4_1x4`]), Q5_0 ([`q5_0x4`]), Q5_1 ([`q5_1x4`]), Q8_0
-//!   ([`q8_0x4`]), Q4_K ([`q4_kx4`]) and Q6_K ([`q6_kx4`]) product runs;
+//!   ([`q8_0x4`]), Q4_K ([`q4_kx4`]), Q5_K ([`q5_kx4`]) and Q6_K ([`q6_kx4`]) product runs;
 //! - [`q5_0`], [`q5_1`]: the Q5_0 × Q8_0 and Q5_1 × Q8_1 dot products (scalar and AVX2 + FMA +
 //!   F16C), in f32 for whole rows and in f64 (below);
-//! - [`f64_dot`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K dot products accumulated in f64,
+//! - [`f64_dot`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K dot products accumulated in f64,
 //!   whose sums do not depend on how a row's blocks are split between ranks ([`q4_0`],
-//!   [`q5_0`], [`q5_1`], [`q8_0`], [`q8_k`], [`q4_k`], [`q6_k`]: the block types), and
+//!   [`q5_0`], [`q5_1`], [`q8_0`], [`q8_k`], [`q4_k`], [`q5_k`], [`q6_k`]: the block types), and
 //!   [`f64_matmul`], their matmul over rayon;
 //! - [`kernel`]: which implementation runs ([`kernel::Kernel`]: scalar or AVX2, detected at run
 //!   time, forced with `CANDLE_TP_KERNEL=scalar|avx2`);
@@ -32,6 +32,8 @@ pub mod q5_0;
 pub mod q5_0x4;
 pub mod q5_1;
 pub mod q5_1x4;
+pub mod q5_k;
+pub mod q5_kx4;
 pub mod q6_k;
 pub mod q6_kx4;
 pub mod q8_0;

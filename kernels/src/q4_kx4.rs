@@ -72,6 +72,7 @@ pub(crate) fn scales_mins(q: &[u8; 12]) -> (u64, u64) {
 impl Interleave for BlockQ4K {
     type X4 = BlockQ4Kx4;
     const X4_ZERO: BlockQ4Kx4 = BlockQ4Kx4::ZERO;
+    const TILE_8: bool = true;
 
     fn set_row(x4: &mut BlockQ4Kx4, r: usize, block: &Self) {
         x4.d[r] = block.d;

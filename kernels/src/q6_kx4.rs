@@ -80,6 +80,7 @@ pub fn repack(bytes: &[u8], n: usize, k: usize) -> Result<Arc<dyn RepackedMatMul
 impl Interleave for BlockQ6K {
     type X4 = BlockQ6Kx4;
     const X4_ZERO: BlockQ6Kx4 = BlockQ6Kx4::ZERO;
+    const TILE_8: bool = true;
 
     fn set_row(x4: &mut BlockQ6Kx4, r: usize, block: &Self) {
         x4.d[r] = block.d;

@@ -4,7 +4,7 @@
 //! `VocabParallelEmbedding`, `ParallelLmHead`) holds its shard as a `ParallelWeight`, chosen
 //! by what the source holds: a dense `candle_nn::Linear` (candle-nn's matmul; for small CPU inference inputs
 //! in bf16/f16, or in f32 after [`set_batch_invariant_matmul`], the crate's small-m kernel), or
-//! GGUF blocks multiplied by [`QuantMatMul`] (the crate's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K kernels, Candle's
+//! GGUF blocks multiplied by [`QuantMatMul`] (the crate's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K kernels, Candle's
 //! `QMatMul` for the other types; f64 sums for row-parallel layers). So each layer type and each model is written
 //! once for both.
 
@@ -54,7 +54,7 @@ pub fn matmul_time() -> Duration {
 #[derive(Debug, Clone)]
 pub struct QuantizedWeight {
     /// The blocks as the source gave them; `None` where the matmul keeps the weight in a
-    /// layout of its own ([`QuantMatMul::holds_weight`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
+    /// layout of its own ([`QuantMatMul::holds_weight`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
     /// Q6_K on the CPU), so that it is in memory once.
     qtensor: Option<Arc<QTensor>>,
     dtype: GgmlDType,
@@ -65,13 +65,13 @@ pub struct QuantizedWeight {
 
 impl QuantizedWeight {
     /// The blocks as the source gave them, unless the matmul keeps the weight in a layout of
-    /// its own (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K on the CPU, repacked four rows at a time:
+    /// its own (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K on the CPU, repacked four rows at a time:
     /// `None`).
     pub fn qtensor(&self) -> Option<&Arc<QTensor>> {
         self.qtensor.as_ref()
     }
 
-    /// `x Wᵀ`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K through the crate's SIMD kernels ([`QuantMatMul`]), every
+    /// `x Wᵀ`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K through the crate's SIMD kernels ([`QuantMatMul`]), every
     /// other type through Candle's `QMatMul` (x in f32; other dtypes are converted and back).
     fn matmul(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();

@@ -195,7 +195,7 @@ fn input_rows<'a>(
 
 #[derive(Clone)]
 enum Inner {
-    /// A weight repacked four rows at a time (CPU Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
+    /// A weight repacked four rows at a time (CPU Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
     /// Q6_K), summed in f64: the only copy of the weight this matmul keeps.
     Repacked(RepackedOp),
     /// Everything else: candle's own quantized matmul.
@@ -207,7 +207,7 @@ enum Inner {
 ///
 /// | weight type | CPU | other devices |
 /// |---|---|---|
-/// | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K | this crate: repacked four rows at a time when built, summed in f64 and rounded (AVX2 + FMA + F16C or scalar; any block count); the `QTensor` is not kept | `QMatMul` |
+/// | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K | this crate: repacked four rows at a time when built, summed in f64 and rounded (AVX2 + FMA + F16C or scalar; any block count); the `QTensor` is not kept | `QMatMul` |
 /// | anything else | `QMatMul` | `QMatMul` |
 ///
 /// [`QuantMatMul::forward_f64`] returns the f64 sums instead (the same types, on the CPU):
@@ -307,7 +307,7 @@ impl QuantMatMul {
     }
 
     /// `x · Wᵀ` with the blocks' products summed in f64, as an f64 tensor `[.., n]`, for the
-    /// weight types with an f64 kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) on the CPU;
+    /// weight types with an f64 kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on the CPU;
     /// `None` for the others (and when candle's `CANDLE_DEQUANTIZE_ALL` is set).
     ///
     /// A row-parallel layer all-reduces these partials in f64 and rounds the total to f32
@@ -335,7 +335,7 @@ impl QuantMatMul {
     }
 
     /// Whether this matmul keeps the weight in a layout of its own (Q4_0, Q4_1, Q5_0, Q5_1,
-    /// Q8_0, Q4_K and Q6_K on the CPU, repacked four rows at a time) rather than sharing the `QTensor` it was built from: its owner
+    /// Q8_0, Q4_K, Q5_K and Q6_K on the CPU, repacked four rows at a time) rather than sharing the `QTensor` it was built from: its owner
     /// may then drop that tensor and read rows with [`QuantMatMul::dequantize_rows`].
     pub fn holds_weight(&self) -> bool {
         matches!(self.inner, Inner::Repacked(_))

@@ -12,11 +12,11 @@
 //! - [`matmul_q4_1`], [`matmul_q5_0`], [`matmul_q5_1`]: `x · Wᵀ` over rayon in f32 (Q4_1's bit
 //!   for bit candle's), quantizing each activation row once, four weight rows sharing each
 //!   activation load; [`matmul_q4_0`]: the same call through the repacked kernel;
-//! - [`matmul_f64`] and [`QuantMatMul::forward_f64`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
-//!   Q6_K products summed in f64, so that a row-parallel layer gives the same values at every
+//! - [`matmul_f64`] and [`QuantMatMul::forward_f64`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+//!   Q5_K and Q6_K products summed in f64, so that a row-parallel layer gives the same values at every
 //!   world size;
 //! - [`QuantMatMul`]: the one-call `Module` for a quantized weight, the crate's kernel where it
-//!   has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights repacked four rows at a time
+//!   has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights repacked four rows at a time
 //!   when it is built, `candle_tp_kernels::repack`, every product summed in f64) and candle's
 //!   `QMatMul` otherwise (other types, other devices);
 //! - [`QuantType`]: each weight type described once (split unit, CPU product, f64 kernel);

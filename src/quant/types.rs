@@ -126,6 +126,11 @@ pub const TYPES: &[QuantType] = &[
     },
     QuantType {
         cpu_product: CpuProduct::Repacked,
+        repack: Some(candle_tp_kernels::q5_kx4::repack),
+        ..QuantType::candle(GgmlDType::Q5K, 1)
+    },
+    QuantType {
+        cpu_product: CpuProduct::Repacked,
         repack: Some(candle_tp_kernels::q6_kx4::repack),
         ..QuantType::candle(GgmlDType::Q6K, 1)
     },
@@ -167,6 +172,7 @@ mod tests {
                 GgmlDType::Q5_1,
                 GgmlDType::Q8_0,
                 GgmlDType::Q4K,
+                GgmlDType::Q5K,
                 GgmlDType::Q6K
             ]
         );

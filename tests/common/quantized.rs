@@ -28,7 +28,7 @@ pub fn exact_product(w: &QTensor, x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
     // The activation format: its type, values and bytes per block, and where `qs` starts.
     let (act, block, size, off) = match w.dtype() {
         GgmlDType::Q4_0 | GgmlDType::Q5_0 | GgmlDType::Q8_0 => (GgmlDType::Q8_0, 32, 34, 2),
-        GgmlDType::Q4K | GgmlDType::Q6K => (GgmlDType::Q8K, 256, 292, 4),
+        GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => (GgmlDType::Q8K, 256, 292, 4),
         other => bail!("no exact reference for {other:?}"),
     };
     // Q8_0's scale is an f16, Q8K's an f32, at the start of the block.

@@ -1,0 +1,169 @@
+//! Q5_K (ggml's `block_q5_K`) against Q8_K, accumulated in f64.
+//!
+//! A super-block of 256 weights: 8 sub-blocks of 32, each with a 6-bit scale `sc` and a 6-bit
+//! minimum `mn` (packed into 12 bytes, as Q4_K), and f16 super-scales `d`, `dmin`:
+//! `w = d · sc · q − dmin · mn` with 5-bit `q` (a nibble as in Q4_K plus 16 for its bit in
+//! `qh`). Against a Q8_K block `x = d' · q'`:
+//! `Σ w·x = d' · (d · Σ_j sc_j Σ q·q' − dmin · Σ_j mn_j Σ q')`, two exact integers per block.
+
+use crate::f64_dot::F64Dot;
+use crate::q8_k::{quantize_row_q8k, BlockQ8K, QK_K};
+use half::f16;
+
+/// One Q5_K super-block (176 bytes, as GGUF stores it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ5K {
+    /// Super-scale of the sub-block scales.
+    pub d: f16,
+    /// Super-scale of the sub-block minimums.
+    pub dmin: f16,
+    /// 8 scales and 8 minimums of 6 bits.
+    pub scales: [u8; 12],
+    /// The values' fifth bits: bit `2 j` of byte `l` is 16 for value `64 j + l`, bit `2 j + 1`
+    /// for value `64 j + 32 + l`.
+    pub qh: [u8; QK_K / 8],
+    /// The values' low 4 bits: byte `32 j + l` holds value `64 j + l` (low nibble) and
+    /// `64 j + 32 + l`.
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+
+/// Scale and minimum of sub-block `j` (ggml's `get_scale_min_k4`).
+#[inline(always)]
+fn scale_min(j: usize, q: &[u8; 12]) -> (i32, i32) {
+    if j < 4 {
+        ((q[j] & 63) as i32, (q[j + 4] & 63) as i32)
+    } else {
+        (
+            ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4)) as i32,
+            ((q[j + 4] >> 4) | ((q[j] >> 6) << 4)) as i32,
+        )
+    }
+}
+
+// SAFETY: repr(C) plain data (f16 is a transparent u16), every bit pattern valid.
+unsafe impl F64Dot for BlockQ5K {
+    type Act = BlockQ8K;
+    const BLOCK: usize = QK_K;
+    const NAME: &'static str = "Q5_K";
+    const ACT_ZERO: Self::Act = BlockQ8K::ZERO;
+
+    fn quantize(xs: &[f32], ys: &mut [Self::Act]) {
+        quantize_row_q8k(xs, ys)
+    }
+
+    #[inline(always)]
+    fn block_dot(w: &Self, x: &Self::Act) -> f64 {
+        let mut dots = 0i32;
+        for j in 0..QK_K / 64 {
+            let q = &w.qs[32 * j..32 * j + 32];
+            let a = &x.qs[64 * j..64 * j + 64];
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for l in 0..32 {
+                let h = w.qh[l] >> (2 * j);
+                lo += ((q[l] & 0xF) | ((h & 1) << 4)) as i32 * a[l] as i32;
+                hi += ((q[l] >> 4) | ((h & 2) << 3)) as i32 * a[32 + l] as i32;
+            }
+            dots += scale_min(2 * j, &w.scales).0 * lo + scale_min(2 * j + 1, &w.scales).0 * hi;
+        }
+        combine(w, x, dots)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
+        avx2::dot(w, x)
+    }
+}
+
+/// The block's product from its scaled integer dot product: the minimums' term added here.
+#[inline(always)]
+fn combine(w: &BlockQ5K, x: &BlockQ8K, dots: i32) -> f64 {
+    let mut mins = 0i32;
+    for j in 0..QK_K / 16 {
+        mins += x.bsums[j] as i32 * scale_min(j / 2, &w.scales).1;
+    }
+    x.d as f64 * (w.d.to_f64() * dots as f64 - w.dmin.to_f64() * mins as f64)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{combine, scale_min, BlockQ5K, BlockQ8K};
+    use crate::f64_dot::avx2::hsum;
+    use std::arch::x86_64::*;
+
+    /// Per super-block: the 5-bit values (nibbles, and bits `2j`, `2j + 1` of the 32 `qh`
+    /// bytes, shifted down by 2 per 64 values, moved to bit 4) times the Q8_K bytes by
+    /// `maddubs` (pairs of at most 2·31·128, no saturation), each 32-value half scaled by its
+    /// sub-block scale in `madd`, the lanes summed once.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(w: &[BlockQ5K], x: &[BlockQ8K]) -> f64 {
+        let low = _mm256_set1_epi8(0x0F);
+        let bit0 = _mm256_set1_epi8(1);
+        let bit1 = _mm256_set1_epi8(2);
+        let mut acc = 0f64;
+        for (w, x) in w.iter().zip(x) {
+            let mut sums = _mm256_setzero_si256();
+            // Bits 0 and 1 of each byte: those of values 64 j.. and 64 j + 32.. in turn.
+            let mut qh = _mm256_loadu_si256(w.qh.as_ptr() as *const __m256i);
+            for j in 0..4 {
+                let q = _mm256_loadu_si256(w.qs.as_ptr().add(32 * j) as *const __m256i);
+                let a_lo = _mm256_loadu_si256(x.qs.as_ptr().add(64 * j) as *const __m256i);
+                let a_hi = _mm256_loadu_si256(x.qs.as_ptr().add(64 * j + 32) as *const __m256i);
+                let h_lo = _mm256_slli_epi16(_mm256_and_si256(qh, bit0), 4);
+                let h_hi = _mm256_slli_epi16(_mm256_and_si256(qh, bit1), 3);
+                let q_lo = _mm256_or_si256(_mm256_and_si256(q, low), h_lo);
+                let q_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h_hi);
+                let lo = _mm256_maddubs_epi16(q_lo, a_lo);
+                let hi = _mm256_maddubs_epi16(q_hi, a_hi);
+                let sc_lo = _mm256_set1_epi16(scale_min(2 * j, &w.scales).0 as i16);
+                let sc_hi = _mm256_set1_epi16(scale_min(2 * j + 1, &w.scales).0 as i16);
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(lo, sc_lo));
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(hi, sc_hi));
+                // Bits 2j + 2, 2j + 3 down to 0, 1 (the bits a byte takes from its
+                // neighbour land at bit 2 or above, masked off).
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            acc += combine(w, x, hsum(sums));
+        }
+        acc
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::f64_dot::testing::{
+        check_against_candle, nan_and_inf_activations_propagate, pseudo, pseudo_bytes,
+        split_sums_round_alike,
+    };
+    use candle_core::quantized::GgmlDType;
+
+    #[test]
+    fn f64_dot_is_the_dot_of_candles_dequantized_blocks() {
+        check_against_candle::<BlockQ5K>(
+            GgmlDType::Q5K,
+            |x| x.qs.iter().map(|&q| x.d as f64 * q as f64).collect(),
+            |_, _| 0.0,
+            1e-12,
+        );
+    }
+
+    /// Pseudo-random blocks (every 5-bit value and scale pattern, minimums' scales of both
+    /// signs): every kernel gives the same bits, however the row is split.
+    #[test]
+    fn kernels_agree_on_every_bit_pattern() {
+        split_sums_round_alike(|i| BlockQ5K {
+            d: f16::from_f32(0.002 + 0.001 * pseudo(i)),
+            dmin: f16::from_f32(0.003 * pseudo(i + 7)),
+            scales: pseudo_bytes(i + 11),
+            qh: pseudo_bytes(i + 3000),
+            qs: pseudo_bytes(i + 5000),
+        });
+    }
+
+    #[test]
+    fn nan_and_inf_activations_give_nan() {
+        nan_and_inf_activations_propagate::<BlockQ5K>(GgmlDType::Q5K);
+    }
+}

@@ -1,0 +1,368 @@
+//! Q5_K weights repacked four rows at a time ([`BlockQ5Kx4`], [`crate::repack`] says why),
+//! and their AVX2 product with Q8_K activations summed in f64: what every Q5_K matmul of
+//! candle-tp runs on the CPU (decode, prefill, row-parallel partials).
+//!
+//! Per super-block of 256 values and row, two integers, as [`crate::q5_k`] computes them:
+//! `Σ_j sc_j Σ q·q'` (the 5-bit values, nibbles and their fifth bits unpacked once per group
+//! for every activation row, times the activation bytes by `maddubs`, each 32-value sub-block
+//! scaled by its 6-bit scale in `madd`) and `Σ_j mn_j · bsums_j` (the minimums times the
+//! activations' sums of 16, one `madd`). The 12 bytes of scales and minimums are unpacked once
+//! per group for every activation row; the four rows' integers are reduced together and
+//! combined with `d`, `dmin` and `d'` in f64 in the scalar order: every value is bit for bit
+//! [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
+
+use crate::q4_kx4::scales_mins;
+use crate::q5_k::BlockQ5K;
+use crate::q8_k::{BlockQ8K, QK_K};
+use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use candle_core::Result;
+use half::f16;
+use std::sync::Arc;
+
+/// Four Q5_K super-blocks of four consecutive rows (the same block index), interleaved: row
+/// `r`'s block is `d[r]`, `dmin[r]`, `scales[r]` (as in [`BlockQ5K`]), its 128 bytes of
+/// nibbles in runs of 8, `qs[t][r]` holding its bytes `8t .. 8t + 8`, and its 32 bytes of
+/// fifth bits in runs of 8, `qh[c][r]` holding its bytes `8c .. 8c + 8`: one 32-byte load
+/// holds the same 8 bytes of the four rows, and the fifth bits of the values in run
+/// `t = 4j + c` are bits `2j` (low nibbles) and `2j + 1` (high nibbles) of run `c` of `qh`.
+/// 704 bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ5Kx4 {
+    /// The rows' super-scales of the scales.
+    pub d: [f16; 4],
+    /// The rows' super-scales of the minimums.
+    pub dmin: [f16; 4],
+    /// The rows' packed 6-bit scales and minimums.
+    pub scales: [[u8; 12]; 4],
+    /// The rows' fifth bits, 8 bytes of each row in turn.
+    pub qh: [[[u8; 8]; 4]; QK_K / 64],
+    /// The rows' packed low 4 bits, 8 bytes of each row in turn.
+    pub qs: [[[u8; 8]; 4]; QK_K / 16],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5Kx4>() == 4 * 176);
+
+impl BlockQ5Kx4 {
+    /// Four all-zero blocks (the padding rows of a last, partial group).
+    pub const ZERO: Self = Self {
+        d: [f16::ZERO; 4],
+        dmin: [f16::ZERO; 4],
+        scales: [[0; 12]; 4],
+        qh: [[[0; 8]; 4]; QK_K / 64],
+        qs: [[[0; 8]; 4]; QK_K / 16],
+    };
+}
+
+/// A repacked Q5_K weight ([`Repacked`] of [`BlockQ5K`]).
+pub type RepackedQ5K = Repacked<BlockQ5K>;
+
+/// [`crate::repack::repack_bytes`] for Q5_K, instantiated in this crate so that the kernel
+/// and its driver are compiled with its optimisations in every profile (a generic
+/// instantiated in candle-tp's debug build, what its tests run, would be unoptimised).
+pub fn repack(bytes: &[u8], n: usize, k: usize) -> Result<Arc<dyn RepackedMatMul>> {
+    repack_bytes::<BlockQ5K>(bytes, n, k)
+}
+
+impl Interleave for BlockQ5K {
+    type X4 = BlockQ5Kx4;
+    const X4_ZERO: BlockQ5Kx4 = BlockQ5Kx4::ZERO;
+    const TILE_8: bool = true;
+
+    fn set_row(x4: &mut BlockQ5Kx4, r: usize, block: &Self) {
+        x4.d[r] = block.d;
+        x4.dmin[r] = block.dmin;
+        x4.scales[r] = block.scales;
+        for (c, run) in block.qh.chunks_exact(8).enumerate() {
+            x4.qh[c][r].copy_from_slice(run);
+        }
+        for (t, run) in block.qs.chunks_exact(8).enumerate() {
+            x4.qs[t][r].copy_from_slice(run);
+        }
+    }
+
+    fn row(x4: &BlockQ5Kx4, r: usize) -> Self {
+        BlockQ5K {
+            d: x4.d[r],
+            dmin: x4.dmin[r],
+            scales: x4.scales[r],
+            qh: std::array::from_fn(|i| x4.qh[i / 8][r][i % 8]),
+            qs: std::array::from_fn(|i| x4.qs[i / 8][r][i % 8]),
+        }
+    }
+
+    fn dequantize(block: &Self, out: &mut [f32]) {
+        // candle's `BlockQ5K::to_float`, operation for operation.
+        let (d, min) = (block.d.to_f32(), block.dmin.to_f32());
+        let (scales, mins) = scales_mins(&block.scales);
+        let (sc, mn) = (scales.to_le_bytes(), mins.to_le_bytes());
+        let (mut u1, mut u2) = (1u8, 2u8);
+        for j in 0..QK_K / 64 {
+            let q = &block.qs[32 * j..32 * j + 32];
+            let out = &mut out[64 * j..64 * j + 64];
+            let (d1, m1) = (d * sc[2 * j] as f32, min * mn[2 * j] as f32);
+            let (d2, m2) = (d * sc[2 * j + 1] as f32, min * mn[2 * j + 1] as f32);
+            for (l, (&q, &h)) in q.iter().zip(&block.qh).enumerate() {
+                let add1 = if h & u1 != 0 { 16f32 } else { 0f32 };
+                let add2 = if h & u2 != 0 { 16f32 } else { 0f32 };
+                out[l] = d1 * ((q & 0xF) as f32 + add1) - m1;
+                out[32 + l] = d2 * ((q >> 4) as f32 + add2) - m2;
+            }
+            u1 <<= 2;
+            u2 <<= 2;
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx2<const M: usize>(
+        group: &[BlockQ5Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot(group, xs)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{scales_mins, BlockQ5Kx4};
+    use crate::q8_k::BlockQ8K;
+    use crate::repack::avx2::{f16x4, PREFETCH};
+    use std::arch::x86_64::*;
+
+    /// `shuffle_epi8` controls: sub-block `s`'s scale of rows `0, 1` (`2, 3` in the high half)
+    /// as four i16 each, from eight bytes per row.
+    const fn scale_control(s: u8) -> [i8; 32] {
+        let mut c = [0i8; 32];
+        let mut i = 0;
+        while i < 32 {
+            let row = (i % 16) / 8; // row within the 128-bit half
+            c[i] = if i % 2 == 0 {
+                (8 * row as u8 + s) as i8
+            } else {
+                -128
+            };
+            i += 1;
+        }
+        c
+    }
+    const CONTROLS: [[i8; 32]; 8] = [
+        scale_control(0),
+        scale_control(1),
+        scale_control(2),
+        scale_control(3),
+        scale_control(4),
+        scale_control(5),
+        scale_control(6),
+        scale_control(7),
+    ];
+
+    /// Eight bytes of `p`, in each 64-bit lane.
+    #[inline(always)]
+    unsafe fn bytes8(p: *const i8) -> __m256i {
+        _mm256_set1_epi64x(std::ptr::read_unaligned(p as *const i64))
+    }
+
+    /// Per super-block: the four rows' scales unpacked once, as i16 per row and sub-block
+    /// (`shuffle_epi8`), and minimums; the four runs of fifth bits loaded once, shifted down
+    /// by 2 per 64 values so that bits 0 and 1 of each byte are those of the current low and
+    /// high nibbles, moved to bit 4 and or-ed in. Per activation row and sub-block, four
+    /// `maddubs` of 8 bytes of each row (one load: [`BlockQ5Kx4::qs`]) with the activations'
+    /// same 8 bytes (broadcast) added in i16 (values at most 31, activation bytes at most 128
+    /// in magnitude: each lane at most 4·2·31·128 = 31744 < 32767, no overflow), then one
+    /// `madd` with the rows' scales (two i32 lanes per row); the minimums times the
+    /// activations' sums of 32 in one `madd` per two rows. Then `d'·(d·dots − dmin·mins)` in
+    /// f64, both products exact, as the scalar `combine` rounds it.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group_dot<const M: usize>(
+        group: &[BlockQ5Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        let low = _mm256_set1_epi8(0x0F);
+        let bit0 = _mm256_set1_epi8(1);
+        let bit1 = _mm256_set1_epi8(2);
+        let mut acc = [_mm256_setzero_pd(); M];
+        for (b, g) in group.iter().enumerate() {
+            // A hint: no fault past the end of the weight.
+            _mm_prefetch(
+                (g as *const BlockQ5Kx4 as *const i8).wrapping_add(PREFETCH),
+                _MM_HINT_T0,
+            );
+            let (s0, m0) = scales_mins(&g.scales[0]);
+            let (s1, m1) = scales_mins(&g.scales[1]);
+            let (s2, m2) = scales_mins(&g.scales[2]);
+            let (s3, m3) = scales_mins(&g.scales[3]);
+            let scales = _mm256_setr_epi64x(s0 as i64, s1 as i64, s2 as i64, s3 as i64);
+            let mins01 = _mm256_cvtepu8_epi16(_mm_set_epi64x(m1 as i64, m0 as i64));
+            let mins23 = _mm256_cvtepu8_epi16(_mm_set_epi64x(m3 as i64, m2 as i64));
+            let wd = _mm256_cvtps_pd(f16x4(&g.d));
+            let wmin = _mm256_cvtps_pd(f16x4(&g.dmin));
+            let mut qh: [__m256i; 4] =
+                std::array::from_fn(|c| _mm256_loadu_si256(g.qh[c].as_ptr() as *const __m256i));
+            let mut dots = [_mm256_setzero_si256(); M];
+            for j in 0..4 {
+                let sc = |s: usize| {
+                    let c = _mm256_loadu_si256(CONTROLS[s].as_ptr() as *const __m256i);
+                    _mm256_shuffle_epi8(scales, c)
+                };
+                let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
+                let q: [__m256i; 4] = std::array::from_fn(|t| {
+                    _mm256_loadu_si256(g.qs[4 * j + t].as_ptr() as *const __m256i)
+                });
+                let lo: [__m256i; 4] = std::array::from_fn(|c| {
+                    let h = _mm256_slli_epi16(_mm256_and_si256(qh[c], bit0), 4);
+                    _mm256_or_si256(_mm256_and_si256(q[c], low), h)
+                });
+                let hi: [__m256i; 4] = std::array::from_fn(|c| {
+                    let h = _mm256_slli_epi16(_mm256_and_si256(qh[c], bit1), 3);
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q[c], 4), low), h)
+                });
+                // Bits 2j + 2, 2j + 3 down to 0, 1 (the bits a byte takes from its
+                // neighbour land at bit 2 or above, masked off).
+                qh = qh.map(|h| _mm256_srli_epi16(h, 2));
+                for i in 0..M {
+                    let a = xs[i].0.get_unchecked(b).qs.as_ptr().add(64 * j);
+                    let half = |v: &[__m256i; 4], a: *const i8| {
+                        let p0 = _mm256_maddubs_epi16(v[0], bytes8(a));
+                        let p1 = _mm256_maddubs_epi16(v[1], bytes8(a.add(8)));
+                        let p2 = _mm256_maddubs_epi16(v[2], bytes8(a.add(16)));
+                        let p3 = _mm256_maddubs_epi16(v[3], bytes8(a.add(24)));
+                        _mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3))
+                    };
+                    let s_lo = _mm256_madd_epi16(half(&lo, a), sc_lo);
+                    let s_hi = _mm256_madd_epi16(half(&hi, a.add(32)), sc_hi);
+                    dots[i] = _mm256_add_epi32(dots[i], _mm256_add_epi32(s_lo, s_hi));
+                }
+            }
+            for i in 0..M {
+                let x = xs[i].0.get_unchecked(b);
+                // Lanes [r0, r0, r1, r1 | r2, r2, r3, r3] -> [r0, r1, r2, r3].
+                let h = _mm256_hadd_epi32(dots[i], dots[i]);
+                let d =
+                    _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                // The activations' sums of 32 values, in both halves.
+                let bsums = _mm256_loadu_si256(x.bsums.as_ptr() as *const __m256i);
+                let pairs =
+                    _mm256_permute4x64_epi64(_mm256_hadd_epi16(bsums, bsums), 0b10_00_10_00);
+                // [r0 ×4 | r1 ×4] and [r2 ×4 | r3 ×4] -> [r0, r2, r0, r2 | r1, r3, r1, r3].
+                let h = _mm256_hadd_epi32(
+                    _mm256_madd_epi16(mins01, pairs),
+                    _mm256_madd_epi16(mins23, pairs),
+                );
+                let h = _mm256_hadd_epi32(h, h);
+                let m =
+                    _mm_unpacklo_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                let t = _mm256_sub_pd(
+                    _mm256_mul_pd(wd, _mm256_cvtepi32_pd(d)),
+                    _mm256_mul_pd(wmin, _mm256_cvtepi32_pd(m)),
+                );
+                let block = _mm256_mul_pd(_mm256_set1_pd(x.d as f64), t);
+                acc[i] = _mm256_add_pd(acc[i], block);
+            }
+        }
+        let mut out = [[0f64; 4]; M];
+        for i in 0..M {
+            _mm256_storeu_pd(out[i].as_mut_ptr(), acc[i]);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::f64_dot::testing::{pseudo, pseudo_bytes};
+    use crate::repack::testing;
+
+    /// Block `b` of row `r`: every 5-bit value and 6-bit pattern, minimums' scales of both
+    /// signs.
+    fn block(r: usize, b: usize) -> BlockQ5K {
+        let i = r * 97 + b;
+        BlockQ5K {
+            d: f16::from_f32(0.002 + 0.001 * pseudo(i)),
+            dmin: f16::from_f32(0.003 * pseudo(i + 7)),
+            scales: pseudo_bytes(i + 11),
+            qh: pseudo_bytes(i + 3000),
+            qs: pseudo_bytes(i + 5000),
+        }
+    }
+
+    /// ggml's `get_scale_min_k4`, written from the format's description.
+    fn scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
+        if j < 4 {
+            (q[j] & 63, q[j + 4] & 63)
+        } else {
+            (
+                (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+                (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+            )
+        }
+    }
+
+    #[test]
+    fn the_generated_blocks_hold_every_value_and_both_signs() {
+        let blocks: Vec<BlockQ5K> = (0..9)
+            .flat_map(|r| (0..18).map(move |b| block(r, b)))
+            .collect();
+        let mut seen = [false; 32];
+        for b in &blocks {
+            for p in 0..QK_K {
+                let byte = b.qs[p / 64 * 32 + p % 32];
+                let q = if p % 64 < 32 { byte & 15 } else { byte >> 4 };
+                seen[(q | ((b.qh[p % 32] >> (p / 32)) & 1) << 4) as usize] = true;
+            }
+        }
+        assert!(seen.iter().all(|&s| s), "{seen:?}");
+        assert!(blocks.iter().any(|b| b.dmin.to_f32() > 0.0));
+        assert!(blocks.iter().any(|b| b.dmin.to_f32() < 0.0));
+    }
+
+    #[test]
+    fn every_value_is_the_unpacked_rows_f64_dot() {
+        testing::every_value_is_the_unpacked_rows_f64_dot(block);
+    }
+
+    #[test]
+    fn blocks_and_rows_come_back_as_stored() {
+        testing::blocks_and_rows_come_back(block, |b| {
+            let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+            (0..QK_K)
+                .map(|p| {
+                    // Value p: sub-block p / 32, its fifth bit bit p / 32 of qh[p % 32].
+                    let (sc, mn) = scale_min(p / 32, &b.scales);
+                    let byte = b.qs[p / 64 * 32 + p % 32];
+                    let low = if p % 64 < 32 { byte & 15 } else { byte >> 4 };
+                    let q = low | ((b.qh[p % 32] >> (p / 32)) & 1) << 4;
+                    d * sc as f32 * q as f32 - dmin * mn as f32
+                })
+                .collect()
+        });
+    }
+
+    #[test]
+    fn dequantize_is_candles() {
+        use candle_core::quantized::k_quants::{BlockQ5K as CandleQ5K, GgmlType};
+        let blocks: Vec<BlockQ5K> = (0..6).map(|b| block(3, b)).collect();
+        let candle: Vec<CandleQ5K> = blocks
+            .iter()
+            // SAFETY: both are the 176-byte repr(C) `block_q5_K`, every bit pattern valid.
+            .map(|b| unsafe { std::mem::transmute_copy::<BlockQ5K, CandleQ5K>(b) })
+            .collect();
+        let mut want = vec![0f32; 6 * QK_K];
+        CandleQ5K::to_float(&candle, &mut want);
+        let mut got = vec![0f32; QK_K];
+        for (b, want) in blocks.iter().zip(want.chunks_exact(QK_K)) {
+            BlockQ5K::dequantize(b, &mut got);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn nan_activations_give_nan_and_bad_sizes_are_errors() {
+        testing::nan_activations_give_nan_and_bad_sizes_are_errors(block);
+    }
+}
