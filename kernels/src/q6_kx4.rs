@@ -244,20 +244,25 @@ mod avx2 {
             }
             let sc16: [__m256i; 4] = rows.map(|r| _mm256_cvtepi8_epi16(r));
             let dw = _mm256_cvtps_pd(f16x4(&g.d));
-            for i in 0..M {
-                // In bounds: `xs[i].0` has `group.len()` blocks (the caller's contract).
-                let x = xs[i].0.get_unchecked(b);
-                let a = x.qs.as_ptr();
-                let mut sum = _mm256_setzero_si256();
-                for s in 0..QK_K / 16 {
+            // In bounds: every `xs[i].0` has `group.len()` blocks (the caller's contract).
+            let a: [*const i8; M] = std::array::from_fn(|i| xs[i].0.get_unchecked(b).qs.as_ptr());
+            // 16 values at a time for every activation row, so that the values and scales
+            // are loaded once for all of them.
+            let mut sum = [_mm256_setzero_si256(); M];
+            for s in 0..QK_K / 16 {
+                let (v0, v1, sc) = (v[2 * s], v[2 * s + 1], sc[s]);
+                for i in 0..M {
                     let p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(v[2 * s], bytes8(a.add(16 * s))),
-                        _mm256_maddubs_epi16(v[2 * s + 1], bytes8(a.add(16 * s + 8))),
+                        _mm256_maddubs_epi16(v0, bytes8(a[i].add(16 * s))),
+                        _mm256_maddubs_epi16(v1, bytes8(a[i].add(16 * s + 8))),
                     );
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, sc[s]));
+                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(p, sc));
                 }
+            }
+            for i in 0..M {
+                let x = xs[i].0.get_unchecked(b);
                 // Lanes [r0, r0, r1, r1 | r2, r2, r3, r3] -> [r0, r1, r2, r3].
-                let h = _mm256_hadd_epi32(sum, sum);
+                let h = _mm256_hadd_epi32(sum[i], sum[i]);
                 let sums =
                     _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
                 let bsums = _mm256_loadu_si256(x.bsums.as_ptr() as *const __m256i);
