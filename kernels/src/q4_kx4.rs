@@ -119,11 +119,53 @@ impl Interleave for BlockQ4K {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::{scales_mins, BlockQ4Kx4};
     use crate::q8_k::BlockQ8K;
     use crate::repack::avx2::{f16x4, PREFETCH};
+    use half::f16;
     use std::arch::x86_64::*;
+
+    /// Four rows' super-blocks of a type laid out as Q4_K's ([`BlockQ4Kx4`]: Q4_K, Q5_K):
+    /// what [`k4_group_dot`] reads of them.
+    pub(crate) trait K4Group {
+        /// The rows' super-scales of the scales.
+        fn d(&self) -> &[f16; 4];
+        /// The rows' super-scales of the minimums.
+        fn dmin(&self) -> &[f16; 4];
+        /// The rows' packed 6-bit scales and minimums (Q4_K's 12 bytes).
+        fn scales(&self) -> &[[u8; 12]; 4];
+        /// Values `64 j .. 64 j + 32` (`.0`) and `64 j + 32 .. 64 j + 64` (`.1`) of the four
+        /// rows as unsigned bytes, in runs of 8: vector `c` holds values `8c .. 8c + 8` (of
+        /// the 32) of rows 0, 1, 2, 3 in turn.
+        ///
+        /// # Safety
+        /// The CPU must support avx2.
+        unsafe fn values(&self, j: usize) -> ([__m256i; 4], [__m256i; 4]);
+    }
+
+    impl K4Group for BlockQ4Kx4 {
+        fn d(&self) -> &[f16; 4] {
+            &self.d
+        }
+        fn dmin(&self) -> &[f16; 4] {
+            &self.dmin
+        }
+        fn scales(&self) -> &[[u8; 12]; 4] {
+            &self.scales
+        }
+        #[inline(always)]
+        unsafe fn values(&self, j: usize) -> ([__m256i; 4], [__m256i; 4]) {
+            let low = _mm256_set1_epi8(0x0F);
+            let q: [__m256i; 4] = std::array::from_fn(|c| {
+                _mm256_loadu_si256(self.qs[4 * j + c].as_ptr() as *const __m256i)
+            });
+            (
+                q.map(|q| _mm256_and_si256(q, low)),
+                q.map(|q| _mm256_and_si256(_mm256_srli_epi16(q, 4), low)),
+            )
+        }
+    }
 
     /// `shuffle_epi8` controls: sub-block `s`'s scale of rows `0, 1` (`2, 3` in the high half)
     /// as four i16 each, from eight bytes per row.
@@ -158,13 +200,7 @@ mod avx2 {
         _mm256_set1_epi64x(std::ptr::read_unaligned(p as *const i64))
     }
 
-    /// Per super-block: the four rows' scales unpacked once, as i16 per row and sub-block
-    /// (`shuffle_epi8`), and minimums. Per activation row and sub-block, four `maddubs` of 8
-    /// bytes of each row (one load: [`BlockQ4Kx4::qs`]) with the activations' same 8 bytes
-    /// (broadcast) added in i16 (each lane at most 4·2·15·127 = 15240), then one `madd` with
-    /// the rows' scales (two i32 lanes per row); the minimums times the activations' sums of
-    /// 32 in one `madd` per two rows. Then `d'·(d·dots − dmin·mins)` in f64, both products
-    /// exact, as the scalar `combine` rounds it.
+    /// Q4_K's kernel.
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
@@ -173,23 +209,45 @@ mod avx2 {
         group: &[BlockQ4Kx4],
         xs: [(&[BlockQ8K], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        let low = _mm256_set1_epi8(0x0F);
+        k4_group_dot(group, xs)
+    }
+
+    /// The four rows of `group` against `M` activation rows, for a type laid out as Q4_K's
+    /// ([`K4Group`]; values of at most `vmax` = 15 for Q4_K, 31 for Q5_K). Per super-block:
+    /// the four rows' scales unpacked once, as i16 per row and sub-block (`shuffle_epi8`), and
+    /// minimums. Per activation row and sub-block, four `maddubs` of 8 values of each row
+    /// (one vector) with the activations' same 8 bytes (broadcast) added in i16 (each lane at
+    /// most 4·2·vmax·128: 15360 or 31744 < 32767, no overflow), then one `madd` with the
+    /// rows' scales (two i32 lanes per row); the minimums times the activations' sums of 32
+    /// in one `madd` per two rows. Then `d'·(d·dots − dmin·mins)` in f64, both products
+    /// exact, as the scalar `combine` rounds it: bit for bit the types' scalar `block_dot`
+    /// added in block order (tested for each type).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c (inline this into a function that enables
+    /// them); every slice of `xs` has `group.len()` blocks.
+    #[inline(always)]
+    pub(crate) unsafe fn k4_group_dot<G: K4Group, const M: usize>(
+        group: &[G],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
         let mut acc = [_mm256_setzero_pd(); M];
         for (b, g) in group.iter().enumerate() {
             // A hint: no fault past the end of the weight.
             _mm_prefetch(
-                (g as *const BlockQ4Kx4 as *const i8).wrapping_add(PREFETCH),
+                (g as *const G as *const i8).wrapping_add(PREFETCH),
                 _MM_HINT_T0,
             );
-            let (s0, m0) = scales_mins(&g.scales[0]);
-            let (s1, m1) = scales_mins(&g.scales[1]);
-            let (s2, m2) = scales_mins(&g.scales[2]);
-            let (s3, m3) = scales_mins(&g.scales[3]);
+            let packed = g.scales();
+            let (s0, m0) = scales_mins(&packed[0]);
+            let (s1, m1) = scales_mins(&packed[1]);
+            let (s2, m2) = scales_mins(&packed[2]);
+            let (s3, m3) = scales_mins(&packed[3]);
             let scales = _mm256_setr_epi64x(s0 as i64, s1 as i64, s2 as i64, s3 as i64);
             let mins01 = _mm256_cvtepu8_epi16(_mm_set_epi64x(m1 as i64, m0 as i64));
             let mins23 = _mm256_cvtepu8_epi16(_mm_set_epi64x(m3 as i64, m2 as i64));
-            let wd = _mm256_cvtps_pd(f16x4(&g.d));
-            let wmin = _mm256_cvtps_pd(f16x4(&g.dmin));
+            let wd = _mm256_cvtps_pd(f16x4(g.d()));
+            let wmin = _mm256_cvtps_pd(f16x4(g.dmin()));
             let mut dots = [_mm256_setzero_si256(); M];
             for j in 0..4 {
                 let sc = |s: usize| {
@@ -197,11 +255,7 @@ mod avx2 {
                     _mm256_shuffle_epi8(scales, c)
                 };
                 let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
-                let q: [__m256i; 4] = std::array::from_fn(|t| {
-                    _mm256_loadu_si256(g.qs[4 * j + t].as_ptr() as *const __m256i)
-                });
-                let lo = q.map(|q| _mm256_and_si256(q, low));
-                let hi = q.map(|q| _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
+                let (lo, hi) = g.values(j);
                 for i in 0..M {
                     let a = xs[i].0.get_unchecked(b).qs.as_ptr().add(64 * j);
                     let half = |v: &[__m256i; 4], a: *const i8| {

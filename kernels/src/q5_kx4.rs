@@ -123,54 +123,52 @@ impl Interleave for BlockQ5K {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{scales_mins, BlockQ5Kx4};
+    use super::BlockQ5Kx4;
+    use crate::q4_kx4::avx2::{k4_group_dot, K4Group};
     use crate::q8_k::BlockQ8K;
-    use crate::repack::avx2::{f16x4, PREFETCH};
+    use half::f16;
     use std::arch::x86_64::*;
 
-    /// `shuffle_epi8` controls: sub-block `s`'s scale of rows `0, 1` (`2, 3` in the high half)
-    /// as four i16 each, from eight bytes per row.
-    const fn scale_control(s: u8) -> [i8; 32] {
-        let mut c = [0i8; 32];
-        let mut i = 0;
-        while i < 32 {
-            let row = (i % 16) / 8; // row within the 128-bit half
-            c[i] = if i % 2 == 0 {
-                (8 * row as u8 + s) as i8
-            } else {
-                -128
-            };
-            i += 1;
+    impl K4Group for BlockQ5Kx4 {
+        fn d(&self) -> &[f16; 4] {
+            &self.d
         }
-        c
+        fn dmin(&self) -> &[f16; 4] {
+            &self.dmin
+        }
+        fn scales(&self) -> &[[u8; 12]; 4] {
+            &self.scales
+        }
+        /// Q4_K's nibbles with the fifth bits: the runs of `qh` shifted down by `2j`, so that
+        /// bits 0 and 1 of each byte are those of the low and high nibbles of values
+        /// `64j ..` (the bits a byte takes from its neighbour land at bit 2 or above, masked
+        /// off), moved to bit 4.
+        #[inline(always)]
+        unsafe fn values(&self, j: usize) -> ([__m256i; 4], [__m256i; 4]) {
+            let low = _mm256_set1_epi8(0x0F);
+            let shift = _mm_cvtsi32_si128(2 * j as i32);
+            let q: [__m256i; 4] = std::array::from_fn(|c| {
+                _mm256_loadu_si256(self.qs[4 * j + c].as_ptr() as *const __m256i)
+            });
+            let qh: [__m256i; 4] = std::array::from_fn(|c| {
+                _mm256_srl_epi16(
+                    _mm256_loadu_si256(self.qh[c].as_ptr() as *const __m256i),
+                    shift,
+                )
+            });
+            let lo = std::array::from_fn(|c| {
+                let h = _mm256_slli_epi16(_mm256_and_si256(qh[c], _mm256_set1_epi8(1)), 4);
+                _mm256_or_si256(_mm256_and_si256(q[c], low), h)
+            });
+            let hi = std::array::from_fn(|c| {
+                let h = _mm256_slli_epi16(_mm256_and_si256(qh[c], _mm256_set1_epi8(2)), 3);
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q[c], 4), low), h)
+            });
+            (lo, hi)
+        }
     }
-    const CONTROLS: [[i8; 32]; 8] = [
-        scale_control(0),
-        scale_control(1),
-        scale_control(2),
-        scale_control(3),
-        scale_control(4),
-        scale_control(5),
-        scale_control(6),
-        scale_control(7),
-    ];
 
-    /// Eight bytes of `p`, in each 64-bit lane.
-    #[inline(always)]
-    unsafe fn bytes8(p: *const i8) -> __m256i {
-        _mm256_set1_epi64x(std::ptr::read_unaligned(p as *const i64))
-    }
-
-    /// Per super-block: the four rows' scales unpacked once, as i16 per row and sub-block
-    /// (`shuffle_epi8`), and minimums; the four runs of fifth bits loaded once, shifted down
-    /// by 2 per 64 values so that bits 0 and 1 of each byte are those of the current low and
-    /// high nibbles, moved to bit 4 and or-ed in. Per activation row and sub-block, four
-    /// `maddubs` of 8 bytes of each row (one load: [`BlockQ5Kx4::qs`]) with the activations'
-    /// same 8 bytes (broadcast) added in i16 (values at most 31, activation bytes at most 128
-    /// in magnitude: each lane at most 4·2·31·128 = 31744 < 32767, no overflow), then one
-    /// `madd` with the rows' scales (two i32 lanes per row); the minimums times the
-    /// activations' sums of 32 in one `madd` per two rows. Then `d'·(d·dots − dmin·mins)` in
-    /// f64, both products exact, as the scalar `combine` rounds it.
+    /// Q4_K's kernel ([`k4_group_dot`]) with five-bit values.
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
@@ -179,93 +177,7 @@ mod avx2 {
         group: &[BlockQ5Kx4],
         xs: [(&[BlockQ8K], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        let low = _mm256_set1_epi8(0x0F);
-        let bit0 = _mm256_set1_epi8(1);
-        let bit1 = _mm256_set1_epi8(2);
-        let mut acc = [_mm256_setzero_pd(); M];
-        for (b, g) in group.iter().enumerate() {
-            // A hint: no fault past the end of the weight.
-            _mm_prefetch(
-                (g as *const BlockQ5Kx4 as *const i8).wrapping_add(PREFETCH),
-                _MM_HINT_T0,
-            );
-            let (s0, m0) = scales_mins(&g.scales[0]);
-            let (s1, m1) = scales_mins(&g.scales[1]);
-            let (s2, m2) = scales_mins(&g.scales[2]);
-            let (s3, m3) = scales_mins(&g.scales[3]);
-            let scales = _mm256_setr_epi64x(s0 as i64, s1 as i64, s2 as i64, s3 as i64);
-            let mins01 = _mm256_cvtepu8_epi16(_mm_set_epi64x(m1 as i64, m0 as i64));
-            let mins23 = _mm256_cvtepu8_epi16(_mm_set_epi64x(m3 as i64, m2 as i64));
-            let wd = _mm256_cvtps_pd(f16x4(&g.d));
-            let wmin = _mm256_cvtps_pd(f16x4(&g.dmin));
-            let mut qh: [__m256i; 4] =
-                std::array::from_fn(|c| _mm256_loadu_si256(g.qh[c].as_ptr() as *const __m256i));
-            let mut dots = [_mm256_setzero_si256(); M];
-            for j in 0..4 {
-                let sc = |s: usize| {
-                    let c = _mm256_loadu_si256(CONTROLS[s].as_ptr() as *const __m256i);
-                    _mm256_shuffle_epi8(scales, c)
-                };
-                let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
-                let q: [__m256i; 4] = std::array::from_fn(|t| {
-                    _mm256_loadu_si256(g.qs[4 * j + t].as_ptr() as *const __m256i)
-                });
-                let lo: [__m256i; 4] = std::array::from_fn(|c| {
-                    let h = _mm256_slli_epi16(_mm256_and_si256(qh[c], bit0), 4);
-                    _mm256_or_si256(_mm256_and_si256(q[c], low), h)
-                });
-                let hi: [__m256i; 4] = std::array::from_fn(|c| {
-                    let h = _mm256_slli_epi16(_mm256_and_si256(qh[c], bit1), 3);
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q[c], 4), low), h)
-                });
-                // Bits 2j + 2, 2j + 3 down to 0, 1 (the bits a byte takes from its
-                // neighbour land at bit 2 or above, masked off).
-                qh = qh.map(|h| _mm256_srli_epi16(h, 2));
-                for i in 0..M {
-                    let a = xs[i].0.get_unchecked(b).qs.as_ptr().add(64 * j);
-                    let half = |v: &[__m256i; 4], a: *const i8| {
-                        let p0 = _mm256_maddubs_epi16(v[0], bytes8(a));
-                        let p1 = _mm256_maddubs_epi16(v[1], bytes8(a.add(8)));
-                        let p2 = _mm256_maddubs_epi16(v[2], bytes8(a.add(16)));
-                        let p3 = _mm256_maddubs_epi16(v[3], bytes8(a.add(24)));
-                        _mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3))
-                    };
-                    let s_lo = _mm256_madd_epi16(half(&lo, a), sc_lo);
-                    let s_hi = _mm256_madd_epi16(half(&hi, a.add(32)), sc_hi);
-                    dots[i] = _mm256_add_epi32(dots[i], _mm256_add_epi32(s_lo, s_hi));
-                }
-            }
-            for i in 0..M {
-                let x = xs[i].0.get_unchecked(b);
-                // Lanes [r0, r0, r1, r1 | r2, r2, r3, r3] -> [r0, r1, r2, r3].
-                let h = _mm256_hadd_epi32(dots[i], dots[i]);
-                let d =
-                    _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-                // The activations' sums of 32 values, in both halves.
-                let bsums = _mm256_loadu_si256(x.bsums.as_ptr() as *const __m256i);
-                let pairs =
-                    _mm256_permute4x64_epi64(_mm256_hadd_epi16(bsums, bsums), 0b10_00_10_00);
-                // [r0 ×4 | r1 ×4] and [r2 ×4 | r3 ×4] -> [r0, r2, r0, r2 | r1, r3, r1, r3].
-                let h = _mm256_hadd_epi32(
-                    _mm256_madd_epi16(mins01, pairs),
-                    _mm256_madd_epi16(mins23, pairs),
-                );
-                let h = _mm256_hadd_epi32(h, h);
-                let m =
-                    _mm_unpacklo_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-                let t = _mm256_sub_pd(
-                    _mm256_mul_pd(wd, _mm256_cvtepi32_pd(d)),
-                    _mm256_mul_pd(wmin, _mm256_cvtepi32_pd(m)),
-                );
-                let block = _mm256_mul_pd(_mm256_set1_pd(x.d as f64), t);
-                acc[i] = _mm256_add_pd(acc[i], block);
-            }
-        }
-        let mut out = [[0f64; 4]; M];
-        for i in 0..M {
-            _mm256_storeu_pd(out[i].as_mut_ptr(), acc[i]);
-        }
-        out
+        k4_group_dot(group, xs)
     }
 }
 
