@@ -24,9 +24,9 @@ pub struct BlockQ4K {
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
 
-/// Scale and minimum of sub-block `j` (ggml's `get_scale_min_k4`).
+/// Scale and minimum of sub-block `j` (ggml's `get_scale_min_k4`; Q5_K packs them alike).
 #[inline(always)]
-fn scale_min(j: usize, q: &[u8; 12]) -> (i32, i32) {
+pub(crate) fn scale_min(j: usize, q: &[u8; 12]) -> (i32, i32) {
     if j < 4 {
         ((q[j] & 63) as i32, (q[j + 4] & 63) as i32)
     } else {
@@ -73,11 +73,18 @@ unsafe impl F64Dot for BlockQ4K {
 /// The block's product from its scaled integer dot product: the minimums' term added here.
 #[inline(always)]
 fn combine(w: &BlockQ4K, x: &BlockQ8K, dots: i32) -> f64 {
+    combine_k4((w.d, w.dmin, &w.scales), x, dots)
+}
+
+/// A Q4_K-like block's (Q4_K, Q5_K) product from its super-scales and packed scales, the
+/// activation block and the scaled integer dot product: `d'·(d·dots − dmin·Σ mn·bsums)`.
+#[inline(always)]
+pub(crate) fn combine_k4((d, dmin, scales): (f16, f16, &[u8; 12]), x: &BlockQ8K, dots: i32) -> f64 {
     let mut mins = 0i32;
     for j in 0..QK_K / 16 {
-        mins += x.bsums[j] as i32 * scale_min(j / 2, &w.scales).1;
+        mins += x.bsums[j] as i32 * scale_min(j / 2, scales).1;
     }
-    x.d as f64 * (w.d.to_f64() * dots as f64 - w.dmin.to_f64() * mins as f64)
+    x.d as f64 * (d.to_f64() * dots as f64 - dmin.to_f64() * mins as f64)
 }
 
 #[cfg(target_arch = "x86_64")]

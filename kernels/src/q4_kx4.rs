@@ -305,7 +305,7 @@ pub(crate) mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::f64_dot::testing::{pseudo, pseudo_bytes};
     use crate::repack::testing;
@@ -322,7 +322,7 @@ mod tests {
     }
 
     /// ggml's `get_scale_min_k4`, written from the format's description.
-    fn scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
+    pub(crate) fn scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
         if j < 4 {
             (q[j] & 63, q[j + 4] & 63)
         } else {

@@ -7,6 +7,7 @@
 //! `Σ w·x = d' · (d · Σ_j sc_j Σ q·q' − dmin · Σ_j mn_j Σ q')`, two exact integers per block.
 
 use crate::f64_dot::F64Dot;
+use crate::q4_k::{combine_k4, scale_min};
 use crate::q8_k::{quantize_row_q8k, BlockQ8K, QK_K};
 use half::f16;
 
@@ -28,19 +29,6 @@ pub struct BlockQ5K {
     pub qs: [u8; QK_K / 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
-
-/// Scale and minimum of sub-block `j` (ggml's `get_scale_min_k4`).
-#[inline(always)]
-fn scale_min(j: usize, q: &[u8; 12]) -> (i32, i32) {
-    if j < 4 {
-        ((q[j] & 63) as i32, (q[j + 4] & 63) as i32)
-    } else {
-        (
-            ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4)) as i32,
-            ((q[j + 4] >> 4) | ((q[j] >> 6) << 4)) as i32,
-        )
-    }
-}
 
 // SAFETY: repr(C) plain data (f16 is a transparent u16), every bit pattern valid.
 unsafe impl F64Dot for BlockQ5K {
@@ -79,11 +67,7 @@ unsafe impl F64Dot for BlockQ5K {
 /// The block's product from its scaled integer dot product: the minimums' term added here.
 #[inline(always)]
 fn combine(w: &BlockQ5K, x: &BlockQ8K, dots: i32) -> f64 {
-    let mut mins = 0i32;
-    for j in 0..QK_K / 16 {
-        mins += x.bsums[j] as i32 * scale_min(j / 2, &w.scales).1;
-    }
-    x.d as f64 * (w.d.to_f64() * dots as f64 - w.dmin.to_f64() * mins as f64)
+    combine_k4((w.d, w.dmin, &w.scales), x, dots)
 }
 
 #[cfg(target_arch = "x86_64")]

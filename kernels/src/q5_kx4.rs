@@ -185,6 +185,7 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::f64_dot::testing::{pseudo, pseudo_bytes};
+    use crate::q4_kx4::tests::scale_min;
     use crate::repack::testing;
 
     /// Block `b` of row `r`: every 5-bit value and 6-bit pattern, minimums' scales of both
@@ -197,18 +198,6 @@ mod tests {
             scales: pseudo_bytes(i + 11),
             qh: pseudo_bytes(i + 3000),
             qs: pseudo_bytes(i + 5000),
-        }
-    }
-
-    /// ggml's `get_scale_min_k4`, written from the format's description.
-    fn scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
-        if j < 4 {
-            (q[j] & 63, q[j + 4] & 63)
-        } else {
-            (
-                (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-                (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-            )
         }
     }
 
