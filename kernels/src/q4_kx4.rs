@@ -371,23 +371,8 @@ pub(crate) mod tests {
 
     #[test]
     fn dequantize_is_candles() {
-        use candle_core::quantized::k_quants::{BlockQ4K as CandleQ4K, GgmlType};
         let blocks: Vec<BlockQ4K> = (0..6).map(|b| block(3, b)).collect();
-        let candle: Vec<CandleQ4K> = blocks
-            .iter()
-            // SAFETY: both are the 144-byte repr(C) `block_q4_K`, every bit pattern valid.
-            .map(|b| unsafe { std::mem::transmute_copy::<BlockQ4K, CandleQ4K>(b) })
-            .collect();
-        let mut want = vec![0f32; 6 * QK_K];
-        CandleQ4K::to_float(&candle, &mut want);
-        let mut got = vec![0f32; QK_K];
-        for (b, want) in blocks.iter().zip(want.chunks_exact(QK_K)) {
-            BlockQ4K::dequantize(b, &mut got);
-            assert_eq!(
-                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-            );
-        }
+        testing::dequantize_is_candles::<_, candle_core::quantized::k_quants::BlockQ4K>(&blocks);
     }
 
     #[test]

@@ -243,23 +243,8 @@ mod tests {
 
     #[test]
     fn dequantize_is_candles() {
-        use candle_core::quantized::k_quants::{BlockQ5K as CandleQ5K, GgmlType};
         let blocks: Vec<BlockQ5K> = (0..6).map(|b| block(3, b)).collect();
-        let candle: Vec<CandleQ5K> = blocks
-            .iter()
-            // SAFETY: both are the 176-byte repr(C) `block_q5_K`, every bit pattern valid.
-            .map(|b| unsafe { std::mem::transmute_copy::<BlockQ5K, CandleQ5K>(b) })
-            .collect();
-        let mut want = vec![0f32; 6 * QK_K];
-        CandleQ5K::to_float(&candle, &mut want);
-        let mut got = vec![0f32; QK_K];
-        for (b, want) in blocks.iter().zip(want.chunks_exact(QK_K)) {
-            BlockQ5K::dequantize(b, &mut got);
-            assert_eq!(
-                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-            );
-        }
+        testing::dequantize_is_candles::<_, candle_core::quantized::k_quants::BlockQ5K>(&blocks);
     }
 
     #[test]

@@ -347,19 +347,8 @@ mod tests {
     }
 
     #[test]
-    fn dequantize_is_candles_to_float() {
-        use candle_core::quantized::k_quants::{BlockQ6K as CandleQ6K, GgmlType};
-        let blocks: Vec<BlockQ6K> = (0..6).map(|i| block(i % 3, i)).collect();
-        // SAFETY: the same repr(C) 210-byte layout (asserted by both crates).
-        let theirs: &[CandleQ6K] = unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast(), 6) };
-        let mut want = vec![0f32; 6 * QK_K];
-        CandleQ6K::to_float(theirs, &mut want);
-        let mut got = vec![0f32; QK_K];
-        for (b, want) in blocks.iter().zip(want.chunks_exact(QK_K)) {
-            <BlockQ6K as Interleave>::dequantize(b, &mut got);
-            for (j, (g, w)) in got.iter().zip(want).enumerate() {
-                assert_eq!(g.to_bits(), w.to_bits(), "value {j} of {b:?}: {g} != {w}");
-            }
-        }
+    fn dequantize_is_candles() {
+        let blocks: Vec<BlockQ6K> = (0..6).map(|b| block(3, b)).collect();
+        testing::dequantize_is_candles::<_, candle_core::quantized::k_quants::BlockQ6K>(&blocks);
     }
 }

@@ -526,6 +526,31 @@ pub(crate) mod testing {
         }
     }
 
+    /// [`Interleave::dequantize`] gives candle's `to_float` of the same blocks (`C`: candle's
+    /// block type of the same layout), bit for bit.
+    pub fn dequantize_is_candles<
+        B: Interleave + std::fmt::Debug,
+        C: candle_core::quantized::GgmlType,
+    >(
+        blocks: &[B],
+    ) {
+        assert_eq!(std::mem::size_of::<B>(), std::mem::size_of::<C>());
+        let theirs: Vec<C> = blocks
+            .iter()
+            // SAFETY: the same repr(C) layout (sizes asserted above), every bit pattern valid.
+            .map(|b| unsafe { std::mem::transmute_copy::<B, C>(b) })
+            .collect();
+        let mut want = vec![0f32; blocks.len() * B::BLOCK];
+        C::to_float(&theirs, &mut want);
+        let mut got = vec![0f32; B::BLOCK];
+        for (b, want) in blocks.iter().zip(want.chunks_exact(B::BLOCK)) {
+            B::dequantize(b, &mut got);
+            for (j, (g, w)) in got.iter().zip(want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "value {j} of {b:?}: {g} != {w}");
+            }
+        }
+    }
+
     /// A NaN activation gives NaN in its row only; wrong sizes are errors naming the type.
     pub fn nan_activations_give_nan_and_bad_sizes_are_errors<B: Interleave>(
         block: impl Fn(usize, usize) -> B,
