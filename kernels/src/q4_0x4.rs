@@ -23,8 +23,9 @@ use std::sync::Arc;
 pub struct BlockQ4_0x4 {
     /// The rows' scales.
     pub d: [f16; 4],
-    /// The rows' packed 4-bit values.
-    pub qs: [[u8; QK4_0 / 2]; 4],
+    /// The rows' low four bits, two values per byte (byte `j` holds values `j` and `j + 16`),
+    /// in runs of 8 bytes: `qs[c][r]` is row `r`'s bytes `8c .. 8c + 8`.
+    pub qs: [[[u8; 8]; 4]; 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4_0x4>() == 72);
 
@@ -32,7 +33,7 @@ impl BlockQ4_0x4 {
     /// Four all-zero blocks (the padding rows of a last, partial group).
     pub const ZERO: Self = Self {
         d: [f16::ZERO; 4],
-        qs: [[0; QK4_0 / 2]; 4],
+        qs: [[[0; 8]; 4]; 2],
     };
 }
 
@@ -52,13 +53,15 @@ impl Interleave for BlockQ4_0 {
 
     fn set_row(x4: &mut BlockQ4_0x4, r: usize, block: &Self) {
         x4.d[r] = block.d;
-        x4.qs[r] = block.qs;
+        for (c, run) in block.qs.chunks_exact(8).enumerate() {
+            x4.qs[c][r].copy_from_slice(run);
+        }
     }
 
     fn row(x4: &BlockQ4_0x4, r: usize) -> Self {
         BlockQ4_0 {
             d: x4.d[r],
-            qs: x4.qs[r],
+            qs: std::array::from_fn(|j| x4.qs[j / 8][r][j % 8]),
         }
     }
 
@@ -86,9 +89,8 @@ impl Interleave for BlockQ4_0 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ4_0x4;
-    use crate::f64_dot::avx2::nibbles;
     use crate::q8_0::BlockQ8_0;
-    use crate::repack::avx2::{f16x4, unsigned_group_dot};
+    use crate::repack::avx2::{f16x4, nibble_runs, unsigned_group_dot};
     use std::arch::x86_64::*;
 
     /// `unsigned_group_dot` with the nibbles as `u`, no `m` (the `−8` is the activations'
@@ -101,13 +103,8 @@ mod avx2 {
         group: &[BlockQ4_0x4],
         xs: [(&[BlockQ8_0], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        unsigned_group_dot(group, xs, |g| {
-            let u = [
-                nibbles(g.qs[0].as_ptr()),
-                nibbles(g.qs[1].as_ptr()),
-                nibbles(g.qs[2].as_ptr()),
-                nibbles(g.qs[3].as_ptr()),
-            ];
+        unsigned_group_dot::<_, _, M, false>(group, xs, |g| {
+            let u = nibble_runs(&g.qs);
             (u, f16x4(&g.d), _mm_setzero_ps())
         })
     }

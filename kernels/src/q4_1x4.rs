@@ -24,8 +24,9 @@ pub struct BlockQ4_1x4 {
     pub d: [f16; 4],
     /// The rows' offsets.
     pub m: [f16; 4],
-    /// The rows' packed 4-bit values.
-    pub qs: [[u8; QK4_1 / 2]; 4],
+    /// The rows' low four bits, two values per byte (byte `j` holds values `j` and `j + 16`),
+    /// in runs of 8 bytes: `qs[c][r]` is row `r`'s bytes `8c .. 8c + 8`.
+    pub qs: [[[u8; 8]; 4]; 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4_1x4>() == 80);
 
@@ -34,7 +35,7 @@ impl BlockQ4_1x4 {
     pub const ZERO: Self = Self {
         d: [f16::ZERO; 4],
         m: [f16::ZERO; 4],
-        qs: [[0; QK4_1 / 2]; 4],
+        qs: [[[0; 8]; 4]; 2],
     };
 }
 
@@ -55,14 +56,16 @@ impl Interleave for BlockQ4_1 {
     fn set_row(x4: &mut BlockQ4_1x4, r: usize, block: &Self) {
         x4.d[r] = block.d;
         x4.m[r] = block.m;
-        x4.qs[r] = block.qs;
+        for (c, run) in block.qs.chunks_exact(8).enumerate() {
+            x4.qs[c][r].copy_from_slice(run);
+        }
     }
 
     fn row(x4: &BlockQ4_1x4, r: usize) -> Self {
         BlockQ4_1 {
             d: x4.d[r],
             m: x4.m[r],
-            qs: x4.qs[r],
+            qs: std::array::from_fn(|j| x4.qs[j / 8][r][j % 8]),
         }
     }
 
@@ -86,9 +89,8 @@ impl Interleave for BlockQ4_1 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ4_1x4;
-    use crate::f64_dot::avx2::nibbles;
     use crate::q8_1::BlockQ8_1;
-    use crate::repack::avx2::{f16x4, unsigned_group_dot};
+    use crate::repack::avx2::{f16x4, nibble_runs, unsigned_group_dot};
 
     /// `unsigned_group_dot` with the nibbles as `u` and the blocks' offsets `m`.
     ///
@@ -99,13 +101,8 @@ mod avx2 {
         group: &[BlockQ4_1x4],
         xs: [(&[BlockQ8_1], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        unsigned_group_dot(group, xs, |g| {
-            let u = [
-                nibbles(g.qs[0].as_ptr()),
-                nibbles(g.qs[1].as_ptr()),
-                nibbles(g.qs[2].as_ptr()),
-                nibbles(g.qs[3].as_ptr()),
-            ];
+        unsigned_group_dot::<_, _, M, true>(group, xs, |g| {
+            let u = nibble_runs(&g.qs);
             (u, f16x4(&g.d), f16x4(&g.m))
         })
     }

@@ -7,7 +7,7 @@
 //! ([`crate::repack::Interleave::act_sum`]): every value is bit for bit
 //! [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
 
-use crate::q5_0::{BlockQ5_0, QK5_0};
+use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
 use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
@@ -23,8 +23,9 @@ pub struct BlockQ5_0x4 {
     pub d: [f16; 4],
     /// The rows' fifth bits (little-endian `u32`s).
     pub qh: [[u8; 4]; 4],
-    /// The rows' low four bits, packed two per byte.
-    pub qs: [[u8; QK5_0 / 2]; 4],
+    /// The rows' low four bits, two values per byte (byte `j` holds values `j` and `j + 16`),
+    /// in runs of 8 bytes: `qs[c][r]` is row `r`'s bytes `8c .. 8c + 8`.
+    pub qs: [[[u8; 8]; 4]; 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ5_0x4>() == 88);
 
@@ -33,7 +34,7 @@ impl BlockQ5_0x4 {
     pub const ZERO: Self = Self {
         d: [f16::ZERO; 4],
         qh: [[0; 4]; 4],
-        qs: [[0; QK5_0 / 2]; 4],
+        qs: [[[0; 8]; 4]; 2],
     };
 }
 
@@ -54,14 +55,16 @@ impl Interleave for BlockQ5_0 {
     fn set_row(x4: &mut BlockQ5_0x4, r: usize, block: &Self) {
         x4.d[r] = block.d;
         x4.qh[r] = block.qh;
-        x4.qs[r] = block.qs;
+        for (c, run) in block.qs.chunks_exact(8).enumerate() {
+            x4.qs[c][r].copy_from_slice(run);
+        }
     }
 
     fn row(x4: &BlockQ5_0x4, r: usize) -> Self {
         BlockQ5_0 {
             d: x4.d[r],
             qh: x4.qh[r],
-            qs: x4.qs[r],
+            qs: std::array::from_fn(|j| x4.qs[j / 8][r][j % 8]),
         }
     }
 
@@ -86,20 +89,11 @@ impl Interleave for BlockQ5_0 {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod avx2 {
+mod avx2 {
     use super::BlockQ5_0x4;
-    use crate::f64_dot::avx2::{bit_bytes, nibbles};
     use crate::q8_0::BlockQ8_0;
-    use crate::repack::avx2::{f16x4, unsigned_group_dot};
+    use crate::repack::avx2::{f16x4, fifth_bit_runs, nibble_runs, unsigned_group_dot};
     use std::arch::x86_64::*;
-
-    /// The 32 five-bit values of a block as unsigned bytes: the nibbles, with `0x10` where
-    /// the value's bit of `qh` is set.
-    #[inline(always)]
-    pub unsafe fn five_bits(qs: &[u8; 16], qh: [u8; 4]) -> __m256i {
-        let high = _mm256_and_si256(bit_bytes(u32::from_le_bytes(qh)), _mm256_set1_epi8(0x10));
-        _mm256_or_si256(nibbles(qs.as_ptr()), high)
-    }
 
     /// `unsigned_group_dot` with the five-bit values as `u`, no `m` (the `−16` is the
     /// activations' `16·Σ q'`).
@@ -111,13 +105,9 @@ pub(crate) mod avx2 {
         group: &[BlockQ5_0x4],
         xs: [(&[BlockQ8_0], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        unsigned_group_dot(group, xs, |g| {
-            let u = [
-                five_bits(&g.qs[0], g.qh[0]),
-                five_bits(&g.qs[1], g.qh[1]),
-                five_bits(&g.qs[2], g.qh[2]),
-                five_bits(&g.qs[3], g.qh[3]),
-            ];
+        unsigned_group_dot::<_, _, M, false>(group, xs, |g| {
+            let (low, high) = (nibble_runs(&g.qs), fifth_bit_runs(&g.qh));
+            let u = std::array::from_fn(|t| _mm256_or_si256(low[t], high[t]));
             (u, f16x4(&g.d), _mm_setzero_ps())
         })
     }

@@ -6,7 +6,7 @@
 //! `d·d' · Σ u·q' + m·s'` is rounded once before it is added to the row's f64 sum: every value
 //! is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
 
-use crate::q5_1::{BlockQ5_1, QK5_1};
+use crate::q5_1::BlockQ5_1;
 use crate::q8_1::BlockQ8_1;
 use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
@@ -24,8 +24,9 @@ pub struct BlockQ5_1x4 {
     pub m: [f16; 4],
     /// The rows' fifth bits (little-endian `u32`s).
     pub qh: [[u8; 4]; 4],
-    /// The rows' low four bits, packed two per byte.
-    pub qs: [[u8; QK5_1 / 2]; 4],
+    /// The rows' low four bits, two values per byte (byte `j` holds values `j` and `j + 16`),
+    /// in runs of 8 bytes: `qs[c][r]` is row `r`'s bytes `8c .. 8c + 8`.
+    pub qs: [[[u8; 8]; 4]; 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ5_1x4>() == 96);
 
@@ -35,7 +36,7 @@ impl BlockQ5_1x4 {
         d: [f16::ZERO; 4],
         m: [f16::ZERO; 4],
         qh: [[0; 4]; 4],
-        qs: [[0; QK5_1 / 2]; 4],
+        qs: [[[0; 8]; 4]; 2],
     };
 }
 
@@ -57,7 +58,9 @@ impl Interleave for BlockQ5_1 {
         x4.d[r] = block.d;
         x4.m[r] = block.m;
         x4.qh[r] = block.qh;
-        x4.qs[r] = block.qs;
+        for (c, run) in block.qs.chunks_exact(8).enumerate() {
+            x4.qs[c][r].copy_from_slice(run);
+        }
     }
 
     fn row(x4: &BlockQ5_1x4, r: usize) -> Self {
@@ -65,7 +68,7 @@ impl Interleave for BlockQ5_1 {
             d: x4.d[r],
             m: x4.m[r],
             qh: x4.qh[r],
-            qs: x4.qs[r],
+            qs: std::array::from_fn(|j| x4.qs[j / 8][r][j % 8]),
         }
     }
 
@@ -88,9 +91,9 @@ impl Interleave for BlockQ5_1 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ5_1x4;
-    use crate::q5_0x4::avx2::five_bits;
     use crate::q8_1::BlockQ8_1;
-    use crate::repack::avx2::{f16x4, unsigned_group_dot};
+    use crate::repack::avx2::{f16x4, fifth_bit_runs, nibble_runs, unsigned_group_dot};
+    use std::arch::x86_64::*;
 
     /// `unsigned_group_dot` with the five-bit values as `u` and the blocks' offsets `m`.
     ///
@@ -101,13 +104,9 @@ mod avx2 {
         group: &[BlockQ5_1x4],
         xs: [(&[BlockQ8_1], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        unsigned_group_dot(group, xs, |g| {
-            let u = [
-                five_bits(&g.qs[0], g.qh[0]),
-                five_bits(&g.qs[1], g.qh[1]),
-                five_bits(&g.qs[2], g.qh[2]),
-                five_bits(&g.qs[3], g.qh[3]),
-            ];
+        unsigned_group_dot::<_, _, M, true>(group, xs, |g| {
+            let (low, high) = (nibble_runs(&g.qs), fifth_bit_runs(&g.qh));
+            let u = std::array::from_fn(|t| _mm256_or_si256(low[t], high[t]));
             (u, f16x4(&g.d), f16x4(&g.m))
         })
     }

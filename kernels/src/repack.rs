@@ -334,28 +334,77 @@ impl Act8 for crate::q8_1::BlockQ8_1 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::Act8;
-    use crate::f64_dot::avx2::hsum4;
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the group's current block that each step prefetches (measured for
     /// Q4_0 on a Zen 3 core: 512 streamed 10-15 % faster than none, and than 1024).
     pub const PREFETCH: usize = 512;
 
+    /// Eight bytes of `p`, in each 64-bit lane.
+    #[inline(always)]
+    pub unsafe fn bytes8(p: *const i8) -> __m256i {
+        _mm256_set1_epi64x(std::ptr::read_unaligned(p as *const i64))
+    }
+
+    /// A 32-wide block's 16 nibble bytes of four rows stored in runs of 8 (`runs[c][r]`:
+    /// row `r`'s bytes `8c .. 8c + 8`, whose low nibbles are values `8c ..` and high nibbles
+    /// values `16 + 8c ..`) as the runs of values `unsigned_group_dot` takes: vector `t` holds
+    /// values `8t .. 8t + 8` of rows 0, 1, 2, 3 in turn.
+    #[inline(always)]
+    pub unsafe fn nibble_runs(runs: &[[[u8; 8]; 4]; 2]) -> [__m256i; 4] {
+        let low = _mm256_set1_epi8(0x0F);
+        let v0 = _mm256_loadu_si256(runs[0].as_ptr() as *const __m256i);
+        let v1 = _mm256_loadu_si256(runs[1].as_ptr() as *const __m256i);
+        [
+            _mm256_and_si256(v0, low),
+            _mm256_and_si256(v1, low),
+            _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+            _mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
+        ]
+    }
+
+    /// The fifth bits of four rows (`qh[r]`: row `r`'s 32 bits, little-endian) as `0x10` bytes
+    /// in the runs of [`nibble_runs`]: vector `t` holds bits `8t .. 8t + 8` of each row.
+    #[inline(always)]
+    pub unsafe fn fifth_bit_runs(qh: &[[u8; 4]; 4]) -> [__m256i; 4] {
+        let words = _mm256_broadcastsi128_si256(_mm_loadu_si128(qh.as_ptr() as *const __m128i));
+        // Byte t of rows 0, 1 (low half) and 2, 3 (high half), eight times each.
+        let control = |t: i8| {
+            let (a, b) = (
+                _mm_set1_epi64x(0x0101_0101_0101_0101 * t as i64),
+                _mm_set1_epi64x(0x0101_0101_0101_0101 * (4 + t) as i64),
+            );
+            let lo = _mm_unpacklo_epi64(a, b);
+            let hi = _mm_add_epi8(lo, _mm_set1_epi8(8));
+            _mm256_set_m128i(hi, lo)
+        };
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        std::array::from_fn(|t| {
+            let bytes = _mm256_shuffle_epi8(words, control(t as i8));
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bits), bits);
+            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+        })
+    }
+
     /// The four rows of `group` against `M` activation rows, for a type whose block `b` of
     /// row `r` is `d·(u − o) + m` with unsigned byte values `u` (Q4_0: nibbles, `o` = 8, no
     /// `m`; Q4_1: nibbles and `m`; Q5_0 / Q5_1: five bits): `unpack(g)` gives the four rows'
-    /// `u` (32 bytes each), their `d` and `m` (0 where the type has none) as f32; `xs[i].1`
-    /// holds `o·Σ q'` per activation block. Per block and row: `Σ u·q'` (`maddubs` of unsigned
-    /// and signed bytes, pairs of at most 2·31·127, no saturation) reduced to one integer,
-    /// minus `o·Σ q'`, times `d·d'`, plus `m·s'` (both products exact in f32, widened), rounded
-    /// once by an FMA and added to the row's f64 sum: bit for bit the types' scalar
-    /// `block_dot` added in block order (tested for each type).
+    /// `u` in runs of 8 (vector `t`: values `8t .. 8t + 8` of rows 0, 1, 2, 3 in turn, as
+    /// [`nibble_runs`] makes them), their `d` and `m` (0 where the type has none) as f32;
+    /// `xs[i].1` holds `o·Σ q'` per activation block. Per block and activation row: four
+    /// `maddubs` of a run with the activations' same 8 bytes (broadcast), added in i16 (each
+    /// lane at most 4·2·31·128 = 31744 < 32767), one `madd` by ones (two i32 lanes per row),
+    /// one `hadd`: the four rows' `Σ u·q'`, minus `o·Σ q'`, times `d·d'`, plus `m·s'` (both
+    /// products exact in f32, widened), rounded once by an FMA and added to the row's f64
+    /// sum: bit for bit the types' scalar `block_dot` added in block order (tested for each
+    /// type). `HAS_M`: whether the type has `m` (Q4_1, Q5_1); without it the product is
+    /// rounded by a multiplication, the same rounding, and the `m·s'` work is skipped.
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c (inline this into a function that enables
     /// them); every slice of `xs` has `group.len()` entries.
     #[inline(always)]
-    pub unsafe fn unsigned_group_dot<G, A: Act8, const M: usize>(
+    pub unsafe fn unsigned_group_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
         group: &[G],
         xs: [(&[A], &[i32]); M],
         unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
@@ -372,19 +421,33 @@ pub(crate) mod avx2 {
             for i in 0..M {
                 let (x, offsets) = xs[i];
                 let x = x.get_unchecked(b);
-                let qx = _mm256_loadu_si256(x.qs().as_ptr() as *const __m256i);
-                let s = [
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(u[0], qx), ones),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(u[1], qx), ones),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(u[2], qx), ones),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(u[3], qx), ones),
-                ];
-                let sums = _mm_sub_epi32(hsum4(s), _mm_set1_epi32(*offsets.get_unchecked(b)));
+                let a = x.qs().as_ptr();
+                let p = _mm256_add_epi16(
+                    _mm256_add_epi16(
+                        _mm256_maddubs_epi16(u[0], bytes8(a)),
+                        _mm256_maddubs_epi16(u[1], bytes8(a.add(8))),
+                    ),
+                    _mm256_add_epi16(
+                        _mm256_maddubs_epi16(u[2], bytes8(a.add(16))),
+                        _mm256_maddubs_epi16(u[3], bytes8(a.add(24))),
+                    ),
+                );
+                // Lanes [r0, r0, r1, r1 | r2, r2, r3, r3] -> [r0, r1, r2, r3].
+                let h = _mm256_madd_epi16(p, ones);
+                let h = _mm256_hadd_epi32(h, h);
+                let h =
+                    _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                let sums = _mm_sub_epi32(h, _mm_set1_epi32(*offsets.get_unchecked(b)));
                 let xd = _mm_cvtph_ps(_mm_set1_epi16(x.d_bits() as i16));
-                let xs = _mm_cvtph_ps(_mm_set1_epi16(x.s_bits() as i16));
                 let dd = _mm256_cvtps_pd(_mm_mul_ps(wd, xd));
-                let ms = _mm256_cvtps_pd(_mm_mul_ps(wm, xs));
-                let block = _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, ms);
+                let block = if HAS_M {
+                    let xs = _mm_cvtph_ps(_mm_set1_epi16(x.s_bits() as i16));
+                    let ms = _mm256_cvtps_pd(_mm_mul_ps(wm, xs));
+                    _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, ms)
+                } else {
+                    // The FMA's rounding with a zero addend.
+                    _mm256_mul_pd(_mm256_cvtepi32_pd(sums), dd)
+                };
                 acc[i] = _mm256_add_pd(acc[i], block);
             }
         }
