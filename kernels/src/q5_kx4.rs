@@ -6,12 +6,12 @@
 //! `Σ_j sc_j Σ q·q'` (the 5-bit values, nibbles and their fifth bits unpacked once per group
 //! for every activation row, times the activation bytes by `maddubs`, each 32-value sub-block
 //! scaled by its 6-bit scale in `madd`) and `Σ_j mn_j · bsums_j` (the minimums times the
-//! activations' sums of 16, one `madd`). The 12 bytes of scales and minimums are unpacked once
-//! per group for every activation row; the four rows' integers are reduced together and
-//! combined with `d`, `dmin` and `d'` in f64 in the scalar order: every value is bit for bit
-//! [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
+//! activations' sums of 16, one `madd`). The scales and minimums, unpacked to a byte each when
+//! the weight is repacked, are spread once per group for every activation row; the four rows'
+//! integers are reduced together and combined with `d`, `dmin` and `d'` in f64 in the scalar
+//! order: every value is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
 
-use crate::q4_kx4::scales_mins;
+use crate::q4_kx4::{pack_scales_mins, scales_mins};
 use crate::q5_k::BlockQ5K;
 use crate::q8_k::{BlockQ8K, QK_K};
 use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
@@ -20,12 +20,13 @@ use half::f16;
 use std::sync::Arc;
 
 /// Four Q5_K super-blocks of four consecutive rows (the same block index), interleaved: row
-/// `r`'s block is `d[r]`, `dmin[r]`, `scales[r]` (as in [`BlockQ5K`]), its 128 bytes of
+/// `r`'s block is `d[r]`, `dmin[r]` (as in [`BlockQ5K`]), its scales `sc[r]` and minimums
+/// `mn[r]` a byte each (as [`crate::q4_kx4::BlockQ4Kx4`]'s), its 128 bytes of
 /// nibbles in runs of 8, `qs[t][r]` holding its bytes `8t .. 8t + 8`, and its 32 bytes of
 /// fifth bits in runs of 8, `qh[c][r]` holding its bytes `8c .. 8c + 8`: one 32-byte load
 /// holds the same 8 bytes of the four rows, and the fifth bits of the values in run
 /// `t = 4j + c` are bits `2j` (low nibbles) and `2j + 1` (high nibbles) of run `c` of `qh`.
-/// 704 bytes.
+/// 720 bytes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[repr(C)]
 pub struct BlockQ5Kx4 {
@@ -33,21 +34,24 @@ pub struct BlockQ5Kx4 {
     pub d: [f16; 4],
     /// The rows' super-scales of the minimums.
     pub dmin: [f16; 4],
-    /// The rows' packed 6-bit scales and minimums.
-    pub scales: [[u8; 12]; 4],
+    /// The rows' eight 6-bit scales, unpacked from GGUF's 12 bytes (one byte each).
+    pub sc: [[u8; 8]; 4],
+    /// The rows' eight 6-bit minimums, unpacked likewise.
+    pub mn: [[u8; 8]; 4],
     /// The rows' fifth bits, 8 bytes of each row in turn.
     pub qh: [[[u8; 8]; 4]; QK_K / 64],
     /// The rows' packed low 4 bits, 8 bytes of each row in turn.
     pub qs: [[[u8; 8]; 4]; QK_K / 16],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ5Kx4>() == 4 * 176);
+const _: () = assert!(std::mem::size_of::<BlockQ5Kx4>() == 4 * 176 + 16);
 
 impl BlockQ5Kx4 {
     /// Four all-zero blocks (the padding rows of a last, partial group).
     pub const ZERO: Self = Self {
         d: [f16::ZERO; 4],
         dmin: [f16::ZERO; 4],
-        scales: [[0; 12]; 4],
+        sc: [[0; 8]; 4],
+        mn: [[0; 8]; 4],
         qh: [[[0; 8]; 4]; QK_K / 64],
         qs: [[[0; 8]; 4]; QK_K / 16],
     };
@@ -71,7 +75,8 @@ impl Interleave for BlockQ5K {
     fn set_row(x4: &mut BlockQ5Kx4, r: usize, block: &Self) {
         x4.d[r] = block.d;
         x4.dmin[r] = block.dmin;
-        x4.scales[r] = block.scales;
+        let (sc, mn) = scales_mins(&block.scales);
+        (x4.sc[r], x4.mn[r]) = (sc.to_le_bytes(), mn.to_le_bytes());
         for (c, run) in block.qh.chunks_exact(8).enumerate() {
             x4.qh[c][r].copy_from_slice(run);
         }
@@ -84,7 +89,7 @@ impl Interleave for BlockQ5K {
         BlockQ5K {
             d: x4.d[r],
             dmin: x4.dmin[r],
-            scales: x4.scales[r],
+            scales: pack_scales_mins(x4.sc[r], x4.mn[r]),
             qh: std::array::from_fn(|i| x4.qh[i / 8][r][i % 8]),
             qs: std::array::from_fn(|i| x4.qs[i / 8][r][i % 8]),
         }
@@ -136,8 +141,11 @@ mod avx2 {
         fn dmin(&self) -> &[f16; 4] {
             &self.dmin
         }
-        fn scales(&self) -> &[[u8; 12]; 4] {
-            &self.scales
+        fn sc(&self) -> &[[u8; 8]; 4] {
+            &self.sc
+        }
+        fn mn(&self) -> &[[u8; 8]; 4] {
+            &self.mn
         }
         /// Q4_K's nibbles with the fifth bits: the runs of `qh` shifted down by `2j`, so that
         /// bits 0 and 1 of each byte are those of the low and high nibbles of values
