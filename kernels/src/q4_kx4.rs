@@ -236,7 +236,7 @@ pub(crate) mod avx2 {
 
     /// The four rows of `group` against `M` activation rows, for a type laid out as Q4_K's
     /// ([`K4Group`]; values of at most `vmax` = 15 for Q4_K, 31 for Q5_K). Per super-block:
-    /// the four rows' scales unpacked once, as i16 per row and sub-block (`shuffle_epi8`), and
+    /// the four rows' scales spread once, as i16 per row and sub-block (`shuffle_epi8`), and
     /// minimums. Per activation row and sub-block, four `maddubs` of 8 values of each row
     /// (one vector) with the activations' same 8 bytes (broadcast) added in i16 (each lane at
     /// most 4·2·vmax·128: 15360 or 31744 < 32767, no overflow), then one `madd` with the
