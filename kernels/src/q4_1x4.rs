@@ -10,7 +10,7 @@
 
 use crate::q4_1::{BlockQ4_1, QK4_1};
 use crate::q8_1::BlockQ8_1;
-use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use crate::repack::{put_runs, repack_bytes, take_runs, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -56,16 +56,14 @@ impl Interleave for BlockQ4_1 {
     fn set_row(x4: &mut BlockQ4_1x4, r: usize, block: &Self) {
         x4.d[r] = block.d;
         x4.m[r] = block.m;
-        for (c, run) in block.qs.chunks_exact(8).enumerate() {
-            x4.qs[c][r].copy_from_slice(run);
-        }
+        put_runs(&mut x4.qs, r, &block.qs);
     }
 
     fn row(x4: &BlockQ4_1x4, r: usize) -> Self {
         BlockQ4_1 {
             d: x4.d[r],
             m: x4.m[r],
-            qs: std::array::from_fn(|j| x4.qs[j / 8][r][j % 8]),
+            qs: take_runs(&x4.qs, r),
         }
     }
 

@@ -13,7 +13,7 @@
 
 use crate::q4_k::BlockQ4K;
 use crate::q8_k::{BlockQ8K, QK_K};
-use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use crate::repack::{put_runs, repack_bytes, take_runs, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -95,9 +95,7 @@ impl Interleave for BlockQ4K {
         x4.dmin[r] = block.dmin;
         let (sc, mn) = scales_mins(&block.scales);
         (x4.sc[r], x4.mn[r]) = (sc.to_le_bytes(), mn.to_le_bytes());
-        for (t, run) in block.qs.chunks_exact(8).enumerate() {
-            x4.qs[t][r].copy_from_slice(run);
-        }
+        put_runs(&mut x4.qs, r, &block.qs);
     }
 
     fn row(x4: &BlockQ4Kx4, r: usize) -> Self {
@@ -105,7 +103,7 @@ impl Interleave for BlockQ4K {
             d: x4.d[r],
             dmin: x4.dmin[r],
             scales: pack_scales_mins(x4.sc[r], x4.mn[r]),
-            qs: std::array::from_fn(|i| x4.qs[i / 8][r][i % 8]),
+            qs: take_runs(&x4.qs, r),
         }
     }
 

@@ -9,7 +9,7 @@
 
 use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
-use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use crate::repack::{put_runs, repack_bytes, take_runs, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -55,16 +55,14 @@ impl Interleave for BlockQ5_0 {
     fn set_row(x4: &mut BlockQ5_0x4, r: usize, block: &Self) {
         x4.d[r] = block.d;
         x4.qh[r] = block.qh;
-        for (c, run) in block.qs.chunks_exact(8).enumerate() {
-            x4.qs[c][r].copy_from_slice(run);
-        }
+        put_runs(&mut x4.qs, r, &block.qs);
     }
 
     fn row(x4: &BlockQ5_0x4, r: usize) -> Self {
         BlockQ5_0 {
             d: x4.d[r],
             qh: x4.qh[r],
-            qs: std::array::from_fn(|j| x4.qs[j / 8][r][j % 8]),
+            qs: take_runs(&x4.qs, r),
         }
     }
 

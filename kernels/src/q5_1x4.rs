@@ -8,7 +8,7 @@
 
 use crate::q5_1::BlockQ5_1;
 use crate::q8_1::BlockQ8_1;
-use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use crate::repack::{put_runs, repack_bytes, take_runs, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -58,9 +58,7 @@ impl Interleave for BlockQ5_1 {
         x4.d[r] = block.d;
         x4.m[r] = block.m;
         x4.qh[r] = block.qh;
-        for (c, run) in block.qs.chunks_exact(8).enumerate() {
-            x4.qs[c][r].copy_from_slice(run);
-        }
+        put_runs(&mut x4.qs, r, &block.qs);
     }
 
     fn row(x4: &BlockQ5_1x4, r: usize) -> Self {
@@ -68,7 +66,7 @@ impl Interleave for BlockQ5_1 {
             d: x4.d[r],
             m: x4.m[r],
             qh: x4.qh[r],
-            qs: std::array::from_fn(|j| x4.qs[j / 8][r][j % 8]),
+            qs: take_runs(&x4.qs, r),
         }
     }
 

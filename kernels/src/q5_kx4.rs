@@ -14,7 +14,7 @@
 use crate::q4_kx4::{pack_scales_mins, scales_mins};
 use crate::q5_k::BlockQ5K;
 use crate::q8_k::{BlockQ8K, QK_K};
-use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use crate::repack::{put_runs, repack_bytes, take_runs, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -77,12 +77,8 @@ impl Interleave for BlockQ5K {
         x4.dmin[r] = block.dmin;
         let (sc, mn) = scales_mins(&block.scales);
         (x4.sc[r], x4.mn[r]) = (sc.to_le_bytes(), mn.to_le_bytes());
-        for (c, run) in block.qh.chunks_exact(8).enumerate() {
-            x4.qh[c][r].copy_from_slice(run);
-        }
-        for (t, run) in block.qs.chunks_exact(8).enumerate() {
-            x4.qs[t][r].copy_from_slice(run);
-        }
+        put_runs(&mut x4.qh, r, &block.qh);
+        put_runs(&mut x4.qs, r, &block.qs);
     }
 
     fn row(x4: &BlockQ5Kx4, r: usize) -> Self {
@@ -90,8 +86,8 @@ impl Interleave for BlockQ5K {
             d: x4.d[r],
             dmin: x4.dmin[r],
             scales: pack_scales_mins(x4.sc[r], x4.mn[r]),
-            qh: std::array::from_fn(|i| x4.qh[i / 8][r][i % 8]),
-            qs: std::array::from_fn(|i| x4.qs[i / 8][r][i % 8]),
+            qh: take_runs(&x4.qh, r),
+            qs: take_runs(&x4.qs, r),
         }
     }
 

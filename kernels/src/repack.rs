@@ -79,6 +79,22 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     ) -> [[f64; 4]; M];
 }
 
+/// Puts row `r`'s bytes into `runs` of 8 bytes per row (`runs[c][r]` = `bytes[8c .. 8c + 8]`),
+/// the layout in which one 32-byte load holds the same 8 bytes of four rows.
+pub(crate) fn put_runs<const C: usize>(runs: &mut [[[u8; 8]; 4]; C], r: usize, bytes: &[u8]) {
+    for (c, run) in bytes.chunks_exact(8).enumerate() {
+        runs[c][r].copy_from_slice(run);
+    }
+}
+
+/// Row `r`'s bytes back from `runs` ([`put_runs`]).
+pub(crate) fn take_runs<const C: usize, const N: usize>(
+    runs: &[[[u8; 8]; 4]; C],
+    r: usize,
+) -> [u8; N] {
+    std::array::from_fn(|j| runs[j / 8][r][j % 8])
+}
+
 /// A quantized weight `[n, k]` repacked in groups of four rows (the last group padded with
 /// zero rows), with its products against f32 activations.
 ///
