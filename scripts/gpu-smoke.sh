@@ -23,6 +23,11 @@
 #   embed_cuda_vs_cpu  examples/embed on MiniLM: CUDA embeddings vs CPU (max |diff| <= 1e-3)
 #   generate_N         examples/generate --device cuda (if built), tokens/s, 1 and N ranks
 #   generate_ids_cuda_vs_cpu  greedy ids: CUDA f32 equal to the CPU's; CUDA bf16 reported
+#   quantized_layers_match_cpu  GGUF block types on CUDA (candle's QMatMul) vs the exact product
+#   gguf_ids_cuda_vs_cpu  GGUF_MODEL=F.gguf: greedy ids on CUDA against the CPU's (first equal)
+#   decode_<model>_<dtype>  GPU_BENCH_MODELS="DIR F.gguf" (and GPU_BENCH_RANDOM_MODELS):
+#                      bench_generate on CUDA against candle-transformers' llama (f32, bf16) or
+#                      quantized_llama (.gguf); same ids needed in f32 and .gguf on trained weights
 # NCCL refuses two ranks on one GPU: with one GPU the multi-rank steps are skipped, not faked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -109,6 +114,7 @@ if [ "$gpus" -lt 1 ]; then
 else
   run_step nccl_one_rank "$rel/gpu-tests" --exact nccl_one_rank --nocapture
   run_step layers_match_cpu "$rel/gpu-tests" --exact layers_match_cpu --nocapture
+  run_step quantized_layers_match_cpu "$rel/gpu-tests" --exact quantized_layers_match_cpu --nocapture
 
   check_mlp() { # N: run the mlp example on N ranks and check its JSON line
     local n=$1 out
@@ -201,6 +207,82 @@ PY
     run_step generate_ids_cuda_vs_cpu ids_cmp
   else
     skip generate "$rel/examples/generate is not built (the generate example lives on another branch)"
+  fi
+
+  # A GGUF file (GGUF_MODEL) through candle's CUDA quantized matmul: greedy ids against the
+  # CPU's (the crate's exact kernels). The prompt's forward runs candle's tiled kernels, which
+  # agree with the exact product, so the first id must be the CPU's; decode steps run its
+  # matrix-vector kernels, whose q8_1 activations (block sums unquantized) move the logits by
+  # ~0.5 %, so later ids may part from the CPU's: reported, not required.
+  if [ -n "${GGUF_MODEL:-}" ] && [ -f "$GGUF_MODEL" ] && [ -x "$rel/examples/generate" ]; then
+    gguf_cmp() {
+      local d
+      for d in cpu cuda; do
+        "$rel/examples/generate" --model "$GGUF_MODEL" --device "$d" --max-new-tokens 32 \
+          >"$log_dir/gguf_$d.log" 2>&1 || { tail -n 20 "$log_dir/gguf_$d.log"; return 1; }
+      done
+      python3 - "$log_dir" <<'PY'
+import json, sys
+ids = {d: json.loads([l for l in open(f"{sys.argv[1]}/gguf_{d}.log") if l.startswith("{")][-1])
+       for d in ("cpu", "cuda")}
+a, b = ids["cpu"]["token_ids"], ids["cuda"]["token_ids"]
+same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+print(f"cpu  {a}\ncuda {b}\nequal for the first {same} of {len(a)}; "
+      f"cuda {ids['cuda'].get('tokens_per_s')} tok/s")
+sys.exit(0 if same >= 1 else 1)
+PY
+    }
+    run_step gguf_ids_cuda_vs_cpu gguf_cmp
+  else
+    skip gguf_ids_cuda_vs_cpu "GGUF_MODEL is not set to a .gguf file"
+  fi
+
+  # Decode tokens/s against candle-transformers on the same card (GPU_BENCH_MODELS: checkpoint
+  # directories, each in f32 and bf16 against candle-transformers' llama, and .gguf files
+  # against its quantized_llama). One step per model and dtype. Trained weights need the same
+  # greedy ids as the reference in f32 and from a .gguf (same CUDA kernels on both sides);
+  # random weights (GPU_BENCH_RANDOM_MODELS, e.g. examples/make_synthetic_llama's) give
+  # near-equal logits that rounding reorders, so their ids are reported only.
+  read -r -a bench_models <<<"${GPU_BENCH_MODELS:-} ${GPU_BENCH_RANDOM_MODELS:-}"
+  if [ -x "$rel/examples/bench_generate" ] && [ ${#bench_models[@]} -gt 0 ]; then
+    for m in "${bench_models[@]}"; do
+      need_ids=0
+      case " ${GPU_BENCH_MODELS:-} " in *" $m "*) need_ids=1 ;; esac
+      if [ "${m%.gguf}" != "$m" ]; then pairs="gguf:quantized_llama"; else pairs="f32:candle-transformers bf16:candle-transformers"; fi
+      for pair in $pairs; do
+        dt=${pair%%:*}; ref=${pair#*:}
+        name="decode_$(basename "${m%.gguf}" | tr -c 'A-Za-z0-9_\n' _)_$dt"
+        dargs=(--model "$m" --device cuda --prompt-len 32 --new-tokens 64)
+        [ "$dt" = gguf ] || dargs+=(--dtype "$dt")
+        t0=$(date +%s.%N); rc=0
+        { "$rel/examples/bench_generate" --impl candle-tp "${dargs[@]}" &&
+          "$rel/examples/bench_generate" --impl "$ref" "${dargs[@]}"; } >"$log_dir/$name.log" 2>&1 || rc=$?
+        secs=$(python3 -c "print($(date +%s.%N) - $t0)")
+        extra=$(python3 - "$log_dir/$name.log" "$dt" <<'PY' || true
+import json, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+if len(runs) != 2:
+    sys.exit(1)
+ours, ref = runs
+same = next((i for i, (x, y) in enumerate(zip(ours["token_ids"], ref["token_ids"])) if x != y),
+            len(ours["token_ids"]))
+print(json.dumps({"candle_tp_tokens_per_s": ours["tokens_per_s"],
+                  "reference": ref["impl"], "reference_tokens_per_s": ref["tokens_per_s"],
+                  "ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
+                  "same_ids": same, "of": len(ours["token_ids"]),
+                  "prefill_ms": ours.get("prefill_ms"), "reference_prefill_ms": ref.get("prefill_ms")}))
+PY
+)
+        if [ $rc -eq 0 ] && [ -n "$extra" ] &&
+           { [ $need_ids = 0 ] || [ "$dt" = bf16 ] || python3 -c 'import json,sys; v=json.loads(sys.argv[1]); sys.exit(v["same_ids"]!=v["of"])' "$extra"; }; then
+          record "$name" pass "$secs" "$extra" "$extra"
+        else
+          record "$name" fail "$secs" "exit $rc ${extra:-no JSON}: $(tail -c 1200 "$log_dir/$name.log")"
+        fi
+      done
+    done
+  else
+    skip decode_vs_candle_transformers "GPU_BENCH_MODELS is not set (or examples/bench_generate is not built)"
   fi
 fi
 

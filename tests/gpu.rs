@@ -5,6 +5,8 @@
 //!   leading and non-leading dims), the host-slice collectives, a sub-group, stats.
 //! - `layers_match_cpu`: the TP layers and mappings on CUDA (forward and backward) against the
 //!   same layers on the CPU, on a plain 1-rank group and on a 1-rank NCCL group.
+//! - `quantized_layers_match_cpu`: row- and column-parallel layers with GGUF weights on CUDA
+//!   (candle's CUDA `QMatMul`) against the exact product of the quantized operands.
 //! - `nccl_multi_rank`: this binary re-executed under `tprun` with 2..=min(GPUs, 4) ranks, one
 //!   GPU each (NCCL refuses two ranks on one GPU, so fewer than 2 GPUs skips it): collectives
 //!   with unequal sizes and non-leading dims against sums computed here on the CPU, sub-groups,
@@ -180,6 +182,103 @@ fn layers_match_cpu() -> Result<()> {
     let dev = Device::new_cuda(0)?;
     check_layers(ProcessGroup::single(), &dev, "single group")?;
     check_layers(one_rank_nccl(&dev), &dev, "1-rank NCCL group")
+}
+
+/// Quantized weights on CUDA (candle's CUDA `QMatMul`, which the crate uses off the CPU)
+/// through a row-parallel layer on a 1-rank NCCL group and a column-parallel one, for every
+/// block type a Llama-family GGUF file uses, at 1, 3 and 16 activation rows (candle's
+/// matrix-vector kernels up to 8 rows, its tiled kernels above). The reference is the exact
+/// product of the quantized operands (tests/common/quantized.rs) where it exists, else the
+/// crate's CPU kernel. CUDA quantizes the activations its own way (q8_1: one scale per 32
+/// values, and for the types with a minimum the block sum of the unquantized activations), so
+/// the bound is 2 % of the largest output: it catches a wrong layout, block or device path, not
+/// rounding.
+#[test]
+fn quantized_layers_match_cpu() -> anyhow::Result<()> {
+    use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+    use candle_tp::nn::ParallelWeight;
+    if gpus() == 0 {
+        eprintln!("skipped: no GPU");
+        return Ok(());
+    }
+    let dev = Device::new_cuda(0)?;
+    let pg = one_rank_nccl(&dev);
+    let (n, k) = (64, 4 * 256);
+    let w = seeded(&[n, k], 11);
+    for dtype in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
+        let q = QTensor::quantize(&w, dtype)?;
+        let on = |d: &Device| -> candle_core::Result<QTensor> {
+            QTensor::new(QStorage::from_data(q.data()?, d, dtype)?, (n, k))
+        };
+        let row = RowParallelLinear::from_weight(
+            ParallelWeight::quantized(on(&dev)?, None)?,
+            None,
+            Partition::new(k, 1)?,
+            n,
+            pg.clone(),
+        )?;
+        let col = ColumnParallelLinear::from_weight(
+            ParallelWeight::quantized(on(&dev)?, None)?,
+            k,
+            Partition::new(n, 1)?,
+            pg.clone(),
+        )?;
+        let cpu = ParallelWeight::quantized(on(&Device::Cpu)?, None)?;
+        for m in [1, 3, 16] {
+            let x = seeded(&[m, k], 12 + m as u64);
+            let exact: Vec<f64> = match common::quantized::exact_product(&q, &x) {
+                Ok((exact, _)) => exact,
+                // Q4_1 and Q5_1: the crate's CPU kernel (tests/quant_matmul.rs ties it to
+                // candle's portable scalar product within f32 rounding).
+                Err(_) => cpu
+                    .forward(&x)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .into_iter()
+                    .map(f64::from)
+                    .collect(),
+            };
+            let mag = exact.iter().fold(0f64, |a, v| a.max(v.abs()));
+            for (what, layer) in [
+                ("row", &row as &dyn Module),
+                ("column", &col as &dyn Module),
+            ] {
+                let y = layer.forward(&x.to_device(&dev)?)?;
+                anyhow::ensure!(
+                    y.device().is_cuda(),
+                    "{dtype:?} {what}: output left the GPU"
+                );
+                let got = y.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+                anyhow::ensure!(got.len() == exact.len(), "{dtype:?} {what} m {m}: sizes");
+                anyhow::ensure!(
+                    got.iter().all(|v| v.is_finite()),
+                    "{dtype:?} {what} m {m}: non-finite output"
+                );
+                let worst = got
+                    .iter()
+                    .zip(&exact)
+                    .fold(0f64, |a, (&g, &e)| a.max((g as f64 - e).abs()));
+                anyhow::ensure!(
+                    worst <= 2e-2 * mag,
+                    "{dtype:?} {what} m {m}: max |cuda - reference| {worst:.3e} > 2 % of {mag:.3}"
+                );
+                println!(
+                    "  {dtype:?} {what} m {m}: max |cuda - reference| / max |y| {:.2e}",
+                    worst / mag
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Inputs of rank `r`: every rank can compute every other's, so the expected results are
