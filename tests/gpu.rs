@@ -3,10 +3,13 @@
 //!
 //! - `nccl_one_rank`: a 1-rank NCCL communicator: every tensor collective (f32, f16, bf16;
 //!   leading and non-leading dims), the host-slice collectives, a sub-group, stats.
+//! - `nccl_zero_elements`: zero-element tensors and empty host slices through the NCCL group.
 //! - `layers_match_cpu`: the TP layers and mappings on CUDA (forward and backward) against the
 //!   same layers on the CPU, on a plain 1-rank group and on a 1-rank NCCL group.
 //! - `quantized_layers_match_cpu`: row- and column-parallel layers with GGUF weights on CUDA
 //!   (candle's CUDA `QMatMul`) against the exact product of the quantized operands.
+//! - `parallel_2d_matches_cpu`: 2D (SUMMA) layers on CUDA tensors (a 2 x 2 grid of threads on
+//!   one GPU) against the same grid on the CPU, forward and backward.
 //! - `nccl_multi_rank`: this binary re-executed under `tprun` with 2..=min(GPUs, 4) ranks, one
 //!   GPU each (NCCL refuses two ranks on one GPU, so fewer than 2 GPUs skips it): collectives
 //!   with unequal sizes and non-leading dims against sums computed here on the CPU, sub-groups,
@@ -108,6 +111,58 @@ fn nccl_one_rank() -> Result<()> {
         let err = pg.all_reduce(&other, ReduceOp::Sum).expect_err("wrong GPU");
         assert!(err.to_string().contains("cuda:1"), "{err}");
     }
+    Ok(())
+}
+
+/// Zero-element buffers through a 1-rank NCCL communicator: tensors with a zero dim and empty
+/// host slices go through every collective and come back empty, without a NCCL error or a hang
+/// (the NCCL backend skips or issues zero-count calls; the shapes must survive).
+#[test]
+fn nccl_zero_elements() -> Result<()> {
+    if gpus() == 0 {
+        eprintln!("skipped: no GPU");
+        return Ok(());
+    }
+    let dev = Device::new_cuda(0)?;
+    let pg = one_rank_nccl(&dev);
+    for dims in [vec![0usize], vec![3, 0], vec![0, 4]] {
+        let g = Tensor::zeros(dims.as_slice(), DType::F32, &dev)?;
+        let mut out = vec![
+            ("all_reduce", pg.all_reduce(&g, ReduceOp::Sum)?),
+            ("broadcast", pg.broadcast(&g, 0)?),
+            ("all_gather", pg.all_gather(&g, dims.len() - 1)?),
+        ];
+        // A reduce-scatter splits a dim over the ranks: along a dim of size 0 there is nothing
+        // to give each rank, which is a clear error (not a hang); along another dim it works.
+        for (d, &n) in dims.iter().enumerate() {
+            let r = pg.reduce_scatter(&g, d, ReduceOp::Sum);
+            if n == 0 {
+                let e = r
+                    .expect_err("reduce_scatter along an empty dim")
+                    .to_string();
+                assert!(e.contains("reduce_scatter") && e.contains("dim"), "{e}");
+            } else {
+                out.push(("reduce_scatter", r?));
+            }
+        }
+        for (what, t) in out {
+            assert_eq!(t.dims(), dims.as_slice(), "{what} of shape {dims:?}");
+            assert!(t.device().is_cuda(), "{what} left the GPU");
+        }
+        println!("  shape {dims:?}: all_reduce, broadcast, all_gather, reduce_scatter ok");
+    }
+    let mut v: Vec<f32> = Vec::new();
+    pg.all_reduce_slice(&mut v, ReduceOp::Sum)?;
+    pg.broadcast_slice(&mut v, 0)?;
+    let mut none: Vec<i64> = Vec::new();
+    pg.all_gather_slice(&[], &mut none)?;
+    assert!(v.is_empty() && none.is_empty());
+    // The communicator still works after them.
+    let x = Tensor::new(&[1f32, 2.0], &dev)?;
+    assert_eq!(
+        pg.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?,
+        vec![1.0, 2.0]
+    );
     Ok(())
 }
 
@@ -277,6 +332,65 @@ fn quantized_layers_match_cpu() -> anyhow::Result<()> {
                 );
             }
         }
+    }
+    Ok(())
+}
+
+/// 2D (SUMMA) layers with CUDA tensors, whose product is built from broadcasts (the CPU's is
+/// the `Summa` op): a 2 x 2 grid of threads on GPU 0, the CPU engine staging the collectives
+/// through host memory (NCCL refuses two ranks on one GPU), against the same grid on the CPU:
+/// the output and the gradients of the input and weight blocks.
+#[test]
+fn parallel_2d_matches_cpu() -> anyhow::Result<()> {
+    use candle_core::Var;
+    use candle_tp::{DeviceMesh, Linear2d};
+    if gpus() == 0 {
+        eprintln!("skipped: no GPU");
+        return Ok(());
+    }
+    let errs = candle_tp::run_threads(4, |pg| {
+        let mesh = DeviceMesh::grid_2d(&pg).map_err(candle_core::Error::wrap)?;
+        let seed = 100 + 3 * pg.rank() as u64;
+        // The bias: block `col` of 10 (5 long), part `row` of it (3 or 2).
+        let bias_len = Partition::new(5, 2)
+            .map_err(candle_core::Error::wrap)?
+            .size(pg.rank() / 2);
+        let (x, w, b, dy) = (
+            seeded(&[3, 4], seed),
+            seeded(&[4, 5], seed + 1),
+            seeded(&[bias_len], seed + 2),
+            seeded(&[3, 5], seed + 3),
+        );
+        let run = |dev: &Device| -> Result<Vec<Tensor>> {
+            let xv = Var::from_tensor(&x.to_device(dev)?)?;
+            let wv = Var::from_tensor(&w.to_device(dev)?)?;
+            let bv = Var::from_tensor(&b.to_device(dev)?)?;
+            let layer = Linear2d::new(
+                wv.as_tensor().clone(),
+                Some(bv.as_tensor().clone()),
+                8,
+                10,
+                &mesh,
+            )?;
+            let y = layer.forward(xv.as_tensor())?;
+            assert_eq!(y.device().is_cuda(), dev.is_cuda(), "output device");
+            let g = (&y * dy.to_device(dev)?)?.sum_all()?.backward()?;
+            let mut out = vec![y];
+            for v in [&xv, &wv, &bv] {
+                out.push(g.get(v.as_tensor()).expect("a gradient").clone());
+            }
+            out.iter().map(|t| t.to_device(&Device::Cpu)).collect()
+        };
+        let gpu = run(&Device::new_cuda(0)?)?;
+        let cpu = run(&Device::Cpu)?;
+        gpu.iter()
+            .zip(&cpu)
+            .map(|(a, b)| max_abs_diff(a, b))
+            .collect::<Result<Vec<f32>>>()
+    })?;
+    for (rank, e) in errs.iter().enumerate() {
+        println!("  rank {rank}: max |cuda - cpu| of y, dX, dW, db: {e:?}");
+        anyhow::ensure!(e.iter().all(|&e| e <= 1e-5), "rank {rank}: {e:?}");
     }
     Ok(())
 }

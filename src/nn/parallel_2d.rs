@@ -26,8 +26,10 @@
 //! - Bias: all-gather of the bias block over the column group (its gradient:
 //!   reduce-scatter). LayerNorm: two all-reduces of per-row sums over the row group.
 //!
-//! The matrix product is one Candle `CustomOp2` whose `bwd` runs the two backward SUMMAs, so
-//! the layers train through Candle's `backward()`. CPU tensors, f32/f64/f16/bf16.
+//! On the CPU the matrix product is one Candle `CustomOp2` whose `bwd` runs the two backward
+//! SUMMAs, so the layers train through Candle's `backward()`; on other devices (CUDA) it is
+//! built from broadcasts whose gradient is a reduce to the root, and Candle's backward through
+//! them runs the same SUMMAs. f32/f64/f16/bf16.
 
 mod summa;
 
@@ -321,9 +323,12 @@ impl Module for Linear2d {
         out_dims[last] = out_features / g.q;
         let x2 = x.reshape(((), i))?.contiguous()?;
         let w = self.parts.weight.contiguous()?;
-        let y = x2
-            .apply_op2(&w, Summa { grid: g.clone() })?
-            .reshape(out_dims)?;
+        let y = if x2.device().is_cpu() && w.device().is_cpu() {
+            x2.apply_op2(&w, Summa { grid: g.clone() })?
+        } else {
+            summa::summa_graph(g, &x2, &w)?
+        }
+        .reshape(out_dims)?;
         match &self.parts.bias {
             None => Ok(y),
             Some(b) => y.broadcast_add(&g.gather_vector("Linear2d", b, out_features)?),

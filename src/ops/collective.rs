@@ -27,6 +27,9 @@ pub(crate) enum Kind {
     },
     /// Copy of the root's tensor.
     Broadcast { root: usize },
+    /// Sum over the group on the root; zeros of the same shape elsewhere (the gradient of a
+    /// broadcast: only the root's input reached the outputs).
+    Reduce { root: usize },
 }
 
 impl Kind {
@@ -38,6 +41,7 @@ impl Kind {
             Kind::Split { .. } => "candle-tp-split",
             Kind::ReduceScatter { .. } => "candle-tp-reduce-scatter",
             Kind::Broadcast { .. } => "candle-tp-broadcast",
+            Kind::Reduce { .. } => "candle-tp-reduce",
         }
     }
 }
@@ -140,6 +144,21 @@ pub(crate) fn run_kind<T: Element>(
         Kind::Broadcast { root } => {
             let mut out = data.to_vec();
             pg.broadcast_slice(&mut out, *root)?;
+            Ok((out, dims.to_vec()))
+        }
+        Kind::Reduce { root } => {
+            if *root >= pg.size() {
+                return Err(pg.refuse(format!("{}: root {root} is not a rank", who())));
+            }
+            // A reduce-scatter in which the root owns every element.
+            let counts: Vec<usize> = (0..pg.size())
+                .map(|r| if r == *root { data.len() } else { 0 })
+                .collect();
+            let mut out = vec![T::default(); counts[pg.rank()]];
+            pg.reduce_scatter_v_slice(data, &mut out, &counts, ReduceOp::Sum)?;
+            if pg.rank() != *root {
+                out = vec![T::default(); data.len()];
+            }
             Ok((out, dims.to_vec()))
         }
         Kind::AllGather { dim, sizes } => {

@@ -118,7 +118,9 @@ pub(crate) fn fwd(op: &CollectiveOp, s: &CudaStorage, l: &Layout) -> Result<(Cud
     match &op.fwd {
         Kind::Identity => Ok((copy(s)?, Shape::from(dims))),
         Kind::Split { dim, sizes } => split(pg, &op.fwd, s, start, dims, *dim, sizes),
-        Kind::AllReduce(_) | Kind::Broadcast { root: 0 } if pg.size() == 1 => {
+        Kind::AllReduce(_) | Kind::Broadcast { root: 0 } | Kind::Reduce { root: 0 }
+            if pg.size() == 1 =>
+        {
             Ok((copy(s)?, Shape::from(dims)))
         }
         Kind::AllGather { dim, sizes } | Kind::ReduceScatter { dim, sizes, .. }
@@ -225,6 +227,26 @@ fn nccl_fwd(
             let mut out = alloc(s, len)?;
             typed!(name, s, start, end, out, |src, dst| n
                 .broadcast(src, dst, *root))?;
+            Ok((out, same))
+        }
+        Kind::Reduce { root } => {
+            if *root >= pg.size() {
+                candle_core::bail!("{name}: root {root} is not a rank");
+            }
+            // A reduce-scatter in which the root owns every element (grouped ncclReduce).
+            let counts: Vec<usize> = (0..pg.size())
+                .map(|r| if r == *root { len } else { 0 })
+                .collect();
+            let mut out = alloc(s, counts[pg.rank()])?;
+            typed!(name, s, start, end, out, |src, dst| n.reduce_scatter_v(
+                src,
+                dst,
+                &counts,
+                crate::comm::ReduceOp::Sum
+            ))?;
+            if pg.rank() != *root {
+                out = s.device().zeros_impl(&same, s.dtype())?;
+            }
             Ok((out, same))
         }
         Kind::AllGather { dim, sizes } => {

@@ -1,6 +1,6 @@
 //! Collectives as Candle ops with autograd (Megatron's mappings), point-to-point `send` /
 //! `recv` with autograd (pipeline stages), and tensor collectives.
-mod collective;
+pub(crate) mod collective;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod mappings;
