@@ -24,6 +24,9 @@
 #   generate_N         examples/generate --device cuda (if built), tokens/s, 1 and N ranks
 #   generate_ids_cuda_vs_cpu  greedy ids: CUDA f32 equal to the CPU's; CUDA bf16 reported
 #   quantized_layers_match_cpu  GGUF block types on CUDA (candle's QMatMul) vs the exact product
+#   nccl_zero_elements zero-element tensors and empty slices through a 1-rank NCCL group
+#   parallel_2d_matches_cpu  2D SUMMA layers on CUDA tensors (2 x 2 threads) vs the CPU grid
+#   cuda_libraries     the shared libraries the binaries load (ldd), for the docs
 #   gguf_ids_cuda_vs_cpu  GGUF_MODEL=F.gguf: greedy ids on CUDA against the CPU's (first equal)
 #   decode_<model>_<dtype>  GPU_BENCH_MODELS="DIR F.gguf" (and GPU_BENCH_RANDOM_MODELS):
 #                      bench_generate on CUDA against candle-transformers' llama (f32, bf16) or
@@ -109,12 +112,19 @@ run_step() {
 }
 
 echo "==> steps"
+libs_of() { # the CUDA and NCCL libraries a binary loads, as the dynamic linker resolves them
+  ldd "$rel/examples/mlp" | grep -E 'cuda|nccl|cublas|curand|nvrtc|not found' || true
+  ! ldd "$rel/examples/mlp" | grep -q 'not found'
+}
+run_step cuda_libraries libs_of
 if [ "$gpus" -lt 1 ]; then
   skip all "no GPU visible (nvidia-smi -L)"
 else
   run_step nccl_one_rank "$rel/gpu-tests" --exact nccl_one_rank --nocapture
   run_step layers_match_cpu "$rel/gpu-tests" --exact layers_match_cpu --nocapture
   run_step quantized_layers_match_cpu "$rel/gpu-tests" --exact quantized_layers_match_cpu --nocapture
+  run_step nccl_zero_elements "$rel/gpu-tests" --exact nccl_zero_elements --nocapture
+  run_step parallel_2d_matches_cpu "$rel/gpu-tests" --exact parallel_2d_matches_cpu --nocapture
 
   check_mlp() { # N: run the mlp example on N ranks and check its JSON line
     local n=$1 out
