@@ -72,16 +72,7 @@ fn greedy(model: &mut Llama) -> candle_core::Result<Run> {
 
 #[test]
 fn worlds_two_and_three_generate_the_ids_of_world_one() -> anyhow::Result<()> {
-    for dtype in [
-        GgmlDType::Q4_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q5_0,
-        GgmlDType::Q5_1,
-        GgmlDType::Q8_0,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
-    ] {
+    for dtype in common::quantized::LLAMA_GGUF_TYPES {
         let path = gguf(dtype);
         let mut one = Llama::from_gguf(&path, &Device::Cpu, ProcessGroup::single())?;
         let want = greedy(&mut one)?;

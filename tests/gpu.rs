@@ -250,7 +250,7 @@ fn layers_match_cpu() -> Result<()> {
 /// rounding.
 #[test]
 fn quantized_layers_match_cpu() -> anyhow::Result<()> {
-    use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+    use candle_core::quantized::{QStorage, QTensor};
     use candle_tp::nn::ParallelWeight;
     if gpus() == 0 {
         eprintln!("skipped: no GPU");
@@ -260,16 +260,7 @@ fn quantized_layers_match_cpu() -> anyhow::Result<()> {
     let pg = one_rank_nccl(&dev);
     let (n, k) = (64, 4 * 256);
     let w = seeded(&[n, k], 11);
-    for dtype in [
-        GgmlDType::Q4_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q5_0,
-        GgmlDType::Q5_1,
-        GgmlDType::Q8_0,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
-    ] {
+    for dtype in common::quantized::LLAMA_GGUF_TYPES {
         let q = QTensor::quantize(&w, dtype)?;
         let on = |d: &Device| -> candle_core::Result<QTensor> {
             QTensor::new(QStorage::from_data(q.data()?, d, dtype)?, (n, k))

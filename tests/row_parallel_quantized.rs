@@ -62,16 +62,7 @@ fn quantized_row_parallel_sums_do_not_depend_on_the_world_size() -> Result<()> {
         .apply(&|t: &Tensor| t.affine(1.0 / 97.0, 0.0)?.sin()?.abs()?.powf(40.0)? * 30.0)?;
     let x = Tensor::randn(0f32, 1.0, (3, K), &dev)?.broadcast_add(&spikes)?;
     let mut f32_path_differs = 0;
-    for dtype in [
-        GgmlDType::Q4_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q5_0,
-        GgmlDType::Q5_1,
-        GgmlDType::Q8_0,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
-    ] {
+    for dtype in common::quantized::LLAMA_GGUF_TYPES {
         let q = QTensor::quantize(&w, dtype)?;
         // The loader's split unit (two blocks for Q5_0 / Q5_1, whose candle dot product, run by
         // the control below, needs an even block count).

@@ -9,6 +9,19 @@ use anyhow::{bail, ensure, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
+/// Every block type of the GGUF files the Llama family ships in (llama.cpp's Q4_0 … Q6_K
+/// mixes), which the crate repacks and sums in f64 on the CPU.
+pub const LLAMA_GGUF_TYPES: [GgmlDType; 8] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
 /// What a Q4_0, Q5_0, Q8_0, Q4_K or Q6_K product multiplies, as candle's own code makes it, in
 /// f64: the weight dequantized by candle, and the activations quantized by candle to the type's
 /// ggml activation format (Q8_0 for Q4_0, Q5_0 and Q8_0 weights, Q8K for the k-quants) read from candle's block
