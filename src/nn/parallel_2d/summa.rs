@@ -1,9 +1,9 @@
 //! The SUMMA matrix product on a 2D grid as a Candle op, its backward SUMMAs as the gradient.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 
 use super::Grid2d;
-use crate::comm::{Element, ProcessGroup, ReduceOp};
+use crate::comm::ProcessGroup;
 use crate::ops::collective::{CollectiveOp, Kind};
 
 /// Copies a contiguous CPU buffer into a tensor.
@@ -37,40 +37,14 @@ pub(crate) fn tensor_to_storage(t: &Tensor, op: &str) -> Result<(CpuStorage, Sha
     Ok((s, t.shape().clone()))
 }
 
-fn reduce_typed<T: Element + WithDType>(
-    pg: &ProcessGroup,
-    t: &Tensor,
-    root: usize,
-) -> Result<Option<Tensor>> {
-    let src = t.flatten_all()?.to_vec1::<T>()?;
-    let counts: Vec<usize> = (0..pg.size())
-        .map(|r| if r == root { src.len() } else { 0 })
-        .collect();
-    let mut dst = vec![T::default(); counts[pg.rank()]];
-    pg.reduce_scatter_v_slice(&src, &mut dst, &counts, ReduceOp::Sum)?;
-    if pg.rank() == root {
-        Ok(Some(Tensor::from_vec(dst, t.shape(), t.device())?))
-    } else {
-        Ok(None)
-    }
-}
-
-/// Sums `t` over `pg` into rank `root` (`Some` there, `None` elsewhere): MPI's reduce, as a
-/// reduce-scatter in which the root owns every element.
+/// Sums `t` over `pg` into rank `root` (`Some` there, `None` elsewhere): MPI's reduce
+/// ([`Kind::Reduce`], without a gradient: the backward SUMMAs call it).
 pub(crate) fn reduce_to(pg: &ProcessGroup, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
     if pg.size() == 1 {
         return Ok(Some(t.clone()));
     }
-    match t.dtype() {
-        DType::F32 => reduce_typed::<f32>(pg, t, root),
-        DType::F64 => reduce_typed::<f64>(pg, t, root),
-        DType::F16 => reduce_typed::<half::f16>(pg, t, root),
-        DType::BF16 => reduce_typed::<half::bf16>(pg, t, root),
-        d => candle_core::bail!(
-            "reduce on group '{}': dtype {d:?} is not supported",
-            pg.name()
-        ),
-    }
+    let sum = CollectiveOp::apply(pg, t, Kind::Reduce { root }, None)?;
+    Ok((pg.rank() == root).then_some(sum))
 }
 
 /// `Y = X W` on 2D blocks by SUMMA, built from differentiable collectives: step `t`
