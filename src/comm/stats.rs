@@ -62,7 +62,9 @@ pub struct OpStats {
     pub sent_bytes: u64,
     /// Bytes this rank copied or reduced out of peers' slots: what it received.
     pub received_bytes: u64,
-    /// Wall time spent inside the collective, waiting included.
+    /// Wall time spent inside the collective, waiting included. On NCCL groups a collective
+    /// only enqueues work on the CUDA stream and returns, so this is the time to enqueue it
+    /// (microseconds), not its transfer: time NCCL with CUDA events or a synchronised stream.
     pub time: Duration,
     /// Payload of the collectives this rank ran with members on other hosts (the MPI stage of
     /// a hierarchical collective, or a whole MPI collective whose group spans hosts), counted
