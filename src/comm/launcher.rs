@@ -65,14 +65,15 @@ impl Launch {
     }
 
     /// The store's port when `MASTER_PORT` is unset under an MPI launcher or srun: 20000 +
-    /// a hash of the job id modulo 20000 (ports 20000-39999, below Linux's ephemeral range),
-    /// the same on every rank.
+    /// a hash of the job id modulo 12768 (ports 20000-32767, below Linux's ephemeral range
+    /// 32768-60999, where the kernel picks ports for other programs' sockets), the same on
+    /// every rank.
     pub fn default_port(&self) -> Option<u16> {
         let key = self.job_key.as_deref()?;
         let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
         });
-        Some(20_000 + (h % 20_000) as u16)
+        Some(20_000 + (h % 12_768) as u16)
     }
 }
 
@@ -399,12 +400,31 @@ mod tests {
         );
         assert!(!l.is_single_host());
         let p = l.default_port().unwrap();
-        assert!((20_000..40_000).contains(&p));
+        assert!((20_000..32_768).contains(&p));
         // Another rank of the same job derives the same port.
         let mut other = vars;
         other[0].1 = "1";
         other[2].1 = "1";
         assert_eq!(launch(&other).unwrap().default_port(), Some(p));
+    }
+
+    #[test]
+    fn default_ports_stay_below_the_ephemeral_range() {
+        // Linux hands out 32768-60999 to sockets bound to port 0 (a test's listener, an
+        // outgoing connection): a store port there collided with one in CI.
+        for job in 0..5000u32 {
+            let l = Launch {
+                launcher: Launcher::OpenMpi,
+                rank: 0,
+                world_size: 2,
+                local_rank: 0,
+                local_world_size: 2,
+                job_key: Some(job.to_string()),
+                first_host: None,
+            };
+            let p = l.default_port().unwrap();
+            assert!((20_000..32_768).contains(&p), "job {job}: port {p}");
+        }
     }
 
     #[test]

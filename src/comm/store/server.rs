@@ -215,7 +215,9 @@ impl TcpStoreServer {
                     context: context.clone(),
                     source: format!(
                         "{desc} is already in use (another job or process listens there): \
-                         pick another port with --master-port, or use --standalone to pick a free one"
+                         pick another port (tprun/torchrun --master-port; under mpirun or srun \
+                         set MASTER_PORT, e.g. mpirun -x MASTER_PORT=PORT), or use tprun \
+                         --standalone to pick a free one"
                     ),
                 }
             } else {
