@@ -81,7 +81,7 @@ fn time_op<T: Element>(pg: &ProcessGroup, op: &str, bytes: usize, budget: usize)
     let esz = std::mem::size_of::<T>();
     // Element counts: all_reduce buffer, all_gather output and reduce_scatter input are `bytes`.
     let n = bytes / esz;
-    if n % world != 0 && op != "all_reduce" {
+    if !n.is_multiple_of(world) && op != "all_reduce" {
         return Ok(None);
     }
     // Zeros: the values do not change the work (no NaN or denormal paths either way).

@@ -186,7 +186,7 @@ fn cases(n: usize, k: usize, footprint_mib: usize) -> Result<Vec<Case>> {
             run: cycle(mms),
         });
     }
-    let kquants = k % 256 == 0;
+    let kquants = k.is_multiple_of(256);
     for (impl_index, dt, run) in [
         (6, GgmlDType::Q4_1, true),
         (7, GgmlDType::Q8_0, true),

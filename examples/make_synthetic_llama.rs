@@ -71,7 +71,7 @@ fn write_gguf(a: &Args, out: &std::path::Path, tok: &std::path::Path) -> Result<
         Some(Value::Array(t)) => t.len(),
         _ => bail!("{}: no tokenizer.ggml.tokens array", tok.display()),
     };
-    if a.hidden % a.heads != 0 || a.heads % a.kv_heads != 0 {
+    if !a.hidden.is_multiple_of(a.heads) || !a.heads.is_multiple_of(a.kv_heads) {
         bail!(
             "--hidden {} / --heads {} / --kv-heads {}: heads must divide hidden, KV heads heads",
             a.hidden,

@@ -133,28 +133,35 @@ extra() {  # runs a checking script; counts it as one test: passed, failed or sk
 }
 
 if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
-  # The kernels' tests cover every kernel the crate has; the layers above them take the one
-  # Kernel::detect picks (AVX2 on any x86-64 host of the last decade). Forcing the scalar
-  # kernel runs the quantized layers (and the crate's unit tests) through the portable code.
-  # On a failure it names the failing tests and prints their output, as the main pass does
-  # (cargo's whole output in $logs/cargo-test-scalar.log).
-  echo "==> the kernels and quantized layers again with CANDLE_TP_KERNEL=scalar"
-  extra "kernels forced to scalar" bash -c '
-    log=$1
-    CANDLE_TP_KERNEL=scalar cargo test --workspace --features "$0" --lib \
-      --test quant_matmul --test row_parallel_quantized -- --show-output >"$log" 2>&1; rc=$?
-    grep -E "^test result: |^kernels under test" "$log" | sort | uniq -c
-    [ "$rc" = 0 ] && exit 0
-    if grep -qE "^test .* FAILED$" "$log"; then
-      echo "failing tests with CANDLE_TP_KERNEL=scalar (details in $log):"
-      grep -E "^test .* FAILED$" "$log" | sed "s/^/   /"
-      # Each failing binary'"'"'s report: the failures'"'"' output, then their names.
-      awk "/^failures:\$/ { on = 1 } on { print } /^test result: / { on = 0 }" "$log"
-    else
-      echo "cargo test failed (exit $rc) before reporting every test; the end of $log:"
-      tail -n 60 "$log"
-    fi
-    exit 1' "$features" "$logs/cargo-test-scalar.log"
+  # The kernels' tests cover every kernel this CPU runs; the layers above them take the one
+  # Kernel::detect picks (AVX-512 VNNI where the CPU has it, else AVX2 on any x86-64 host of
+  # the last decade). Forcing the scalar kernel runs the quantized layers (and the crate's unit
+  # tests) through the portable code; on an AVX-512 VNNI host, forcing avx2 does the same for
+  # the AVX2 path that other hosts take. On a failure it names the failing tests and prints
+  # their output, as the main pass does (cargo's whole output in $logs/cargo-test-KERNEL.log).
+  forced_kernels=scalar
+  if grep -qw avx512vnni /proc/cpuinfo 2>/dev/null && grep -qw avx512vl /proc/cpuinfo; then
+    forced_kernels="scalar avx2"
+  fi
+  for forced in $forced_kernels; do
+    echo "==> the kernels and quantized layers again with CANDLE_TP_KERNEL=$forced"
+    extra "kernels forced to $forced" bash -c '
+      log=$1 forced=$2
+      CANDLE_TP_KERNEL=$forced cargo test --workspace --features "$0" --lib \
+        --test quant_matmul --test row_parallel_quantized -- --show-output >"$log" 2>&1; rc=$?
+      grep -E "^test result: |^kernels under test" "$log" | sort | uniq -c
+      [ "$rc" = 0 ] && exit 0
+      if grep -qE "^test .* FAILED$" "$log"; then
+        echo "failing tests with CANDLE_TP_KERNEL=$forced (details in $log):"
+        grep -E "^test .* FAILED$" "$log" | sed "s/^/   /"
+        # Each failing binary'"'"'s report: the failures'"'"' output, then their names.
+        awk "/^failures:\$/ { on = 1 } on { print } /^test result: / { on = 0 }" "$log"
+      else
+        echo "cargo test failed (exit $rc) before reporting every test; the end of $log:"
+        tail -n 60 "$log"
+      fi
+      exit 1' "$features" "$logs/cargo-test-$forced.log" "$forced"
+  done
   echo "==> the examples under PyTorch's torchrun (scripts/test-torchrun.sh)"
   extra "torchrun (mlp, generate)" scripts/test-torchrun.sh
   echo "==> the server with the openai Python client and curl (scripts/test-openai.sh)"

@@ -45,7 +45,7 @@ impl Partition {
                 reason: "the number of parts and the unit must be at least 1",
             });
         }
-        if total % unit != 0 {
+        if !total.is_multiple_of(unit) {
             return Err(PartitionError {
                 total,
                 parts,
@@ -110,7 +110,7 @@ impl Partition {
 
     /// Whether every part has the same size.
     pub fn is_even(&self) -> bool {
-        (self.total / self.unit) % self.parts == 0
+        (self.total / self.unit).is_multiple_of(self.parts)
     }
 
     /// The part that holds element `index` (`None` past the end).

@@ -30,7 +30,10 @@ const K: usize = 7 * 256;
 fn columns(w: &QTensor, c0: usize, c1: usize) -> Result<QTensor> {
     let (n, k) = w.shape().dims2()?;
     let (bs, ts) = (w.dtype().block_size(), w.dtype().type_size());
-    ensure!(c0 % bs == 0 && c1 % bs == 0, "cut inside a block");
+    ensure!(
+        c0.is_multiple_of(bs) && c1.is_multiple_of(bs),
+        "cut inside a block"
+    );
     let data = w.data()?;
     let row = k / bs * ts;
     let mut bytes = Vec::with_capacity(n * (c1 - c0) / bs * ts);

@@ -34,7 +34,7 @@ fn allowed_rule(seed: u64, step: u64, id: usize, stop: u32) -> bool {
     match step % 35 {
         s if s % 7 == 6 => id == stop as usize,
         s if s % 5 == 4 => id as u64 == mix64(seed ^ step) % 1000,
-        _ => mix64(seed.wrapping_mul(31) ^ (step << 20) ^ id as u64) % 7 == 0,
+        _ => mix64(seed.wrapping_mul(31) ^ (step << 20) ^ id as u64).is_multiple_of(7),
     }
 }
 

@@ -208,14 +208,14 @@ pub(crate) mod avx2 {
 /// length is not a whole number of blocks or the bytes are not aligned for `B`.
 pub fn blocks_from_bytes<B: F64Dot>(bytes: &[u8]) -> Result<&[B]> {
     let size = std::mem::size_of::<B>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         candle_core::bail!(
             "{} data of {} bytes is not a whole number of {size}-byte blocks",
             B::NAME,
             bytes.len()
         )
     }
-    if bytes.as_ptr() as usize % std::mem::align_of::<B>() != 0 {
+    if !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<B>()) {
         candle_core::bail!(
             "{} data at {:p} is not {}-byte aligned",
             B::NAME,

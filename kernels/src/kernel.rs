@@ -1,19 +1,23 @@
-//! Which implementation of the inner loops runs: [`Kernel::Scalar`] (portable, the reference)
-//! or [`Kernel::Avx2`] (x86-64 AVX2 + FMA + F16C), chosen at run time, and the environment
-//! switch `CANDLE_TP_KERNEL` that forces one.
+//! Which implementation of the inner loops runs: [`Kernel::Scalar`] (portable, the reference),
+//! [`Kernel::Avx2`] (x86-64 AVX2 + FMA + F16C) or [`Kernel::Avx512Vnni`] (AVX2 plus
+//! AVX-512 F/BW/VL and VNNI's `vpdpbusd`), chosen at run time, and the environment switch
+//! `CANDLE_TP_KERNEL` that forces one.
 //!
 //! | `CANDLE_TP_KERNEL` | [`Kernel::detect`] gives |
 //! |---|---|
 //! | unset, empty or `auto` | the fastest kernel this CPU runs |
 //! | `scalar` | [`Kernel::Scalar`] |
 //! | `avx2` | [`Kernel::Avx2`] where the CPU has it; elsewhere the fastest available, with one warning on stderr |
+//! | `avx512vnni` | [`Kernel::Avx512Vnni`] where the CPU has it; elsewhere likewise |
 //!
 //! Every caller of the crate's kernels (the quantized matmuls, the small-m dense product)
 //! takes its kernel from [`Kernel::detect`], so forcing `scalar` runs the whole model on the
 //! portable code: that is how the scalar path is tested on a host that has AVX2.
 //!
-//! The crate has no AVX-512 kernel; on an AVX-512 host its AVX2 kernels run. (candle 0.11.1's
-//! own `QMatMul` does have AVX-512 VNNI and AVX-VNNI paths, see [`cpu_features`].)
+//! [`Kernel::Avx512Vnni`] runs VNNI code where the crate has it (the repacked products of the
+//! 32-wide types, whose integer dot products become `vpdpbusd`) and the AVX2 code everywhere
+//! else; its results are bit for bit the AVX2 kernel's (tested). candle 0.11.1's own
+//! `QMatMul` also has AVX-512 VNNI and AVX-VNNI paths, see [`cpu_features`].
 
 use std::sync::OnceLock;
 
@@ -27,11 +31,15 @@ pub enum Kernel {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C (Haswell / Zen and later), checked at run time.
     Avx2,
+    /// [`Kernel::Avx2`] plus AVX-512 F, BW, VL and VNNI (Ice Lake, Zen 4 and later), checked
+    /// at run time: `vpdpbusd` for the byte dot products where the crate has such a kernel,
+    /// the AVX2 code elsewhere.
+    Avx512Vnni,
 }
 
 impl Kernel {
     /// Every kernel the crate has, the reference first.
-    pub const ALL: [Kernel; 2] = [Kernel::Scalar, Kernel::Avx2];
+    pub const ALL: [Kernel; 3] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512Vnni];
 
     /// The kernel to run: the one `CANDLE_TP_KERNEL` forces if this CPU has it, else the
     /// fastest this CPU supports. The variable is read once per process.
@@ -62,7 +70,9 @@ impl Kernel {
 
     /// The fastest kernel this CPU supports, whatever the environment says.
     pub fn fastest() -> Self {
-        if Self::Avx2.is_available() {
+        if Self::Avx512Vnni.is_available() {
+            Self::Avx512Vnni
+        } else if Self::Avx2.is_available() {
             Self::Avx2
         } else {
             Self::Scalar
@@ -95,7 +105,9 @@ impl Kernel {
                 .into_iter()
                 .find(|k| k.name() == v)
                 .map(Some)
-                .ok_or_else(|| format!("{KERNEL_ENV}={v} is not a kernel (scalar, avx2 or auto)")),
+                .ok_or_else(|| {
+                    format!("{KERNEL_ENV}={v} is not a kernel (scalar, avx2, avx512vnni or auto)")
+                }),
         }
     }
 
@@ -104,7 +116,13 @@ impl Kernel {
         match self {
             Self::Scalar => "scalar",
             Self::Avx2 => "avx2",
+            Self::Avx512Vnni => "avx512vnni",
         }
+    }
+
+    /// Whether the kernel runs the AVX2 code (where it has no code of its own).
+    pub fn has_avx2(self) -> bool {
+        matches!(self, Self::Avx2 | Self::Avx512Vnni)
     }
 
     /// Whether this CPU can run the kernel.
@@ -117,8 +135,16 @@ impl Kernel {
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Vnni => {
+                Self::Avx2.is_available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx2 => false,
+            Self::Avx2 | Self::Avx512Vnni => false,
         }
     }
 
@@ -126,9 +152,11 @@ impl Kernel {
     /// features, so that a test log says which paths ran:
     /// - `CANDLE_TP_KERNEL` names one kernel: that one alone (and a panic if this CPU cannot
     ///   run it: a forced path that is absent must fail, not pass vacuously);
-    /// - otherwise every kernel the crate has for this architecture, and a panic on an
-    ///   x86-64 CPU without AVX2 (whose tests would otherwise pass without the path they
-    ///   mean to test), which names the switch that restricts them to the scalar kernel.
+    /// - otherwise every kernel this CPU runs, and a panic on an x86-64 CPU without AVX2
+    ///   (whose tests would otherwise pass without the path they mean to test), which names
+    ///   the switch that restricts them to the scalar kernel. [`Kernel::Avx512Vnni`] is
+    ///   tested where the CPU has it; elsewhere the printed list shows it absent (force it
+    ///   with the switch to make its absence a failure).
     ///
     /// # Panics
     /// As above, and on a `CANDLE_TP_KERNEL` value that names no kernel.
@@ -151,7 +179,7 @@ impl Kernel {
                      it; set {KERNEL_ENV}=scalar to test the scalar kernel alone",
                     cpu_features()
                 );
-                Self::ALL.to_vec()
+                Self::ALL.into_iter().filter(|k| k.is_available()).collect()
             }
             Ok(None) => vec![Self::Scalar],
         };
@@ -166,7 +194,7 @@ impl Kernel {
 }
 
 /// The CPU features that choose a path here or in candle, e.g. `avx2 fma f16c -avx512f
-/// -avx512bw -avx512vnni -avxvnni`, a `-` marking an absent one.
+/// -avx512bw -avx512vl -avx512vnni -avxvnni`, a `-` marking an absent one.
 ///
 /// candle 0.11.1's `QMatMul` takes a different path on AVX-512 VNNI or AVX-VNNI CPUs: it
 /// repacks Q8_0 weights whose shape is a multiple of 16 rows × 256 columns and quantizes the
@@ -182,6 +210,7 @@ pub fn cpu_features() -> String {
             ("f16c", is_x86_feature_detected!("f16c")),
             ("avx512f", is_x86_feature_detected!("avx512f")),
             ("avx512bw", is_x86_feature_detected!("avx512bw")),
+            ("avx512vl", is_x86_feature_detected!("avx512vl")),
             ("avx512vnni", is_x86_feature_detected!("avx512vnni")),
             ("avxvnni", is_x86_feature_detected!("avxvnni")),
         ];
@@ -199,9 +228,13 @@ pub fn cpu_features() -> String {
 /// `$scalar` for [`Kernel::Scalar`]; for [`Kernel::Avx2`], after asserting that this CPU runs
 /// it, `$avx2` in an `unsafe` block on x86-64 (it may call `#[target_feature(enable =
 /// "avx2,fma,f16c")]` functions: the assertion checked those features; any other requirement
-/// of theirs is the caller's to meet).
+/// of theirs is the caller's to meet); for [`Kernel::Avx512Vnni`] likewise `$avx512`, which
+/// may also use AVX-512 F/BW/VL and VNNI, or `$avx2` where no `avx512` arm is given.
 macro_rules! by_kernel {
     ($kernel:expr, scalar => $scalar:expr, avx2 => $avx2:expr $(,)?) => {
+        $crate::kernel::by_kernel!($kernel, scalar => $scalar, avx2 => $avx2, avx512 => $avx2)
+    };
+    ($kernel:expr, scalar => $scalar:expr, avx2 => $avx2:expr, avx512 => $avx512:expr $(,)?) => {
         match $kernel {
             $crate::kernel::Kernel::Scalar => $scalar,
             kernel @ $crate::kernel::Kernel::Avx2 => {
@@ -213,6 +246,20 @@ macro_rules! by_kernel {
                 // SAFETY: the CPU features were checked just above.
                 unsafe {
                     $avx2
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                unreachable!("is_available is false off x86-64")
+            }
+            kernel @ $crate::kernel::Kernel::Avx512Vnni => {
+                assert!(
+                    kernel.is_available(),
+                    "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, \
+                     avx512vl and avx512vnni"
+                );
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU features were checked just above.
+                unsafe {
+                    $avx512
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 unreachable!("is_available is false off x86-64")

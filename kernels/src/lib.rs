@@ -15,8 +15,8 @@
 //!   whose sums do not depend on how a row's blocks are split between ranks ([`q4_0`],
 //!   [`q5_0`], [`q5_1`], [`q8_0`], [`q8_k`], [`q4_k`], [`q5_k`], [`q6_k`]: the block types), and
 //!   [`f64_matmul`], their matmul over rayon;
-//! - [`kernel`]: which implementation runs ([`kernel::Kernel`]: scalar or AVX2, detected at run
-//!   time, forced with `CANDLE_TP_KERNEL=scalar|avx2`);
+//! - [`kernel`]: which implementation runs ([`kernel::Kernel`]: scalar, AVX2 or AVX-512 VNNI,
+//!   detected at run time, forced with `CANDLE_TP_KERNEL=scalar|avx2|avx512vnni`);
 //! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant.
 
 pub mod f64_dot;

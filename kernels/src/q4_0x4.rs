@@ -82,30 +82,29 @@ impl Interleave for BlockQ4_0 {
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx512<const M: usize>(
+        group: &[BlockQ4_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot_vnni(group, xs)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ4_0x4;
     use crate::q8_0::BlockQ8_0;
-    use crate::repack::avx2::{f16x4, nibble_runs, unsigned_group_dot};
+    use crate::repack::avx2::{f16x4, nibble_runs, unsigned_kernels};
     use std::arch::x86_64::*;
 
-    /// `unsigned_group_dot` with the nibbles as `u`, no `m` (the `−8` is the activations'
-    /// `8·Σ q'`).
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn group_dot<const M: usize>(
-        group: &[BlockQ4_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
-    ) -> [[f64; 4]; M] {
-        unsigned_group_dot::<_, _, M, false>(group, xs, |g| {
-            let u = nibble_runs(&g.qs);
-            (u, f16x4(&g.d), _mm_setzero_ps())
-        })
-    }
+    // `unsigned_group_dot` with the nibbles as `u`, no `m` (the `−8` is the activations'
+    // `8·Σ q'`).
+    unsigned_kernels!(BlockQ4_0x4, BlockQ8_0, false, |g| {
+        let u = nibble_runs(&g.qs);
+        (u, f16x4(&g.d), _mm_setzero_ps())
+    });
 }
 
 #[cfg(test)]

@@ -82,28 +82,27 @@ impl Interleave for BlockQ4_1 {
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx512<const M: usize>(
+        group: &[BlockQ4_1x4],
+        xs: [(&[BlockQ8_1], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot_vnni(group, xs)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ4_1x4;
     use crate::q8_1::BlockQ8_1;
-    use crate::repack::avx2::{f16x4, nibble_runs, unsigned_group_dot};
+    use crate::repack::avx2::{f16x4, nibble_runs, unsigned_kernels};
 
-    /// `unsigned_group_dot` with the nibbles as `u` and the blocks' offsets `m`.
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn group_dot<const M: usize>(
-        group: &[BlockQ4_1x4],
-        xs: [(&[BlockQ8_1], &[i32]); M],
-    ) -> [[f64; 4]; M] {
-        unsigned_group_dot::<_, _, M, true>(group, xs, |g| {
-            let u = nibble_runs(&g.qs);
-            (u, f16x4(&g.d), f16x4(&g.m))
-        })
-    }
+    // `unsigned_group_dot` with the nibbles as `u` and the blocks' offsets `m`.
+    unsigned_kernels!(BlockQ4_1x4, BlockQ8_1, true, |g| {
+        let u = nibble_runs(&g.qs);
+        (u, f16x4(&g.d), f16x4(&g.m))
+    });
 }
 
 #[cfg(test)]

@@ -292,7 +292,7 @@ mod tests {
     fn block(r: usize, b: usize) -> BlockQ6K {
         let seed = r * 1000 + b * 37;
         let mut scales = pseudo_bytes::<16>(seed + 5).map(|v| v as i8);
-        scales[(r + 3 * b) % 16] = if (r + b) % 2 == 0 { -128 } else { 127 };
+        scales[(r + 3 * b) % 16] = if (r + b).is_multiple_of(2) { -128 } else { 127 };
         BlockQ6K {
             ql: pseudo_bytes(seed + 11),
             qh: pseudo_bytes(seed + 23),

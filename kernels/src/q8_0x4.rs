@@ -74,6 +74,19 @@ impl Interleave for BlockQ8_0 {
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
+
+    /// `128·Σ q'`, which the VNNI kernel's unsigned weights `q + 128` add to each row's sum.
+    fn act_sum(x: &BlockQ8_0) -> i32 {
+        128 * x.qs.iter().map(|&q| q as i32).sum::<i32>()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx512<const M: usize>(
+        group: &[BlockQ8_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot_vnni(group, xs)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -123,6 +136,52 @@ mod avx2 {
                     _mm256_madd_epi16(pairs, ones)
                 };
                 let sums = hsum4([dot(0), dot(1), dot(2), dot(3)]);
+                let xd = _mm_cvtph_ps(_mm_set1_epi16(x.d.to_bits() as i16));
+                let dd = _mm256_cvtps_pd(_mm_mul_ps(wd, xd));
+                acc[i] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, acc[i]);
+            }
+        }
+        let mut out = [[0f64; 4]; M];
+        for i in 0..M {
+            _mm256_storeu_pd(out[i].as_mut_ptr(), acc[i]);
+        }
+        out
+    }
+
+    /// [`group_dot`] with `vpdpbusd`, bit for bit the same: `vpdpbusd` multiplies unsigned
+    /// by signed bytes, so the weights go in as `q + 128` (a flip of the sign bit) and the
+    /// activations' `128·Σ q'` ([`super::Interleave::act_sum`]) comes off each row's sum:
+    /// the same integers `Σ q·q'`, then the same f64 steps.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni;
+    /// every slice of `xs` has `group.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn group_dot_vnni<const M: usize>(
+        group: &[BlockQ8_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        let flip = _mm256_set1_epi8(i8::MIN);
+        let mut acc = [_mm256_setzero_pd(); M];
+        for (b, g) in group.iter().enumerate() {
+            // A hint: no fault past the end of the weight.
+            _mm_prefetch(
+                (g as *const BlockQ8_0x4 as *const i8).wrapping_add(PREFETCH),
+                _MM_HINT_T0,
+            );
+            let load = |r: usize| {
+                let q = _mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i);
+                _mm256_xor_si256(q, flip)
+            };
+            let u = [load(0), load(1), load(2), load(3)];
+            let wd = _mm_cvtph_ps(_mm_loadl_epi64(g.d.as_ptr() as *const __m128i));
+            for i in 0..M {
+                let (x, offsets) = xs[i];
+                let x = x.get_unchecked(b);
+                let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
+                let dot = |r: usize| _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[r], qx);
+                let sums = hsum4([dot(0), dot(1), dot(2), dot(3)]);
+                let sums = _mm_sub_epi32(sums, _mm_set1_epi32(*offsets.get_unchecked(b)));
                 let xd = _mm_cvtph_ps(_mm_set1_epi16(x.d.to_bits() as i16));
                 let dd = _mm256_cvtps_pd(_mm_mul_ps(wd, xd));
                 acc[i] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, acc[i]);

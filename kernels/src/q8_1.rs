@@ -71,7 +71,7 @@ pub fn quantize_row_q8_1(xs: &[f32], ys: &mut [BlockQ8_1]) {
 /// Quantizes `m` rows of `k` values each (`xs.len() == m * k`, `k` a multiple of 32) into a
 /// reused buffer of `m * k / 32` blocks, row after row.
 pub fn quantize_row_q8_1_into(xs: &[f32], k: usize, out: &mut Vec<BlockQ8_1>) {
-    debug_assert!(k % QK8_1 == 0 && xs.len() % k.max(1) == 0);
+    debug_assert!(k.is_multiple_of(QK8_1) && xs.len().is_multiple_of(k.max(1)));
     out.clear();
     out.resize(xs.len() / QK8_1, BlockQ8_1::ZERO);
     quantize_row_q8_1(xs, out);

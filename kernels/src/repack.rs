@@ -77,6 +77,21 @@ pub trait Interleave: F64Dot + sealed::Sealed {
         group: &[Self::X4],
         xs: [(&[Self::Act], &[i32]); M],
     ) -> [[f64; 4]; M];
+
+    /// [`Interleave::group_dot_avx2`] with AVX-512 VNNI, bit for bit the same; by default
+    /// the AVX2 kernel itself.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni;
+    /// every slice of `xs` has `group.len()` entries.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    unsafe fn group_dot_avx512<const M: usize>(
+        group: &[Self::X4],
+        xs: [(&[Self::Act], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        Self::group_dot_avx2(group, xs)
+    }
 }
 
 /// Puts row `r`'s bytes into `runs` of 8 bytes per row (`runs[c][r]` = `bytes[8c .. 8c + 8]`),
@@ -125,7 +140,7 @@ impl<B: Interleave> Repacked<B> {
     /// Errors if `k` is not a multiple of the block or `w` holds another number of blocks.
     pub fn new(w: &[B], n: usize, k: usize) -> Result<Self> {
         let name = B::NAME;
-        if k % B::BLOCK != 0 {
+        if !k.is_multiple_of(B::BLOCK) {
             candle_core::bail!(
                 "{name} weight [{n}, {k}]: k is not a multiple of {}",
                 B::BLOCK
@@ -289,7 +304,8 @@ fn group_dot<B: Interleave, const M: usize>(
     crate::kernel::by_kernel!(kernel,
         scalar => group_dot_scalar::<B, M>(group, xs),
         // The lengths were checked above.
-        avx2 => B::group_dot_avx2(group, xs))
+        avx2 => B::group_dot_avx2(group, xs),
+        avx512 => B::group_dot_avx512(group, xs))
 }
 
 /// The reference: each row's blocks' [`F64Dot::block_dot`] added in block order, as the
@@ -415,12 +431,21 @@ pub(crate) mod avx2 {
     /// sum: bit for bit the types' scalar `block_dot` added in block order (tested for each
     /// type). `HAS_M`: whether the type has `m` (Q4_1, Q5_1); without it the product is
     /// rounded by a multiplication, the same rounding, and the `m·s'` work is skipped.
+    /// `VNNI`: the four `maddubs`, their additions and the `madd` become four `vpdpbusd`
+    /// into one i32 accumulator (the same integers: no saturation either way).
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c (inline this into a function that enables
-    /// them); every slice of `xs` has `group.len()` entries.
+    /// The CPU must support avx2, fma and f16c, and with `VNNI` avx512vl and avx512vnni
+    /// (inline this into a function that enables them); every slice of `xs` has
+    /// `group.len()` entries.
     #[inline(always)]
-    pub unsafe fn unsigned_group_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
+    pub unsafe fn unsigned_group_dot<
+        G,
+        A: Act8,
+        const M: usize,
+        const HAS_M: bool,
+        const VNNI: bool,
+    >(
         group: &[G],
         xs: [(&[A], &[i32]); M],
         unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
@@ -438,18 +463,25 @@ pub(crate) mod avx2 {
                 let (x, offsets) = xs[i];
                 let x = x.get_unchecked(b);
                 let a = x.qs().as_ptr();
-                let p = _mm256_add_epi16(
-                    _mm256_add_epi16(
-                        _mm256_maddubs_epi16(u[0], bytes8(a)),
-                        _mm256_maddubs_epi16(u[1], bytes8(a.add(8))),
-                    ),
-                    _mm256_add_epi16(
-                        _mm256_maddubs_epi16(u[2], bytes8(a.add(16))),
-                        _mm256_maddubs_epi16(u[3], bytes8(a.add(24))),
-                    ),
-                );
+                let h = if VNNI {
+                    let h = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], bytes8(a));
+                    let h = _mm256_dpbusd_epi32(h, u[1], bytes8(a.add(8)));
+                    let h = _mm256_dpbusd_epi32(h, u[2], bytes8(a.add(16)));
+                    _mm256_dpbusd_epi32(h, u[3], bytes8(a.add(24)))
+                } else {
+                    let p = _mm256_add_epi16(
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(u[0], bytes8(a)),
+                            _mm256_maddubs_epi16(u[1], bytes8(a.add(8))),
+                        ),
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(u[2], bytes8(a.add(16))),
+                            _mm256_maddubs_epi16(u[3], bytes8(a.add(24))),
+                        ),
+                    );
+                    _mm256_madd_epi16(p, ones)
+                };
                 // Lanes [r0, r0, r1, r1 | r2, r2, r3, r3] -> [r0, r1, r2, r3].
-                let h = _mm256_madd_epi16(p, ones);
                 let h = _mm256_hadd_epi32(h, h);
                 let h =
                     _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
@@ -473,6 +505,46 @@ pub(crate) mod avx2 {
         }
         out
     }
+
+    /// Defines a 32-wide unsigned type's two group kernels on [`unsigned_group_dot`]:
+    /// `group_dot` (AVX2) and `group_dot_vnni` (AVX-512 VNNI), for weight groups `$x4`,
+    /// activation blocks `$act`, `$has_m` as `HAS_M` and `$unpack` as `unpack`. Both are
+    /// `unsafe`: the CPU must have their features, and every slice of `xs` has `group.len()`
+    /// blocks.
+    macro_rules! unsigned_kernels {
+        ($x4:ty, $act:ty, $has_m:expr, $unpack:expr) => {
+            /// The AVX2 kernel (`unsigned_group_dot`).
+            ///
+            /// # Safety
+            /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()`
+            /// blocks.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub(super) unsafe fn group_dot<const M: usize>(
+                group: &[$x4],
+                xs: [(&[$act], &[i32]); M],
+            ) -> [[f64; 4]; M] {
+                $crate::repack::avx2::unsigned_group_dot::<_, _, M, { $has_m }, false>(
+                    group, xs, $unpack,
+                )
+            }
+
+            /// The AVX-512 VNNI kernel (`unsigned_group_dot` with `vpdpbusd`).
+            ///
+            /// # Safety
+            /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and
+            /// avx512vnni; every slice of `xs` has `group.len()` blocks.
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+            pub(super) unsafe fn group_dot_vnni<const M: usize>(
+                group: &[$x4],
+                xs: [(&[$act], &[i32]); M],
+            ) -> [[f64; 4]; M] {
+                $crate::repack::avx2::unsigned_group_dot::<_, _, M, { $has_m }, true>(
+                    group, xs, $unpack,
+                )
+            }
+        };
+    }
+    pub(crate) use unsigned_kernels;
 
     /// Four f16 values as f32.
     #[inline(always)]

@@ -112,7 +112,7 @@ pub fn matmul_rows_with<T: WeightElem>(
         kernel.name()
     );
     #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx2 {
+    if kernel.has_avx2() {
         // SAFETY: AVX2, FMA and F16C are present (checked); the sizes were checked above.
         unsafe {
             match T::KIND {
@@ -176,7 +176,7 @@ mod simd {
             for (b, v) in xv.iter_mut().enumerate() {
                 *v = _mm256_loadu_ps(x.add(b * k + t));
             }
-            if (t * std::mem::size_of::<T>()) % 64 == 0 {
+            if (t * std::mem::size_of::<T>()).is_multiple_of(64) {
                 // The next tile's rows, one cache line of each per 64 bytes read here (a hint:
                 // past the end of `w` it reads nothing and cannot fault).
                 for a in 0..A {

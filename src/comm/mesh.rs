@@ -150,7 +150,7 @@ impl DeviceMesh {
     /// `rank = dp_index * tp + tp_index`. `tp` must divide the group size.
     pub fn dp_tp(world: &ProcessGroup, tp: usize) -> CommResult<Self> {
         let n = world.size();
-        if tp == 0 || n % tp != 0 {
+        if tp == 0 || !n.is_multiple_of(tp) {
             return Err(CommError::invalid(
                 format!("DP x TP mesh on group '{}'", world.name()),
                 format!("the tensor-parallel size {tp} must divide the {n} ranks"),
@@ -175,7 +175,7 @@ impl DeviceMesh {
     /// ```
     pub fn pp_dp_tp(world: &ProcessGroup, pp: usize, tp: usize) -> CommResult<Self> {
         let n = world.size();
-        if pp == 0 || tp == 0 || n % (pp * tp) != 0 {
+        if pp == 0 || tp == 0 || !n.is_multiple_of(pp * tp) {
             return Err(CommError::invalid(
                 format!("PP x DP x TP mesh on group '{}'", world.name()),
                 format!(

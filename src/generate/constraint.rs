@@ -79,7 +79,7 @@ pub fn share_masks(
             };
             let got = got.and_then(|()| {
                 // Bits past the vocabulary (a tokenizer with more tokens) cannot be drawn.
-                if vocab % 32 != 0 {
+                if !vocab.is_multiple_of(32) {
                     bits[words - 1] &= (1u32 << (vocab % 32)) - 1;
                 }
                 if !bits.iter().any(|&w| w != 0) {

@@ -54,7 +54,7 @@ pub enum RowOrder {
 impl RowOrder {
     /// The rotary order of a q or k projection with `rows` rows in `heads` heads.
     pub fn rotary(rows: usize, heads: usize) -> std::result::Result<Self, String> {
-        if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+        if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
             return Err(format!(
                 "{rows} rows cannot be split into {heads} heads of an even size (rotary order)"
             ));
@@ -87,7 +87,7 @@ pub fn kernel_unit(dtype: GgmlDType) -> usize {
 
 /// Whether Candle's kernels accept rows of `cols` columns of `dtype`.
 fn kernel_accepts(dtype: GgmlDType, cols: usize) -> bool {
-    cols % kernel_unit(dtype) == 0
+    cols.is_multiple_of(kernel_unit(dtype))
 }
 
 /// The tensors whose shard took the fallback in this process (each logged once).
@@ -225,7 +225,7 @@ pub fn shard(
         (rows, width),
         device,
     )?;
-    let requantize = width % GgmlDType::Q8_0.block_size() == 0;
+    let requantize = width.is_multiple_of(GgmlDType::Q8_0.block_size());
     if let Ok(mut set) = logged().lock() {
         if set.insert(format!("{}:{name}", what.file.display())) {
             eprintln!(

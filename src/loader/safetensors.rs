@@ -391,7 +391,7 @@ fn gather<T: Plain>(
     shape: Vec<usize>,
 ) -> Result<Tensor> {
     let size = std::mem::size_of::<T>();
-    if total_bytes % size != 0 {
+    if !total_bytes.is_multiple_of(size) {
         bail!("internal error: {total_bytes} bytes is not a whole number of {size}-byte elements");
     }
     let n = total_bytes / size;

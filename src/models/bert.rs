@@ -131,7 +131,8 @@ impl BertConfig {
         }
         let hidden_act = HiddenAct::parse(&raw.hidden_act)
             .map_err(|e| candle_core::Error::msg(format!("{origin}: {e}")))?;
-        if raw.num_attention_heads == 0 || raw.hidden_size % raw.num_attention_heads != 0 {
+        if raw.num_attention_heads == 0 || !raw.hidden_size.is_multiple_of(raw.num_attention_heads)
+        {
             candle_core::bail!(
                 "{origin}: hidden_size {} is not a multiple of num_attention_heads {}",
                 raw.hidden_size,

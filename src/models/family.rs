@@ -45,14 +45,14 @@ pub(crate) fn heads_and_dim(
     head_dim: Option<usize>,
 ) -> std::result::Result<(usize, usize), String> {
     let num_kv_heads = num_kv_heads.unwrap_or(heads);
-    if heads == 0 || num_kv_heads == 0 || heads % num_kv_heads != 0 {
+    if heads == 0 || num_kv_heads == 0 || !heads.is_multiple_of(num_kv_heads) {
         return Err(format!(
             "num_attention_heads = {heads} must be a positive multiple of num_key_value_heads = {num_kv_heads}"
         ));
     }
     let head_dim = match head_dim {
         Some(d) => d,
-        None if hidden_size % heads == 0 => hidden_size / heads,
+        None if hidden_size.is_multiple_of(heads) => hidden_size / heads,
         None => {
             return Err(format!(
                 "hidden_size = {hidden_size} is not a multiple of num_attention_heads = {heads} and there is no head_dim"

@@ -34,12 +34,12 @@ fn is_local(base: &Base, x: &Extra, gemma3: bool, i: usize) -> Result<bool> {
         };
     }
     if !gemma3 {
-        return Ok(i % 2 == 0);
+        return Ok(i.is_multiple_of(2));
     }
     match x.sliding_window_pattern {
         Some(0) | None => Err(base
             .error("Gemma3: neither 'layer_types' nor a positive 'sliding_window_pattern' is set")),
-        Some(p) => Ok((i + 1) % p != 0),
+        Some(p) => Ok(!(i + 1).is_multiple_of(p)),
     }
 }
 

@@ -25,7 +25,7 @@ pub fn config(text: &str, origin: &str) -> Result<DecoderConfig> {
     if let Some(f) = x.partial_rotary_factor.filter(|f| *f != 1.0) {
         // As Hugging Face: the rotated width is int(head_dim * factor).
         let rot = (base.head_dim as f64 * f) as usize;
-        if !(f > 0.0 && f < 1.0) || rot == 0 || rot % 2 != 0 {
+        if !(f > 0.0 && f < 1.0) || rot == 0 || !rot.is_multiple_of(2) {
             return Err(base.error(format!(
                 "partial_rotary_factor = {f} with head_dim = {} gives a rotated width of {rot}: it must be even and positive",
                 base.head_dim

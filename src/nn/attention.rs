@@ -132,7 +132,7 @@ impl HeadAssignment {
         world: usize,
         rank: usize,
     ) -> Result<Self> {
-        if num_kv_heads == 0 || num_heads == 0 || num_heads % num_kv_heads != 0 {
+        if num_kv_heads == 0 || num_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
             candle_core::bail!(
                 "attention: num_attention_heads = {num_heads} must be a positive multiple of num_key_value_heads = {num_kv_heads}"
             );

@@ -106,7 +106,7 @@ impl Grid2d {
     }
 
     fn divide(&self, layer: &str, what: &str, n: usize) -> Result<usize> {
-        if n == 0 || n % self.q != 0 {
+        if n == 0 || !n.is_multiple_of(self.q) {
             candle_core::bail!(
                 "{layer}: {what} = {n} must be a positive multiple of q = {} (2D tensor parallelism on a {} x {} grid)",
                 self.q,

@@ -131,7 +131,7 @@ impl Grid3d {
     }
 
     fn divide(&self, layer: &str, what: &str, n: usize, by: usize) -> Result<usize> {
-        if n == 0 || n % by != 0 {
+        if n == 0 || !n.is_multiple_of(by) {
             candle_core::bail!(
                 "{layer}: {what} = {n} must be a positive multiple of {by} (3D tensor parallelism on a {q} x {q} x {q} cube)",
                 q = self.q

@@ -19,7 +19,7 @@ impl RotaryEmbedding {
     /// Tables for `cfg` in `dtype` on `device`.
     pub fn new(cfg: &AttentionConfig, dtype: DType, device: &Device) -> Result<Self> {
         let hd = cfg.rotary_dim.unwrap_or(cfg.head_dim);
-        if hd == 0 || hd % 2 != 0 || hd > cfg.head_dim {
+        if hd == 0 || !hd.is_multiple_of(2) || hd > cfg.head_dim {
             candle_core::bail!(
                 "rotary embedding: the rotated width {hd} must be even, positive and at most head_dim = {}",
                 cfg.head_dim

@@ -71,7 +71,7 @@ impl PipelineStage {
         pp: usize,
         sizes: Option<Vec<usize>>,
     ) -> CommResult<(Self, ProcessGroup)> {
-        if pp == 0 || world.size() % pp != 0 {
+        if pp == 0 || !world.size().is_multiple_of(pp) {
             return Err(CommError::invalid(
                 format!("pipeline of {pp} stages on group '{}'", world.name()),
                 format!(

@@ -196,7 +196,7 @@ impl Engine {
         init: bool,
         local_ranks: usize,
     ) -> CommResult<Self> {
-        if slot_bytes < 1024 || slot_bytes % 64 != 0 {
+        if slot_bytes < 1024 || !slot_bytes.is_multiple_of(64) {
             return Err(CommError::invalid(
                 format!("group '{group}'"),
                 format!(

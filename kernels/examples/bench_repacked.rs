@@ -1,0 +1,108 @@
+//! Speed of the repacked quantized products ([`candle_tp_kernels::repack`]) with each kernel
+//! this CPU runs (scalar excluded: it is the reference, not a contender), one thread, as
+//! decode (m = 1) and prefill tiles (m = 4, 8) run them, on SmolLM2's 1536 × 576 and a 1 B
+//! Llama's 5632 × 2048 (enough copies cycled through to stream 64 MiB from memory). Rounds
+//! interleave the kernels; the table gives each kernel's median time per call and its ratio
+//! to the AVX2 kernel's in the same run.
+//!
+//! ```text
+//! cargo run --release -p candle-tp-kernels --example bench_repacked [ROUNDS]
+//! ```
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use candle_tp_kernels::kernel::Kernel;
+use candle_tp_kernels::repack::{RepackFn, RepackedMatMul};
+use std::sync::Arc;
+use std::time::Instant;
+
+fn main() -> candle_core::Result<()> {
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .map(|r| r.parse().expect("ROUNDS is a number"))
+        .unwrap_or(5);
+    let kernels: Vec<Kernel> = Kernel::ALL
+        .into_iter()
+        .filter(|k| *k != Kernel::Scalar && k.is_available())
+        .collect();
+    println!(
+        "kernels: {:?} (CPU: {})",
+        kernels,
+        candle_tp_kernels::kernel::cpu_features()
+    );
+    let types: [(GgmlDType, RepackFn); 8] = [
+        (GgmlDType::Q4_0, candle_tp_kernels::q4_0x4::repack),
+        (GgmlDType::Q4_1, candle_tp_kernels::q4_1x4::repack),
+        (GgmlDType::Q5_0, candle_tp_kernels::q5_0x4::repack),
+        (GgmlDType::Q5_1, candle_tp_kernels::q5_1x4::repack),
+        (GgmlDType::Q8_0, candle_tp_kernels::q8_0x4::repack),
+        (GgmlDType::Q4K, candle_tp_kernels::q4_kx4::repack),
+        (GgmlDType::Q5K, candle_tp_kernels::q5_kx4::repack),
+        (GgmlDType::Q6K, candle_tp_kernels::q6_kx4::repack),
+    ];
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a one-thread pool");
+    println!(
+        "{:<6} {:>11} {:>3} {:>12} {:>12} {:>7}",
+        "type", "n x k", "m", "avx2 µs", "best µs", "ratio"
+    );
+    for (n, k) in [(1536usize, 576usize), (5632, 2048)] {
+        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
+        for (dtype, repack) in types {
+            if k % dtype.block_size() != 0 {
+                continue;
+            }
+            let q = QTensor::quantize(&w, dtype)?;
+            let bytes = q.data()?;
+            let copies = (64usize << 20).div_ceil(bytes.len()).clamp(1, 64);
+            let ws: Vec<Arc<dyn RepackedMatMul>> = (0..copies)
+                .map(|_| repack(&bytes, n, k))
+                .collect::<candle_core::Result<_>>()?;
+            for m in [1usize, 4, 8] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 7919) % 255) as f32 - 127.0)
+                    .collect();
+                let mut y = vec![0f32; m * n];
+                // Calls per timing: about 20 ms of the slowest kernel.
+                let mut times = vec![Vec::new(); kernels.len()];
+                let start = Instant::now();
+                ws[0].matmul_f32(kernels[0], m, &x, &mut y)?;
+                let calls = ((0.02 / start.elapsed().as_secs_f64()) as usize).clamp(3, 2000);
+                for _ in 0..rounds {
+                    for (t, &kernel) in kernels.iter().enumerate() {
+                        let s = pool.install(|| -> candle_core::Result<f64> {
+                            let start = Instant::now();
+                            for c in 0..calls {
+                                ws[c % copies].matmul_f32(kernel, m, &x, &mut y)?;
+                            }
+                            Ok(start.elapsed().as_secs_f64() / calls as f64)
+                        })?;
+                        times[t].push(s);
+                    }
+                }
+                let median = |v: &mut Vec<f64>| {
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                };
+                let meds: Vec<f64> = times.iter_mut().map(median).collect();
+                let avx2 = kernels
+                    .iter()
+                    .position(|k| *k == Kernel::Avx2)
+                    .map(|i| meds[i]);
+                let last = *meds.last().expect("a kernel");
+                println!(
+                    "{:<6} {:>11} {:>3} {:>12.1} {:>12.1} {:>7.2}",
+                    format!("{dtype:?}"),
+                    format!("{n}x{k}"),
+                    m,
+                    avx2.unwrap_or(f64::NAN) * 1e6,
+                    last * 1e6,
+                    avx2.map_or(f64::NAN, |a| a / last)
+                );
+            }
+        }
+    }
+    Ok(())
+}
