@@ -131,6 +131,14 @@ impl Interleave for BlockQ4K {
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx512<const M: usize>(
+        group: &[BlockQ4Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot_vnni(group, xs)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -214,6 +222,33 @@ pub(crate) mod avx2 {
         scale_control(7),
     ];
 
+    /// `shuffle_epi8` controls: sub-block `s`'s scale of rows `0, 1` (`2, 3` in the high half)
+    /// as two i32 each, the lanes of `vpdpbusd`'s sums.
+    const fn scale_control_32(s: u8) -> [i8; 32] {
+        let mut c = [0i8; 32];
+        let mut i = 0;
+        while i < 32 {
+            let row = (i % 16) / 8;
+            c[i] = if i % 4 == 0 {
+                (8 * row as u8 + s) as i8
+            } else {
+                -128
+            };
+            i += 1;
+        }
+        c
+    }
+    const CONTROLS_32: [[i8; 32]; 8] = [
+        scale_control_32(0),
+        scale_control_32(1),
+        scale_control_32(2),
+        scale_control_32(3),
+        scale_control_32(4),
+        scale_control_32(5),
+        scale_control_32(6),
+        scale_control_32(7),
+    ];
+
     /// Eight bytes of `p`, in each 64-bit lane.
     #[inline(always)]
     unsafe fn bytes8(p: *const i8) -> __m256i {
@@ -229,7 +264,20 @@ pub(crate) mod avx2 {
         group: &[BlockQ4Kx4],
         xs: [(&[BlockQ8K], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        k4_group_dot(group, xs)
+        k4_group_dot::<_, M, false>(group, xs)
+    }
+
+    /// Q4_K's kernel with `vpdpbusd` ([`k4_group_dot`]'s `VNNI`).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni;
+    /// every slice of `xs` has `group.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn group_dot_vnni<const M: usize>(
+        group: &[BlockQ4Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        k4_group_dot::<_, M, true>(group, xs)
     }
 
     /// The four rows of `group` against `M` activation rows, for a type laid out as Q4_K's
@@ -241,13 +289,17 @@ pub(crate) mod avx2 {
     /// rows' scales (two i32 lanes per row); the minimums times the activations' sums of 32
     /// in one `madd` per two rows. Then `d'·(d·dots − dmin·mins)` in f64, both products
     /// exact, as the scalar `combine` rounds it: bit for bit the types' scalar `block_dot`
-    /// added in block order (tested for each type).
+    /// added in block order (tested for each type). `VNNI`: per sub-block four `vpdpbusd`
+    /// into i32 (two lanes per row, as the `madd` leaves them) times the rows' scales as i32
+    /// (`mullo`): the same integers (a sub-block's sum times its scale is below
+    /// 32·31·128·63 < 2^31).
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c (inline this into a function that enables
-    /// them); every slice of `xs` has `group.len()` blocks.
+    /// The CPU must support avx2, fma and f16c, and with `VNNI` avx512vl and avx512vnni
+    /// (inline this into a function that enables them); every slice of `xs` has
+    /// `group.len()` blocks.
     #[inline(always)]
-    pub(crate) unsafe fn k4_group_dot<G: K4Group, const M: usize>(
+    pub(crate) unsafe fn k4_group_dot<G: K4Group, const M: usize, const VNNI: bool>(
         group: &[G],
         xs: [(&[BlockQ8K], &[i32]); M],
     ) -> [[f64; 4]; M] {
@@ -270,8 +322,28 @@ pub(crate) mod avx2 {
                     let c = _mm256_loadu_si256(CONTROLS[s].as_ptr() as *const __m256i);
                     _mm256_shuffle_epi8(scales, c)
                 };
-                let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
                 let (lo, hi) = g.values(j);
+                if VNNI {
+                    let sc = |s: usize| {
+                        let c = _mm256_loadu_si256(CONTROLS_32[s].as_ptr() as *const __m256i);
+                        _mm256_shuffle_epi8(scales, c)
+                    };
+                    let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
+                    for i in 0..M {
+                        let a = xs[i].0.get_unchecked(b).qs.as_ptr().add(64 * j);
+                        let dot = |v: &[__m256i; 4], a: *const i8| {
+                            let h = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[0], bytes8(a));
+                            let h = _mm256_dpbusd_epi32(h, v[1], bytes8(a.add(8)));
+                            let h = _mm256_dpbusd_epi32(h, v[2], bytes8(a.add(16)));
+                            _mm256_dpbusd_epi32(h, v[3], bytes8(a.add(24)))
+                        };
+                        let s_lo = _mm256_mullo_epi32(dot(&lo, a), sc_lo);
+                        let s_hi = _mm256_mullo_epi32(dot(&hi, a.add(32)), sc_hi);
+                        dots[i] = _mm256_add_epi32(dots[i], _mm256_add_epi32(s_lo, s_hi));
+                    }
+                    continue;
+                }
+                let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
                 for i in 0..M {
                     let a = xs[i].0.get_unchecked(b).qs.as_ptr().add(64 * j);
                     let half = |v: &[__m256i; 4], a: *const i8| {

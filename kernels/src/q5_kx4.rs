@@ -120,6 +120,14 @@ impl Interleave for BlockQ5K {
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx512<const M: usize>(
+        group: &[BlockQ5Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot_vnni(group, xs)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -181,7 +189,20 @@ mod avx2 {
         group: &[BlockQ5Kx4],
         xs: [(&[BlockQ8K], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        k4_group_dot(group, xs)
+        k4_group_dot::<_, M, false>(group, xs)
+    }
+
+    /// Q4_K's kernel with five-bit values and `vpdpbusd`.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni;
+    /// every slice of `xs` has `group.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn group_dot_vnni<const M: usize>(
+        group: &[BlockQ5Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        k4_group_dot::<_, M, true>(group, xs)
     }
 }
 

@@ -156,6 +156,14 @@ impl Interleave for BlockQ6K {
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_dot_avx512<const M: usize>(
+        group: &[BlockQ6Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        avx2::group_dot_vnni(group, xs)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -185,6 +193,32 @@ mod avx2 {
     /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group_dot<const M: usize>(
+        group: &[BlockQ6Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        q6k_group_dot::<M, false>(group, xs)
+    }
+
+    /// [`group_dot`] with VNNI's `vpdpwssd`, the `madd` by the scales and the addition in one
+    /// instruction: the same integers.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni;
+    /// every slice of `xs` has `group.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn group_dot_vnni<const M: usize>(
+        group: &[BlockQ6Kx4],
+        xs: [(&[BlockQ8K], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        q6k_group_dot::<M, true>(group, xs)
+    }
+
+    /// The kernel of [`group_dot`] (`VNNI`: of [`group_dot_vnni`]).
+    ///
+    /// # Safety
+    /// As those; inline this into a function that enables the features.
+    #[inline(always)]
+    unsafe fn q6k_group_dot<const M: usize, const VNNI: bool>(
         group: &[BlockQ6Kx4],
         xs: [(&[BlockQ8K], &[i32]); M],
     ) -> [[f64; 4]; M] {
@@ -256,7 +290,11 @@ mod avx2 {
                         _mm256_maddubs_epi16(v0, bytes8(a[i].add(16 * s))),
                         _mm256_maddubs_epi16(v1, bytes8(a[i].add(16 * s + 8))),
                     );
-                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(p, sc));
+                    sum[i] = if VNNI {
+                        _mm256_dpwssd_epi32(sum[i], p, sc)
+                    } else {
+                        _mm256_add_epi32(sum[i], _mm256_madd_epi16(p, sc))
+                    };
                 }
             }
             for i in 0..M {
