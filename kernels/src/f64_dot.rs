@@ -239,6 +239,42 @@ pub(crate) mod testing {
         (x as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
+    /// Activations that test a quantizer's rounding, blocks of `block` values: blocks whose
+    /// largest magnitude is 127 (a scale of exactly 1, so that `k + 0.5` values are ties that
+    /// round away from zero), pseudo-random blocks, zeros of both signs, subnormals (tiny,
+    /// and large enough that the scale's inverse overflows), values near `f32::MAX`, an
+    /// infinity and a NaN.
+    pub fn quantizer_inputs(block: usize) -> Vec<f32> {
+        let mut xs = Vec::new();
+        for kind in 0..10 {
+            for j in 0..block {
+                xs.push(match kind {
+                    0 | 1 if j == 0 => -127.0,
+                    0 | 1 => (j as f32 - (block / 2) as f32) * (1.0 + kind as f32) + 0.5,
+                    2 | 3 => 3.0 * pseudo(kind * 1000 + j),
+                    4 => [0.0, -0.0][j % 2],
+                    5 => f32::from_bits(1 + j as u32) * [1.0, -1.0][j % 2],
+                    6 if j == 3 => f32::INFINITY,
+                    7 if j == 5 => f32::NAN,
+                    // Scales whose inverse overflows to infinity, and values near f32::MAX.
+                    8 => 1e-39 * pseudo(j + 77),
+                    9 => 3e38 * pseudo(j + 78),
+                    _ => pseudo(j) * 1e-3,
+                });
+            }
+        }
+        xs
+    }
+
+    /// The bytes of `blocks` (plain data), for comparisons that a NaN does not defeat.
+    pub fn bytes_of<T: Copy>(blocks: &[T]) -> Vec<u8> {
+        // SAFETY: reading a slice of plain `Copy` data of repr(C) block types, without padding.
+        unsafe {
+            std::slice::from_raw_parts(blocks.as_ptr() as *const u8, std::mem::size_of_val(blocks))
+        }
+        .to_vec()
+    }
+
     /// Quantizes pseudo-random weights with candle's `QTensor::quantize` to `dtype`, views
     /// the blocks as `B`, and checks `dot_f64` against the f64 dot product of candle's
     /// dequantized weights with the dequantized activation blocks (`act`), for several block

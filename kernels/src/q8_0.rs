@@ -29,6 +29,9 @@ impl BlockQ8_0 {
 /// Quantizes `xs` into `ys` with candle 0.11's `BlockQ8_0::from_float` rounding: `d = max |x|
 /// / 127` (stored as f16), `q = round(x / d)` with the f32 `d`.
 ///
+/// With an AVX2 kernel ([`crate::kernel::Kernel::detect`]) the rounding runs in AVX2, the
+/// same bits as the portable loop (tested).
+///
 /// # Panics
 /// If `xs.len() != ys.len() * 32`.
 pub fn quantize_row_q8_0(xs: &[f32], ys: &mut [BlockQ8_0]) {
@@ -39,6 +42,46 @@ pub fn quantize_row_q8_0(xs: &[f32], ys: &mut [BlockQ8_0]) {
         xs.len(),
         ys.len()
     );
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernel::Kernel::detect().has_avx2() {
+        // SAFETY: the CPU has AVX2 (`detect` gives only a kernel the CPU runs); `scalar`
+        // (CANDLE_TP_KERNEL) keeps the portable loop.
+        return unsafe { quantize_q8_0_blocks_avx2(xs, ys) };
+    }
+    quantize_q8_0_blocks(xs, ys)
+}
+
+/// [`quantize_row_q8_0`]'s loop with AVX2: the same bits as the portable loop (tested), where
+/// the portable one calls `roundf` once per value. Blocks with a NaN, an infinity or a scale
+/// whose inverse overflows take the portable code.
+///
+/// # Safety
+/// The CPU must support avx2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_q8_0_blocks_avx2(xs: &[f32], ys: &mut [BlockQ8_0]) {
+    for (x, y) in xs.chunks_exact(QK8_0).zip(ys.iter_mut()) {
+        let x: &[f32; QK8_0] = x.try_into().expect("chunks of 32");
+        let Some(amax) = quantize_avx2::finite_amax(x) else {
+            quantize_q8_0_blocks(x, std::slice::from_mut(y));
+            continue;
+        };
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        if !id.is_finite() {
+            // A subnormal scale whose inverse overflows: products of infinity, which the
+            // portable cast saturates.
+            quantize_q8_0_blocks(x, std::slice::from_mut(y));
+            continue;
+        }
+        y.d = f16::from_f32(d);
+        y.qs = quantize_avx2::scale_round(x, id);
+    }
+}
+
+/// [`quantize_row_q8_0`]'s loop, after its size check.
+#[inline(always)]
+fn quantize_q8_0_blocks(xs: &[f32], ys: &mut [BlockQ8_0]) {
     for (x, y) in xs.chunks_exact(QK8_0).zip(ys.iter_mut()) {
         if x.iter().any(|v| v.is_nan()) {
             // A NaN block, so that the product is NaN (a cast would round NaN to 0).
@@ -119,9 +162,101 @@ mod avx2 {
     }
 }
 
+/// The activation quantizers' AVX2 steps (Q8_0, Q8_1 and Q8_K blocks).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod quantize_avx2 {
+    use std::arch::x86_64::*;
+
+    /// The 32 values as four vectors.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load(x: &[f32; 32]) -> [__m256; 4] {
+        std::array::from_fn(|c| _mm256_loadu_ps(x.as_ptr().add(8 * c)))
+    }
+
+    /// The largest magnitude of the 32 values, or `None` when one is a NaN or infinite (the
+    /// callers' portable code handles those blocks).
+    ///
+    /// # Safety
+    /// The CPU must support avx2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn finite_amax(x: &[f32; 32]) -> Option<f32> {
+        let v = load(x);
+        let abs = v.map(|v| _mm256_andnot_ps(_mm256_set1_ps(-0.0), v));
+        let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
+        // NaN compares unordered and infinity equal to infinity: both fail `< inf`.
+        let finite = _mm256_cmp_ps::<_CMP_LT_OQ>(
+            _mm256_max_ps(abs[0], _mm256_max_ps(abs[1], _mm256_max_ps(abs[2], abs[3]))),
+            _mm256_set1_ps(f32::INFINITY),
+        );
+        let any_nan = [0, 1, 2, 3]
+            .iter()
+            .any(|&c| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v[c], v[c])) != 0);
+        if any_nan || _mm256_movemask_ps(finite) != 0xFF {
+            return None;
+        }
+        let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_max_ss(h, _mm_shuffle_ps::<0b01>(h, h));
+        Some(_mm_cvtss_f32(h))
+    }
+
+    /// `(v · scale).round() as i8` for the 32 values (finite, `|v · scale| <= 127.5`), as
+    /// the portable loops compute it: the product, truncated, plus one away from zero where
+    /// the truncation dropped half or more (both steps exact: round half away from zero).
+    ///
+    /// # Safety
+    /// The CPU must support avx2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn scale_round(x: &[f32; 32], scale: f32) -> [i8; 32] {
+        let s = _mm256_set1_ps(scale);
+        let q = load(x).map(|v| {
+            let y = _mm256_mul_ps(v, s);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let frac = _mm256_andnot_ps(_mm256_set1_ps(-0.0), _mm256_sub_ps(y, t));
+            let away = _mm256_cmp_ps::<_CMP_GE_OQ>(frac, _mm256_set1_ps(0.5));
+            let one = _mm256_or_ps(_mm256_set1_ps(1.0), _mm256_and_ps(y, _mm256_set1_ps(-0.0)));
+            _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, one)))
+        });
+        // i32 -> i16 -> i8 (no saturation: |q| <= 128), then undo the packs' lane interleave.
+        let w01 = _mm256_packs_epi32(q[0], q[1]);
+        let w23 = _mm256_packs_epi32(q[2], q[3]);
+        let b = _mm256_packs_epi16(w01, w23);
+        let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        let mut out = [0i8; 32];
+        _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, b);
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AVX2-compiled loop that [`quantize_row_q8_0`] runs on AVX2 hosts gives the portable loop's
+    /// bytes on ties, zeros, subnormals, an infinity and a NaN.
+    #[test]
+    fn the_avx2_loop_gives_the_portable_bytes() {
+        use crate::f64_dot::testing::{bytes_of, quantizer_inputs};
+        let xs = quantizer_inputs(QK8_0);
+        let mut portable = vec![BlockQ8_0::ZERO; xs.len() / QK8_0];
+        quantize_q8_0_blocks(&xs, &mut portable);
+        let mut dispatched = portable.clone();
+        dispatched.fill(BlockQ8_0::ZERO);
+        quantize_row_q8_0(&xs, &mut dispatched);
+        assert_eq!(bytes_of(&dispatched), bytes_of(&portable));
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            let mut avx2 = vec![BlockQ8_0::ZERO; xs.len() / QK8_0];
+            // SAFETY: the CPU has AVX2.
+            unsafe { quantize_q8_0_blocks_avx2(&xs, &mut avx2) };
+            assert_eq!(bytes_of(&avx2), bytes_of(&portable));
+        } else {
+            eprintln!("no AVX2 on this CPU: only the portable loop ran");
+        }
+    }
     use crate::f64_dot::testing::{
         check_against_candle, nan_and_inf_activations_propagate, pseudo,
     };

@@ -35,6 +35,9 @@ impl BlockQ8_1 {
 /// 0.11's `BlockQ8_1::from_float` uses (round half away from zero, `s` rounded through f16 as
 /// `f16(Σq) * f16(d)`), so products against it match candle's `QMatMul` up to summation order.
 ///
+/// With an AVX2 kernel ([`crate::kernel::Kernel::detect`]) the rounding runs in AVX2, the
+/// same bits as the portable loop (tested).
+///
 /// # Panics
 /// If `xs.len() != ys.len() * 32` (callers size the buffers; see [`quantize_row_q8_1_into`]).
 pub fn quantize_row_q8_1(xs: &[f32], ys: &mut [BlockQ8_1]) {
@@ -45,6 +48,49 @@ pub fn quantize_row_q8_1(xs: &[f32], ys: &mut [BlockQ8_1]) {
         xs.len(),
         ys.len()
     );
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernel::Kernel::detect().has_avx2() {
+        // SAFETY: the CPU has AVX2 (`detect` gives only a kernel the CPU runs); `scalar`
+        // (CANDLE_TP_KERNEL) keeps the portable loop.
+        return unsafe { quantize_q8_1_blocks_avx2(xs, ys) };
+    }
+    quantize_q8_1_blocks(xs, ys)
+}
+
+/// [`quantize_row_q8_1`]'s loop with AVX2 ([`crate::q8_0`]'s steps): the same bits as the
+/// portable loop (tested). Blocks with a NaN, an infinity or a scale whose inverse overflows
+/// take the portable code.
+///
+/// # Safety
+/// The CPU must support avx2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_q8_1_blocks_avx2(xs: &[f32], ys: &mut [BlockQ8_1]) {
+    use crate::q8_0::quantize_avx2::{finite_amax, scale_round};
+    for (x, y) in xs.chunks_exact(QK8_1).zip(ys.iter_mut()) {
+        let x: &[f32; QK8_1] = x.try_into().expect("chunks of 32");
+        let Some(amax) = finite_amax(x) else {
+            quantize_q8_1_blocks(x, std::slice::from_mut(y));
+            continue;
+        };
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        if !id.is_finite() {
+            // A subnormal scale whose inverse overflows: products of infinity, which the
+            // portable cast saturates.
+            quantize_q8_1_blocks(x, std::slice::from_mut(y));
+            continue;
+        }
+        y.qs = scale_round(x, id);
+        let sum: i32 = y.qs.iter().map(|&q| q as i32).sum();
+        y.d = f16::from_f32(d);
+        y.s = f16::from_f32(sum as f32) * y.d;
+    }
+}
+
+/// [`quantize_row_q8_1`]'s loop, after its size check.
+#[inline(always)]
+fn quantize_q8_1_blocks(xs: &[f32], ys: &mut [BlockQ8_1]) {
     for (x, y) in xs.chunks_exact(QK8_1).zip(ys.iter_mut()) {
         if x.iter().any(|v| v.is_nan()) {
             // A NaN block, so that the product is NaN (a cast would round NaN to 0).
@@ -80,6 +126,29 @@ pub fn quantize_row_q8_1_into(xs: &[f32], k: usize, out: &mut Vec<BlockQ8_1>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AVX2-compiled loop that [`quantize_row_q8_1`] runs on AVX2 hosts gives the portable loop's
+    /// bytes on ties, zeros, subnormals, an infinity and a NaN.
+    #[test]
+    fn the_avx2_loop_gives_the_portable_bytes() {
+        use crate::f64_dot::testing::{bytes_of, quantizer_inputs};
+        let xs = quantizer_inputs(QK8_1);
+        let mut portable = vec![BlockQ8_1::ZERO; xs.len() / QK8_1];
+        quantize_q8_1_blocks(&xs, &mut portable);
+        let mut dispatched = portable.clone();
+        dispatched.fill(BlockQ8_1::ZERO);
+        quantize_row_q8_1(&xs, &mut dispatched);
+        assert_eq!(bytes_of(&dispatched), bytes_of(&portable));
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            let mut avx2 = vec![BlockQ8_1::ZERO; xs.len() / QK8_1];
+            // SAFETY: the CPU has AVX2.
+            unsafe { quantize_q8_1_blocks_avx2(&xs, &mut avx2) };
+            assert_eq!(bytes_of(&avx2), bytes_of(&portable));
+        } else {
+            eprintln!("no AVX2 on this CPU: only the portable loop ran");
+        }
+    }
 
     #[test]
     fn roundtrip_within_half_a_step() {

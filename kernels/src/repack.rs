@@ -20,7 +20,7 @@
 //! row-parallel shards all compute the same numbers.
 
 use crate::f64_dot::F64Dot;
-use crate::f64_matmul::{check_matmul, fill_by_weight_rows};
+use crate::f64_matmul::{check_matmul, fill_in_place, RowsOut};
 use crate::kernel::Kernel;
 use candle_core::Result;
 use std::sync::Arc;
@@ -248,9 +248,9 @@ impl<B: Interleave> Repacked<B> {
         B::quantize(x, &mut act);
         let sums: Vec<i32> = act.iter().map(B::act_sum).collect();
         let row = |i: usize| (&act[i * kb..(i + 1) * kb], &sums[i * kb..(i + 1) * kb]);
-        let fill = |row0: usize, o: &mut [T]| {
-            let rows = o.len() / m;
-            // Task ranges start on a group (`fill_by_weight_rows` cuts multiples of 4 rows).
+        let fill = |mut o: RowsOut<'_, T>| {
+            let (row0, rows) = (o.row0(), o.rows());
+            // Task ranges start on a group (`fill_in_place` cuts multiples of 4 rows).
             debug_assert_eq!(row0 % 4, 0);
             for g in 0..rows.div_ceil(4) {
                 let first = (row0 / 4 + g) * kb;
@@ -258,7 +258,7 @@ impl<B: Interleave> Repacked<B> {
                 let live = (rows - 4 * g).min(4);
                 let mut put = |i: usize, v: [f64; 4]| {
                     for (r, &v) in v.iter().enumerate().take(live) {
-                        o[(4 * g + r) * m + i] = out(v);
+                        o.set(4 * g + r, i, out(v));
                     }
                 };
                 // Tiles of 8 activation rows where the type unpacks much per weight block.
@@ -281,7 +281,7 @@ impl<B: Interleave> Repacked<B> {
                 }
             }
         };
-        fill_by_weight_rows(n, m, dst, fill);
+        fill_in_place(n, m, dst, fill);
         Ok(())
     }
 }
