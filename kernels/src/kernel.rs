@@ -14,9 +14,10 @@
 //! takes its kernel from [`Kernel::detect`], so forcing `scalar` runs the whole model on the
 //! portable code: that is how the scalar path is tested on a host that has AVX2.
 //!
-//! [`Kernel::Avx512Vnni`] runs VNNI code where the crate has it (the repacked products of the
-//! 32-wide types, whose integer dot products become `vpdpbusd`) and the AVX2 code everywhere
-//! else; its results are bit for bit the AVX2 kernel's (tested). candle 0.11.1's own
+//! [`Kernel::Avx512Vnni`] runs VNNI code where the crate has it (the repacked products of every
+//! type, whose byte dot products become `vpdpbusd` and Q6_K's scaling `vpdpwssd`, in tiles of
+//! 8 activation rows) and the AVX2 code everywhere else (the per-row f32 kernels, the small-m
+//! product); its results are bit for bit the AVX2 kernel's (tested). candle 0.11.1's own
 //! `QMatMul` also has AVX-512 VNNI and AVX-VNNI paths, see [`cpu_features`].
 
 use std::sync::OnceLock;
