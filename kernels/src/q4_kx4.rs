@@ -195,14 +195,15 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// `shuffle_epi8` controls: sub-block `s`'s scale of rows `0, 1` (`2, 3` in the high half)
-    /// as four i16 each, from eight bytes per row.
-    const fn scale_control(s: u8) -> [i8; 32] {
+    /// `shuffle_epi8` controls: sub-block `s`'s scale of rows `0, 1` (`2, 3` in the high half),
+    /// from eight bytes per row, in lanes of `lane` bytes (its low byte; the others zero):
+    /// four i16 each (`lane` = 2, for `madd`) or two i32 (`lane` = 4, `vpdpbusd`'s sums).
+    const fn scale_control(s: u8, lane: usize) -> [i8; 32] {
         let mut c = [0i8; 32];
         let mut i = 0;
         while i < 32 {
             let row = (i % 16) / 8; // row within the 128-bit half
-            c[i] = if i % 2 == 0 {
+            c[i] = if i % lane == 0 {
                 (8 * row as u8 + s) as i8
             } else {
                 -128
@@ -211,43 +212,19 @@ pub(crate) mod avx2 {
         }
         c
     }
-    const CONTROLS: [[i8; 32]; 8] = [
-        scale_control(0),
-        scale_control(1),
-        scale_control(2),
-        scale_control(3),
-        scale_control(4),
-        scale_control(5),
-        scale_control(6),
-        scale_control(7),
-    ];
 
-    /// `shuffle_epi8` controls: sub-block `s`'s scale of rows `0, 1` (`2, 3` in the high half)
-    /// as two i32 each, the lanes of `vpdpbusd`'s sums.
-    const fn scale_control_32(s: u8) -> [i8; 32] {
-        let mut c = [0i8; 32];
-        let mut i = 0;
-        while i < 32 {
-            let row = (i % 16) / 8;
-            c[i] = if i % 4 == 0 {
-                (8 * row as u8 + s) as i8
-            } else {
-                -128
-            };
-            i += 1;
+    /// [`scale_control`] of the eight sub-blocks, in lanes of `lane` bytes.
+    const fn controls(lane: usize) -> [[i8; 32]; 8] {
+        let mut c = [[0i8; 32]; 8];
+        let mut s = 0;
+        while s < 8 {
+            c[s] = scale_control(s as u8, lane);
+            s += 1;
         }
         c
     }
-    const CONTROLS_32: [[i8; 32]; 8] = [
-        scale_control_32(0),
-        scale_control_32(1),
-        scale_control_32(2),
-        scale_control_32(3),
-        scale_control_32(4),
-        scale_control_32(5),
-        scale_control_32(6),
-        scale_control_32(7),
-    ];
+    const CONTROLS: [[i8; 32]; 8] = controls(2);
+    const CONTROLS_32: [[i8; 32]; 8] = controls(4);
 
     /// Eight bytes of `p`, in each 64-bit lane.
     #[inline(always)]

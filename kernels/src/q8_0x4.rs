@@ -100,9 +100,7 @@ mod avx2 {
     /// groups, as for Q4_0).
     const PREFETCH: usize = 512;
 
-    /// As the scalar sum, bit for bit: per block, the four rows' `Σ q·q'` reduced to one
-    /// integer each, times `d·d'` (exact in f32, widened to f64), added to the row's f64 sum
-    /// by an FMA whose product is exact, so it rounds once, as the scalar addition does.
+    /// The AVX2 kernel ([`q8_group_dot`]).
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` blocks.
@@ -111,47 +109,10 @@ mod avx2 {
         group: &[BlockQ8_0x4],
         xs: [(&[BlockQ8_0], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_pd(); M];
-        for (b, g) in group.iter().enumerate() {
-            // A hint: no fault past the end of the weight.
-            _mm_prefetch(
-                (g as *const BlockQ8_0x4 as *const i8).wrapping_add(PREFETCH),
-                _MM_HINT_T0,
-            );
-            let load = |r: usize| _mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i);
-            let q = [load(0), load(1), load(2), load(3)];
-            let aq = [
-                _mm256_sign_epi8(q[0], q[0]),
-                _mm256_sign_epi8(q[1], q[1]),
-                _mm256_sign_epi8(q[2], q[2]),
-                _mm256_sign_epi8(q[3], q[3]),
-            ];
-            let wd = _mm_cvtph_ps(_mm_loadl_epi64(g.d.as_ptr() as *const __m128i));
-            for i in 0..M {
-                let x = xs[i].0.get_unchecked(b);
-                let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-                let dot = |r: usize| {
-                    let pairs = _mm256_maddubs_epi16(aq[r], _mm256_sign_epi8(qx, q[r]));
-                    _mm256_madd_epi16(pairs, ones)
-                };
-                let sums = hsum4([dot(0), dot(1), dot(2), dot(3)]);
-                let xd = _mm_cvtph_ps(_mm_set1_epi16(x.d.to_bits() as i16));
-                let dd = _mm256_cvtps_pd(_mm_mul_ps(wd, xd));
-                acc[i] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, acc[i]);
-            }
-        }
-        let mut out = [[0f64; 4]; M];
-        for i in 0..M {
-            _mm256_storeu_pd(out[i].as_mut_ptr(), acc[i]);
-        }
-        out
+        q8_group_dot::<M, false>(group, xs)
     }
 
-    /// [`group_dot`] with `vpdpbusd`, bit for bit the same: `vpdpbusd` multiplies unsigned
-    /// by signed bytes, so the weights go in as `q + 128` (a flip of the sign bit) and the
-    /// activations' `128·Σ q'` ([`super::Interleave::act_sum`]) comes off each row's sum:
-    /// the same integers `Σ q·q'`, then the same f64 steps.
+    /// The AVX-512 VNNI kernel ([`q8_group_dot`] with `vpdpbusd`).
     ///
     /// # Safety
     /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni;
@@ -161,6 +122,27 @@ mod avx2 {
         group: &[BlockQ8_0x4],
         xs: [(&[BlockQ8_0], &[i32]); M],
     ) -> [[f64; 4]; M] {
+        q8_group_dot::<M, true>(group, xs)
+    }
+
+    /// As the scalar sum, bit for bit: per block, the four rows' `Σ q·q'` reduced to one
+    /// integer each, times `d·d'` (exact in f32, widened to f64), added to the row's f64 sum
+    /// by an FMA whose product is exact, so it rounds once, as the scalar addition does.
+    /// Without `VNNI`, `sign` and `maddubs` per row (signed × signed bytes) and a `madd`;
+    /// with it, one `vpdpbusd` (unsigned × signed bytes) per row, the weights going in as
+    /// `q + 128` (a flip of the sign bit) and the activations' `128·Σ q'`
+    /// ([`super::Interleave::act_sum`]) coming off each row's sum: the same integers.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c, and with `VNNI` avx512vl and avx512vnni
+    /// (inline this into a function that enables them); every slice of `xs` has
+    /// `group.len()` blocks.
+    #[inline(always)]
+    unsafe fn q8_group_dot<const M: usize, const VNNI: bool>(
+        group: &[BlockQ8_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 4]; M] {
+        let ones = _mm256_set1_epi16(1);
         let flip = _mm256_set1_epi8(i8::MIN);
         let mut acc = [_mm256_setzero_pd(); M];
         for (b, g) in group.iter().enumerate() {
@@ -169,19 +151,38 @@ mod avx2 {
                 (g as *const BlockQ8_0x4 as *const i8).wrapping_add(PREFETCH),
                 _MM_HINT_T0,
             );
-            let load = |r: usize| {
-                let q = _mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i);
-                _mm256_xor_si256(q, flip)
+            let load = |r: usize| _mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i);
+            let q = [load(0), load(1), load(2), load(3)];
+            // AVX2: |q| for `maddubs`; VNNI: q + 128.
+            // Direct calls, not `array::map`: a closure there is compiled without the
+            // caller's target features, and its intrinsics become calls.
+            let prep = |q: __m256i| {
+                if VNNI {
+                    _mm256_xor_si256(q, flip)
+                } else {
+                    _mm256_sign_epi8(q, q)
+                }
             };
-            let u = [load(0), load(1), load(2), load(3)];
+            let aq = [prep(q[0]), prep(q[1]), prep(q[2]), prep(q[3])];
             let wd = _mm_cvtph_ps(_mm_loadl_epi64(g.d.as_ptr() as *const __m128i));
             for i in 0..M {
                 let (x, offsets) = xs[i];
                 let x = x.get_unchecked(b);
                 let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
-                let dot = |r: usize| _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[r], qx);
+                let dot = |r: usize| {
+                    if VNNI {
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq[r], qx)
+                    } else {
+                        let pairs = _mm256_maddubs_epi16(aq[r], _mm256_sign_epi8(qx, q[r]));
+                        _mm256_madd_epi16(pairs, ones)
+                    }
+                };
                 let sums = hsum4([dot(0), dot(1), dot(2), dot(3)]);
-                let sums = _mm_sub_epi32(sums, _mm_set1_epi32(*offsets.get_unchecked(b)));
+                let sums = if VNNI {
+                    _mm_sub_epi32(sums, _mm_set1_epi32(*offsets.get_unchecked(b)))
+                } else {
+                    sums
+                };
                 let xd = _mm_cvtph_ps(_mm_set1_epi16(x.d.to_bits() as i16));
                 let dd = _mm256_cvtps_pd(_mm_mul_ps(wd, xd));
                 acc[i] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, acc[i]);
