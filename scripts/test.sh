@@ -140,7 +140,8 @@ if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
   # the AVX2 path that other hosts take. On a failure it names the failing tests and prints
   # their output, as the main pass does (cargo's whole output in $logs/cargo-test-KERNEL.log).
   forced_kernels=scalar
-  if grep -qw avx512vnni /proc/cpuinfo 2>/dev/null && grep -qw avx512vl /proc/cpuinfo; then
+  # (Linux names the flag avx512_vnni.)
+  if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null && grep -qw avx512vl /proc/cpuinfo; then
     forced_kernels="scalar avx2"
   fi
   for forced in $forced_kernels; do
