@@ -185,11 +185,8 @@ pub(crate) mod quantize_avx2 {
         let v = load(x);
         let abs = v.map(|v| _mm256_andnot_ps(_mm256_set1_ps(-0.0), v));
         let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
-        // NaN compares unordered and infinity equal to infinity: both fail `< inf`.
-        let finite = _mm256_cmp_ps::<_CMP_LT_OQ>(
-            _mm256_max_ps(abs[0], _mm256_max_ps(abs[1], _mm256_max_ps(abs[2], abs[3]))),
-            _mm256_set1_ps(f32::INFINITY),
-        );
+        // An infinity fails `< inf` (a NaN may not reach `m`: `any_nan` checks each value).
+        let finite = _mm256_cmp_ps::<_CMP_LT_OQ>(m, _mm256_set1_ps(f32::INFINITY));
         let any_nan = [0, 1, 2, 3]
             .iter()
             .any(|&c| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v[c], v[c])) != 0);
