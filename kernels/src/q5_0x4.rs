@@ -92,6 +92,15 @@ impl Interleave for BlockQ5_0 {
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_pair_dot_avx512<const M: usize>(
+        group0: &[BlockQ5_0x4],
+        group1: &[BlockQ5_0x4],
+        xs: [(&[BlockQ8_0], &[i32]); M],
+    ) -> [[f64; 8]; M] {
+        avx2::pair_dot_vnni(group0, group1, xs)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -93,6 +93,29 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     ) -> [[f64; 4]; M] {
         Self::group_dot_avx2(group, xs)
     }
+
+    /// Two groups (eight rows: `group0`'s four, then `group1`'s) against `M` activation rows
+    /// with AVX-512 VNNI: `out[i][r]`, bit for bit the scalar f64 sum. By default the two
+    /// groups' [`Interleave::group_dot_avx512`]; the 32-wide unsigned types put each of the
+    /// eight rows' sums in one lane, so that the per-block scaling in f64 is one 512-bit
+    /// step for eight rows instead of two 256-bit steps and two horizontal reductions.
+    ///
+    /// # Safety
+    /// As [`Interleave::group_dot_avx512`]; both groups have as many blocks as every slice
+    /// of `xs`.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    unsafe fn group_pair_dot_avx512<const M: usize>(
+        group0: &[Self::X4],
+        group1: &[Self::X4],
+        xs: [(&[Self::Act], &[i32]); M],
+    ) -> [[f64; 8]; M] {
+        let (a, b) = (
+            Self::group_dot_avx512(group0, xs),
+            Self::group_dot_avx512(group1, xs),
+        );
+        std::array::from_fn(|i| std::array::from_fn(|r| if r < 4 { a[i][r] } else { b[i][r - 4] }))
+    }
 }
 
 /// Puts row `r`'s bytes into `runs` of 8 bytes per row (`runs[c][r]` = `bytes[8c .. 8c + 8]`),
@@ -253,38 +276,62 @@ impl<B: Interleave> Repacked<B> {
             let (row0, rows) = (o.row0(), o.rows());
             // Task ranges start on a group (`fill_in_place` cuts multiples of 4 rows).
             debug_assert_eq!(row0 % 4, 0);
-            for g in 0..rows.div_ceil(4) {
+            let groups = rows.div_ceil(4);
+            let group = |g: usize| {
                 let first = (row0 / 4 + g) * kb;
-                let group = &self.groups[first..first + kb];
-                let live = (rows - 4 * g).min(4);
-                let mut put = |i: usize, v: [f64; 4]| {
+                &self.groups[first..first + kb]
+            };
+            // Rows `4g ..` of this share (`R` of them: one group or a pair) for activation
+            // rows `i ..`, as many as the tile has.
+            let mut put = |g: usize, i: usize, tile: &[[f64; 8]], r_max: usize| {
+                let live = (rows - 4 * g).min(r_max);
+                for (t, v) in tile.iter().enumerate() {
                     for (r, &v) in v.iter().enumerate().take(live) {
-                        o.set(4 * g + r, i, out(v));
-                    }
-                };
-                // Tiles of 8 activation rows where the type unpacks much per weight block,
-                // and for every type with AVX-512's 32 vector registers (measured on a Zen 4
-                // core against tiles of 4: 1.05-1.25x at 8 and 64 activation rows).
-                let tiled8 = if B::TILE_8 || kernel == Kernel::Avx512Vnni {
-                    m / 8 * 8
-                } else {
-                    0
-                };
-                for i in (0..tiled8).step_by(8) {
-                    let v = group_dot::<B, 8>(kernel, group, std::array::from_fn(|t| row(i + t)));
-                    for (t, v) in v.into_iter().enumerate() {
-                        put(i + t, v);
+                        o.set(4 * g + r, i + t, out(v));
                     }
                 }
-                let tiled = tiled8 + (m - tiled8) / 4 * 4;
+            };
+            // Tiles of 8 activation rows where the type unpacks much per weight block,
+            // and for every type with AVX-512's 32 vector registers (measured on a Zen 4
+            // core against tiles of 4: 1.05-1.25x at 8 and 64 activation rows).
+            let tiled8 = if B::TILE_8 || kernel == Kernel::Avx512Vnni {
+                m / 8 * 8
+            } else {
+                0
+            };
+            let tiled = tiled8 + (m - tiled8) / 4 * 4;
+            // With AVX-512 VNNI, tiles of 8 activation rows run groups in pairs (eight
+            // weight rows at once; on a Zen 4 core 1.4-1.9x one group at a time at 8 and 64
+            // activation rows, but 0.5x at 1 and 0.9x at 4, where regrouping the weights per
+            // block costs more than the f64 steps it saves).
+            let pairs = if kernel == Kernel::Avx512Vnni && tiled8 > 0 {
+                groups / 2
+            } else {
+                0
+            };
+            for p in 0..pairs {
+                let (g0, g1) = (group(2 * p), group(2 * p + 1));
+                for i in (0..tiled8).step_by(8) {
+                    let v = pair_dot::<B, 8>(g0, g1, std::array::from_fn(|t| row(i + t)));
+                    put(2 * p, i, &v, 8);
+                }
+            }
+            let widen = |v: [f64; 4]| std::array::from_fn(|r| if r < 4 { v[r] } else { 0.0 });
+            for g in 0..groups {
+                let group = group(g);
+                // The tiles of 8 of paired groups ran above.
+                let paired = if g < 2 * pairs { tiled8 } else { 0 };
+                for i in (paired..tiled8).step_by(8) {
+                    let v = group_dot::<B, 8>(kernel, group, std::array::from_fn(|t| row(i + t)));
+                    put(g, i, &v.map(widen), 4);
+                }
                 for i in (tiled8..tiled).step_by(4) {
                     let v = group_dot::<B, 4>(kernel, group, std::array::from_fn(|t| row(i + t)));
-                    for (t, v) in v.into_iter().enumerate() {
-                        put(i + t, v);
-                    }
+                    put(g, i, &v.map(widen), 4);
                 }
                 for i in tiled..m {
-                    put(i, group_dot::<B, 1>(kernel, group, [row(i)])[0]);
+                    let v = group_dot::<B, 1>(kernel, group, [row(i)]);
+                    put(g, i, &v.map(widen), 4);
                 }
             }
         };
@@ -313,6 +360,39 @@ fn group_dot<B: Interleave, const M: usize>(
         // The lengths were checked above.
         avx2 => B::group_dot_avx2(group, xs),
         avx512 => B::group_dot_avx512(group, xs))
+}
+
+/// Two groups (eight rows) against `M` activation rows with AVX-512 VNNI: `out[i][r]`.
+///
+/// # Panics
+/// If a group and an activation row differ in blocks, or the CPU lacks AVX-512 VNNI.
+fn pair_dot<B: Interleave, const M: usize>(
+    group0: &[B::X4],
+    group1: &[B::X4],
+    xs: [(&[B::Act], &[i32]); M],
+) -> [[f64; 8]; M] {
+    for (x, s) in xs {
+        assert!(
+            x.len() == group0.len() && s.len() == group0.len() && group1.len() == group0.len(),
+            "{} groups of {} and {} blocks against {} activation blocks",
+            B::NAME,
+            group0.len(),
+            group1.len(),
+            x.len()
+        );
+    }
+    assert!(
+        Kernel::Avx512Vnni.is_available(),
+        "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, avx512vl and \
+         avx512vnni"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the features and the lengths were checked just above.
+    unsafe {
+        B::group_pair_dot_avx512(group0, group1, xs)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("is_available is false off x86-64")
 }
 
 /// The reference: each row's blocks' [`F64Dot::block_dot`] added in block order, as the
@@ -513,9 +593,104 @@ pub(crate) mod avx2 {
         out
     }
 
-    /// Defines a 32-wide unsigned type's two group kernels on [`unsigned_group_dot`]:
-    /// `group_dot` (AVX2) and `group_dot_vnni` (AVX-512 VNNI), for weight groups `$x4`,
-    /// activation blocks `$act`, `$has_m` as `HAS_M` and `$unpack` as `unpack`. Both are
+    /// [`unsigned_group_dot`] with AVX-512 VNNI for two groups at once (eight weight rows),
+    /// each row's integer sum in one 32-bit lane: `unpack` gives each group's values in runs
+    /// of 8 (two 32-bit words per row); one `vpermd` and one 128-bit permute per run and
+    /// group regroup them as `w[j]`, values `4j .. 4j + 4` of the eight rows, which one
+    /// `vpdpbusd` multiplies by the activations' word `j` (broadcast). Per block and
+    /// activation row: eight `vpdpbusd` in two chains (the first started at `−o·Σ q'`), one
+    /// add, and the f64 step of [`unsigned_group_dot`] on eight lanes at once (`d·d'` and
+    /// `m·s'` exact in f32, widened; the integer sum times `d·d'` is exact in f64, so an FMA
+    /// into the row's sum rounds once, as the scalar addition does): bit for bit the scalar
+    /// sum (tested with each type's 32-wide blocks).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512vl and avx512vnni (inline this
+    /// into a function that enables them); both groups and every slice of `xs` have the same
+    /// length.
+    #[inline(always)]
+    pub unsafe fn unsigned_pair_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
+        group0: &[G],
+        group1: &[G],
+        xs: [(&[A], &[i32]); M],
+        unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
+    ) -> [[f64; 8]; M] {
+        // Each row's two words of a run, first words then second words.
+        let words = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        let mut acc = [_mm512_setzero_pd(); M];
+        for b in 0..group0.len() {
+            let (g0, g1) = (group0.get_unchecked(b), group1.get_unchecked(b));
+            pair_prefetch(g0, g1, b, group0.len());
+            let (u0, wd0, wm0) = unpack(g0);
+            let (u1, wd1, wm1) = unpack(g1);
+            let mut w = [_mm256_setzero_si256(); 8];
+            for t in 0..4 {
+                let p0 = _mm256_permutevar8x32_epi32(u0[t], words);
+                let p1 = _mm256_permutevar8x32_epi32(u1[t], words);
+                w[2 * t] = _mm256_permute2x128_si256(p0, p1, 0x20);
+                w[2 * t + 1] = _mm256_permute2x128_si256(p0, p1, 0x31);
+            }
+            let wd = _mm256_set_m128(wd1, wd0);
+            let wm = _mm256_set_m128(wm1, wm0);
+            for i in 0..M {
+                let (x, offsets) = xs[i];
+                let x = x.get_unchecked(b);
+                let a = x.qs().as_ptr() as *const i32;
+                let word = |j: usize| _mm256_set1_epi32(std::ptr::read_unaligned(a.add(j)));
+                let mut h0 = _mm256_set1_epi32(-*offsets.get_unchecked(b));
+                let mut h1 = _mm256_setzero_si256();
+                for j in (0..8).step_by(2) {
+                    h0 = _mm256_dpbusd_epi32(h0, w[j], word(j));
+                    h1 = _mm256_dpbusd_epi32(h1, w[j + 1], word(j + 1));
+                }
+                let sums = _mm512_cvtepi32_pd(_mm256_add_epi32(h0, h1));
+                let xd = _mm256_cvtph_ps(_mm_set1_epi16(x.d_bits() as i16));
+                let dd = _mm512_cvtps_pd(_mm256_mul_ps(wd, xd));
+                acc[i] = if HAS_M {
+                    let xs = _mm256_cvtph_ps(_mm_set1_epi16(x.s_bits() as i16));
+                    let ms = _mm512_cvtps_pd(_mm256_mul_ps(wm, xs));
+                    _mm512_add_pd(acc[i], _mm512_fmadd_pd(sums, dd, ms))
+                } else {
+                    _mm512_fmadd_pd(sums, dd, acc[i])
+                };
+            }
+        }
+        let mut out = [[0f64; 8]; M];
+        for i in 0..M {
+            _mm512_storeu_pd(out[i].as_mut_ptr(), acc[i]);
+        }
+        out
+    }
+
+    /// Prefetch hints for block `b` of a pair of groups of `kb` blocks (`g0`, `g1`: their
+    /// blocks `b`): [`PREFETCH`] bytes ahead in each group's stream; where that passes the end
+    /// of the first group (the second group's blocks, being read), ahead in the group after
+    /// the second one (the next pair's second group, which no stream reaches otherwise: a
+    /// pair of short rows, SmolLM2's 18 blocks, otherwise starts it on cache misses).
+    #[inline(always)]
+    pub unsafe fn pair_prefetch<G>(g0: &G, g1: &G, b: usize, kb: usize) {
+        let (size, ahead) = (std::mem::size_of::<G>(), PREFETCH);
+        let group = kb * size;
+        let first = if (b * size + ahead) < group {
+            ahead
+        } else {
+            ahead + 2 * group
+        };
+        // Hints: no fault past the end of the weight.
+        _mm_prefetch(
+            (g0 as *const G as *const i8).wrapping_add(first),
+            _MM_HINT_T0,
+        );
+        _mm_prefetch(
+            (g1 as *const G as *const i8).wrapping_add(ahead),
+            _MM_HINT_T0,
+        );
+    }
+
+    /// Defines a 32-wide unsigned type's three group kernels on [`unsigned_group_dot`] and
+    /// [`unsigned_pair_dot`]: `group_dot` (AVX2), `group_dot_vnni` and `pair_dot_vnni`
+    /// (AVX-512 VNNI, one group or two), for weight groups `$x4`,
+    /// activation blocks `$act`, `$has_m` as `HAS_M` and `$unpack` as `unpack`. All are
     /// `unsafe`: the CPU must have their features, and every slice of `xs` has `group.len()`
     /// blocks.
     macro_rules! unsigned_kernels {
@@ -547,6 +722,22 @@ pub(crate) mod avx2 {
             ) -> [[f64; 4]; M] {
                 $crate::repack::avx2::unsigned_group_dot::<_, _, M, { $has_m }, true>(
                     group, xs, $unpack,
+                )
+            }
+
+            /// The AVX-512 VNNI kernel for two groups (`unsigned_pair_dot`).
+            ///
+            /// # Safety
+            /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and
+            /// avx512vnni; both groups and every slice of `xs` have the same length.
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+            pub(super) unsafe fn pair_dot_vnni<const M: usize>(
+                group0: &[$x4],
+                group1: &[$x4],
+                xs: [(&[$act], &[i32]); M],
+            ) -> [[f64; 8]; M] {
+                $crate::repack::avx2::unsigned_pair_dot::<_, _, M, { $has_m }>(
+                    group0, group1, xs, $unpack,
                 )
             }
         };
