@@ -110,6 +110,9 @@ mod avx2 {
     /// groups, as for Q4_0).
     const PREFETCH: usize = 512;
 
+    /// The same for each of the two streams of [`pair_dot_vnni`].
+    const PAIR_PREFETCH: usize = 1024;
+
     /// The AVX2 kernel ([`q8_group_dot`]).
     ///
     /// # Safety
@@ -156,7 +159,7 @@ mod avx2 {
         let mut acc = [_mm512_setzero_pd(); M];
         for b in 0..group0.len() {
             let (g0, g1) = (group0.get_unchecked(b), group1.get_unchecked(b));
-            pair_prefetch(g0, g1, b, group0.len());
+            pair_prefetch::<_, PAIR_PREFETCH>(g0, g1, b, group0.len());
             let load = |g: &BlockQ8_0x4, r: usize| {
                 _mm256_xor_si256(_mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i), flip)
             };

@@ -620,7 +620,7 @@ pub(crate) mod avx2 {
         let mut acc = [_mm512_setzero_pd(); M];
         for b in 0..group0.len() {
             let (g0, g1) = (group0.get_unchecked(b), group1.get_unchecked(b));
-            pair_prefetch(g0, g1, b, group0.len());
+            pair_prefetch::<_, PREFETCH>(g0, g1, b, group0.len());
             let (u0, wd0, wm0) = unpack(g0);
             let (u1, wd1, wm1) = unpack(g1);
             let mut w = [_mm256_setzero_si256(); 8];
@@ -663,13 +663,13 @@ pub(crate) mod avx2 {
     }
 
     /// Prefetch hints for block `b` of a pair of groups of `kb` blocks (`g0`, `g1`: their
-    /// blocks `b`): [`PREFETCH`] bytes ahead in each group's stream; where that passes the end
+    /// blocks `b`): `AHEAD` bytes ahead in each group's stream; where that passes the end
     /// of the first group (the second group's blocks, being read), ahead in the group after
     /// the second one (the next pair's second group, which no stream reaches otherwise: a
     /// pair of short rows, SmolLM2's 18 blocks, otherwise starts it on cache misses).
     #[inline(always)]
-    pub unsafe fn pair_prefetch<G>(g0: &G, g1: &G, b: usize, kb: usize) {
-        let (size, ahead) = (std::mem::size_of::<G>(), PREFETCH);
+    pub unsafe fn pair_prefetch<G, const AHEAD: usize>(g0: &G, g1: &G, b: usize, kb: usize) {
+        let (size, ahead) = (std::mem::size_of::<G>(), AHEAD);
         let group = kb * size;
         let first = if (b * size + ahead) < group {
             ahead
