@@ -213,6 +213,31 @@ mod avx2 {
         q6k_group_dot::<M, true>(group, xs)
     }
 
+    /// Values `8u ..` and `8(u + 16) ..` of the four rows of `g` (`u < 16`), unsigned.
+    ///
+    /// # Safety
+    /// The CPU must support avx2 (inline this into a function that enables it).
+    #[inline(always)]
+    unsafe fn values(g: &BlockQ6Kx4, u: usize) -> (__m256i, __m256i) {
+        let (m4, m30) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+        let ql = _mm256_loadu_si256(g.ql[u].as_ptr() as *const __m256i);
+        let qh = _mm256_loadu_si256(g.qh[u % 8].as_ptr() as *const __m256i);
+        // Values 8u.. take bits 0-1 (u < 8) or 2-3 of `qh`; values 8(u + 16).. bits 4-5 or
+        // 6-7.
+        let (h_lo, h_hi) = if u < 8 {
+            (_mm256_slli_epi16(qh, 4), qh)
+        } else {
+            (_mm256_slli_epi16(qh, 2), _mm256_srli_epi16(qh, 2))
+        };
+        (
+            _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(h_lo, m30)),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
+                _mm256_and_si256(h_hi, m30),
+            ),
+        )
+    }
+
     /// The kernel of [`group_dot`] (`VNNI`: of [`group_dot_vnni`]).
     ///
     /// # Safety
@@ -222,38 +247,18 @@ mod avx2 {
         group: &[BlockQ6Kx4],
         xs: [(&[BlockQ8K], &[i32]); M],
     ) -> [[f64; 4]; M] {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m30 = _mm256_set1_epi8(0x30);
         // Byte `s % 4` of four rows (one 32-bit word per 16 values), each repeated 4 times.
         let spread: [__m128i; 4] = std::array::from_fn(|w| {
             let c: [u8; 16] = std::array::from_fn(|i| (4 * w + i / 4) as u8);
             _mm_loadu_si128(c.as_ptr() as *const __m128i)
         });
         let mut acc = [_mm256_setzero_pd(); M];
-        let mut v = [_mm256_setzero_si256(); QK_K / 8];
-        let mut sc = [_mm256_setzero_si256(); QK_K / 16];
         for (b, g) in group.iter().enumerate() {
             // A hint: no fault past the end of the weight. Every cache line of the record,
             // `PREFETCH` bytes ahead.
             let at = (g as *const BlockQ6Kx4 as *const i8).wrapping_add(PREFETCH);
             for line in (0..std::mem::size_of::<BlockQ6Kx4>()).step_by(64) {
                 _mm_prefetch(at.wrapping_add(line), _MM_HINT_T0);
-            }
-            for u in 0..QK_K / 16 {
-                let ql = _mm256_loadu_si256(g.ql[u].as_ptr() as *const __m256i);
-                let qh = _mm256_loadu_si256(g.qh[u % 8].as_ptr() as *const __m256i);
-                // Values 8u.. take bits 0-1 (u < 8) or 2-3 of `qh`; values 8(u + 16).. bits
-                // 4-5 or 6-7.
-                let (h_lo, h_hi) = if u < 8 {
-                    (_mm256_slli_epi16(qh, 4), qh)
-                } else {
-                    (_mm256_slli_epi16(qh, 2), _mm256_srli_epi16(qh, 2))
-                };
-                v[u] = _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(h_lo, m30));
-                v[u + 16] = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
-                    _mm256_and_si256(h_hi, m30),
-                );
             }
             // The scales transposed: `t[w]` holds, for `s = 4w .. 4w + 4`, the four rows'
             // scale `s` (one word each).
@@ -273,27 +278,40 @@ mod avx2 {
                 _mm_unpacklo_epi16(b01, b23),
                 _mm_unpackhi_epi16(b01, b23),
             ];
-            for (s, sc) in sc.iter_mut().enumerate() {
-                *sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t[s / 4], spread[s % 4]));
-            }
+            // The four rows' scale `s` as i16, four lanes each.
+            let scale = |s: usize| _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t[s / 4], spread[s % 4]));
             let sc16: [__m256i; 4] = rows.map(|r| _mm256_cvtepi8_epi16(r));
             let dw = _mm256_cvtps_pd(f16x4(&g.d));
             // In bounds: every `xs[i].0` has `group.len()` blocks (the caller's contract).
             let a: [*const i8; M] = std::array::from_fn(|i| xs[i].0.get_unchecked(b).qs.as_ptr());
             // 16 values at a time for every activation row, so that the values and scales
-            // are loaded once for all of them.
+            // are loaded once for all of them; the 16 values `s = k` and `s = k + 8` come
+            // from the same loads of `ql` and `qh`, and are used as they are unpacked (the
+            // super-block's 32 vectors of values would not stay in registers).
             let mut sum = [_mm256_setzero_si256(); M];
-            for s in 0..QK_K / 16 {
-                let (v0, v1, sc) = (v[2 * s], v[2 * s + 1], sc[s]);
+            for k in 0..QK_K / 32 {
+                let ((v0, v2), (v1, v3)) = (values(g, 2 * k), values(g, 2 * k + 1));
+                let (sc_a, sc_b) = (scale(k), scale(k + 8));
                 for i in 0..M {
+                    let (pa, pb) = (a[i].add(16 * k), a[i].add(16 * (k + 8)));
                     let p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(v0, bytes8(a[i].add(16 * s))),
-                        _mm256_maddubs_epi16(v1, bytes8(a[i].add(16 * s + 8))),
+                        _mm256_maddubs_epi16(v0, bytes8(pa)),
+                        _mm256_maddubs_epi16(v1, bytes8(pa.add(8))),
+                    );
+                    let q = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(v2, bytes8(pb)),
+                        _mm256_maddubs_epi16(v3, bytes8(pb.add(8))),
                     );
                     sum[i] = if VNNI {
-                        _mm256_dpwssd_epi32(sum[i], p, sc)
+                        _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(sum[i], p, sc_a), q, sc_b)
                     } else {
-                        _mm256_add_epi32(sum[i], _mm256_madd_epi16(p, sc))
+                        _mm256_add_epi32(
+                            sum[i],
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(p, sc_a),
+                                _mm256_madd_epi16(q, sc_b),
+                            ),
+                        )
                     };
                 }
             }
