@@ -128,6 +128,14 @@ impl Kernel {
 
     /// Whether this CPU can run the kernel.
     pub fn is_available(self) -> bool {
+        // Asked before every group of every product: the answers, detected once.
+        static AVAILABLE: OnceLock<[bool; 3]> = OnceLock::new();
+        let available = AVAILABLE.get_or_init(|| Self::ALL.map(Self::detect_available));
+        available[self as usize]
+    }
+
+    /// Whether this CPU has the kernel's features (asks the CPU).
+    fn detect_available(self) -> bool {
         match self {
             Self::Scalar => true,
             #[cfg(target_arch = "x86_64")]
@@ -138,7 +146,7 @@ impl Kernel {
             }
             #[cfg(target_arch = "x86_64")]
             Self::Avx512Vnni => {
-                Self::Avx2.is_available()
+                Self::Avx2.detect_available()
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
@@ -566,6 +574,14 @@ mod tests {
         assert_eq!(Kernel::parse(""), Ok(None));
         let e = Kernel::parse("avx512").unwrap_err();
         assert!(e.contains(KERNEL_ENV) && e.contains("avx512"), "{e}");
+    }
+
+    #[test]
+    fn availability_is_looked_up_at_each_kernels_index() {
+        for (i, k) in Kernel::ALL.into_iter().enumerate() {
+            assert_eq!(k as usize, i, "{k:?}");
+            assert_eq!(k.is_available(), k.detect_available(), "{k:?}");
+        }
     }
 
     #[test]
