@@ -60,6 +60,19 @@ impl<T> RowsOut<'_, T> {
         self.rows
     }
 
+    /// The outputs of this share's weight rows for activation row `i` (`rows` values: weight
+    /// row `row0 + r` at `r`).
+    ///
+    /// # Panics
+    /// If `i >= m`.
+    #[inline]
+    pub fn row(&mut self, i: usize) -> &mut [T] {
+        assert!(i < self.m, "activation row {i} outside [0, {})", self.m);
+        // SAFETY: in bounds (`i < m`, `row0 + rows <= n`, the buffer holds `m · n`), and this
+        // share's columns only, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * self.n + self.row0), self.rows) }
+    }
+
     /// Sets the output of weight row `row0 + r` for activation row `i`.
     ///
     /// # Panics
@@ -284,6 +297,31 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// `row(i)` is the share's own columns of activation row `i`.
+    #[test]
+    fn a_shares_row_is_its_columns_of_that_row() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let (n, m) = (101, 3);
+        let mut dst = vec![usize::MAX; m * n];
+        pool.install(|| {
+            fill_in_place(n, m, &mut dst, |mut o| {
+                for i in 0..m {
+                    let (row0, rows) = (o.row0(), o.rows());
+                    let row = o.row(i);
+                    assert_eq!(row.len(), rows);
+                    for (r, v) in row.iter_mut().enumerate() {
+                        *v = 1000 * i + row0 + r;
+                    }
+                }
+            })
+        });
+        let want: Vec<usize> = (0..m * n).map(|e| 1000 * (e / n) + e % n).collect();
+        assert_eq!(dst, want);
     }
 
     #[test]

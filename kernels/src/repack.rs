@@ -286,8 +286,9 @@ impl<B: Interleave> Repacked<B> {
             let mut put = |g: usize, i: usize, tile: &[[f64; 8]], r_max: usize| {
                 let live = (rows - 4 * g).min(r_max);
                 for (t, v) in tile.iter().enumerate() {
-                    for (r, &v) in v.iter().enumerate().take(live) {
-                        o.set(4 * g + r, i + t, out(v));
+                    let dst = &mut o.row(i + t)[4 * g..4 * g + live];
+                    for (d, &v) in dst.iter_mut().zip(v) {
+                        *d = out(v);
                     }
                 }
             };
