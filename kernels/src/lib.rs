@@ -17,7 +17,8 @@
 //!   [`f64_matmul`], their matmul over rayon;
 //! - [`kernel`]: which implementation runs ([`kernel::Kernel`]: scalar, AVX2 or AVX-512 VNNI,
 //!   detected at run time, forced with `CANDLE_TP_KERNEL=scalar|avx2|avx512vnni`);
-//! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant.
+//! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant;
+//! - [`swiglu`]: `silu(gate) · up` in one pass, with an AVX2 exponential.
 
 pub mod f64_dot;
 pub mod f64_matmul;
@@ -42,3 +43,4 @@ pub mod q8_1;
 pub mod q8_k;
 pub mod repack;
 pub mod small_m;
+pub mod swiglu;
