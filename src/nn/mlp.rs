@@ -189,9 +189,15 @@ impl GatedMlp {
     /// experts' partial outputs and reduces once. f64 for quantized down projections, as
     /// [`RowParallelLinear::forward_partial`] says.
     pub fn forward_partial(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.act.forward(&self.gate_proj.forward_local(x)?)?;
+        let gate = self.gate_proj.forward_local(x)?;
         let up = self.up_proj.forward_local(x)?;
-        self.down_proj.forward_partial(&(gate * up)?)
+        let hidden = if matches!(self.act, Activation::Silu) {
+            // One pass (on the CPU in f32) instead of `silu`, then the product.
+            crate::ops::silu_mul(&gate, &up)?
+        } else {
+            (self.act.forward(&gate)? * up)?
+        };
+        self.down_proj.forward_partial(&hidden)
     }
 }
 

@@ -1,13 +1,16 @@
 //! Collectives as Candle ops with autograd (Megatron's mappings), point-to-point `send` /
-//! `recv` with autograd (pipeline stages), and tensor collectives.
+//! `recv` with autograd (pipeline stages), tensor collectives, and the gated MLP's fused
+//! `silu(gate) · up`.
 pub(crate) mod collective;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod mappings;
 mod p2p;
+mod swiglu;
 mod tensor;
 
 pub use mappings::{
     copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp,
 };
 pub use p2p::{recv, send};
+pub use swiglu::silu_mul;
