@@ -76,7 +76,7 @@ fn config_json(t: &Tiny) -> serde_json::Value {
         "num_key_value_heads": t.kv_heads,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
-        "max_position_embeddings": 64,
+        "max_position_embeddings": 256,
         "tie_word_embeddings": t.tie,
         "hidden_act": "silu",
         "sliding_window": 64,
@@ -289,6 +289,17 @@ fn tiny_gqa_matches_candle_transformers_at_every_world() -> Result<()> {
     // 6 heads, 2 KV heads: worlds 1 and 2 own whole KV groups, 3/4/6 replicate KV heads.
     let dir = tiny_checkpoint(&GQA)?;
     check_against_reference(dir.path(), None, &[1, 2, 3, 4, 6], &PROMPT, 8, 1e-4)
+}
+
+/// A context past `GROUPED_MIN_POSITIONS` (128), where GQA's groups attend per KV head
+/// instead of on the cache expanded to every query head: a 130-token prefill (the grouped
+/// path with its causal mask) and decoding on it, against candle-transformers, at worlds that
+/// own whole KV groups (1, 2) and that replicate KV heads (3).
+#[test]
+fn tiny_gqa_long_context_matches_candle_transformers() -> Result<()> {
+    let dir = tiny_checkpoint(&GQA)?;
+    let prompt: Vec<u32> = (0..130u32).map(|i| (i * 37 + 11) % 101).collect();
+    check_against_reference(dir.path(), None, &[1, 2, 3], &prompt, 6, 1e-4)
 }
 
 #[test]

@@ -294,6 +294,10 @@ pub struct ParallelAttention {
     heads: HeadAssignment,
     /// Local query head -> local KV head; `None` for MHA (no expansion).
     kv_index: Option<Tensor>,
+    /// `g` when local query heads `g·j .. g·j + g` all read local KV head `j` (GQA's groups,
+    /// whole on this rank): the attention then runs per KV head on `g · seq` query rows, with
+    /// no copy of the cache expanded to every query head.
+    kv_group: Option<usize>,
     head_dim: usize,
     sliding_window: Option<usize>,
     qk_norm: Option<(RmsNorm, RmsNorm)>,
@@ -347,12 +351,13 @@ impl ParallelAttention {
         };
         let o_proj = RowParallelLinear::load(q_out, h, cfg.o_bias, unit, vb.pp("o_proj"))?;
         let n_rep = cfg.num_heads / cfg.num_kv_heads;
-        let kv_index = if n_rep == 1 {
-            None
+        let (kv_index, kv_group) = if n_rep == 1 {
+            (None, None)
         } else {
             let idx = heads.kv_index(n_rep);
+            let group = kv_group(&idx, heads.kv_heads.len());
             let n = idx.len();
-            Some(Tensor::from_vec(idx, n, vb.device())?)
+            (Some(Tensor::from_vec(idx, n, vb.device())?), group)
         };
         Ok(Self {
             q_proj,
@@ -361,6 +366,7 @@ impl ParallelAttention {
             o_proj,
             heads,
             kv_index,
+            kv_group,
             head_dim: hd,
             sliding_window: cfg.sliding_window,
             qk_norm,
@@ -504,6 +510,12 @@ impl ParallelAttention {
         let q = rope.apply(q, index_pos)?;
         let k = rope.apply(k, index_pos)?;
         let (k, v) = cache.append(&k, v)?;
+        match self.kv_group {
+            Some(g) if index_pos + seq_len >= GROUPED_MIN_POSITIONS => {
+                return self.attend_grouped(&q, &k, &v, g, index_pos)
+            }
+            _ => {}
+        }
         let (k, v) = match &self.kv_index {
             None => (k, v),
             Some(idx) => (k.index_select(idx, 1)?, v.index_select(idx, 1)?),
@@ -533,6 +545,80 @@ impl ParallelAttention {
         let y = att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)?;
         y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))
     }
+}
+
+/// Cached positions from which GQA's groups attend per KV head ([`ParallelAttention`]'s
+/// `attend_grouped`) instead of on the cache expanded to every query head: the expansion
+/// copies the whole cache each step, which grows with the context; measured on SmolLM2 Q4_0
+/// decode at world 1 (2026-11-26, noisy host), 300 positions decode 1.15x faster grouped, 33
+/// positions about 0.92x (the one-row products of the expanded form are the faster there).
+const GROUPED_MIN_POSITIONS: usize = 128;
+
+impl ParallelAttention {
+    /// [`Self::attend`]'s attention for GQA groups of `g` query heads per KV head (after the
+    /// rotary embeddings and the cache): each KV head's keys and values against its `g` query
+    /// heads' rows at once (`[batch, kv_heads, g · seq, head_dim]`), the same products as with
+    /// the cache expanded to every query head, without that copy of the whole cache per step.
+    fn attend_grouped(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: usize,
+        index_pos: usize,
+    ) -> Result<Tensor> {
+        let (b, nq, seq_len, hd) = q.dims4()?;
+        let nkv = nq / g;
+        let in_dtype = q.dtype();
+        let q = q.to_dtype(DType::F32)?.reshape((b, nkv, g * seq_len, hd))?;
+        let k = k.to_dtype(DType::F32)?;
+        let v = v.to_dtype(DType::F32)?;
+        let att = match self.scale {
+            None => (q.matmul(&k.t()?)? / (hd as f64).sqrt())?,
+            Some(s) => (q.matmul(&k.t()?)? * s)?,
+        };
+        let att = match self.softcap {
+            None => att,
+            Some(c) => ((att / c)?.tanh()? * c)?,
+        };
+        let kv_len = att.dim(3)?;
+        let att = match attention_mask(seq_len, index_pos, self.sliding_window, att.device())? {
+            None => att,
+            Some(mask) => {
+                // Row `j·seq + i` of a group is query position `index_pos + i`.
+                let att = att.reshape((b, nkv, g, seq_len, kv_len))?;
+                let mask = mask.broadcast_as(att.shape())?;
+                let neg =
+                    Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
+                mask.where_cond(&neg, &att)?
+                    .reshape((b, nkv, g * seq_len, kv_len))?
+            }
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att
+            .matmul(&v.contiguous()?)?
+            .reshape((b, nq, seq_len, hd))?
+            .to_dtype(in_dtype)?;
+        y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))
+    }
+}
+
+/// `Some(g)` when `kv_index` (local query head -> local KV head) is `g` times KV head 0, then
+/// `g` times KV head 1, and so on up to the last of the rank's `kv_heads` (GQA's groups,
+/// `g > 1`, each whole on this rank).
+fn kv_group(kv_index: &[u32], kv_heads: usize) -> Option<usize> {
+    let heads = kv_index.last().map(|&h| h as usize + 1)?;
+    if heads != kv_heads {
+        return None;
+    }
+    let g = kv_index.len() / heads;
+    let regular = g > 1
+        && g * heads == kv_index.len()
+        && kv_index
+            .iter()
+            .enumerate()
+            .all(|(i, &h)| h as usize == i / g);
+    regular.then_some(g)
 }
 
 /// `mask[i][j] = 1` where query `index_pos + i` must not see key `j`: a later key, or (with a
@@ -571,6 +657,8 @@ mod tests {
         assert_eq!((a1.q_heads.clone(), a1.kv_heads.clone()), (6..9, 2..3));
         assert_eq!(a0.q_part.sizes(), vec![24, 12]);
         assert_eq!(a0.kv_index(3), vec![0, 0, 0, 1, 1, 1]);
+        assert_eq!(kv_group(&a0.kv_index(3), 2), Some(3));
+        assert_eq!(kv_group(&a1.kv_index(3), 1), Some(3));
         Ok(())
     }
 
@@ -585,6 +673,12 @@ mod tests {
         assert_eq!(q, vec![0..3, 3..5, 5..7, 7..9]);
         assert_eq!(kv, vec![0..1, 1..2, 1..3, 2..3]);
         assert_eq!(a[2].kv_index(3), vec![0, 1]);
+        // One query head per KV head, or uneven groups: the expanded path.
+        assert_eq!(kv_group(&a[2].kv_index(3), 2), None);
+        assert_eq!(kv_group(&[0, 0, 1], 2), None);
+        assert_eq!(kv_group(&[0, 1, 0, 1], 2), None);
+        // A local KV head that no query head reads.
+        assert_eq!(kv_group(&[0, 0, 0, 0], 2), None);
         Ok(())
     }
 
