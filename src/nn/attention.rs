@@ -518,7 +518,12 @@ impl ParallelAttention {
         }
         let (k, v) = match &self.kv_index {
             None => (k, v),
-            Some(idx) => (k.index_select(idx, 1)?, v.index_select(idx, 1)?),
+            // The cache's views are strided (`LayerKvCache::append`); `index_select` wants
+            // contiguous input.
+            Some(idx) => (
+                k.contiguous()?.index_select(idx, 1)?,
+                v.contiguous()?.index_select(idx, 1)?,
+            ),
         };
         let in_dtype = q.dtype();
         let q = q.to_dtype(DType::F32)?;
@@ -542,7 +547,7 @@ impl ParallelAttention {
             }
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v.contiguous()?)?.to_dtype(in_dtype)?;
+        let y = att.matmul(&v)?.to_dtype(in_dtype)?;
         y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))
     }
 }
@@ -596,7 +601,7 @@ impl ParallelAttention {
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let y = att
-            .matmul(&v.contiguous()?)?
+            .matmul(&v)?
             .reshape((b, nq, seq_len, hd))?
             .to_dtype(in_dtype)?;
         y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))
