@@ -191,7 +191,9 @@ mod tests {
             let (ck, cv) = cache.append(&k, &v)?;
             same(&ck, &all_k)?;
             same(&cv, &all_v)?;
-            assert!(cache.capacity() >= cache.len() && cache.capacity() % CAPACITY_STEP == 0);
+            assert!(
+                cache.capacity() >= cache.len() && cache.capacity().is_multiple_of(CAPACITY_STEP)
+            );
             if i == 40 {
                 fork = Some((cache.clone(), all_k.clone(), all_v.clone()));
             }
