@@ -103,7 +103,7 @@ mod avx2 {
     use super::BlockQ8_0x4;
     use crate::f64_dot::avx2::hsum4;
     use crate::q8_0::BlockQ8_0;
-    use crate::repack::avx2::pair_prefetch;
+    use crate::repack::avx2::{eight_row_sums, pair_prefetch};
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the group's current block that each step prefetches (about four
@@ -182,15 +182,7 @@ mod avx2 {
             for i in 0..M {
                 let (x, offsets) = xs[i];
                 let x = x.get_unchecked(b);
-                let a = x.qs.as_ptr() as *const i32;
-                let word = |j: usize| _mm256_set1_epi32(std::ptr::read_unaligned(a.add(j)));
-                let mut h0 = _mm256_set1_epi32(-*offsets.get_unchecked(b));
-                let mut h1 = _mm256_setzero_si256();
-                for j in (0..8).step_by(2) {
-                    h0 = _mm256_dpbusd_epi32(h0, w[j], word(j));
-                    h1 = _mm256_dpbusd_epi32(h1, w[j + 1], word(j + 1));
-                }
-                let sums = _mm512_cvtepi32_pd(_mm256_add_epi32(h0, h1));
+                let sums = eight_row_sums(&w, &x.qs, *offsets.get_unchecked(b));
                 let xd = _mm256_cvtph_ps(_mm_set1_epi16(x.d.to_bits() as i16));
                 let dd = _mm512_cvtps_pd(_mm256_mul_ps(wd, xd));
                 acc[i] = _mm512_fmadd_pd(sums, dd, acc[i]);

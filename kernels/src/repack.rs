@@ -636,15 +636,7 @@ pub(crate) mod avx2 {
             for i in 0..M {
                 let (x, offsets) = xs[i];
                 let x = x.get_unchecked(b);
-                let a = x.qs().as_ptr() as *const i32;
-                let word = |j: usize| _mm256_set1_epi32(std::ptr::read_unaligned(a.add(j)));
-                let mut h0 = _mm256_set1_epi32(-*offsets.get_unchecked(b));
-                let mut h1 = _mm256_setzero_si256();
-                for j in (0..8).step_by(2) {
-                    h0 = _mm256_dpbusd_epi32(h0, w[j], word(j));
-                    h1 = _mm256_dpbusd_epi32(h1, w[j + 1], word(j + 1));
-                }
-                let sums = _mm512_cvtepi32_pd(_mm256_add_epi32(h0, h1));
+                let sums = eight_row_sums(&w, x.qs(), *offsets.get_unchecked(b));
                 let xd = _mm256_cvtph_ps(_mm_set1_epi16(x.d_bits() as i16));
                 let dd = _mm512_cvtps_pd(_mm256_mul_ps(wd, xd));
                 acc[i] = if HAS_M {
@@ -661,6 +653,27 @@ pub(crate) mod avx2 {
             _mm512_storeu_pd(out[i].as_mut_ptr(), acc[i]);
         }
         out
+    }
+
+    /// Eight weight rows' integer sums against one activation block, in f64 lanes: `w[j]`
+    /// holds values `4j .. 4j + 4` of the eight rows (unsigned), `a` the activation's 32
+    /// signed values, `offset` what comes off each sum (`o·Σ q'`). Eight `vpdpbusd` with the
+    /// activations' word `j` broadcast, in two chains (the first started at `−offset`).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, avx512f, avx512vl and avx512vnni (inline this into a
+    /// function that enables them).
+    #[inline(always)]
+    pub unsafe fn eight_row_sums(w: &[__m256i; 8], a: &[i8; 32], offset: i32) -> __m512d {
+        let a = a.as_ptr() as *const i32;
+        let word = |j: usize| _mm256_set1_epi32(std::ptr::read_unaligned(a.add(j)));
+        let mut h0 = _mm256_set1_epi32(-offset);
+        let mut h1 = _mm256_setzero_si256();
+        for j in (0..8).step_by(2) {
+            h0 = _mm256_dpbusd_epi32(h0, w[j], word(j));
+            h1 = _mm256_dpbusd_epi32(h1, w[j + 1], word(j + 1));
+        }
+        _mm512_cvtepi32_pd(_mm256_add_epi32(h0, h1))
     }
 
     /// Prefetch hints for block `b` of a pair of groups of `kb` blocks (`g0`, `g1`: their

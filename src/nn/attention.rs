@@ -529,14 +529,7 @@ impl ParallelAttention {
         let q = q.to_dtype(DType::F32)?;
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
-        let att = match self.scale {
-            None => (q.matmul(&k.t()?)? / (hd as f64).sqrt())?,
-            Some(s) => (q.matmul(&k.t()?)? * s)?,
-        };
-        let att = match self.softcap {
-            None => att,
-            Some(c) => ((att / c)?.tanh()? * c)?,
-        };
+        let att = self.scores(&q, &k, hd)?;
         let att = match attention_mask(seq_len, index_pos, self.sliding_window, att.device())? {
             None => att,
             Some(mask) => {
@@ -560,6 +553,19 @@ impl ParallelAttention {
 const GROUPED_MIN_POSITIONS: usize = 128;
 
 impl ParallelAttention {
+    /// `q · kᵀ`, scaled (by `1/√head_dim` unless the model gives its scale) and soft-capped
+    /// where the model caps (Gemma 2).
+    fn scores(&self, q: &Tensor, k: &Tensor, hd: usize) -> Result<Tensor> {
+        let att = match self.scale {
+            None => (q.matmul(&k.t()?)? / (hd as f64).sqrt())?,
+            Some(s) => (q.matmul(&k.t()?)? * s)?,
+        };
+        match self.softcap {
+            None => Ok(att),
+            Some(c) => (att / c)?.tanh()? * c,
+        }
+    }
+
     /// [`Self::attend`]'s attention for GQA groups of `g` query heads per KV head (after the
     /// rotary embeddings and the cache): each KV head's keys and values against its `g` query
     /// heads' rows at once (`[batch, kv_heads, g · seq, head_dim]`), the same products as with
@@ -578,14 +584,7 @@ impl ParallelAttention {
         let q = q.to_dtype(DType::F32)?.reshape((b, nkv, g * seq_len, hd))?;
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
-        let att = match self.scale {
-            None => (q.matmul(&k.t()?)? / (hd as f64).sqrt())?,
-            Some(s) => (q.matmul(&k.t()?)? * s)?,
-        };
-        let att = match self.softcap {
-            None => att,
-            Some(c) => ((att / c)?.tanh()? * c)?,
-        };
+        let att = self.scores(&q, &k, hd)?;
         let kv_len = att.dim(3)?;
         let att = match attention_mask(seq_len, index_pos, self.sliding_window, att.device())? {
             None => att,
