@@ -103,7 +103,7 @@ mod avx2 {
     use super::BlockQ8_0x4;
     use crate::f64_dot::avx2::hsum4;
     use crate::q8_0::BlockQ8_0;
-    use crate::repack::avx2::{eight_row_sums, pair_prefetch};
+    use crate::repack::avx2::{f16x4, pair_dot_words};
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the group's current block that each step prefetches (about four
@@ -138,12 +138,10 @@ mod avx2 {
         q8_group_dot::<M, true>(group, xs)
     }
 
-    /// [`q8_group_dot`] with VNNI for two groups at once (eight weight rows), each row's
-    /// integer sum in one 32-bit lane: per block, the eight rows' `q + 128` are transposed
-    /// (24 shuffles, shared by the `M` activation rows) into `w[j]`, word `j` (values `4j ..
-    /// 4j + 4`) of each row, which one `vpdpbusd` multiplies by the activations' word `j`
-    /// (broadcast); the sum starts at `−128·Σ q'`. Then one 512-bit FMA per activation row
-    /// adds the eight rows' exact `Σ q·q' · d·d'` to their f64 sums: bit for bit the scalar
+    /// [`q8_group_dot`] with VNNI for two groups at once (eight weight rows), on
+    /// [`pair_dot_words`]: per block, the eight rows' `q + 128` are transposed (24 shuffles,
+    /// shared by the `M` activation rows) into its words, `w[j]` holding values `4j .. 4j + 4`
+    /// of each row; the activations' `128·Σ q'` comes off each sum. Bit for bit the scalar
     /// sum (tested).
     ///
     /// # Safety
@@ -156,13 +154,10 @@ mod avx2 {
         xs: [(&[BlockQ8_0], &[i32]); M],
     ) -> [[f64; 8]; M] {
         let flip = _mm256_set1_epi8(i8::MIN);
-        let mut acc = [_mm512_setzero_pd(); M];
-        for b in 0..group0.len() {
-            let (g0, g1) = (group0.get_unchecked(b), group1.get_unchecked(b));
-            pair_prefetch::<_, PAIR_PREFETCH>(g0, g1, b, group0.len());
-            let load = |g: &BlockQ8_0x4, r: usize| {
-                _mm256_xor_si256(_mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i), flip)
-            };
+        let load = |g: &BlockQ8_0x4, r: usize| {
+            _mm256_xor_si256(_mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i), flip)
+        };
+        pair_dot_words::<_, _, M, false, PAIR_PREFETCH>(group0, group1, xs, |g0, g1| {
             // Rows 0..8 (words 0..8 each) -> words 0..8 (rows 0..8 each).
             let rows = [
                 load(g0, 0),
@@ -174,25 +169,9 @@ mod avx2 {
                 load(g1, 2),
                 load(g1, 3),
             ];
-            let w = transpose8x32(rows);
-            let wd = _mm256_cvtph_ps(_mm_set_epi64x(
-                std::ptr::read_unaligned(g1.d.as_ptr() as *const i64),
-                std::ptr::read_unaligned(g0.d.as_ptr() as *const i64),
-            ));
-            for i in 0..M {
-                let (x, offsets) = xs[i];
-                let x = x.get_unchecked(b);
-                let sums = eight_row_sums(&w, &x.qs, *offsets.get_unchecked(b));
-                let xd = _mm256_cvtph_ps(_mm_set1_epi16(x.d.to_bits() as i16));
-                let dd = _mm512_cvtps_pd(_mm256_mul_ps(wd, xd));
-                acc[i] = _mm512_fmadd_pd(sums, dd, acc[i]);
-            }
-        }
-        let mut out = [[0f64; 8]; M];
-        for i in 0..M {
-            _mm512_storeu_pd(out[i].as_mut_ptr(), acc[i]);
-        }
-        out
+            let wd = _mm256_set_m128(f16x4(&g1.d), f16x4(&g0.d));
+            (transpose8x32(rows), wd, _mm256_setzero_ps())
+        })
     }
 
     /// The 8 × 8 transpose of 32-bit words: `out[j]` lane `r` is `rows[r]` lane `j`.

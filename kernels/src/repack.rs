@@ -347,20 +347,26 @@ fn group_dot<B: Interleave, const M: usize>(
     group: &[B::X4],
     xs: [(&[B::Act], &[i32]); M],
 ) -> [[f64; 4]; M] {
-    for (x, s) in xs {
-        assert!(
-            x.len() == group.len() && s.len() == group.len(),
-            "{} group of {} blocks against {} activation blocks",
-            B::NAME,
-            group.len(),
-            x.len()
-        );
-    }
+    check_blocks::<B, M>(group.len(), &xs);
     crate::kernel::by_kernel!(kernel,
         scalar => group_dot_scalar::<B, M>(group, xs),
         // The lengths were checked above.
         avx2 => B::group_dot_avx2(group, xs),
         avx512 => B::group_dot_avx512(group, xs))
+}
+
+/// Panics unless every activation row of `xs` (blocks and their sums) has `blocks` blocks,
+/// as a group of the weight has.
+fn check_blocks<B: Interleave, const M: usize>(blocks: usize, xs: &[(&[B::Act], &[i32]); M]) {
+    for (x, s) in xs {
+        assert!(
+            x.len() == blocks && s.len() == blocks,
+            "{} group of {} blocks against {} activation blocks",
+            B::NAME,
+            blocks,
+            x.len()
+        );
+    }
 }
 
 /// Two groups (eight rows) against `M` activation rows with AVX-512 VNNI: `out[i][r]`.
@@ -372,16 +378,15 @@ fn pair_dot<B: Interleave, const M: usize>(
     group1: &[B::X4],
     xs: [(&[B::Act], &[i32]); M],
 ) -> [[f64; 8]; M] {
-    for (x, s) in xs {
-        assert!(
-            x.len() == group0.len() && s.len() == group0.len() && group1.len() == group0.len(),
-            "{} groups of {} and {} blocks against {} activation blocks",
-            B::NAME,
-            group0.len(),
-            group1.len(),
-            x.len()
-        );
-    }
+    assert_eq!(
+        group0.len(),
+        group1.len(),
+        "{} groups of {} and {} blocks",
+        B::NAME,
+        group0.len(),
+        group1.len()
+    );
+    check_blocks::<B, M>(group0.len(), &xs);
     assert!(
         Kernel::Avx512Vnni.is_available(),
         "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, avx512vl and \
@@ -594,21 +599,13 @@ pub(crate) mod avx2 {
         out
     }
 
-    /// [`unsigned_group_dot`] with AVX-512 VNNI for two groups at once (eight weight rows),
-    /// each row's integer sum in one 32-bit lane: `unpack` gives each group's values in runs
-    /// of 8 (two 32-bit words per row); one `vpermd` and one 128-bit permute per run and
-    /// group regroup them as `w[j]`, values `4j .. 4j + 4` of the eight rows, which one
-    /// `vpdpbusd` multiplies by the activations' word `j` (broadcast). Per block and
-    /// activation row: eight `vpdpbusd` in two chains (the first started at `−o·Σ q'`), one
-    /// add, and the f64 step of [`unsigned_group_dot`] on eight lanes at once (`d·d'` and
-    /// `m·s'` exact in f32, widened; the integer sum times `d·d'` is exact in f64, so an FMA
-    /// into the row's sum rounds once, as the scalar addition does): bit for bit the scalar
-    /// sum (tested with each type's 32-wide blocks).
+    /// [`unsigned_group_dot`] with AVX-512 VNNI for two groups at once (eight weight rows):
+    /// `unpack` gives each group's values in runs of 8 (two 32-bit words per row); one
+    /// `vpermd` and one 128-bit permute per run and group regroup them as the words
+    /// [`pair_dot_words`] takes.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma, f16c, avx512f, avx512vl and avx512vnni (inline this
-    /// into a function that enables them); both groups and every slice of `xs` have the same
-    /// length.
+    /// As [`pair_dot_words`].
     #[inline(always)]
     pub unsafe fn unsigned_pair_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
         group0: &[G],
@@ -617,22 +614,54 @@ pub(crate) mod avx2 {
         unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
     ) -> [[f64; 8]; M] {
         // Each row's two words of a run, first words then second words.
-        let words = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-        let mut acc = [_mm512_setzero_pd(); M];
-        for b in 0..group0.len() {
-            let (g0, g1) = (group0.get_unchecked(b), group1.get_unchecked(b));
-            pair_prefetch::<_, PREFETCH>(g0, g1, b, group0.len());
+        let order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        pair_dot_words::<_, _, M, HAS_M, PREFETCH>(group0, group1, xs, |g0, g1| {
             let (u0, wd0, wm0) = unpack(g0);
             let (u1, wd1, wm1) = unpack(g1);
             let mut w = [_mm256_setzero_si256(); 8];
             for t in 0..4 {
-                let p0 = _mm256_permutevar8x32_epi32(u0[t], words);
-                let p1 = _mm256_permutevar8x32_epi32(u1[t], words);
+                let p0 = _mm256_permutevar8x32_epi32(u0[t], order);
+                let p1 = _mm256_permutevar8x32_epi32(u1[t], order);
                 w[2 * t] = _mm256_permute2x128_si256(p0, p1, 0x20);
                 w[2 * t + 1] = _mm256_permute2x128_si256(p0, p1, 0x31);
             }
-            let wd = _mm256_set_m128(wd1, wd0);
-            let wm = _mm256_set_m128(wm1, wm0);
+            (w, _mm256_set_m128(wd1, wd0), _mm256_set_m128(wm1, wm0))
+        })
+    }
+
+    /// The kernel of two groups at once (eight weight rows) with AVX-512 VNNI, each row's
+    /// integer sum in one 32-bit lane, for a 32-wide type whose block `b` of row `r` is
+    /// `d·u + m` against activations that take `o·Σ q'` off (`xs[i].1`): `words(g0, g1)`
+    /// gives a block's `w[j]`, values `4j .. 4j + 4` of the eight rows (unsigned bytes), and
+    /// the eight rows' `d` and `m` (0 where the type has none) as f32. Per block and
+    /// activation row: [`eight_row_sums`], then the f64 step of [`unsigned_group_dot`] on
+    /// eight lanes at once (`d·d'` and `m·s'` exact in f32, widened; the integer sum times
+    /// `d·d'` is exact in f64, so an FMA into the row's sum rounds once, as the scalar
+    /// addition does): bit for bit the scalar sum (tested with each type's blocks). `AHEAD`:
+    /// the prefetch distance of each stream ([`pair_prefetch`]).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512vl and avx512vnni (inline this
+    /// into a function that enables them); both groups and every slice of `xs` have the same
+    /// length.
+    #[inline(always)]
+    pub unsafe fn pair_dot_words<
+        G,
+        A: Act8,
+        const M: usize,
+        const HAS_M: bool,
+        const AHEAD: usize,
+    >(
+        group0: &[G],
+        group1: &[G],
+        xs: [(&[A], &[i32]); M],
+        words: impl Fn(&G, &G) -> ([__m256i; 8], __m256, __m256),
+    ) -> [[f64; 8]; M] {
+        let mut acc = [_mm512_setzero_pd(); M];
+        for b in 0..group0.len() {
+            let (g0, g1) = (group0.get_unchecked(b), group1.get_unchecked(b));
+            pair_prefetch::<_, AHEAD>(g0, g1, b, group0.len());
+            let (w, wd, wm) = words(g0, g1);
             for i in 0..M {
                 let (x, offsets) = xs[i];
                 let x = x.get_unchecked(b);
@@ -683,12 +712,12 @@ pub(crate) mod avx2 {
     /// pair of short rows, SmolLM2's 18 blocks, otherwise starts it on cache misses).
     #[inline(always)]
     pub unsafe fn pair_prefetch<G, const AHEAD: usize>(g0: &G, g1: &G, b: usize, kb: usize) {
-        let (size, ahead) = (std::mem::size_of::<G>(), AHEAD);
+        let size = std::mem::size_of::<G>();
         let group = kb * size;
-        let first = if (b * size + ahead) < group {
-            ahead
+        let first = if b * size + AHEAD < group {
+            AHEAD
         } else {
-            ahead + 2 * group
+            AHEAD + 2 * group
         };
         // Hints: no fault past the end of the weight.
         _mm_prefetch(
@@ -696,7 +725,7 @@ pub(crate) mod avx2 {
             _MM_HINT_T0,
         );
         _mm_prefetch(
-            (g1 as *const G as *const i8).wrapping_add(ahead),
+            (g1 as *const G as *const i8).wrapping_add(AHEAD),
             _MM_HINT_T0,
         );
     }
