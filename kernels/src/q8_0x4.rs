@@ -157,7 +157,7 @@ mod avx2 {
         let load = |g: &BlockQ8_0x4, r: usize| {
             _mm256_xor_si256(_mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i), flip)
         };
-        pair_dot_words::<_, _, M, false, PAIR_PREFETCH>(group0, group1, xs, |g0, g1| {
+        pair_dot_words::<_, _, M, false, PAIR_PREFETCH, false>(group0, group1, xs, |g0, g1| {
             // Rows 0..8 (words 0..8 each) -> words 0..8 (rows 0..8 each).
             let rows = [
                 load(g0, 0),
