@@ -9,7 +9,9 @@
 
 use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
-use crate::repack::{put_runs, repack_bytes, take_runs, Interleave, Repacked, RepackedMatMul};
+use crate::repack::{
+    put_runs, repack_bytes, take_runs, Interleave, PairActs, Repacked, RepackedMatMul,
+};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -93,11 +95,16 @@ impl Interleave for BlockQ5_0 {
         avx2::group_dot_vnni(group, xs)
     }
 
+    /// `[d', 0]` in f64, for the eight-row kernel.
+    fn act_scales(x: &BlockQ8_0) -> [f64; 2] {
+        [x.d.to_f64(), 0.0]
+    }
+
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ5_0x4],
         group1: &[BlockQ5_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [PairActs<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }

@@ -9,7 +9,7 @@
 //! order: every value is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
 
 use crate::q8_0::{BlockQ8_0, QK8_0};
-use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
+use crate::repack::{repack_bytes, Interleave, PairActs, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -88,11 +88,16 @@ impl Interleave for BlockQ8_0 {
         avx2::group_dot_vnni(group, xs)
     }
 
+    /// `[d', 0]` in f64, for the eight-row kernel.
+    fn act_scales(x: &BlockQ8_0) -> [f64; 2] {
+        [x.d.to_f64(), 0.0]
+    }
+
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ8_0x4],
         group1: &[BlockQ8_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [PairActs<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }
@@ -104,6 +109,7 @@ mod avx2 {
     use crate::f64_dot::avx2::hsum4;
     use crate::q8_0::BlockQ8_0;
     use crate::repack::avx2::{f16x4, pair_dot_words};
+    use crate::repack::PairActs;
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the group's current block that each step prefetches (about four
@@ -151,7 +157,7 @@ mod avx2 {
     pub(super) unsafe fn pair_dot_vnni<const M: usize>(
         group0: &[BlockQ8_0x4],
         group1: &[BlockQ8_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [PairActs<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         let flip = _mm256_set1_epi8(i8::MIN);
         let load = |g: &BlockQ8_0x4, r: usize| {

@@ -37,6 +37,11 @@ mod sealed {
     impl Sealed for crate::q6_k::BlockQ6K {}
 }
 
+/// One activation row as the eight-row kernels read it: its blocks, their
+/// [`Interleave::act_sum`]s and their [`Interleave::act_scales`].
+#[doc(hidden)]
+pub type PairActs<'a, A> = (&'a [A], &'a [i32], &'a [[f64; 2]]);
+
 /// A block type whose weights the crate repacks four rows at a time (implemented for Q4_0,
 /// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks; sealed).
 pub trait Interleave: F64Dot + sealed::Sealed {
@@ -67,6 +72,14 @@ pub trait Interleave: F64Dot + sealed::Sealed {
         0
     }
 
+    /// What the eight-row AVX-512 kernel ([`Interleave::group_pair_dot_avx512`]) wants
+    /// precomputed per activation block, once for all weight rows: the 32-wide types' scales
+    /// `[d', s']` as f64 (`s'` 0 where the block has none), so that each use is a broadcast
+    /// from memory rather than an f16 conversion; zeros where it wants nothing.
+    fn act_scales(_x: &Self::Act) -> [f64; 2] {
+        [0.0; 2]
+    }
+
     /// The four rows of `group` against `M` activation rows (`xs[i]`: the blocks and their
     /// [`Interleave::act_sum`]s): `out[i][r]`, bit for bit the scalar f64 sum.
     ///
@@ -95,6 +108,7 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     }
 
     /// Two groups (eight rows: `group0`'s four, then `group1`'s) against `M` activation rows
+    /// (`xs[i]`: the blocks, their [`Interleave::act_sum`]s and [`Interleave::act_scales`])
     /// with AVX-512 VNNI: `out[i][r]`, bit for bit the scalar f64 sum. By default the two
     /// groups' [`Interleave::group_dot_avx512`]; the 32-wide unsigned types put each of the
     /// eight rows' sums in one lane, so that the per-block scaling in f64 is one 512-bit
@@ -108,8 +122,9 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[Self::X4],
         group1: &[Self::X4],
-        xs: [(&[Self::Act], &[i32]); M],
+        xs: [PairActs<'_, Self::Act>; M],
     ) -> [[f64; 8]; M] {
+        let xs = xs.map(|(x, sums, _)| (x, sums));
         let (a, b) = (
             Self::group_dot_avx512(group0, xs),
             Self::group_dot_avx512(group1, xs),
@@ -272,6 +287,16 @@ impl<B: Interleave> Repacked<B> {
         B::quantize(x, &mut act);
         let sums: Vec<i32> = act.iter().map(B::act_sum).collect();
         let row = |i: usize| (&act[i * kb..(i + 1) * kb], &sums[i * kb..(i + 1) * kb]);
+        // Only the eight-row kernel (AVX-512 VNNI, tiles of 8) reads the scales.
+        let scales: Vec<[f64; 2]> = if kernel == Kernel::Avx512Vnni && m >= 8 {
+            act.iter().map(B::act_scales).collect()
+        } else {
+            Vec::new()
+        };
+        let pair_row = |i: usize| {
+            let (x, s) = row(i);
+            (x, s, &scales[i * kb..(i + 1) * kb])
+        };
         let fill = |mut o: RowsOut<'_, T>| {
             let (row0, rows) = (o.row0(), o.rows());
             // Task ranges start on a group (`fill_in_place` cuts multiples of 4 rows).
@@ -313,7 +338,7 @@ impl<B: Interleave> Repacked<B> {
             for p in 0..pairs {
                 let (g0, g1) = (group(2 * p), group(2 * p + 1));
                 for i in (0..tiled8).step_by(8) {
-                    let v = pair_dot::<B, 8>(g0, g1, std::array::from_fn(|t| row(i + t)));
+                    let v = pair_dot::<B, 8>(g0, g1, std::array::from_fn(|t| pair_row(i + t)));
                     put(2 * p, i, &v, 8);
                 }
             }
@@ -422,7 +447,7 @@ fn check_blocks<B: Interleave, const M: usize>(blocks: usize, xs: &[(&[B::Act], 
 fn pair_dot<B: Interleave, const M: usize>(
     group0: &[B::X4],
     group1: &[B::X4],
-    xs: [(&[B::Act], &[i32]); M],
+    xs: [PairActs<'_, B::Act>; M],
 ) -> [[f64; 8]; M] {
     assert_eq!(
         group0.len(),
@@ -432,7 +457,17 @@ fn pair_dot<B: Interleave, const M: usize>(
         group0.len(),
         group1.len()
     );
-    check_blocks::<B, M>(group0.len(), &xs);
+    check_blocks::<B, M>(group0.len(), &xs.map(|(x, sums, _)| (x, sums)));
+    for (_, _, scales) in &xs {
+        assert_eq!(
+            scales.len(),
+            group0.len(),
+            "{} groups of {} blocks against {} activation scales",
+            B::NAME,
+            group0.len(),
+            scales.len()
+        );
+    }
     assert!(
         Kernel::Avx512Vnni.is_available(),
         "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, avx512vl and \
@@ -656,7 +691,7 @@ pub(crate) mod avx2 {
     pub unsafe fn unsigned_pair_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
         group0: &[G],
         group1: &[G],
-        xs: [(&[A], &[i32]); M],
+        xs: [super::PairActs<'_, A>; M],
         unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
     ) -> [[f64; 8]; M] {
         // Each row's two words of a run, first words then second words.
@@ -677,17 +712,18 @@ pub(crate) mod avx2 {
 
     /// The kernel of two groups at once (eight weight rows) with AVX-512 VNNI, each row's
     /// integer sum in one 32-bit lane, for a 32-wide type whose block `b` of row `r` is
-    /// `d·u + m` against activations that take `o·Σ q'` off (`xs[i].1`): `words(g0, g1)`
-    /// gives a block's `w[j]`, values `4j .. 4j + 4` of the eight rows (unsigned bytes), and
-    /// the eight rows' `d` and `m` (0 where the type has none) as f32. Per block and
-    /// activation row: [`eight_row_sums`], then the f64 step of [`unsigned_group_dot`] on
-    /// eight lanes at once (`d·d'` and `m·s'` exact in f32, widened; the integer sum times
-    /// `d·d'` is exact in f64, so an FMA into the row's sum rounds once, as the scalar
-    /// addition does): bit for bit the scalar sum (tested with each type's blocks). `AHEAD`:
-    /// the prefetch distance of each stream ([`pair_prefetch`]). `UNROLL`: the activation
-    /// rows written out one by one (`unrolled!`), so that their accumulators
-    /// stay in registers (Q4_0 at 64 rows on a Zen 4 core: 0.8-0.93x the time of the loop),
-    /// unless `words` itself needs the registers (Q8_0's transpose: 1.02-1.05x).
+    /// `d·u + m` against activations that take `o·Σ q'` off (`xs[i].1`) and whose scales
+    /// `[d', s']` come as f64 (`xs[i].2`): `words(g0, g1)` gives a block's `w[j]`, values
+    /// `4j .. 4j + 4` of the eight rows (unsigned bytes), and the eight rows' `d` and `m`
+    /// (0 where the type has none) as f32. Per block and activation row: [`eight_row_sums`],
+    /// then the f64 step of [`unsigned_group_dot`] on eight lanes at once (the integer sum
+    /// times `d'` times `d` is exact in f64, as is `m·s'`, so an FMA into the row's sum
+    /// rounds once, as the scalar addition does): bit for bit the scalar sum (tested with
+    /// each type's blocks). `AHEAD`: the prefetch distance of each stream
+    /// ([`pair_prefetch`]). `UNROLL`: the activation rows written out one by one
+    /// (`unrolled!`), so that their accumulators stay in registers (Q4_0 at 64 rows on a
+    /// Zen 4 core: 0.8-0.93x the time of the loop), unless `words` itself needs the
+    /// registers (Q8_0's transpose: 1.02-1.05x).
     ///
     /// # Safety
     /// The CPU must support avx2, fma, f16c, avx512f, avx512vl and avx512vnni (inline this
@@ -704,7 +740,7 @@ pub(crate) mod avx2 {
     >(
         group0: &[G],
         group1: &[G],
-        xs: [(&[A], &[i32]); M],
+        xs: [super::PairActs<'_, A>; M],
         words: impl Fn(&G, &G) -> ([__m256i; 8], __m256, __m256),
     ) -> [[f64; 8]; M] {
         let mut acc = [_mm512_setzero_pd(); M];
@@ -712,21 +748,24 @@ pub(crate) mod avx2 {
             let (g0, g1) = (group0.get_unchecked(b), group1.get_unchecked(b));
             pair_prefetch::<_, AHEAD>(g0, g1, b, group0.len());
             let (w, wd, wm) = words(g0, g1);
-            // One activation row: `acc[$i]` += its eight rows' block products.
+            // Shared by the activation rows: the weight scales in f64.
+            let (wd, wm) = (_mm512_cvtps_pd(wd), _mm512_cvtps_pd(wm));
+            // One activation row: `acc[$i]` += its eight rows' block products. `Σ·d'`, then
+            // times `d`: every product exact in f64 (|Σ| < 2^20, `d` and `d'` f16), so the FMA
+            // rounds once, as the scalar `Σ · (d·d')` added to the sum does.
             macro_rules! row {
                 ($i:expr) => {{
                     let i = $i;
-                    let (x, offsets) = xs[i];
+                    let (x, offsets, scales) = xs[i];
                     let x = x.get_unchecked(b);
+                    let [xd, xs] = *scales.get_unchecked(b);
                     let sums = eight_row_sums(&w, x.qs(), *offsets.get_unchecked(b));
-                    let xd = _mm256_cvtph_ps(_mm_set1_epi16(x.d_bits() as i16));
-                    let dd = _mm512_cvtps_pd(_mm256_mul_ps(wd, xd));
+                    let sums = _mm512_mul_pd(sums, _mm512_set1_pd(xd));
                     acc[i] = if HAS_M {
-                        let xs = _mm256_cvtph_ps(_mm_set1_epi16(x.s_bits() as i16));
-                        let ms = _mm512_cvtps_pd(_mm256_mul_ps(wm, xs));
-                        _mm512_add_pd(acc[i], _mm512_fmadd_pd(sums, dd, ms))
+                        let ms = _mm512_mul_pd(wm, _mm512_set1_pd(xs));
+                        _mm512_add_pd(acc[i], _mm512_fmadd_pd(sums, wd, ms))
                     } else {
-                        _mm512_fmadd_pd(sums, dd, acc[i])
+                        _mm512_fmadd_pd(sums, wd, acc[i])
                     };
                 }};
             }
@@ -838,7 +877,7 @@ pub(crate) mod avx2 {
             pub(super) unsafe fn pair_dot_vnni<const M: usize>(
                 group0: &[$x4],
                 group1: &[$x4],
-                xs: [(&[$act], &[i32]); M],
+                xs: [$crate::repack::PairActs<'_, $act>; M],
             ) -> [[f64; 8]; M] {
                 $crate::repack::avx2::unsigned_pair_dot::<_, _, M, { $has_m }>(
                     group0, group1, xs, $unpack,
