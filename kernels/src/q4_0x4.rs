@@ -102,7 +102,7 @@ impl Interleave for BlockQ4_0 {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ4_0x4],
         group1: &[BlockQ4_0x4],
-        xs: [PairActs<'_, BlockQ8_0>; M],
+        xs: &[PairActs<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }

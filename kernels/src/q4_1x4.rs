@@ -102,7 +102,7 @@ impl Interleave for BlockQ4_1 {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ4_1x4],
         group1: &[BlockQ4_1x4],
-        xs: [PairActs<'_, BlockQ8_1>; M],
+        xs: &[PairActs<'_, BlockQ8_1>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }

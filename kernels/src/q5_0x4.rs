@@ -104,7 +104,7 @@ impl Interleave for BlockQ5_0 {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ5_0x4],
         group1: &[BlockQ5_0x4],
-        xs: [PairActs<'_, BlockQ8_0>; M],
+        xs: &[PairActs<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }

@@ -97,7 +97,7 @@ impl Interleave for BlockQ8_0 {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ8_0x4],
         group1: &[BlockQ8_0x4],
-        xs: [PairActs<'_, BlockQ8_0>; M],
+        xs: &[PairActs<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }
@@ -157,7 +157,7 @@ mod avx2 {
     pub(super) unsafe fn pair_dot_vnni<const M: usize>(
         group0: &[BlockQ8_0x4],
         group1: &[BlockQ8_0x4],
-        xs: [PairActs<'_, BlockQ8_0>; M],
+        xs: &[PairActs<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         let flip = _mm256_set1_epi8(i8::MIN);
         let load = |g: &BlockQ8_0x4, r: usize| {

@@ -122,7 +122,7 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[Self::X4],
         group1: &[Self::X4],
-        xs: [PairActs<'_, Self::Act>; M],
+        xs: &[PairActs<'_, Self::Act>; M],
     ) -> [[f64; 8]; M] {
         let xs = xs.map(|(x, sums, _)| (x, sums));
         let (a, b) = (
@@ -293,9 +293,18 @@ impl<B: Interleave> Repacked<B> {
         } else {
             Vec::new()
         };
-        let pair_row = |i: usize| {
-            let (x, s) = row(i);
-            (x, s, &scales[i * kb..(i + 1) * kb])
+        // The eight-row kernel's tiles of activation rows, made once for every weight pair.
+        let pair_tiles: Vec<[PairActs<'_, B::Act>; 8]> = if scales.is_empty() {
+            Vec::new()
+        } else {
+            (0..m / 8)
+                .map(|t| {
+                    std::array::from_fn(|r| {
+                        let (i, (x, s)) = (8 * t + r, row(8 * t + r));
+                        (x, s, &scales[i * kb..(i + 1) * kb])
+                    })
+                })
+                .collect()
         };
         let fill = |mut o: RowsOut<'_, T>| {
             let (row0, rows) = (o.row0(), o.rows());
@@ -337,9 +346,9 @@ impl<B: Interleave> Repacked<B> {
             };
             for p in 0..pairs {
                 let (g0, g1) = (group(2 * p), group(2 * p + 1));
-                for i in (0..tiled8).step_by(8) {
-                    let v = pair_dot::<B, 8>(g0, g1, std::array::from_fn(|t| pair_row(i + t)));
-                    put(2 * p, i, &v, 8);
+                for (t, tile) in pair_tiles[..tiled8 / 8].iter().enumerate() {
+                    let v = pair_dot::<B, 8>(g0, g1, tile);
+                    put(2 * p, 8 * t, &v, 8);
                 }
             }
             let widen = |v: [f64; 4]| std::array::from_fn(|r| if r < 4 { v[r] } else { 0.0 });
@@ -447,7 +456,7 @@ fn check_blocks<B: Interleave, const M: usize>(blocks: usize, xs: &[(&[B::Act], 
 fn pair_dot<B: Interleave, const M: usize>(
     group0: &[B::X4],
     group1: &[B::X4],
-    xs: [PairActs<'_, B::Act>; M],
+    xs: &[PairActs<'_, B::Act>; M],
 ) -> [[f64; 8]; M] {
     assert_eq!(
         group0.len(),
@@ -458,7 +467,7 @@ fn pair_dot<B: Interleave, const M: usize>(
         group1.len()
     );
     check_blocks::<B, M>(group0.len(), &xs.map(|(x, sums, _)| (x, sums)));
-    for (_, _, scales) in &xs {
+    for (_, _, scales) in xs {
         assert_eq!(
             scales.len(),
             group0.len(),
@@ -691,7 +700,7 @@ pub(crate) mod avx2 {
     pub unsafe fn unsigned_pair_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
         group0: &[G],
         group1: &[G],
-        xs: [super::PairActs<'_, A>; M],
+        xs: &[super::PairActs<'_, A>; M],
         unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
     ) -> [[f64; 8]; M] {
         // Each row's two words of a run, first words then second words.
@@ -740,7 +749,7 @@ pub(crate) mod avx2 {
     >(
         group0: &[G],
         group1: &[G],
-        xs: [super::PairActs<'_, A>; M],
+        xs: &[super::PairActs<'_, A>; M],
         words: impl Fn(&G, &G) -> ([__m256i; 8], __m256, __m256),
     ) -> [[f64; 8]; M] {
         let mut acc = [_mm512_setzero_pd(); M];
@@ -877,7 +886,7 @@ pub(crate) mod avx2 {
             pub(super) unsafe fn pair_dot_vnni<const M: usize>(
                 group0: &[$x4],
                 group1: &[$x4],
-                xs: [$crate::repack::PairActs<'_, $act>; M],
+                xs: &[$crate::repack::PairActs<'_, $act>; M],
             ) -> [[f64; 8]; M] {
                 $crate::repack::avx2::unsigned_pair_dot::<_, _, M, { $has_m }>(
                     group0, group1, xs, $unpack,
