@@ -537,3 +537,69 @@ fn repacked_types_hold_their_weight_once_and_read_rows_back() -> Result<()> {
     }
     Ok(())
 }
+
+/// Inside `share_activations`, products of one input by several weights quantize it once per
+/// weight type (the count says so) and give the bits of separate calls, in f32 and in f64,
+/// at decode and prefill sizes (the eight-row tiles from 8 rows).
+#[test]
+fn shared_activations_are_prepared_once_per_type_and_change_no_bit() -> Result<()> {
+    use candle_tp::quant::{prepared_in_scope, share_activations};
+    let (k, n) = (512, 40);
+    let weights = [
+        (GgmlDType::Q4_0, 1),
+        (GgmlDType::Q4_0, 2),
+        (GgmlDType::Q4K, 3),
+        (GgmlDType::Q8_0, 4),
+        (GgmlDType::Q4K, 5),
+    ]
+    .map(|(t, seed)| Ok(QuantMatMul::new(random_q(t, n, k, seed)?)?));
+    let weights: Vec<QuantMatMul> = weights.into_iter().collect::<Result<_>>()?;
+    assert_eq!(
+        prepared_in_scope(),
+        None,
+        "a scope outside share_activations"
+    );
+    for m in [1, 9, 17] {
+        let x = seeded_uniform(&[m, k], 7 + m as u64, 1.0, &Device::Cpu)?;
+        let alone: Vec<Tensor> = weights
+            .iter()
+            .map(|w| w.forward(&x))
+            .collect::<candle_core::Result<_>>()?;
+        let alone64: Vec<Tensor> = weights
+            .iter()
+            .map(|w| w.forward_f64(&x)?.context("an f64 kernel"))
+            .collect::<Result<_>>()?;
+        let (shared, shared64, count) = share_activations(|| -> Result<_> {
+            let y: Vec<Tensor> = weights
+                .iter()
+                .map(|w| w.forward(&x))
+                .collect::<candle_core::Result<_>>()?;
+            let y64: Vec<Tensor> = weights
+                .iter()
+                .map(|w| w.forward_f64(&x)?.context("an f64 kernel"))
+                .collect::<Result<_>>()?;
+            Ok((y, y64, prepared_in_scope()))
+        })?;
+        // Q4_0 (two weights), Q4_K (two) and Q8_0: three preparations for ten products.
+        assert_eq!(count, Some(3), "m = {m}");
+        assert_eq!(prepared_in_scope(), None, "the scope outlived its closure");
+        for (i, (a, b)) in alone.iter().zip(&shared).enumerate() {
+            let (a, b) = (
+                a.flatten_all()?.to_vec1::<f32>()?,
+                b.flatten_all()?.to_vec1::<f32>()?,
+            );
+            assert!(a.iter().all(|v| v.is_finite()), "weight {i}, m = {m}");
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "weight {i}, m = {m}");
+        }
+        for (i, (a, b)) in alone64.iter().zip(&shared64).enumerate() {
+            let (a, b) = (
+                a.flatten_all()?.to_vec1::<f64>()?,
+                b.flatten_all()?.to_vec1::<f64>()?,
+            );
+            let bits = |v: &[f64]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "weight {i}, m = {m}, f64");
+        }
+    }
+    Ok(())
+}

@@ -161,4 +161,31 @@ mod tests {
     fn nan_activations_give_nan_and_bad_sizes_are_errors() {
         testing::nan_activations_give_nan_and_bad_sizes_are_errors(block);
     }
+
+    #[test]
+    fn prepared_activations_serve_every_weight_and_only_their_type() {
+        testing::prepared_activations_serve_every_weight(block);
+        let rows: Vec<BlockQ4_0> = (0..4).map(|b| block(b / 2, b % 2)).collect();
+        let bytes: Vec<u8> = rows
+            .iter()
+            .flat_map(|b| {
+                let mut v = b.d.to_le_bytes().to_vec();
+                v.extend_from_slice(&b.qs);
+                v
+            })
+            .collect();
+        let q4_0 = repack(&bytes, 2, 64).unwrap();
+        let x = vec![0.5f32; 64];
+        let prepared = q4_0.prepare(crate::kernel::Kernel::Scalar, 1, &x).unwrap();
+        let q8_bytes = vec![0u8; 2 * 2 * 34];
+        let q8_0 = crate::q8_0x4::repack(&q8_bytes, 2, 64).unwrap();
+        let err = q8_0
+            .matmul_prepared_f32(&prepared, &mut [0f32; 2])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("Q8_0") && err.contains("prepared for Q4_0"),
+            "{err}"
+        );
+    }
 }

@@ -453,4 +453,9 @@ pub(crate) mod tests {
     fn nan_activations_give_nan_and_bad_sizes_are_errors() {
         testing::nan_activations_give_nan_and_bad_sizes_are_errors(block);
     }
+
+    #[test]
+    fn prepared_activations_serve_every_weight() {
+        testing::prepared_activations_serve_every_weight(block);
+    }
 }

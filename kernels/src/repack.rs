@@ -258,6 +258,49 @@ impl<B: Interleave> Repacked<B> {
         self.matmul(kernel, m, x, dst, |v| v as f32)
     }
 
+    /// Quantizes `m` activation rows `x` (`m · k` values) as this weight's kernels read
+    /// them, for [`Repacked::matmul_prepared_f32`] / `_f64` with `kernel`: once for every
+    /// weight of this type that takes the same input (a layer's q, k and v projections).
+    pub fn prepare(&self, kernel: Kernel, m: usize, x: &[f32]) -> Result<Prepared<B>> {
+        let (k, kb) = (self.k(), self.kb);
+        let what = format!("{} (repacked) matmul", B::NAME);
+        // `check_matmul` counts weight blocks; the repacked weight has them by construction.
+        check_matmul(
+            &what,
+            kernel,
+            (m, k, self.n),
+            B::BLOCK,
+            (x.len(), self.n * kb, self.n * m),
+        )?;
+        let mut act = vec![B::ACT_ZERO; m * kb];
+        B::quantize(x, &mut act);
+        let sums: Vec<i32> = act.iter().map(B::act_sum).collect();
+        // Only the eight-row kernel (AVX-512 VNNI, tiles of 8) reads the scales.
+        let scales: Vec<[f64; 2]> = if kernel == Kernel::Avx512Vnni && m >= 8 {
+            act.iter().map(B::act_scales).collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Prepared {
+            kernel,
+            m,
+            k,
+            act,
+            sums,
+            scales,
+        })
+    }
+
+    /// [`Repacked::matmul_f64`] of activations made by [`Repacked::prepare`].
+    pub fn matmul_prepared_f64(&self, x: &Prepared<B>, dst: &mut [f64]) -> Result<()> {
+        self.matmul_prepared(x, dst, |v| v)
+    }
+
+    /// [`Repacked::matmul_f32`] of activations made by [`Repacked::prepare`].
+    pub fn matmul_prepared_f32(&self, x: &Prepared<B>, dst: &mut [f32]) -> Result<()> {
+        self.matmul_prepared(x, dst, |v| v as f32)
+    }
+
     fn matmul<T: Send + Copy + Default>(
         &self,
         kernel: Kernel,
@@ -266,16 +309,26 @@ impl<B: Interleave> Repacked<B> {
         dst: &mut [T],
         out: impl Fn(f64) -> T + Sync,
     ) -> Result<()> {
-        let (n, k, kb) = (self.n, self.k(), self.kb);
-        let what = format!("{} (repacked) matmul", B::NAME);
-        // `check_matmul` counts weight blocks; the repacked weight has them by construction.
-        check_matmul(
-            &what,
-            kernel,
-            (m, k, n),
-            B::BLOCK,
-            (x.len(), n * kb, dst.len()),
-        )?;
+        self.matmul_prepared(&self.prepare(kernel, m, x)?, dst, out)
+    }
+
+    fn matmul_prepared<T: Send + Copy + Default>(
+        &self,
+        x: &Prepared<B>,
+        dst: &mut [T],
+        out: impl Fn(f64) -> T + Sync,
+    ) -> Result<()> {
+        let (n, k, kb, m, kernel) = (self.n, self.k(), self.kb, x.m, x.kernel);
+        if x.k != k || dst.len() != m * n {
+            candle_core::bail!(
+                "{} (repacked) matmul: activations of {} rows x {} against the weight [{n}, {k}] into {} outputs ({} expected)",
+                B::NAME,
+                m,
+                x.k,
+                dst.len(),
+                m * n
+            )
+        }
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -283,16 +336,8 @@ impl<B: Interleave> Repacked<B> {
             dst.fill(out(0.0)); // empty sums
             return Ok(());
         }
-        let mut act = vec![B::ACT_ZERO; m * kb];
-        B::quantize(x, &mut act);
-        let sums: Vec<i32> = act.iter().map(B::act_sum).collect();
+        let (act, sums, scales) = (&x.act, &x.sums, &x.scales);
         let row = |i: usize| (&act[i * kb..(i + 1) * kb], &sums[i * kb..(i + 1) * kb]);
-        // Only the eight-row kernel (AVX-512 VNNI, tiles of 8) reads the scales.
-        let scales: Vec<[f64; 2]> = if kernel == Kernel::Avx512Vnni && m >= 8 {
-            act.iter().map(B::act_scales).collect()
-        } else {
-            Vec::new()
-        };
         // The eight-row kernel's tiles of activation rows, made once for every weight pair.
         let pair_tiles: Vec<[PairActs<'_, B::Act>; 8]> = if scales.is_empty() {
             Vec::new()
@@ -372,6 +417,37 @@ impl<B: Interleave> Repacked<B> {
         };
         fill_in_place(n, m, dst, fill);
         Ok(())
+    }
+}
+
+/// Activation rows quantized for the weights of block type `B` and one kernel
+/// ([`Repacked::prepare`]), to be multiplied by any number of such weights of `k` inputs.
+#[derive(Debug, Clone)]
+pub struct Prepared<B: Interleave> {
+    kernel: Kernel,
+    m: usize,
+    k: usize,
+    act: Vec<B::Act>,
+    /// [`Interleave::act_sum`] per block.
+    sums: Vec<i32>,
+    /// [`Interleave::act_scales`] per block, where the eight-row kernel runs; else empty.
+    scales: Vec<[f64; 2]>,
+}
+
+impl<B: Interleave> Prepared<B> {
+    /// Activation rows.
+    pub fn m(&self) -> usize {
+        self.m
+    }
+
+    /// Values per row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The kernel they were prepared for.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
     }
 }
 
@@ -915,6 +991,64 @@ pub trait RepackedMatMul: Send + Sync + std::fmt::Debug {
     fn matmul_f32(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f32]) -> Result<()>;
     /// [`Repacked::dequantize_row`].
     fn dequantize_row(&self, row: usize, out: &mut [f32]);
+    /// [`Repacked::prepare`], for any weight of this block type.
+    fn prepare(&self, kernel: Kernel, m: usize, x: &[f32]) -> Result<PreparedActs>;
+    /// [`Repacked::matmul_prepared_f64`]; an error if `x` was prepared for another type.
+    fn matmul_prepared_f64(&self, x: &PreparedActs, dst: &mut [f64]) -> Result<()>;
+    /// [`Repacked::matmul_prepared_f32`]; an error if `x` was prepared for another type.
+    fn matmul_prepared_f32(&self, x: &PreparedActs, dst: &mut [f32]) -> Result<()>;
+}
+
+/// [`Prepared`] activations of some block type, as [`RepackedMatMul::prepare`] gives them.
+pub struct PreparedActs {
+    type_name: &'static str,
+    m: usize,
+    k: usize,
+    kernel: Kernel,
+    inner: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl PreparedActs {
+    /// The block type they were prepared for (`Q4_0`).
+    pub fn type_name(&self) -> &'static str {
+        self.type_name
+    }
+
+    /// Activation rows.
+    pub fn m(&self) -> usize {
+        self.m
+    }
+
+    /// Values per row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The kernel they were prepared for.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    fn get<B: Interleave>(&self) -> Result<&Prepared<B>> {
+        match self.inner.downcast_ref::<Prepared<B>>() {
+            Some(x) => Ok(x),
+            None => candle_core::bail!(
+                "{} (repacked) matmul: activations prepared for {} weights",
+                B::NAME,
+                self.type_name
+            ),
+        }
+    }
+}
+
+impl std::fmt::Debug for PreparedActs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PreparedActs({} rows x {} for {}, {:?})",
+            self.m, self.k, self.type_name, self.kernel
+        )
+    }
 }
 
 impl<B: Interleave> RepackedMatMul for Repacked<B> {
@@ -932,6 +1066,22 @@ impl<B: Interleave> RepackedMatMul for Repacked<B> {
     }
     fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         Repacked::dequantize_row(self, row, out)
+    }
+    fn prepare(&self, kernel: Kernel, m: usize, x: &[f32]) -> Result<PreparedActs> {
+        let p = Repacked::prepare(self, kernel, m, x)?;
+        Ok(PreparedActs {
+            type_name: B::NAME,
+            m: p.m,
+            k: p.k,
+            kernel,
+            inner: Box::new(p),
+        })
+    }
+    fn matmul_prepared_f64(&self, x: &PreparedActs, dst: &mut [f64]) -> Result<()> {
+        Repacked::matmul_prepared_f64(self, x.get::<B>()?, dst)
+    }
+    fn matmul_prepared_f32(&self, x: &PreparedActs, dst: &mut [f32]) -> Result<()> {
+        Repacked::matmul_prepared_f32(self, x.get::<B>()?, dst)
     }
 }
 
@@ -964,6 +1114,59 @@ pub(crate) mod testing {
     /// left over), row counts that leave partial groups and block counts odd and even, is
     /// bit for bit the f64 dot product of the unpacked row (`dot_f64`, scalar); the f32
     /// product is its rounding. `block(r, b)`: block `b` of row `r`.
+    /// Activations prepared once give, with every weight of the type, the bits of
+    /// `matmul_f32` / `matmul_f64` on the raw rows; a size that does not fit is an error.
+    pub fn prepared_activations_serve_every_weight<B: Interleave>(
+        block: impl Fn(usize, usize) -> B,
+    ) {
+        let (n, kb) = (9, 5);
+        let k = kb * B::BLOCK;
+        let weights: Vec<Repacked<B>> = (0..2)
+            .map(|w| {
+                let rows: Vec<B> = (0..n * kb)
+                    .map(|i| block(i / kb + 50 * w, i % kb))
+                    .collect();
+                Repacked::new(&rows, n, k).unwrap()
+            })
+            .collect();
+        for &kernel in &Kernel::under_test() {
+            for m in [1, 4, 8, 9, 17] {
+                let x = activations(m, k);
+                let prepared = weights[0].prepare(kernel, m, &x).unwrap();
+                for w in &weights {
+                    let (mut want, mut got) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+                    w.matmul_f32(kernel, m, &x, &mut want).unwrap();
+                    w.matmul_prepared_f32(&prepared, &mut got).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert!(want.iter().all(|v| v.is_finite()), "{kernel:?} m={m}");
+                    assert_eq!(bits(&got), bits(&want), "{} {kernel:?} m={m}", B::NAME);
+                    let (mut want, mut got) = (vec![f64::NAN; m * n], vec![f64::NAN; m * n]);
+                    w.matmul_f64(kernel, m, &x, &mut want).unwrap();
+                    w.matmul_prepared_f64(&prepared, &mut got).unwrap();
+                    let bits = |v: &[f64]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{} {kernel:?} m={m} f64", B::NAME);
+                }
+                let mut short = vec![0f32; m * n - 1];
+                let err = weights[1].matmul_prepared_f32(&prepared, &mut short);
+                assert!(
+                    err.is_err(),
+                    "{} m={m}: a short output was accepted",
+                    B::NAME
+                );
+            }
+            let wide: Vec<B> = (0..n * 2 * kb)
+                .map(|i| block(i / (2 * kb), i % kb))
+                .collect();
+            let wide = Repacked::new(&wide, n, 2 * k).unwrap();
+            let prepared = weights[0].prepare(kernel, 2, &activations(2, k)).unwrap();
+            let err = wide
+                .matmul_prepared_f32(&prepared, &mut vec![0f32; 2 * n])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("[{n}, {}]", 2 * k)), "{err}");
+        }
+    }
+
     pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(
         block: impl Fn(usize, usize) -> B,
     ) {

@@ -458,9 +458,14 @@ impl ParallelAttention {
         let nq = self.heads.q_heads.len();
         let nkv = self.heads.kv_heads.len();
         let x = copy_to_tp(x, &self.pg)?;
-        let q = self.q_proj.forward_local(&x)?;
-        let k = self.k_proj.forward_local(&x)?;
-        let v = self.v_proj.forward_local(&x)?;
+        // q, k and v of quantized weights of one type read x quantized once.
+        let (q, k, v) = crate::quant::share_activations(|| -> Result<_> {
+            Ok((
+                self.q_proj.forward_local(&x)?,
+                self.k_proj.forward_local(&x)?,
+                self.v_proj.forward_local(&x)?,
+            ))
+        })?;
         let mut q = q.reshape((b, total, nq, hd))?;
         let mut k = k.reshape((b, total, nkv, hd))?;
         if let Some((q_norm, k_norm)) = &self.qk_norm {

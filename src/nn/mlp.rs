@@ -189,8 +189,13 @@ impl GatedMlp {
     /// experts' partial outputs and reduces once. f64 for quantized down projections, as
     /// [`RowParallelLinear::forward_partial`] says.
     pub fn forward_partial(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward_local(x)?;
-        let up = self.up_proj.forward_local(x)?;
+        // Gate and up of quantized weights of one type read x quantized once.
+        let (gate, up) = crate::quant::share_activations(|| -> Result<_> {
+            Ok((
+                self.gate_proj.forward_local(x)?,
+                self.up_proj.forward_local(x)?,
+            ))
+        })?;
         let hidden = if matches!(self.act, Activation::Silu) {
             // One pass (on the CPU in f32) instead of `silu`, then the product.
             crate::ops::silu_mul(&gate, &up)?

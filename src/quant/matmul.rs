@@ -13,7 +13,7 @@ use candle_tp_kernels::q5_0::{self, BlockQ5_0, QK5_0};
 use candle_tp_kernels::q5_1::{self, BlockQ5_1, QK5_1};
 use candle_tp_kernels::q8_0::{quantize_row_q8_0, BlockQ8_0, QK8_0};
 use candle_tp_kernels::q8_1::quantize_row_q8_1_into;
-use candle_tp_kernels::repack::RepackedMatMul;
+use candle_tp_kernels::repack::{PreparedActs, RepackedMatMul};
 use std::sync::Arc;
 
 /// `dst[m, n] = x[m, k] · W[n, k]ᵀ` for a Q4_1 weight given as its `n * k / 32` blocks (the
@@ -144,6 +144,20 @@ struct RepackedOp {
     kernel: Kernel,
     /// The f64 sums (`forward_f64`: a row-parallel layer's partials) instead of f32.
     f64_out: bool,
+    /// The input, already quantized for this weight's type and kernel
+    /// ([`super::share_activations`]).
+    prepared: Option<Arc<PreparedActs>>,
+}
+
+impl RepackedOp {
+    /// This op, with `xs` as prepared in the [`super::share_activations`] scope open on this
+    /// thread, if any.
+    fn with_shared(&self, xs: &Tensor) -> Result<Self> {
+        Ok(Self {
+            prepared: super::shared::prepared(xs, self.w.as_ref(), self.kernel)?,
+            ..self.clone()
+        })
+    }
 }
 
 impl CustomOp1 for RepackedOp {
@@ -154,13 +168,23 @@ impl CustomOp1 for RepackedOp {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, k) = self.w.dims();
         let (x, m, out) = input_rows(self.w.type_name(), (n, k), storage, layout)?;
+        let prepared = self
+            .prepared
+            .as_deref()
+            .filter(|p| p.m() == m && p.k() == k);
         let storage = if self.f64_out {
             let mut dst = vec![0f64; m * n];
-            self.w.matmul_f64(self.kernel, m, x, &mut dst)?;
+            match prepared {
+                Some(p) => self.w.matmul_prepared_f64(p, &mut dst)?,
+                None => self.w.matmul_f64(self.kernel, m, x, &mut dst)?,
+            }
             CpuStorage::F64(dst)
         } else {
             let mut dst = vec![0f32; m * n];
-            self.w.matmul_f32(self.kernel, m, x, &mut dst)?;
+            match prepared {
+                Some(p) => self.w.matmul_prepared_f32(p, &mut dst)?,
+                None => self.w.matmul_f32(self.kernel, m, x, &mut dst)?,
+            }
             CpuStorage::F32(dst)
         };
         Ok((storage, out))
@@ -169,7 +193,7 @@ impl CustomOp1 for RepackedOp {
 
 /// The f32 rows of a quantized matmul's input (`[.., k]`, contiguous), their count and the
 /// output's shape `[.., n]`; errors name the weight `[n, k]` of type `dtype`.
-fn input_rows<'a>(
+pub(super) fn input_rows<'a>(
     dtype: &str,
     (n, k): (usize, usize),
     storage: &'a CpuStorage,
@@ -294,6 +318,7 @@ impl QuantMatMul {
                         w: repacked,
                         kernel,
                         f64_out: false,
+                        prepared: None,
                     }),
                     dims: (n, k),
                 })
@@ -319,7 +344,7 @@ impl QuantMatMul {
         if let Inner::Repacked(op) = &self.inner {
             let op = RepackedOp {
                 f64_out: true,
-                ..op.clone()
+                ..op.with_shared(xs)?
             };
             return crate_op_raw(xs, &op, op.w.type_name(), self.dims).map(Some);
         }
@@ -372,7 +397,7 @@ impl Module for QuantMatMul {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match &self.inner {
             Inner::Candle(mm) => mm.forward(xs),
-            Inner::Repacked(op) => crate_op(xs, op, op.w.type_name(), self.dims),
+            Inner::Repacked(op) => crate_op(xs, &op.with_shared(xs)?, op.w.type_name(), self.dims),
         }
     }
 }

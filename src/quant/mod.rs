@@ -30,6 +30,7 @@
 //! See "Quantized kernels" in `docs/PERFORMANCE.md` for which types are fast on which CPUs.
 
 mod matmul;
+mod shared;
 mod small_m;
 pub mod types;
 
@@ -38,5 +39,6 @@ pub use candle_tp_kernels::f64_matmul::{matmul_f64, matmul_f64_bytes, F64MatMulF
 pub use candle_tp_kernels::q4_1::{vec_dot_q4_1_q8_1, BlockQ4_1, Kernel, QK4_1};
 pub use candle_tp_kernels::q8_1::{quantize_row_q8_1, BlockQ8_1, QK8_1};
 pub use matmul::{matmul_q4_0, matmul_q4_1, matmul_q5_0, matmul_q5_1, QuantMatMul};
+pub use shared::{prepared_in_scope, share_activations};
 pub use small_m::{matmul_small_m, SMALL_M_MAX_ROWS};
 pub use types::{has_f64_kernel, CpuProduct, QuantType};
