@@ -11,7 +11,7 @@
 use crate::q4_1::{BlockQ4_1, QK4_1};
 use crate::q8_1::BlockQ8_1;
 use crate::repack::{
-    put_runs, repack_bytes, take_runs, Interleave, PairActs, Repacked, RepackedMatMul,
+    put_runs, repack_bytes, take_runs, ActRow, Interleave, Repacked, RepackedMatMul,
 };
 use candle_core::Result;
 use half::f16;
@@ -80,7 +80,7 @@ impl Interleave for BlockQ4_1 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ4_1x4],
-        xs: [(&[BlockQ8_1], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_1>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -88,7 +88,7 @@ impl Interleave for BlockQ4_1 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ4_1x4],
-        xs: [(&[BlockQ8_1], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_1>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
@@ -102,7 +102,7 @@ impl Interleave for BlockQ4_1 {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ4_1x4],
         group1: &[BlockQ4_1x4],
-        xs: &[PairActs<'_, BlockQ8_1>; M],
+        xs: &[ActRow<'_, BlockQ8_1>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }

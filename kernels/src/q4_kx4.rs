@@ -127,7 +127,7 @@ impl Interleave for BlockQ4K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ4Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -135,7 +135,7 @@ impl Interleave for BlockQ4K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ4Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
@@ -239,7 +239,7 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group_dot<const M: usize>(
         group: &[BlockQ4Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         k4_group_dot::<_, M, false>(group, xs)
     }
@@ -252,7 +252,7 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn group_dot_vnni<const M: usize>(
         group: &[BlockQ4Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         k4_group_dot::<_, M, true>(group, xs)
     }
@@ -278,7 +278,7 @@ pub(crate) mod avx2 {
     #[inline(always)]
     pub(crate) unsafe fn k4_group_dot<G: K4Group, const M: usize, const VNNI: bool>(
         group: &[G],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         let mut acc = [_mm256_setzero_pd(); M];
         for (b, g) in group.iter().enumerate() {

@@ -10,7 +10,7 @@
 use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
 use crate::repack::{
-    put_runs, repack_bytes, take_runs, Interleave, PairActs, Repacked, RepackedMatMul,
+    put_runs, repack_bytes, take_runs, ActRow, Interleave, Repacked, RepackedMatMul,
 };
 use candle_core::Result;
 use half::f16;
@@ -82,7 +82,7 @@ impl Interleave for BlockQ5_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ5_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -90,7 +90,7 @@ impl Interleave for BlockQ5_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ5_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
@@ -104,7 +104,7 @@ impl Interleave for BlockQ5_0 {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ5_0x4],
         group1: &[BlockQ5_0x4],
-        xs: &[PairActs<'_, BlockQ8_0>; M],
+        xs: &[ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }

@@ -9,7 +9,7 @@
 use crate::q5_1::BlockQ5_1;
 use crate::q8_1::BlockQ8_1;
 use crate::repack::{
-    put_runs, repack_bytes, take_runs, Interleave, PairActs, Repacked, RepackedMatMul,
+    put_runs, repack_bytes, take_runs, ActRow, Interleave, Repacked, RepackedMatMul,
 };
 use candle_core::Result;
 use half::f16;
@@ -82,7 +82,7 @@ impl Interleave for BlockQ5_1 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ5_1x4],
-        xs: [(&[BlockQ8_1], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_1>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -90,7 +90,7 @@ impl Interleave for BlockQ5_1 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ5_1x4],
-        xs: [(&[BlockQ8_1], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_1>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
@@ -104,7 +104,7 @@ impl Interleave for BlockQ5_1 {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ5_1x4],
         group1: &[BlockQ5_1x4],
-        xs: &[PairActs<'_, BlockQ8_1>; M],
+        xs: &[ActRow<'_, BlockQ8_1>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }

@@ -116,7 +116,7 @@ impl Interleave for BlockQ5K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ5Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -124,7 +124,7 @@ impl Interleave for BlockQ5K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ5Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
@@ -187,7 +187,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group_dot<const M: usize>(
         group: &[BlockQ5Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         k4_group_dot::<_, M, false>(group, xs)
     }
@@ -200,7 +200,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn group_dot_vnni<const M: usize>(
         group: &[BlockQ5Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         k4_group_dot::<_, M, true>(group, xs)
     }

@@ -152,7 +152,7 @@ impl Interleave for BlockQ6K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ6Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -160,7 +160,7 @@ impl Interleave for BlockQ6K {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ6Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
@@ -194,7 +194,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group_dot<const M: usize>(
         group: &[BlockQ6Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         q6k_group_dot::<M, false>(group, xs)
     }
@@ -208,7 +208,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn group_dot_vnni<const M: usize>(
         group: &[BlockQ6Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         q6k_group_dot::<M, true>(group, xs)
     }
@@ -245,7 +245,7 @@ mod avx2 {
     #[inline(always)]
     unsafe fn q6k_group_dot<const M: usize, const VNNI: bool>(
         group: &[BlockQ6Kx4],
-        xs: [(&[BlockQ8K], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
         // Byte `s % 4` of four rows (one 32-bit word per 16 values), each repeated 4 times.
         let spread: [__m128i; 4] = std::array::from_fn(|w| {

@@ -9,7 +9,7 @@
 //! order: every value is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
 
 use crate::q8_0::{BlockQ8_0, QK8_0};
-use crate::repack::{repack_bytes, Interleave, PairActs, Repacked, RepackedMatMul};
+use crate::repack::{repack_bytes, ActRow, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -70,7 +70,7 @@ impl Interleave for BlockQ8_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ8_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -83,7 +83,7 @@ impl Interleave for BlockQ8_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ8_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
@@ -97,7 +97,7 @@ impl Interleave for BlockQ8_0 {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ8_0x4],
         group1: &[BlockQ8_0x4],
-        xs: &[PairActs<'_, BlockQ8_0>; M],
+        xs: &[ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         avx2::pair_dot_vnni(group0, group1, xs)
     }
@@ -109,7 +109,7 @@ mod avx2 {
     use crate::f64_dot::avx2::hsum4;
     use crate::q8_0::BlockQ8_0;
     use crate::repack::avx2::{f16x4, pair_dot_words};
-    use crate::repack::PairActs;
+    use crate::repack::ActRow;
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the group's current block that each step prefetches (about four
@@ -126,7 +126,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group_dot<const M: usize>(
         group: &[BlockQ8_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         q8_group_dot::<M, false>(group, xs)
     }
@@ -139,7 +139,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn group_dot_vnni<const M: usize>(
         group: &[BlockQ8_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         q8_group_dot::<M, true>(group, xs)
     }
@@ -157,7 +157,7 @@ mod avx2 {
     pub(super) unsafe fn pair_dot_vnni<const M: usize>(
         group0: &[BlockQ8_0x4],
         group1: &[BlockQ8_0x4],
-        xs: &[PairActs<'_, BlockQ8_0>; M],
+        xs: &[ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 8]; M] {
         let flip = _mm256_set1_epi8(i8::MIN);
         let load = |g: &BlockQ8_0x4, r: usize| {
@@ -229,7 +229,7 @@ mod avx2 {
     #[inline(always)]
     unsafe fn q8_group_dot<const M: usize, const VNNI: bool>(
         group: &[BlockQ8_0x4],
-        xs: [(&[BlockQ8_0], &[i32]); M],
+        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         let ones = _mm256_set1_epi16(1);
         let flip = _mm256_set1_epi8(i8::MIN);
@@ -255,7 +255,7 @@ mod avx2 {
             let aq = [prep(q[0]), prep(q[1]), prep(q[2]), prep(q[3])];
             let wd = _mm_cvtph_ps(_mm_loadl_epi64(g.d.as_ptr() as *const __m128i));
             for i in 0..M {
-                let (x, offsets) = xs[i];
+                let (x, offsets, _) = xs[i];
                 let x = x.get_unchecked(b);
                 let qx = _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i);
                 let dot = |r: usize| {

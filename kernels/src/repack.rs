@@ -37,10 +37,10 @@ mod sealed {
     impl Sealed for crate::q6_k::BlockQ6K {}
 }
 
-/// One activation row as the eight-row kernels read it: its blocks, their
+/// One activation row as the group kernels read it: its blocks, their
 /// [`Interleave::act_sum`]s and their [`Interleave::act_scales`].
 #[doc(hidden)]
-pub type PairActs<'a, A> = (&'a [A], &'a [i32], &'a [[f64; 2]]);
+pub type ActRow<'a, A> = (&'a [A], &'a [i32], &'a [[f64; 2]]);
 
 /// A block type whose weights the crate repacks four rows at a time (implemented for Q4_0,
 /// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks; sealed).
@@ -72,10 +72,10 @@ pub trait Interleave: F64Dot + sealed::Sealed {
         0
     }
 
-    /// What the eight-row AVX-512 kernel ([`Interleave::group_pair_dot_avx512`]) wants
-    /// precomputed per activation block, once for all weight rows: the 32-wide types' scales
-    /// `[d', s']` as f64 (`s'` 0 where the block has none), so that each use is a broadcast
-    /// from memory rather than an f16 conversion; zeros where it wants nothing.
+    /// What the 32-wide types' kernels want precomputed per activation block, once for all
+    /// weight rows: its scales `[d', s']` as f64 (`s'` 0 where the block has none), so that
+    /// each use is a broadcast from memory rather than an f16 conversion; zeros where the
+    /// kernels want nothing (the k-quants).
     fn act_scales(_x: &Self::Act) -> [f64; 2] {
         [0.0; 2]
     }
@@ -89,7 +89,7 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     #[doc(hidden)]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[Self::X4],
-        xs: [(&[Self::Act], &[i32]); M],
+        xs: [ActRow<'_, Self::Act>; M],
     ) -> [[f64; 4]; M];
 
     /// [`Interleave::group_dot_avx2`] with AVX-512 VNNI, bit for bit the same; by default
@@ -102,7 +102,7 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     #[doc(hidden)]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[Self::X4],
-        xs: [(&[Self::Act], &[i32]); M],
+        xs: [ActRow<'_, Self::Act>; M],
     ) -> [[f64; 4]; M] {
         Self::group_dot_avx2(group, xs)
     }
@@ -122,9 +122,9 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[Self::X4],
         group1: &[Self::X4],
-        xs: &[PairActs<'_, Self::Act>; M],
+        xs: &[ActRow<'_, Self::Act>; M],
     ) -> [[f64; 8]; M] {
-        let xs = xs.map(|(x, sums, _)| (x, sums));
+        let xs = *xs;
         let (a, b) = (
             Self::group_dot_avx512(group0, xs),
             Self::group_dot_avx512(group1, xs),
@@ -275,12 +275,7 @@ impl<B: Interleave> Repacked<B> {
         let mut act = vec![B::ACT_ZERO; m * kb];
         B::quantize(x, &mut act);
         let sums: Vec<i32> = act.iter().map(B::act_sum).collect();
-        // Only the eight-row kernel (AVX-512 VNNI, tiles of 8) reads the scales.
-        let scales: Vec<[f64; 2]> = if kernel == Kernel::Avx512Vnni && m >= 8 {
-            act.iter().map(B::act_scales).collect()
-        } else {
-            Vec::new()
-        };
+        let scales: Vec<[f64; 2]> = act.iter().map(B::act_scales).collect();
         Ok(Prepared {
             kernel,
             m,
@@ -337,19 +332,17 @@ impl<B: Interleave> Repacked<B> {
             return Ok(());
         }
         let (act, sums, scales) = (&x.act, &x.sums, &x.scales);
-        let row = |i: usize| (&act[i * kb..(i + 1) * kb], &sums[i * kb..(i + 1) * kb]);
+        let row = |i: usize| {
+            let r = i * kb..(i + 1) * kb;
+            (&act[r.clone()], &sums[r.clone()], &scales[r])
+        };
         // The eight-row kernel's tiles of activation rows, made once for every weight pair.
-        let pair_tiles: Vec<[PairActs<'_, B::Act>; 8]> = if scales.is_empty() {
-            Vec::new()
-        } else {
+        let pair_tiles: Vec<[ActRow<'_, B::Act>; 8]> = if kernel == Kernel::Avx512Vnni {
             (0..m / 8)
-                .map(|t| {
-                    std::array::from_fn(|r| {
-                        let (i, (x, s)) = (8 * t + r, row(8 * t + r));
-                        (x, s, &scales[i * kb..(i + 1) * kb])
-                    })
-                })
+                .map(|t| std::array::from_fn(|r| row(8 * t + r)))
                 .collect()
+        } else {
+            Vec::new()
         };
         let fill = |mut o: RowsOut<'_, T>| {
             let (row0, rows) = (o.row0(), o.rows());
@@ -430,7 +423,7 @@ pub struct Prepared<B: Interleave> {
     act: Vec<B::Act>,
     /// [`Interleave::act_sum`] per block.
     sums: Vec<i32>,
-    /// [`Interleave::act_scales`] per block, where the eight-row kernel runs; else empty.
+    /// [`Interleave::act_scales`] per block.
     scales: Vec<[f64; 2]>,
 }
 
@@ -501,7 +494,7 @@ pub(crate) use unrolled;
 fn group_dot<B: Interleave, const M: usize>(
     kernel: Kernel,
     group: &[B::X4],
-    xs: [(&[B::Act], &[i32]); M],
+    xs: [ActRow<'_, B::Act>; M],
 ) -> [[f64; 4]; M] {
     check_blocks::<B, M>(group.len(), &xs);
     crate::kernel::by_kernel!(kernel,
@@ -513,14 +506,16 @@ fn group_dot<B: Interleave, const M: usize>(
 
 /// Panics unless every activation row of `xs` (blocks and their sums) has `blocks` blocks,
 /// as a group of the weight has.
-fn check_blocks<B: Interleave, const M: usize>(blocks: usize, xs: &[(&[B::Act], &[i32]); M]) {
-    for (x, s) in xs {
+fn check_blocks<B: Interleave, const M: usize>(blocks: usize, xs: &[ActRow<'_, B::Act>; M]) {
+    for (x, s, scales) in xs {
         assert!(
-            x.len() == blocks && s.len() == blocks,
-            "{} group of {} blocks against {} activation blocks",
+            x.len() == blocks && s.len() == blocks && scales.len() == blocks,
+            "{} group of {} blocks against {} activation blocks ({} sums, {} scales)",
             B::NAME,
             blocks,
-            x.len()
+            x.len(),
+            s.len(),
+            scales.len()
         );
     }
 }
@@ -532,7 +527,7 @@ fn check_blocks<B: Interleave, const M: usize>(blocks: usize, xs: &[(&[B::Act], 
 fn pair_dot<B: Interleave, const M: usize>(
     group0: &[B::X4],
     group1: &[B::X4],
-    xs: &[PairActs<'_, B::Act>; M],
+    xs: &[ActRow<'_, B::Act>; M],
 ) -> [[f64; 8]; M] {
     assert_eq!(
         group0.len(),
@@ -542,17 +537,7 @@ fn pair_dot<B: Interleave, const M: usize>(
         group0.len(),
         group1.len()
     );
-    check_blocks::<B, M>(group0.len(), &xs.map(|(x, sums, _)| (x, sums)));
-    for (_, _, scales) in xs {
-        assert_eq!(
-            scales.len(),
-            group0.len(),
-            "{} groups of {} blocks against {} activation scales",
-            B::NAME,
-            group0.len(),
-            scales.len()
-        );
-    }
+    check_blocks::<B, M>(group0.len(), xs);
     assert!(
         Kernel::Avx512Vnni.is_available(),
         "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, avx512vl and \
@@ -571,10 +556,10 @@ fn pair_dot<B: Interleave, const M: usize>(
 /// scalar [`crate::f64_dot::dot_f64`] does.
 fn group_dot_scalar<B: Interleave, const M: usize>(
     group: &[B::X4],
-    xs: [(&[B::Act], &[i32]); M],
+    xs: [ActRow<'_, B::Act>; M],
 ) -> [[f64; 4]; M] {
     let mut acc = [[0f64; 4]; M];
-    for (acc, (x, _)) in acc.iter_mut().zip(xs) {
+    for (acc, (x, _, _)) in acc.iter_mut().zip(xs) {
         for (g, x) in group.iter().zip(x) {
             for (r, acc) in acc.iter_mut().enumerate() {
                 *acc += B::block_dot(&B::row(g, r), x);
@@ -589,10 +574,6 @@ fn group_dot_scalar<B: Interleave, const M: usize>(
 pub(crate) trait Act8 {
     /// The 32 values.
     fn qs(&self) -> &[i8; 32];
-    /// The scale `d'`, as f16 bits.
-    fn d_bits(&self) -> u16;
-    /// `s' = d'·Σ q'` as f16 bits (0 where the block has none).
-    fn s_bits(&self) -> u16;
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -600,24 +581,12 @@ impl Act8 for crate::q8_0::BlockQ8_0 {
     fn qs(&self) -> &[i8; 32] {
         &self.qs
     }
-    fn d_bits(&self) -> u16 {
-        self.d.to_bits()
-    }
-    fn s_bits(&self) -> u16 {
-        0
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Act8 for crate::q8_1::BlockQ8_1 {
     fn qs(&self) -> &[i8; 32] {
         &self.qs
-    }
-    fn d_bits(&self) -> u16 {
-        self.d.to_bits()
-    }
-    fn s_bits(&self) -> u16 {
-        self.s.to_bits()
     }
 }
 
@@ -682,14 +651,15 @@ pub(crate) mod avx2 {
     /// `m`; Q4_1: nibbles and `m`; Q5_0 / Q5_1: five bits): `unpack(g)` gives the four rows'
     /// `u` in runs of 8 (vector `t`: values `8t .. 8t + 8` of rows 0, 1, 2, 3 in turn, as
     /// [`nibble_runs`] makes them), their `d` and `m` (0 where the type has none) as f32;
-    /// `xs[i].1` holds `o·Σ q'` per activation block. Per block and activation row: four
-    /// `maddubs` of a run with the activations' same 8 bytes (broadcast), added in i16 (each
-    /// lane at most 4·2·31·128 = 31744 < 32767), one `madd` by ones (two i32 lanes per row),
-    /// one `hadd`: the four rows' `Σ u·q'`, minus `o·Σ q'`, times `d·d'`, plus `m·s'` (both
-    /// products exact in f32, widened), rounded once by an FMA and added to the row's f64
-    /// sum: bit for bit the types' scalar `block_dot` added in block order (tested for each
-    /// type). `HAS_M`: whether the type has `m` (Q4_1, Q5_1); without it the product is
-    /// rounded by a multiplication, the same rounding, and the `m·s'` work is skipped.
+    /// `xs[i].1` holds `o·Σ q'` per activation block and `xs[i].2` its scales `[d', s']` in
+    /// f64. Per block and activation row: four `maddubs` of a run with the activations' same
+    /// 8 bytes (broadcast), added in i16 (each lane at most 4·2·31·128 = 31744 < 32767), one
+    /// `madd` by ones (two i32 lanes per row), one `hadd`: the four rows' `Σ u·q'`, minus
+    /// `o·Σ q'`, times `d'` and `d`, plus `m·s'` (every product exact in f64), rounded once
+    /// by an FMA and added to the row's f64 sum: bit for bit the types' scalar `block_dot`
+    /// added in block order (tested for each type). `HAS_M`: whether the type has `m` (Q4_1,
+    /// Q5_1); without it the FMA adds the product to the row's sum directly (the same single
+    /// rounding), and the `m·s'` work is skipped.
     /// `VNNI`: the four `maddubs`, their additions and the `madd` become four `vpdpbusd`
     /// into one i32 accumulator (the same integers: no saturation either way).
     ///
@@ -706,7 +676,7 @@ pub(crate) mod avx2 {
         const VNNI: bool,
     >(
         group: &[G],
-        xs: [(&[A], &[i32]); M],
+        xs: [super::ActRow<'_, A>; M],
         unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
     ) -> [[f64; 4]; M] {
         let ones = _mm256_set1_epi16(1);
@@ -718,9 +688,12 @@ pub(crate) mod avx2 {
                 _MM_HINT_T0,
             );
             let (u, wd, wm) = unpack(g);
+            // Shared by the activation rows: the weight scales in f64.
+            let (wd, wm) = (_mm256_cvtps_pd(wd), _mm256_cvtps_pd(wm));
             for i in 0..M {
-                let (x, offsets) = xs[i];
+                let (x, offsets, scales) = xs[i];
                 let x = x.get_unchecked(b);
+                let [xd, xs] = *scales.get_unchecked(b);
                 let a = x.qs().as_ptr();
                 let h = if VNNI {
                     let h = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], bytes8(a));
@@ -745,17 +718,14 @@ pub(crate) mod avx2 {
                 let h =
                     _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
                 let sums = _mm_sub_epi32(h, _mm_set1_epi32(*offsets.get_unchecked(b)));
-                let xd = _mm_cvtph_ps(_mm_set1_epi16(x.d_bits() as i16));
-                let dd = _mm256_cvtps_pd(_mm_mul_ps(wd, xd));
-                let block = if HAS_M {
-                    let xs = _mm_cvtph_ps(_mm_set1_epi16(x.s_bits() as i16));
-                    let ms = _mm256_cvtps_pd(_mm_mul_ps(wm, xs));
-                    _mm256_fmadd_pd(_mm256_cvtepi32_pd(sums), dd, ms)
+                // `Σ·d'`, then times `d` in the FMA: every product exact in f64.
+                let sums = _mm256_mul_pd(_mm256_cvtepi32_pd(sums), _mm256_set1_pd(xd));
+                acc[i] = if HAS_M {
+                    let ms = _mm256_mul_pd(wm, _mm256_set1_pd(xs));
+                    _mm256_add_pd(acc[i], _mm256_fmadd_pd(sums, wd, ms))
                 } else {
-                    // The FMA's rounding with a zero addend.
-                    _mm256_mul_pd(_mm256_cvtepi32_pd(sums), dd)
+                    _mm256_fmadd_pd(sums, wd, acc[i])
                 };
-                acc[i] = _mm256_add_pd(acc[i], block);
             }
         }
         let mut out = [[0f64; 4]; M];
@@ -776,7 +746,7 @@ pub(crate) mod avx2 {
     pub unsafe fn unsigned_pair_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
         group0: &[G],
         group1: &[G],
-        xs: &[super::PairActs<'_, A>; M],
+        xs: &[super::ActRow<'_, A>; M],
         unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
     ) -> [[f64; 8]; M] {
         // Each row's two words of a run, first words then second words.
@@ -825,7 +795,7 @@ pub(crate) mod avx2 {
     >(
         group0: &[G],
         group1: &[G],
-        xs: &[super::PairActs<'_, A>; M],
+        xs: &[super::ActRow<'_, A>; M],
         words: impl Fn(&G, &G) -> ([__m256i; 8], __m256, __m256),
     ) -> [[f64; 8]; M] {
         let mut acc = [_mm512_setzero_pd(); M];
@@ -931,7 +901,7 @@ pub(crate) mod avx2 {
             #[target_feature(enable = "avx2,fma,f16c")]
             pub(super) unsafe fn group_dot<const M: usize>(
                 group: &[$x4],
-                xs: [(&[$act], &[i32]); M],
+                xs: [$crate::repack::ActRow<'_, $act>; M],
             ) -> [[f64; 4]; M] {
                 $crate::repack::avx2::unsigned_group_dot::<_, _, M, { $has_m }, false>(
                     group, xs, $unpack,
@@ -946,7 +916,7 @@ pub(crate) mod avx2 {
             #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
             pub(super) unsafe fn group_dot_vnni<const M: usize>(
                 group: &[$x4],
-                xs: [(&[$act], &[i32]); M],
+                xs: [$crate::repack::ActRow<'_, $act>; M],
             ) -> [[f64; 4]; M] {
                 $crate::repack::avx2::unsigned_group_dot::<_, _, M, { $has_m }, true>(
                     group, xs, $unpack,
@@ -962,7 +932,7 @@ pub(crate) mod avx2 {
             pub(super) unsafe fn pair_dot_vnni<const M: usize>(
                 group0: &[$x4],
                 group1: &[$x4],
-                xs: &[$crate::repack::PairActs<'_, $act>; M],
+                xs: &[$crate::repack::ActRow<'_, $act>; M],
             ) -> [[f64; 8]; M] {
                 $crate::repack::avx2::unsigned_pair_dot::<_, _, M, { $has_m }>(
                     group0, group1, xs, $unpack,
