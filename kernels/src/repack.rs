@@ -454,39 +454,16 @@ impl<B: Interleave> Prepared<B> {
 macro_rules! unrolled {
     ($m:expr, |$i:ident| $body:block) => {{
         const { assert!($m <= 8, "unrolled!: at most 8 copies") };
-        if $m > 0 {
-            let $i = 0usize;
-            $body
-        }
-        if $m > 1 {
-            let $i = 1usize;
-            $body
-        }
-        if $m > 2 {
-            let $i = 2usize;
-            $body
-        }
-        if $m > 3 {
-            let $i = 3usize;
-            $body
-        }
-        if $m > 4 {
-            let $i = 4usize;
-            $body
-        }
-        if $m > 5 {
-            let $i = 5usize;
-            $body
-        }
-        if $m > 6 {
-            let $i = 6usize;
-            $body
-        }
-        if $m > 7 {
-            let $i = 7usize;
-            $body
-        }
+        $crate::repack::unrolled!(@copies $m, $i, $body, 0 1 2 3 4 5 6 7);
     }};
+    (@copies $m:expr, $i:ident, $body:block, $($n:literal)*) => {
+        $(
+            if $m > $n {
+                let $i: usize = $n;
+                $body
+            }
+        )*
+    };
 }
 pub(crate) use unrolled;
 
