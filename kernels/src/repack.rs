@@ -80,8 +80,9 @@ pub trait Interleave: F64Dot + sealed::Sealed {
         [0.0; 2]
     }
 
-    /// The four rows of `group` against `M` activation rows (`xs[i]`: the blocks and their
-    /// [`Interleave::act_sum`]s): `out[i][r]`, bit for bit the scalar f64 sum.
+    /// The four rows of `group` against `M` activation rows (`xs[i]`: the blocks, their
+    /// [`Interleave::act_sum`]s and [`Interleave::act_scales`]): `out[i][r]`, bit for bit the
+    /// scalar f64 sum.
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` entries.
@@ -108,8 +109,7 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     }
 
     /// Two groups (eight rows: `group0`'s four, then `group1`'s) against `M` activation rows
-    /// (`xs[i]`: the blocks, their [`Interleave::act_sum`]s and [`Interleave::act_scales`])
-    /// with AVX-512 VNNI: `out[i][r]`, bit for bit the scalar f64 sum. By default the two
+    /// (`xs[i]` as for [`Interleave::group_dot_avx2`]) with AVX-512 VNNI: `out[i][r]`, bit for bit the scalar f64 sum. By default the two
     /// groups' [`Interleave::group_dot_avx512`]; the 32-wide unsigned types put each of the
     /// eight rows' sums in one lane, so that the per-block scaling in f64 is one 512-bit
     /// step for eight rows instead of two 256-bit steps and two horizontal reductions.
