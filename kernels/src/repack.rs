@@ -427,23 +427,6 @@ pub struct Prepared<B: Interleave> {
     scales: Vec<[f64; 2]>,
 }
 
-impl<B: Interleave> Prepared<B> {
-    /// Activation rows.
-    pub fn m(&self) -> usize {
-        self.m
-    }
-
-    /// Values per row.
-    pub fn k(&self) -> usize {
-        self.k
-    }
-
-    /// The kernel they were prepared for.
-    pub fn kernel(&self) -> Kernel {
-        self.kernel
-    }
-}
-
 /// `unrolled!(M, |i| { … })`: the block for `i` = 0, …, `M − 1` (`M` at most 8), written out
 /// one after another, so that each copy indexes the kernels' per-row arrays with a constant.
 /// A `for i in 0..M` loop whose body is too large for LLVM to unroll indexes them at run
