@@ -80,7 +80,7 @@ impl Interleave for BlockQ4_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ4_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -88,7 +88,7 @@ impl Interleave for BlockQ4_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ4_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }

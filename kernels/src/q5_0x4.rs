@@ -82,7 +82,7 @@ impl Interleave for BlockQ5_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ5_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -90,7 +90,7 @@ impl Interleave for BlockQ5_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ5_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }

@@ -70,7 +70,7 @@ impl Interleave for BlockQ8_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx2<const M: usize>(
         group: &[BlockQ8_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot(group, xs)
     }
@@ -83,7 +83,7 @@ impl Interleave for BlockQ8_0 {
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_dot_avx512<const M: usize>(
         group: &[BlockQ8_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
@@ -126,7 +126,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group_dot<const M: usize>(
         group: &[BlockQ8_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         q8_group_dot::<M, false>(group, xs)
     }
@@ -139,7 +139,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn group_dot_vnni<const M: usize>(
         group: &[BlockQ8_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         q8_group_dot::<M, true>(group, xs)
     }
@@ -229,7 +229,7 @@ mod avx2 {
     #[inline(always)]
     unsafe fn q8_group_dot<const M: usize, const VNNI: bool>(
         group: &[BlockQ8_0x4],
-        xs: [crate::repack::ActRow<'_, BlockQ8_0>; M],
+        xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
         let ones = _mm256_set1_epi16(1);
         let flip = _mm256_set1_epi8(i8::MIN);
