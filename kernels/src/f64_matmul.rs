@@ -144,7 +144,8 @@ pub fn fill_in_place<T: Send>(
 }
 
 /// Weight rows per task over the current rayon pool: all of them with one thread, else about
-/// four tasks per thread, at least [`MIN_ROWS_PER_TASK`], a multiple of 4.
+/// four tasks per thread, at least [`MIN_ROWS_PER_TASK`], a multiple of 16 (the repacked
+/// kernels' groups of 4 rows and panels of 16).
 fn rows_per_task(n: usize) -> usize {
     let threads = rayon::current_num_threads();
     if threads == 1 {
@@ -152,7 +153,7 @@ fn rows_per_task(n: usize) -> usize {
     } else {
         n.div_ceil(4 * threads)
             .max(MIN_ROWS_PER_TASK)
-            .next_multiple_of(4)
+            .next_multiple_of(16)
     }
 }
 

@@ -139,6 +139,24 @@ impl Interleave for BlockQ4K {
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
+
+    const PANEL: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn unpack_panel_avx512(
+        groups: [&BlockQ4Kx4; 4],
+        out: &mut crate::repack::panel::PanelBlock,
+    ) {
+        avx2::unpack_panel(groups, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn panel_dot_avx512(
+        panel: &[crate::repack::panel::PanelBlock],
+        xs: &[crate::repack::ActRow<'_, BlockQ8K>; crate::repack::panel::TILE],
+    ) -> [[f64; crate::repack::panel::ROWS]; crate::repack::panel::TILE] {
+        crate::repack::panel::dot::<32, true>(panel, xs.map(|x| x.0))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -146,6 +164,7 @@ pub(crate) mod avx2 {
     use super::BlockQ4Kx4;
     use crate::q8_k::BlockQ8K;
     use crate::repack::avx2::{f16x4, PREFETCH};
+    use crate::repack::panel::{pair, put_run, PanelBlock};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -193,6 +212,44 @@ pub(crate) mod avx2 {
                 q.map(|q| _mm256_and_si256(_mm256_srli_epi16(q, 4), low)),
             )
         }
+    }
+
+    /// Block `b` of four groups of a type laid out as Q4_K's as a panel's block: the values
+    /// four by four, the scales widened to i32, each minimum twice in a pair of i16 (sub-block
+    /// `j`'s minimum multiplies the sums of 16 `bsums[2j]` and `bsums[2j + 1]`).
+    ///
+    /// # Safety
+    /// The CPU must support avx2 (inline this into a function that enables it).
+    #[inline(always)]
+    pub(crate) unsafe fn k4_unpack_panel<G: K4Group>(groups: [&G; 4], out: &mut PanelBlock) {
+        for (i, g) in groups.into_iter().enumerate() {
+            for j in 0..4 {
+                let (lo, hi) = g.values(j);
+                for c in 0..4 {
+                    put_run(out, i, 8 * j + c, lo[c]);
+                    put_run(out, i, 8 * j + 4 + c, hi[c]);
+                }
+            }
+            for r in 0..4 {
+                let row = 4 * i + r;
+                out.d[row] = g.d()[r].to_f64();
+                out.dmin[row] = g.dmin()[r].to_f64();
+                for s in 0..8 {
+                    out.sc[s][row] = g.sc()[r][s] as i32;
+                    let mn = g.mn()[r][s] as i16;
+                    out.off[s][row] = pair(mn, mn);
+                }
+            }
+        }
+    }
+
+    /// Q4_K's [`k4_unpack_panel`].
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn unpack_panel(groups: [&BlockQ4Kx4; 4], out: &mut PanelBlock) {
+        k4_unpack_panel(groups, out)
     }
 
     /// `shuffle_epi8` controls: sub-block `s`'s scale of rows `0, 1` (`2, 3` in the high half),
@@ -426,6 +483,11 @@ pub(crate) mod tests {
     #[test]
     fn every_value_is_the_unpacked_rows_f64_dot() {
         testing::every_value_is_the_unpacked_rows_f64_dot(block);
+    }
+
+    #[test]
+    fn panels_are_the_unpacked_rows_f64_dot() {
+        testing::panels_are_the_unpacked_rows_f64_dot(block);
     }
 
     #[test]

@@ -128,13 +128,32 @@ impl Interleave for BlockQ5K {
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
+
+    const PANEL: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn unpack_panel_avx512(
+        groups: [&BlockQ5Kx4; 4],
+        out: &mut crate::repack::panel::PanelBlock,
+    ) {
+        avx2::unpack_panel(groups, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn panel_dot_avx512(
+        panel: &[crate::repack::panel::PanelBlock],
+        xs: &[crate::repack::ActRow<'_, BlockQ8K>; crate::repack::panel::TILE],
+    ) -> [[f64; crate::repack::panel::ROWS]; crate::repack::panel::TILE] {
+        crate::repack::panel::dot::<32, true>(panel, xs.map(|x| x.0))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ5Kx4;
-    use crate::q4_kx4::avx2::{k4_group_dot, K4Group};
+    use crate::q4_kx4::avx2::{k4_group_dot, k4_unpack_panel, K4Group};
     use crate::q8_k::BlockQ8K;
+    use crate::repack::panel::PanelBlock;
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -178,6 +197,15 @@ mod avx2 {
             });
             (lo, hi)
         }
+    }
+
+    /// Q4_K's panel unpacking ([`k4_unpack_panel`]) with five-bit values.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn unpack_panel(groups: [&BlockQ5Kx4; 4], out: &mut PanelBlock) {
+        k4_unpack_panel(groups, out)
     }
 
     /// Q4_K's kernel ([`k4_group_dot`]) with five-bit values.
@@ -247,6 +275,11 @@ mod tests {
     #[test]
     fn every_value_is_the_unpacked_rows_f64_dot() {
         testing::every_value_is_the_unpacked_rows_f64_dot(block);
+    }
+
+    #[test]
+    fn panels_are_the_unpacked_rows_f64_dot() {
+        testing::panels_are_the_unpacked_rows_f64_dot(block);
     }
 
     #[test]

@@ -15,6 +15,7 @@
 
 use crate::q6_k::BlockQ6K;
 use crate::q8_k::{BlockQ8K, QK_K};
+use crate::repack::panel::{self, PanelBlock};
 use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
@@ -164,6 +165,21 @@ impl Interleave for BlockQ6K {
     ) -> [[f64; 4]; M] {
         avx2::group_dot_vnni(group, xs)
     }
+
+    const PANEL: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn unpack_panel_avx512(groups: [&BlockQ6Kx4; 4], out: &mut PanelBlock) {
+        avx2::unpack_panel(groups, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn panel_dot_avx512(
+        panel: &[PanelBlock],
+        xs: &[crate::repack::ActRow<'_, BlockQ8K>; panel::TILE],
+    ) -> [[f64; panel::ROWS]; panel::TILE] {
+        panel::dot::<16, false>(panel, xs.map(|x| x.0))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -172,6 +188,7 @@ mod avx2 {
     use crate::f64_dot::avx2::hsum4;
     use crate::q8_k::{BlockQ8K, QK_K};
     use crate::repack::avx2::{f16x4, PREFETCH};
+    use crate::repack::panel::{pair, put_run, PanelBlock};
     use std::arch::x86_64::*;
 
     /// Eight bytes of `p`, in each 64-bit lane.
@@ -236,6 +253,33 @@ mod avx2 {
                 _mm256_and_si256(h_hi, m30),
             ),
         )
+    }
+
+    /// Block `b` of four groups (`groups`) as a panel's block: the values four by four, the
+    /// scales widened to i32 and in pairs of i16 for the offset `32·Σ_j sc_j·bsums_j`.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn unpack_panel(groups: [&BlockQ6Kx4; 4], out: &mut PanelBlock) {
+        for (i, g) in groups.into_iter().enumerate() {
+            for u in 0..QK_K / 16 {
+                let (lo, hi) = values(g, u);
+                put_run(out, i, u, lo);
+                put_run(out, i, u + 16, hi);
+            }
+            for r in 0..4 {
+                let (row, sc) = (4 * i + r, &g.scales[r]);
+                out.d[row] = g.d[r].to_f64();
+                out.dmin[row] = 0.0;
+                for (s, &c) in sc.iter().enumerate() {
+                    out.sc[s][row] = c as i32;
+                }
+                for j in 0..QK_K / 32 {
+                    out.off[j][row] = pair(sc[2 * j] as i16, sc[2 * j + 1] as i16);
+                }
+            }
+        }
     }
 
     /// The kernel of [`group_dot`] (`VNNI`: of [`group_dot_vnni`]).
@@ -390,6 +434,11 @@ mod tests {
         assert!(blocks.iter().any(|b| b.scales.contains(&127)));
         assert!(blocks.iter().any(|b| b.d.to_f32() < 0.0));
         testing::every_value_is_the_unpacked_rows_f64_dot(block);
+    }
+
+    #[test]
+    fn panels_are_the_unpacked_rows_f64_dot() {
+        testing::panels_are_the_unpacked_rows_f64_dot(block);
     }
 
     #[test]

@@ -64,12 +64,29 @@ pub fn prepared_activations_serve_every_weight<B: Interleave>(block: impl Fn(usi
 }
 
 pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(usize, usize) -> B) {
+    values_are_the_unpacked_rows_f64_dot(&block, &[1, 3, 4, 5, 8, 9], &[1, 2, 3, 5, 18], 1..=9);
+}
+
+/// [`every_value_is_the_unpacked_rows_f64_dot`] where the AVX-512 VNNI kernel runs panels of
+/// sixteen weight rows ([`Interleave::PANEL`]): one and two panels with groups, pairs and rows
+/// left over, tiles of eight activation rows with rows left over.
+pub fn panels_are_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(usize, usize) -> B) {
+    assert!(B::PANEL, "{} runs no panels", B::NAME);
+    values_are_the_unpacked_rows_f64_dot(&block, &[16, 21, 43], &[1, 3], [8, 9, 17]);
+}
+
+fn values_are_the_unpacked_rows_f64_dot<B: Interleave>(
+    block: impl Fn(usize, usize) -> B,
+    ns: &[usize],
+    kbs: &[usize],
+    ms: impl IntoIterator<Item = usize> + Clone,
+) {
     let kernels = Kernel::under_test();
-    for n in [1, 3, 4, 5, 8, 9] {
-        for kb in [1, 2, 3, 5, 18] {
+    for &n in ns {
+        for &kb in kbs {
             let w: Vec<B> = (0..n * kb).map(|i| block(i / kb, i % kb)).collect();
             let packed = Repacked::new(&w, n, kb * B::BLOCK).unwrap();
-            for m in 1..=9 {
+            for m in ms.clone() {
                 let x = activations(m, kb * B::BLOCK);
                 let mut xq = vec![B::ACT_ZERO; m * kb];
                 B::quantize(&x, &mut xq);
