@@ -423,7 +423,13 @@ impl<B: Interleave> Repacked<B> {
             let panels = if B::PANEL && pairs > 0 { groups / 4 } else { 0 };
             for p in 0..panels {
                 let quad = std::array::from_fn(|i| group(4 * p + i));
-                panel_products::<B>(quad, &pair_tiles[..tiled8 / 8], |t, v| {
+                let next = if p + 1 < panels {
+                    let first = (row0 / 4 + 4 * (p + 1)) * kb;
+                    &self.groups[first..first + 4 * kb]
+                } else {
+                    &[]
+                };
+                panel_products::<B>(quad, next, &pair_tiles[..tiled8 / 8], |t, v| {
                     for h in 0..2 {
                         let half: [[f64; 8]; 8] =
                             std::array::from_fn(|i| std::array::from_fn(|r| v[i][8 * h + r]));
@@ -563,12 +569,13 @@ fn pair_dot<B: Interleave, const M: usize>(
 
 /// Sixteen weight rows (`quad`, four groups) against every tile of eight activation rows with
 /// AVX-512 VNNI, through a [`panel`] unpacked once: `put(t, out)` with `out[i][r]` for tile
-/// `t`.
+/// `t`. `next`: the weight records the next panel will read (prefetched meanwhile).
 ///
 /// # Panics
 /// If the groups and an activation row differ in blocks, or the CPU lacks AVX-512 VNNI.
 fn panel_products<B: Interleave>(
     quad: [&[B::X4]; 4],
+    next: &[B::X4],
     tiles: &[[ActRow<'_, B::Act>; panel::TILE]],
     mut put: impl FnMut(usize, &[[f64; panel::ROWS]; panel::TILE]),
 ) {
@@ -593,7 +600,19 @@ fn panel_products<B: Interleave>(
             // SAFETY: the features were checked above; `b` is in every group.
             unsafe { B::unpack_panel_avx512(quad.map(|g| &g[b]), out) }
         }
+        // The unpacking above waits for the weights, which stream from memory once per
+        // product in four short runs that the hardware prefetcher catches late (`perf
+        // annotate`: its loads took most of its samples). The next panel's records are
+        // fetched into L2 meanwhile, a share per tile.
+        let bytes = std::mem::size_of_val(next);
+        let lines = bytes.div_ceil(64);
+        let per_tile = lines.div_ceil(tiles.len().max(1));
         for (t, tile) in tiles.iter().enumerate() {
+            for line in (t * per_tile..((t + 1) * per_tile).min(lines)).map(|l| 64 * l) {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                // SAFETY: a prefetch is a hint and never faults; the line is in `next`.
+                unsafe { _mm_prefetch((next.as_ptr() as *const i8).add(line), _MM_HINT_T1) };
+            }
             // SAFETY: the features and the lengths were checked above.
             put(t, &unsafe { B::panel_dot_avx512(buf, tile) });
         }
