@@ -419,8 +419,12 @@ impl<B: Interleave> Repacked<B> {
                 0
             };
             // The panel types run quads of groups first (sixteen weight rows, unpacked once
-            // for every tile of 8).
-            let panels = if B::PANEL && pairs > 0 { groups / 4 } else { 0 };
+            // for every tile of 8), from two tiles on.
+            let panels = if B::PANEL && pairs > 0 && tiled8 >= panel::MIN_ROWS {
+                groups / 4
+            } else {
+                0
+            };
             for p in 0..panels {
                 let quad = std::array::from_fn(|i| group(4 * p + i));
                 let next = if p + 1 < panels {
