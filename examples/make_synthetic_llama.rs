@@ -53,6 +53,46 @@ struct Args {
     layers: usize,
     #[arg(long, default_value_t = 32000)]
     vocab: usize,
+    /// Draw the weights from this seed (the same seed and sizes write the same weights);
+    /// without it, from candle's unseeded generator.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+/// The weights' generator: N(0, 0.02²) values from candle's unseeded `randn`, or with a seed
+/// from a SplitMix64 stream (Box–Muller), in the order the tensors are drawn.
+struct Weights(Option<std::cell::Cell<u64>>);
+
+impl Weights {
+    fn new(seed: Option<u64>) -> Self {
+        Self(seed.map(std::cell::Cell::new))
+    }
+
+    fn tensor(&self, shape: &[usize], dev: &Device) -> Result<Tensor> {
+        let Some(state) = &self.0 else {
+            return Ok(Tensor::randn(0f32, 0.02, shape, dev)?);
+        };
+        let next = || {
+            let z = state.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+            state.set(z);
+            let z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        // In (0, 1): 53 random bits, offset by half a step.
+        let unit = |v: u64| ((v >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let n: usize = shape.iter().product();
+        let mut v = Vec::with_capacity(n + 1);
+        while v.len() < n {
+            let (r, t) = (
+                (-2.0 * unit(next()).ln()).sqrt(),
+                std::f64::consts::TAU * unit(next()),
+            );
+            v.extend([(0.02 * r * t.cos()) as f32, (0.02 * r * t.sin()) as f32]);
+        }
+        v.truncate(n);
+        Ok(Tensor::from_vec(v, shape, dev)?)
+    }
 }
 
 /// Writes the `--gguf-out` form: F16 matrices, f32 norms, llama.cpp's names and metadata.
@@ -103,8 +143,9 @@ fn write_gguf(a: &Args, out: &std::path::Path, tok: &std::path::Path) -> Result<
         ("llama.vocab_size".into(), u(vocab)),
     ]);
     md.sort_by(|x, y| x.0.cmp(&y.0));
+    let weights = Weights::new(a.seed);
     let mat = |rows: usize, cols: usize| -> Result<QTensor> {
-        let t = Tensor::randn(0f32, 0.02, (rows, cols), &dev)?;
+        let t = weights.tensor(&[rows, cols], &dev)?;
         Ok(QTensor::quantize(&t, GgmlDType::F16)?)
     };
     let norm = || -> Result<QTensor> {
@@ -171,7 +212,8 @@ fn main() -> Result<()> {
     let out = a.out.clone().context("--out or --gguf-out is required")?;
     let dev = Device::Cpu;
     let hd = a.hidden / a.heads;
-    let rand = |shape: &[usize]| -> Result<Tensor> { Ok(Tensor::randn(0f32, 0.02, shape, &dev)?) };
+    let weights = Weights::new(a.seed);
+    let rand = |shape: &[usize]| weights.tensor(shape, &dev);
     let mut t: HashMap<String, Tensor> = HashMap::new();
     t.insert(
         "model.embed_tokens.weight".into(),
