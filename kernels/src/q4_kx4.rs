@@ -214,9 +214,10 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// Block `b` of four groups of a type laid out as Q4_K's as a panel's block: the values
-    /// four by four, the scales widened to i32, each minimum twice in a pair of i16 (sub-block
-    /// `j`'s minimum multiplies the sums of 16 `bsums[2j]` and `bsums[2j + 1]`).
+    /// One block of four groups (sixteen rows) of a type laid out as Q4_K's, as a panel's
+    /// block: the values four by four, the scales widened to i32, each minimum twice in a pair
+    /// of i16 (sub-block `j`'s minimum multiplies the sums of 16 `bsums[2j]` and
+    /// `bsums[2j + 1]`).
     ///
     /// # Safety
     /// The CPU must support avx2 (inline this into a function that enables it).

@@ -255,7 +255,7 @@ mod avx2 {
         )
     }
 
-    /// Block `b` of four groups (`groups`) as a panel's block: the values four by four, the
+    /// One block of four groups (sixteen rows) as a panel's block: the values four by four, the
     /// scales widened to i32 and in pairs of i16 for the offset `32·Σ_j sc_j·bsums_j`.
     ///
     /// # Safety

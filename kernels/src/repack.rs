@@ -19,7 +19,7 @@
 //! product ([`Repacked::matmul_f32`]) rounds that f64 sum, so decode, prefill, batches and
 //! row-parallel shards all compute the same numbers.
 //!
-//! With AVX-512 VNNI, the k-quants' products of 8+ activation rows (prefill) unpack sixteen
+//! With AVX-512 VNNI, the k-quants' products of 16+ activation rows (prefill) unpack sixteen
 //! weight rows at a time to bytes, once per product, and multiply them by tiles of eight
 //! activation rows with four-byte broadcasts ([`panel`]): measured on a Zen 4 core, one
 //! thread, 1 B Llama pp128, Q6_K 1.5x, Q4_K_M 1.4x and Q5_K_M 1.6x the four-row kernels.
@@ -113,8 +113,9 @@ pub trait Interleave: F64Dot + sealed::Sealed {
         Self::group_dot_avx2(group, xs)
     }
 
-    /// Whether products of 8+ activation rows with AVX-512 VNNI unpack sixteen weight rows at
-    /// a time into a [`panel`] and run [`Interleave::panel_dot_avx512`] (the k-quants).
+    /// Whether products of [`panel::MIN_ROWS`]+ activation rows with AVX-512 VNNI unpack
+    /// sixteen weight rows at a time into a [`panel`] and run
+    /// [`Interleave::panel_dot_avx512`] (the k-quants).
     #[doc(hidden)]
     const PANEL: bool = false;
 
