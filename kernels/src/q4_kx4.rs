@@ -140,24 +140,33 @@ impl Interleave for BlockQ4K {
         avx2::group_dot_vnni(group, xs)
     }
 
-    const PANEL: bool = true;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn unpack_panel_avx512(
-        groups: [&BlockQ4Kx4; 4],
-        out: &mut crate::repack::panel::PanelBlock,
-    ) {
-        avx2::unpack_panel(groups, out)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn panel_dot_avx512(
-        panel: &[crate::repack::panel::PanelBlock],
-        xs: &[crate::repack::ActRow<'_, BlockQ8K>; crate::repack::panel::TILE],
-    ) -> [[f64; crate::repack::panel::ROWS]; crate::repack::panel::TILE] {
-        crate::repack::panel::dot::<32, true>(panel, xs.map(|x| x.0))
-    }
+    crate::q4_kx4::k4_panel_items!(BlockQ4Kx4);
 }
+
+/// The panel items of the `Interleave` impl of a type laid out as Q4_K's (`$x4`: Q4_K, Q5_K):
+/// panels on, its module's `avx2::unpack_panel`, sub-blocks of 32 values with minimums.
+macro_rules! k4_panel_items {
+    ($x4:ty) => {
+        const PANEL: bool = true;
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn unpack_panel_avx512(
+            groups: [&$x4; 4],
+            out: &mut $crate::repack::panel::PanelBlock,
+        ) {
+            avx2::unpack_panel(groups, out)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn panel_dot_avx512(
+            panel: &[$crate::repack::panel::PanelBlock],
+            xs: &[$crate::repack::ActRow<'_, $crate::q8_k::BlockQ8K>; $crate::repack::panel::TILE],
+        ) -> [[f64; $crate::repack::panel::ROWS]; $crate::repack::panel::TILE] {
+            $crate::repack::panel::dot::<32, true>(panel, xs.map(|x| x.0))
+        }
+    };
+}
+pub(crate) use k4_panel_items;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {

@@ -129,23 +129,7 @@ impl Interleave for BlockQ5K {
         avx2::group_dot_vnni(group, xs)
     }
 
-    const PANEL: bool = true;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn unpack_panel_avx512(
-        groups: [&BlockQ5Kx4; 4],
-        out: &mut crate::repack::panel::PanelBlock,
-    ) {
-        avx2::unpack_panel(groups, out)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn panel_dot_avx512(
-        panel: &[crate::repack::panel::PanelBlock],
-        xs: &[crate::repack::ActRow<'_, BlockQ8K>; crate::repack::panel::TILE],
-    ) -> [[f64; crate::repack::panel::ROWS]; crate::repack::panel::TILE] {
-        crate::repack::panel::dot::<32, true>(panel, xs.map(|x| x.0))
-    }
+    crate::q4_kx4::k4_panel_items!(BlockQ5Kx4);
 }
 
 #[cfg(target_arch = "x86_64")]
