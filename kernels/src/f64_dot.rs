@@ -175,7 +175,7 @@ pub(crate) mod avx2 {
     /// gives the f64 products of blocks `w[0..4]` and `x[0..4]`, added to the total in block
     /// order; a last group of fewer than four runs on copies padded with zero blocks
     /// (`zero` and `B::ACT_ZERO`), whose lanes are not added. When `four`'s lanes are
-    /// [`F64Dot::block_dot`]'s values, the result is the scalar sum's, bit for bit.
+    /// [`super::F64Dot::block_dot`]'s values, the result is the scalar sum's, bit for bit.
     ///
     /// # Safety
     /// `four`'s requirements (the CPU features of its intrinsics); `w` and `x` have the same
