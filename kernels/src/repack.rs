@@ -390,17 +390,6 @@ impl<B: Interleave> Repacked<B> {
                 let first = (row0 / 4 + g) * kb;
                 &self.groups[first..first + kb]
             };
-            // Rows `4g ..` of this share (`R` of them: one group or a pair) for activation
-            // rows `i ..`, as many as the tile has.
-            let mut put = |g: usize, i: usize, tile: &[[f64; 8]], r_max: usize| {
-                let live = (rows - 4 * g).min(r_max);
-                for (t, v) in tile.iter().enumerate() {
-                    let dst = &mut o.row(i + t)[4 * g..4 * g + live];
-                    for (d, &v) in dst.iter_mut().zip(v) {
-                        *d = out(v);
-                    }
-                }
-            };
             // Tiles of 8 activation rows where the type unpacks much per weight block,
             // and for every type with AVX-512's 32 vector registers (measured on a Zen 4
             // core against tiles of 4: 1.05-1.25x at 8 and 64 activation rows).
@@ -435,13 +424,15 @@ impl<B: Interleave> Repacked<B> {
                     &[]
                 };
                 panel_products::<B>(quad, next, &pair_tiles[..tiled8 / 8], |t, v| {
-                    for h in 0..2 {
-                        let half: [[f64; 8]; 8] =
-                            std::array::from_fn(|i| std::array::from_fn(|r| v[i][8 * h + r]));
-                        put(4 * p + 2 * h, 8 * t, &half, 8);
-                    }
+                    let live = (rows - 16 * p).min(panel::ROWS);
+                    put_tile(&mut o, 16 * p, 8 * t, v, live, &out);
                 });
             }
+            // Rows `4g ..` of this share (`r_max` of them: one group or a pair) for
+            // activation rows `i ..`, as many as the tile has.
+            let mut put = |g: usize, i: usize, tile: &[[f64; 8]], r_max: usize| {
+                put_tile(&mut o, 4 * g, i, tile, (rows - 4 * g).min(r_max), &out);
+            };
             for p in 2 * panels..pairs {
                 let (g0, g1) = (group(2 * p), group(2 * p + 1));
                 for (t, tile) in pair_tiles[..tiled8 / 8].iter().enumerate() {
@@ -470,6 +461,27 @@ impl<B: Interleave> Repacked<B> {
         };
         fill_in_place(n, m, dst, fill);
         Ok(())
+    }
+}
+
+/// Writes a tile of products into a task's share: `tile[t][c]` is the output of weight row
+/// `col + c` (of the share) for activation row `i + t`, for `c < live`; a panel's sixteen
+/// contiguous columns per activation row go out in one pass (one conversion per value, no
+/// regrouping).
+#[inline(always)]
+fn put_tile<T, const W: usize>(
+    o: &mut RowsOut<'_, T>,
+    col: usize,
+    i: usize,
+    tile: &[[f64; W]],
+    live: usize,
+    out: &impl Fn(f64) -> T,
+) {
+    for (t, v) in tile.iter().enumerate() {
+        let dst = &mut o.row(i + t)[col..col + live];
+        for (d, &v) in dst.iter_mut().zip(v) {
+            *d = out(v);
+        }
     }
 }
 
