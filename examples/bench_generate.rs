@@ -302,6 +302,9 @@ fn run_candle_transformers(args: &Args) -> Result<Measured> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // As generate and candle-tp-serve: freed op outputs stay in the process for the next
+    // forward (no page faults), for every implementation measured.
+    candle_tp::retain_freed_memory();
     if args.new_tokens < 2 {
         bail!("--new-tokens must be at least 2 (the first token comes from the prefill)");
     }

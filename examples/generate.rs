@@ -188,6 +188,8 @@ fn main() -> Result<()> {
     // The same kernels as candle-tp-serve, so a prompt decoded here and through the server
     // gets the same tokens.
     candle_tp::set_batch_invariant_matmul(true);
+    // Freed op outputs stay in the process for the next forward (no page faults).
+    candle_tp::retain_freed_memory();
     let device = parse_device(&args.device)?;
     let dtype = candle_tp::dtype_from_arg(&args.dtype)?;
     let pg = candle_tp::init_from_env(&device)?;

@@ -171,6 +171,8 @@ fn main() -> Result<()> {
     // A request's tokens must not depend on what else is in its batch (and batches of 2-16
     // rows must read each weight once): the small-m kernel for f32 too.
     candle_tp::set_batch_invariant_matmul(true);
+    // Freed op outputs stay in the process for the next forward (no page faults).
+    candle_tp::retain_freed_memory();
     let device = candle_tp::device_from_arg(&args.device)?;
     let dtype = candle_tp::dtype_from_arg(&args.dtype)?;
     let pg = candle_tp::init_from_env(&device)?;
