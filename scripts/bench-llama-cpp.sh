@@ -49,8 +49,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ "$quick" = 1 ]; then pp=128; tg=32; fi
-rounds=${rounds:-3}
-[ "$quick" = 1 ] && [ "$rounds" = 3 ] && rounds=2
+if [ -z "$rounds" ]; then
+  if [ "$quick" = 1 ]; then rounds=2; else rounds=3; fi
+fi
 for n in $rounds $tg $pp; do
   case "$n" in ''|*[!0-9]*|0) echo "--rounds, --tg and --pp take positive integers, not '$n'" >&2; exit 2 ;; esac
 done
