@@ -18,8 +18,11 @@
 //! - [`kernel`]: which implementation runs ([`kernel::Kernel`]: scalar, AVX2 or AVX-512 VNNI,
 //!   detected at run time, forced with `CANDLE_TP_KERNEL=scalar|avx2|avx512vnni`);
 //! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant;
-//! - [`swiglu`]: `silu(gate) · up` in one pass, with an AVX2 exponential.
+//! - [`swiglu`]: `silu(gate) · up` in one pass, with an AVX2 exponential;
+//! - [`attention`]: a decode step's attention (one query row per head against the KV cache)
+//!   in one pass.
 
+pub mod attention;
 pub mod f64_dot;
 pub mod f64_matmul;
 pub mod kernel;

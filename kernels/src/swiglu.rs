@@ -66,7 +66,7 @@ fn silu_mul_scalar(gate: &[f32], up: &[f32], out: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     /// `e^x` in eight lanes: `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`, `e^r` by Cephes' degree-5

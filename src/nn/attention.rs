@@ -515,6 +515,20 @@ impl ParallelAttention {
         let q = rope.apply(q, index_pos)?;
         let k = rope.apply(k, index_pos)?;
         let (k, v) = cache.append(&k, v)?;
+        // A decode step (one query row) that sees the whole cache: one fused op on the CPU
+        // reads each KV head's cache once for its group (GQA's groups as `kv_group` finds
+        // them; an irregular head split takes the general path).
+        let groups_regular = self.kv_index.is_none() || self.kv_group.is_some();
+        if seq_len == 1
+            && self.softcap.is_none()
+            && groups_regular
+            && attention_mask(1, index_pos, self.sliding_window, q.device())?.is_none()
+        {
+            let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
+            if let Some(y) = crate::ops::decode_attention::decode_attention(&q, &k, &v, scale)? {
+                return y.transpose(1, 2)?.reshape((b, seq_len, nq * hd));
+            }
+        }
         match self.kv_group {
             Some(g) if index_pos + seq_len >= GROUPED_MIN_POSITIONS => {
                 return self.attend_grouped(&q, &k, &v, g, index_pos)
