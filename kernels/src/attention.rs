@@ -1,27 +1,35 @@
-//! A decode step's attention in one pass: one query row per head against the KV cache,
-//! `softmax(scale · q · Kᵀ) · V`, in f32.
+//! Causal attention in one pass on the CPU, in f32: each query row against the keys and
+//! values it may see, `softmax(scale · q · Kᵀ) · V`, for a decode step (one query row per
+//! head against the KV cache) and for a prefill (the prompt's rows, each seeing the positions
+//! up to its own, or the last `window` of them).
 //!
-//! Candle computes it as two matmuls and a softmax, each a separate op with its own output:
-//! for one query row its gemm pays a setup per head for a product of one row (on a SmolLM2
-//! decode at 400 positions, 17 % of the time went to `gemm_common`'s dispatch and its
-//! one-row micro-kernel), and GQA's query heads read their KV head's cache once each. Here each
-//! KV head's keys and values are read once for all the query heads of its group: per cached
-//! position, one key row against the group's query rows (dot products in eight lanes, fused
-//! multiply-adds), then a softmax per query head (with an eight-lane exponential), then per
-//! position one value row added into the group's outputs.
+//! Candle computes it as two matmuls, a mask and a softmax, each a separate op with its own
+//! output. For one query row its gemm pays a setup per head for a product of one row (on a
+//! SmolLM2 decode at 400 positions, 17 % of the time went to `gemm_common`'s dispatch and its
+//! one-row micro-kernel); for a prompt it computes every score, masked ones included, then
+//! exponentiates them one at a time with libm (on a SmolLM2 prefill of 512 tokens the
+//! attention's gemm, `expf`, the mask and their copies took about a third of the time). Here
+//! each KV head's keys and values are read once per query row for all the query heads of its
+//! group: per visible position, one key row against the group's query rows (dot products in
+//! eight lanes, fused multiply-adds), then a softmax per query head (with an eight-lane
+//! exponential), then per position one value row added into the group's outputs. Masked
+//! positions are never computed.
 //!
 //! The sums run in another order than Candle's gemm, so results differ from it by rounding
-//! (tested: within 1e-5 of the two matmuls and softmax in f64).
+//! (tested: within 1e-5 of the definition in f64).
 //!
 //! ```
-//! use candle_tp_kernels::attention::{decode_attention, CacheView, DecodeShape};
+//! use candle_tp_kernels::attention::{causal_attention, AttentionShape, CacheView};
 //! use candle_tp_kernels::kernel::Kernel;
-//! // One head of dimension 2, two cached positions.
-//! let shape = DecodeShape { batch: 1, q_heads: 1, kv_heads: 1, positions: 2, head_dim: 2 };
+//! // One head of dimension 2, two cached positions, the query at the second.
+//! let shape = AttentionShape {
+//!     batch: 1, q_heads: 1, kv_heads: 1, queries: 1, positions: 2, head_dim: 2,
+//! };
 //! let (k, v) = ([1.0f32, 0.0, 0.0, 1.0], [10.0f32, 0.0, 0.0, 20.0]);
 //! let view = |data| CacheView { data, offset: 0, batch: 4, head: 4, pos: 2 };
 //! let mut out = [0f32; 2];
-//! decode_attention(Kernel::detect(), &[0.0, 0.0], view(&k), view(&v), shape, 1.0, &mut out).unwrap();
+//! causal_attention(Kernel::detect(), &[0.0, 0.0], view(&k), view(&v), shape, None, 1.0, &mut out)
+//!     .unwrap();
 //! assert_eq!(out, [5.0, 10.0]); // equal scores: the mean of the two value rows
 //! ```
 
@@ -45,9 +53,9 @@ pub struct CacheView<'a> {
     pub pos: usize,
 }
 
-/// The sizes of a decode step's attention.
+/// The sizes of an attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodeShape {
+pub struct AttentionShape {
     /// Sequences.
     pub batch: usize,
     /// Query heads; query head `h` attends with KV head `h / (q_heads / kv_heads)` (GQA's
@@ -55,7 +63,9 @@ pub struct DecodeShape {
     pub q_heads: usize,
     /// KV heads (divides `q_heads`).
     pub kv_heads: usize,
-    /// Cached positions, the new one included.
+    /// Query rows per head: the last `queries` of the `positions` (1 for a decode step).
+    pub queries: usize,
+    /// Positions in the keys and values, the queries' own included.
     pub positions: usize,
     /// Components per head.
     pub head_dim: usize,
@@ -64,60 +74,67 @@ pub struct DecodeShape {
 /// Work per rayon task at least (multiply-adds), below which a task costs more than its work.
 const MIN_PER_TASK: usize = 1 << 16;
 
-/// `out[b][h] = softmax(scale · q[b][h] · K[b][kv(h)]ᵀ) · V[b][kv(h)]` for every sequence `b`
-/// and query head `h`: `q` and `out` are `[batch, q_heads, head_dim]` (contiguous), `k` and
-/// `v` hold `positions` positions of `kv_heads` heads. Runs over the current rayon pool when
-/// there is enough work, with `kernel` (AVX2 and FMA from [`Kernel::Avx2`] on; normally
-/// [`Kernel::detect`]).
+/// Causal attention: for every sequence `b`, query head `h` and query row `i`, at position
+/// `p = positions − queries + i`, `out[b][h][i] = softmax(scale · q[b][h][i] · K[b][kv(h)][lo..=p]ᵀ)
+/// · V[b][kv(h)][lo..=p]` with `lo = 0`, or with a sliding `window` `w` the last `w` positions
+/// up to `p` (`lo = max(0, p + 1 − w)`), as Llama's and Mistral's masks say. `q` and `out` are
+/// `[batch, q_heads, queries, head_dim]` (contiguous); `k` and `v` hold `positions` positions
+/// of `kv_heads` heads. Runs over the current rayon pool when there is enough work, with
+/// `kernel` (AVX2 and FMA from [`Kernel::Avx2`] on; normally [`Kernel::detect`]).
+///
+/// A NaN among a row's visible scores makes that row's output NaN. An error (naming the sizes)
+/// when `kv_heads` does not divide `q_heads`, when there are more queries than positions, when
+/// `q` or `out` has the wrong length, when the window is 0, or when a view reaches past its
+/// buffer.
 ///
 /// # Panics
 /// If `kernel` is not available on this CPU.
-///
-/// A NaN among the scores makes its head's output NaN. An error (naming the sizes) when
-/// `kv_heads` does not divide `q_heads`, when there is no position, when `q` or `out` has
-/// the wrong length, or when a view reaches past its buffer.
-pub fn decode_attention(
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(
     kernel: Kernel,
     q: &[f32],
     k: CacheView<'_>,
     v: CacheView<'_>,
-    shape: DecodeShape,
+    shape: AttentionShape,
+    window: Option<usize>,
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    let DecodeShape {
+    let AttentionShape {
         batch,
         q_heads,
         kv_heads,
+        queries,
         positions,
         head_dim: d,
     } = shape;
-    if kv_heads == 0 || q_heads % kv_heads != 0 || positions == 0 {
+    if kv_heads == 0 || q_heads % kv_heads != 0 || queries > positions || window == Some(0) {
         candle_core::bail!(
-            "decode attention: {q_heads} query heads over {kv_heads} KV heads at {positions} \
-             positions (KV heads must divide the query heads, and a position is needed)"
+            "attention: {q_heads} query heads over {kv_heads} KV heads, {queries} query rows              at {positions} positions, window {window:?} (KV heads must divide the query              heads, the queries be among the positions, a window hold a position)"
         )
     }
-    let want = batch * q_heads * d;
+    let want = batch * q_heads * queries * d;
     if q.len() != want || out.len() != want {
         candle_core::bail!(
-            "decode attention: q has {} values and out {}, expected {want} ({batch} x \
-             {q_heads} heads x {d})",
+            "attention: q has {} values and out {}, expected {want} ({batch} x {q_heads}              heads x {queries} rows x {d})",
             q.len(),
             out.len()
         )
     }
+    if want == 0 {
+        return Ok(());
+    }
     for (name, view) in [("keys", &k), ("values", &v)] {
         let last = view.offset
-            + (batch.max(1) - 1) * view.batch
+            + (batch - 1) * view.batch
             + (kv_heads - 1) * view.head
             + (positions - 1) * view.pos
             + d;
-        if batch > 0 && d > 0 && last > view.data.len() {
+        if last > view.data.len() {
             candle_core::bail!(
-                "decode attention: the {name} view (offset {}, strides {} / {} / {}) of \
-                 {batch} x {kv_heads} heads x {positions} positions x {d} reaches {last}, \
-                 past its {} values",
+                "attention: the {name} view (offset {}, strides {} / {} / {}) of {batch} x \
+                 {kv_heads} heads x {positions} positions x {d} reaches {last}, past its {} \
+                 values",
                 view.offset,
                 view.batch,
                 view.head,
@@ -126,27 +143,135 @@ pub fn decode_attention(
             )
         }
     }
-    if want == 0 {
-        return Ok(());
-    }
     let g = q_heads / kv_heads;
-    // One task per sequence and KV head: its group's query rows and outputs.
+    let window = window.unwrap_or(usize::MAX);
+    // One task per sequence and KV head: its group's query rows (`g` heads of `queries` rows,
+    // contiguous in `q` and `out`).
     let task = |(i, out): (usize, &mut [f32])| {
         let (b, h) = (i / kv_heads, i % kv_heads);
-        let q = &q[i * g * d..(i + 1) * g * d];
+        let q = &q[i * g * queries * d..(i + 1) * g * queries * d];
         let at = |view: &CacheView<'_>| view.offset + b * view.batch + h * view.head;
-        let (k0, v0) = (at(&k), at(&v));
+        let (k, v) = ((k.data, at(&k), k.pos), (v.data, at(&v), v.pos));
+        let rows = Rows {
+            queries,
+            positions,
+            window,
+            d,
+            scale,
+        };
         crate::kernel::by_kernel!(kernel,
-            scalar => group(q, (k.data, k0, k.pos), (v.data, v0, v.pos), positions, d, scale, out, Lanes::Scalar),
-            avx2 => avx2::group(q, (k.data, k0, k.pos), (v.data, v0, v.pos), positions, d, scale, out))
+            scalar => group_rows(q, k, v, rows, out, Lanes::Scalar),
+            avx2 => avx2::group_rows(q, k, v, rows, out))
     };
-    let work = g * positions * d;
+    let work = g * queries * positions * d;
     if rayon::current_num_threads() > 1 && batch * kv_heads > 1 && work >= MIN_PER_TASK {
-        out.par_chunks_mut(g * d).enumerate().for_each(task);
+        out.par_chunks_mut(g * queries * d)
+            .enumerate()
+            .for_each(task);
     } else {
-        out.chunks_mut(g * d).enumerate().for_each(task);
+        out.chunks_mut(g * queries * d).enumerate().for_each(task);
     }
     Ok(())
+}
+
+/// The softmax of `scale · x` over each row's visible positions, 0 at the others: `x` and `out`
+/// hold rows of `positions` scores (`q · kᵀ` of a prompt's rows), row `r` being query row
+/// `r % queries` at position `p = positions − queries + r % queries`, which sees the positions
+/// up to `p` (with a sliding `window` `w`, the last `w` of them), as [`causal_attention`]'s
+/// rows do. What candle's scale, mask and softmax compute in three ops and four passes, in
+/// one pass per row with the eight-lane exponential, never exponentiating a masked score.
+/// Runs over the current rayon pool for many rows.
+///
+/// An error naming the sizes when `x` and `out` differ in length or are not whole rows, when
+/// there are more queries than positions, or when the window is 0.
+///
+/// # Panics
+/// If `kernel` is not available on this CPU.
+pub fn causal_softmax(
+    kernel: Kernel,
+    x: &[f32],
+    out: &mut [f32],
+    (queries, positions): (usize, usize),
+    window: Option<usize>,
+    scale: f32,
+) -> Result<()> {
+    if x.len() != out.len()
+        || queries == 0
+        || queries > positions
+        || !x.len().is_multiple_of(positions)
+        || window == Some(0)
+    {
+        candle_core::bail!(
+            "causal softmax: {} scores into {} outputs, rows of {positions} positions for \
+             {queries} query rows, window {window:?} (whole rows, the queries among the \
+             positions, a window holding a position)",
+            x.len(),
+            out.len()
+        )
+    }
+    let window = window.unwrap_or(usize::MAX);
+    let rows = |(r0, (x, out)): (usize, (&[f32], &mut [f32]))| {
+        crate::kernel::by_kernel!(kernel,
+            scalar => softmax_rows(x, out, r0, (queries, positions), window, scale, Lanes::Scalar),
+            avx2 => avx2::softmax_rows(x, out, r0, (queries, positions), window, scale))
+    };
+    // Rows per task: about MIN_PER_TASK scores.
+    let per_task = (MIN_PER_TASK / positions).max(1);
+    let chunk = per_task * positions;
+    if rayon::current_num_threads() > 1 && x.len() > chunk {
+        x.par_chunks(chunk)
+            .zip(out.par_chunks_mut(chunk))
+            .enumerate()
+            .for_each(|(t, pair)| rows((t * per_task, pair)));
+    } else {
+        rows((0, (x, out)));
+    }
+    Ok(())
+}
+
+/// [`causal_softmax`] on whole rows of `positions` scores, the first being row `r0`.
+#[inline(always)]
+fn softmax_rows(
+    x: &[f32],
+    out: &mut [f32],
+    r0: usize,
+    (queries, positions): (usize, usize),
+    window: usize,
+    scale: f32,
+    lanes: Lanes,
+) {
+    for (r, (x, out)) in x
+        .chunks(positions)
+        .zip(out.chunks_mut(positions))
+        .enumerate()
+    {
+        let p = positions - queries + (r0 + r) % queries;
+        let lo = (p + 1).saturating_sub(window);
+        out[..lo].fill(0.0);
+        out[p + 1..].fill(0.0);
+        let (x, row) = (&x[lo..=p], &mut out[lo..=p]);
+        for (o, &v) in row.iter_mut().zip(x) {
+            *o = v * scale;
+        }
+        softmax_in_place(row, lanes);
+    }
+}
+
+/// The softmax of `row` in place: minus the largest value (NaN if any is NaN, as Candle's
+/// softmax gives), exponentials, divided by their sum.
+#[inline(always)]
+fn softmax_in_place(row: &mut [f32], lanes: Lanes) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| {
+        if s.is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max(s)
+        }
+    });
+    row.iter_mut().for_each(|s| *s -= max);
+    exp_in_place(row, lanes);
+    let sum: f32 = row.iter().sum();
+    row.iter_mut().for_each(|p| *p /= sum);
 }
 
 /// How [`group`] computes exponentials.
@@ -198,23 +323,90 @@ fn exp_in_place(xs: &mut [f32], lanes: Lanes) {
     }
 }
 
-/// One KV head's group: `q` holds its `g` query rows (`g · d` values), `k` and `v` are the
-/// buffer, the offset of position 0 and the stride of positions; `out` gets the `g` rows.
+/// A buffer, the offset of position 0 of one head, and the stride of positions.
+type Strided<'a> = (&'a [f32], usize, usize);
+
+/// What one task's query rows are: `queries` rows per head, the last of `positions`, with the
+/// window, the head size and the scale.
+#[derive(Clone, Copy)]
+struct Rows {
+    queries: usize,
+    positions: usize,
+    window: usize,
+    d: usize,
+    scale: f32,
+}
+
+/// One KV head's group over all its query rows: `q` and `out` hold `g` heads of `queries`
+/// rows each (`g · queries · d` values, head-major). Each row's `g` query vectors are gathered
+/// and its outputs scattered (a copy of `g · d` values each way), so that [`group`] reads each
+/// visible key and value row once for the whole group.
+#[inline(always)]
+fn group_rows(
+    q: &[f32],
+    k: Strided<'_>,
+    v: Strided<'_>,
+    rows: Rows,
+    out: &mut [f32],
+    lanes: Lanes,
+) {
+    let Rows {
+        queries,
+        positions,
+        window,
+        d,
+        scale,
+    } = rows;
+    let g = q.len() / (queries * d);
+    let (mut q_row, mut o_row) = (vec![0f32; g * d], vec![0f32; g * d]);
+    let mut scores = Vec::new();
+    for i in 0..queries {
+        let p = positions - queries + i;
+        let lo = (p + 1).saturating_sub(window);
+        for j in 0..g {
+            let at = (j * queries + i) * d;
+            q_row[j * d..(j + 1) * d].copy_from_slice(&q[at..at + d]);
+        }
+        let (k, v) = ((k.0, k.1 + lo * k.2, k.2), (v.0, v.1 + lo * v.2, v.2));
+        group(
+            &q_row,
+            k,
+            v,
+            p + 1 - lo,
+            d,
+            scale,
+            &mut o_row,
+            &mut scores,
+            lanes,
+        );
+        for j in 0..g {
+            let at = (j * queries + i) * d;
+            out[at..at + d].copy_from_slice(&o_row[j * d..(j + 1) * d]);
+        }
+    }
+}
+
+/// One query row of a KV head's group: `q` holds its `g` query vectors (`g · d` values), `k`
+/// and `v` the `positions` visible rows; `out` gets the `g` output vectors; `scores` is
+/// scratch.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn group(
     q: &[f32],
-    (k, k0, k_pos): (&[f32], usize, usize),
-    (v, v0, v_pos): (&[f32], usize, usize),
+    (k, k0, k_pos): Strided<'_>,
+    (v, v0, v_pos): Strided<'_>,
     positions: usize,
     d: usize,
     scale: f32,
     out: &mut [f32],
+    scores: &mut Vec<f32>,
     lanes: Lanes,
 ) {
     let g = q.len() / d;
-    // Scores of query row `j` at `j · positions ..`; each key row is read once for the group.
-    let mut scores = vec![0f32; g * positions];
+    // Scores of query vector `j` at `j · positions ..`; each key row is read once for the
+    // group.
+    scores.clear();
+    scores.resize(g * positions, 0.0);
     for t in 0..positions {
         let key = &k[k0 + t * k_pos..k0 + t * k_pos + d];
         for j in 0..g {
@@ -222,18 +414,7 @@ fn group(
         }
     }
     for row in scores.chunks_mut(positions) {
-        // The largest score (NaN if any is NaN), as Candle's softmax subtracts it.
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| {
-            if s.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(s)
-            }
-        });
-        row.iter_mut().for_each(|s| *s -= max);
-        exp_in_place(row, lanes);
-        let sum: f32 = row.iter().sum();
-        row.iter_mut().for_each(|p| *p /= sum);
+        softmax_in_place(row, lanes);
     }
     out.fill(0.0);
     for t in 0..positions {
@@ -249,25 +430,38 @@ fn group(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{group as body, Lanes};
+    use super::{group_rows as body, Lanes, Rows, Strided};
 
-    /// [`super::group`] compiled with AVX2 and FMA (its lanes and multiply-adds vectorised),
-    /// with the eight-lane exponential.
+    /// [`super::softmax_rows`] compiled with AVX2 and FMA, with the eight-lane exponential.
     ///
     /// # Safety
     /// The CPU must support avx2 and fma.
     #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn group(
-        q: &[f32],
-        k: (&[f32], usize, usize),
-        v: (&[f32], usize, usize),
-        positions: usize,
-        d: usize,
+    pub(super) unsafe fn softmax_rows(
+        x: &[f32],
+        out: &mut [f32],
+        r0: usize,
+        rows: (usize, usize),
+        window: usize,
         scale: f32,
+    ) {
+        super::softmax_rows(x, out, r0, rows, window, scale, Lanes::Avx2)
+    }
+
+    /// [`super::group_rows`] compiled with AVX2 and FMA (its lanes and multiply-adds
+    /// vectorised), with the eight-lane exponential.
+    ///
+    /// # Safety
+    /// The CPU must support avx2 and fma.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn group_rows(
+        q: &[f32],
+        k: Strided<'_>,
+        v: Strided<'_>,
+        rows: Rows,
         out: &mut [f32],
     ) {
-        body(q, k, v, positions, d, scale, out, Lanes::Avx2)
+        body(q, k, v, rows, out, Lanes::Avx2)
     }
 }
 
@@ -276,89 +470,169 @@ mod tests {
     use super::*;
     use crate::f64_dot::testing::pseudo;
 
-    /// The reference in f64: scores, softmax and weighted sum, straight from the definition.
+    /// The reference in f64: scores, softmax and weighted sum over the visible positions,
+    /// straight from the definition.
     fn reference(
         q: &[f32],
         k: &CacheView<'_>,
         v: &CacheView<'_>,
-        s: DecodeShape,
+        s: AttentionShape,
+        window: Option<usize>,
         scale: f32,
     ) -> Vec<f64> {
         let d = s.head_dim;
         let g = s.q_heads / s.kv_heads;
-        let mut out = vec![0f64; s.batch * s.q_heads * d];
+        let mut out = vec![0f64; s.batch * s.q_heads * s.queries * d];
         for b in 0..s.batch {
             for h in 0..s.q_heads {
-                let kv = h / g;
-                let at = |w: &CacheView<'_>, t: usize, i: usize| {
-                    w.data[w.offset + b * w.batch + kv * w.head + t * w.pos + i] as f64
-                };
-                let qi = |i: usize| q[(b * s.q_heads + h) * d + i] as f64;
-                let scores: Vec<f64> = (0..s.positions)
-                    .map(|t| (0..d).map(|i| qi(i) * at(k, t, i)).sum::<f64>() * scale as f64)
-                    .collect();
-                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
-                let sum: f64 = e.iter().sum();
-                for i in 0..d {
-                    out[(b * s.q_heads + h) * d + i] =
-                        (0..s.positions).map(|t| e[t] / sum * at(v, t, i)).sum();
+                for i in 0..s.queries {
+                    let kv = h / g;
+                    let at = |w: &CacheView<'_>, t: usize, c: usize| {
+                        w.data[w.offset + b * w.batch + kv * w.head + t * w.pos + c] as f64
+                    };
+                    let row = ((b * s.q_heads + h) * s.queries + i) * d;
+                    let p = s.positions - s.queries + i;
+                    let seen: Vec<usize> = (0..=p)
+                        .filter(|&t| window.is_none_or(|w| p - t < w))
+                        .collect();
+                    let scores: Vec<f64> = seen
+                        .iter()
+                        .map(|&t| {
+                            (0..d).map(|c| q[row + c] as f64 * at(k, t, c)).sum::<f64>()
+                                * scale as f64
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    for c in 0..d {
+                        out[row + c] = seen
+                            .iter()
+                            .zip(&e)
+                            .map(|(&t, e)| e / sum * at(v, t, c))
+                            .sum();
+                    }
                 }
             }
         }
         out
     }
 
-    /// Every kernel, MHA and GQA groups, head sizes with and without a tail of lanes, one and
-    /// many positions, caches strided as the KV cache's buffers are (head stride = capacity),
+    /// Every kernel, MHA and GQA groups, head sizes with and without a tail of lanes, a
+    /// decode row and prompts (all positions new, or after cached ones), with and without a
+    /// sliding window, caches strided as the KV cache's buffers are (head stride = capacity),
     /// within 1e-5 of the f64 definition (values of order 1); outputs finite.
     #[test]
     fn every_kernel_is_the_definition() {
         for kernel in Kernel::under_test() {
             for (batch, q_heads, kv_heads, d) in [(1, 4, 4, 64), (1, 9, 3, 64), (2, 6, 2, 20)] {
-                for positions in [1, 7, 130] {
-                    let capacity = positions + 5;
-                    let shape = DecodeShape {
-                        batch,
-                        q_heads,
-                        kv_heads,
-                        positions,
-                        head_dim: d,
-                    };
-                    let n = 3 + batch * kv_heads * capacity * d;
-                    let kd: Vec<f32> = (0..n).map(|i| 2.0 * pseudo(i + 11)).collect();
-                    let vd: Vec<f32> = (0..n).map(|i| 3.0 * pseudo(i + 7777)).collect();
-                    let view = |data| CacheView {
-                        data,
-                        offset: 3,
-                        batch: kv_heads * capacity * d,
-                        head: capacity * d,
-                        pos: d,
-                    };
-                    let (k, v) = (view(&kd), view(&vd));
-                    let q: Vec<f32> = (0..batch * q_heads * d).map(|i| pseudo(i + 555)).collect();
-                    let scale = 1.0 / (d as f32).sqrt();
-                    let want = reference(&q, &k, &v, shape, scale);
-                    let mut got = vec![f32::NAN; want.len()];
-                    decode_attention(kernel, &q, k, v, shape, scale, &mut got).unwrap();
-                    assert!(got.iter().all(|x| x.is_finite()), "{kernel:?} {shape:?}");
-                    let err = got
-                        .iter()
-                        .zip(&want)
-                        .map(|(&a, &b)| (a as f64 - b).abs())
-                        .fold(0f64, f64::max);
-                    assert!(err < 1e-5, "{kernel:?} {shape:?}: max |diff| {err}");
+                for (queries, positions) in [(1, 1), (1, 7), (1, 130), (5, 5), (9, 40)] {
+                    for window in [None, Some(4)] {
+                        let capacity = positions + 5;
+                        let shape = AttentionShape {
+                            batch,
+                            q_heads,
+                            kv_heads,
+                            queries,
+                            positions,
+                            head_dim: d,
+                        };
+                        let n = 3 + batch * kv_heads * capacity * d;
+                        let kd: Vec<f32> = (0..n).map(|i| 2.0 * pseudo(i + 11)).collect();
+                        let vd: Vec<f32> = (0..n).map(|i| 3.0 * pseudo(i + 7777)).collect();
+                        let view = |data| CacheView {
+                            data,
+                            offset: 3,
+                            batch: kv_heads * capacity * d,
+                            head: capacity * d,
+                            pos: d,
+                        };
+                        let (k, v) = (view(&kd), view(&vd));
+                        let q: Vec<f32> = (0..batch * q_heads * queries * d)
+                            .map(|i| pseudo(i + 555))
+                            .collect();
+                        let scale = 1.0 / (d as f32).sqrt();
+                        let want = reference(&q, &k, &v, shape, window, scale);
+                        let mut got = vec![f32::NAN; want.len()];
+                        causal_attention(kernel, &q, k, v, shape, window, scale, &mut got).unwrap();
+                        let case = format!("{kernel:?} {shape:?} window {window:?}");
+                        assert!(got.iter().all(|x| x.is_finite()), "{case}");
+                        let err = got
+                            .iter()
+                            .zip(&want)
+                            .map(|(&a, &b)| (a as f64 - b).abs())
+                            .fold(0f64, f64::max);
+                        assert!(err < 1e-5, "{case}: max |diff| {err}");
+                    }
                 }
             }
         }
     }
 
+    /// Every kernel: rows of two heads of a prompt's queries (after cached positions, and all
+    /// new), with and without a window, against the f64 definition: masked positions exactly
+    /// 0, the others within 1e-6; a bad size is an error.
+    #[test]
+    fn causal_softmax_is_the_masked_definition() {
+        for kernel in Kernel::under_test() {
+            for (queries, positions) in [(1, 9), (5, 5), (7, 30), (3, 300)] {
+                for window in [None, Some(4)] {
+                    let n = 2 * queries * positions;
+                    let x: Vec<f32> = (0..n).map(|i| 6.0 * pseudo(i + 3)).collect();
+                    let mut got = vec![f32::NAN; n];
+                    let scale = 0.7f32;
+                    causal_softmax(kernel, &x, &mut got, (queries, positions), window, scale)
+                        .unwrap();
+                    for (r, row) in got.chunks(positions).enumerate() {
+                        let p = positions - queries + r % queries;
+                        let seen = |t: usize| t <= p && window.is_none_or(|w| p - t < w);
+                        let xs = &x[r * positions..(r + 1) * positions];
+                        let max = (0..positions)
+                            .filter(|&t| seen(t))
+                            .map(|t| (xs[t] * scale) as f64)
+                            .fold(f64::NEG_INFINITY, f64::max);
+                        let sum: f64 = (0..positions)
+                            .filter(|&t| seen(t))
+                            .map(|t| ((xs[t] * scale) as f64 - max).exp())
+                            .sum();
+                        for (t, &g) in row.iter().enumerate() {
+                            let case = format!(
+                                "{kernel:?} {queries}/{positions} {window:?} row {r} at {t}"
+                            );
+                            if seen(t) {
+                                let want = ((xs[t] * scale) as f64 - max).exp() / sum;
+                                assert!((g as f64 - want).abs() <= 1e-6, "{case}: {g} vs {want}");
+                            } else {
+                                assert_eq!(g, 0.0, "{case}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let e = causal_softmax(
+            Kernel::Scalar,
+            &[0.0; 10],
+            &mut [0.0; 10],
+            (2, 4),
+            None,
+            1.0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("10 scores into 10 outputs, rows of 4 positions"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn nan_scores_give_nan_and_bad_sizes_are_errors() {
-        let shape = DecodeShape {
+        let shape = AttentionShape {
             batch: 1,
             q_heads: 2,
             kv_heads: 1,
+            queries: 1,
             positions: 3,
             head_dim: 4,
         };
@@ -373,31 +647,33 @@ mod tests {
         let mut q = vec![0.5f32; 8];
         q[1] = f32::NAN;
         let mut out = vec![0f32; 8];
-        decode_attention(Kernel::Scalar, &q, view, view, shape, 1.0, &mut out).unwrap();
+        causal_attention(Kernel::Scalar, &q, view, view, shape, None, 1.0, &mut out).unwrap();
         assert!(out[..4].iter().all(|x| x.is_nan()), "{out:?}");
         assert!(out[4..].iter().all(|&x| x == 1.0), "{out:?}");
-        let err = |s: DecodeShape, v: CacheView<'_>, out: &mut [f32]| {
-            decode_attention(Kernel::Scalar, &q, v, v, s, 1.0, out)
+        let err = |s: AttentionShape, w: Option<usize>, out: &mut [f32]| {
+            causal_attention(Kernel::Scalar, &q, view, view, s, w, 1.0, out)
                 .unwrap_err()
                 .to_string()
         };
         let e = err(
-            DecodeShape {
+            AttentionShape {
                 kv_heads: 3,
                 ..shape
             },
-            view,
+            None,
             &mut out,
         );
         assert!(e.contains("2 query heads over 3 KV heads"), "{e}");
-        let e = err(shape, view, &mut [0f32; 7]);
+        let e = err(shape, Some(0), &mut out);
+        assert!(e.contains("window Some(0)"), "{e}");
+        let e = err(shape, None, &mut [0f32; 7]);
         assert!(e.contains("out 7, expected 8"), "{e}");
         let e = err(
-            DecodeShape {
+            AttentionShape {
                 positions: 4,
                 ..shape
             },
-            view,
+            None,
             &mut out,
         );
         assert!(e.contains("reaches 16, past its 12 values"), "{e}");

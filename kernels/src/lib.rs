@@ -19,8 +19,8 @@
 //!   detected at run time, forced with `CANDLE_TP_KERNEL=scalar|avx2|avx512vnni`);
 //! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant;
 //! - [`swiglu`]: `silu(gate) · up` in one pass, with an AVX2 exponential;
-//! - [`attention`]: a decode step's attention (one query row per head against the KV cache)
-//!   in one pass.
+//! - [`attention`]: causal attention (a decode step's query rows against the KV cache, a
+//!   prompt's rows against theirs) in one pass.
 
 pub mod attention;
 pub mod f64_dot;

@@ -515,17 +515,17 @@ impl ParallelAttention {
         let q = rope.apply(q, index_pos)?;
         let k = rope.apply(k, index_pos)?;
         let (k, v) = cache.append(&k, v)?;
-        // A decode step (one query row) that sees the whole cache: one fused op on the CPU
-        // reads each KV head's cache once for its group (GQA's groups as `kv_group` finds
-        // them; an irregular head split takes the general path).
+        // A decode step: one fused op on the CPU in f32, each KV head's keys and values read
+        // once for its group (GQA's groups as `kv_group` finds them; an irregular head split,
+        // a soft-cap or gradients take the general path). Not for prompts: per query row and
+        // key, its dot products are slower than candle's gemm over all rows at once (SmolLM2
+        // pp512 at world 1: 0.84x).
         let groups_regular = self.kv_index.is_none() || self.kv_group.is_some();
-        if seq_len == 1
-            && self.softcap.is_none()
-            && groups_regular
-            && attention_mask(1, index_pos, self.sliding_window, q.device())?.is_none()
-        {
+        if seq_len == 1 && self.softcap.is_none() && groups_regular {
             let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
-            if let Some(y) = crate::ops::decode_attention::decode_attention(&q, &k, &v, scale)? {
+            let fused =
+                crate::ops::attention::causal_attention(&q, &k, &v, scale, self.sliding_window)?;
+            if let Some(y) = fused {
                 return y.transpose(1, 2)?.reshape((b, seq_len, nq * hd));
             }
         }
@@ -548,17 +548,23 @@ impl ParallelAttention {
         let q = q.to_dtype(DType::F32)?;
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
-        let att = self.scores(&q, &k, hd)?;
-        let att = match attention_mask(seq_len, index_pos, self.sliding_window, att.device())? {
-            None => att,
-            Some(mask) => {
-                let mask = mask.broadcast_as(att.shape())?;
-                let neg =
-                    Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
-                mask.where_cond(&neg, &att)?
+        let att = match self.fused_softmax(&q, &k, hd, seq_len)? {
+            Some(att) => att,
+            None => {
+                let att = self.scores(&q, &k, hd)?;
+                let mask = attention_mask(seq_len, index_pos, self.sliding_window, att.device())?;
+                let att = match mask {
+                    None => att,
+                    Some(mask) => {
+                        let mask = mask.broadcast_as(att.shape())?;
+                        let neg = Tensor::new(f32::NEG_INFINITY, att.device())?
+                            .broadcast_as(att.shape())?;
+                        mask.where_cond(&neg, &att)?
+                    }
+                };
+                candle_nn::ops::softmax_last_dim(&att)?
             }
         };
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
         let y = att.matmul(&v)?.to_dtype(in_dtype)?;
         y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))
     }
@@ -572,6 +578,30 @@ impl ParallelAttention {
 const GROUPED_MIN_POSITIONS: usize = 128;
 
 impl ParallelAttention {
+    /// The attention probabilities `softmax(scale · q · kᵀ)` under the causal mask (and the
+    /// sliding window) from the fused CPU softmax, for `seq_len` query rows per head (row `r`
+    /// of `q` `[.., rows, head_dim]` being query `r % seq_len`); `None` where it does not
+    /// apply (a soft-cap, another device or dtype, gradients), for the general path.
+    fn fused_softmax(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        hd: usize,
+        seq_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let applies = self.softcap.is_none()
+            && q.device().is_cpu()
+            && q.dtype() == DType::F32
+            && !q.track_op()
+            && !k.track_op();
+        if !applies {
+            return Ok(None);
+        }
+        let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
+        let raw = q.matmul(&k.t()?)?;
+        crate::ops::attention::causal_softmax(&raw, scale, seq_len, self.sliding_window)
+    }
+
     /// `q · kᵀ`, scaled (by `1/√head_dim` unless the model gives its scale) and soft-capped
     /// where the model caps (Gemma 2).
     fn scores(&self, q: &Tensor, k: &Tensor, hd: usize) -> Result<Tensor> {
@@ -603,21 +633,28 @@ impl ParallelAttention {
         let q = q.to_dtype(DType::F32)?.reshape((b, nkv, g * seq_len, hd))?;
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
-        let att = self.scores(&q, &k, hd)?;
-        let kv_len = att.dim(3)?;
-        let att = match attention_mask(seq_len, index_pos, self.sliding_window, att.device())? {
-            None => att,
-            Some(mask) => {
-                // Row `j·seq + i` of a group is query position `index_pos + i`.
-                let att = att.reshape((b, nkv, g, seq_len, kv_len))?;
-                let mask = mask.broadcast_as(att.shape())?;
-                let neg =
-                    Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
-                mask.where_cond(&neg, &att)?
-                    .reshape((b, nkv, g * seq_len, kv_len))?
+        // Row `j·seq + i` of a group is query position `index_pos + i` (the fused softmax
+        // takes row `r` as query `r % seq`).
+        let att = match self.fused_softmax(&q, &k, hd, seq_len)? {
+            Some(att) => att,
+            None => {
+                let att = self.scores(&q, &k, hd)?;
+                let kv_len = att.dim(3)?;
+                let mask = attention_mask(seq_len, index_pos, self.sliding_window, att.device())?;
+                let att = match mask {
+                    None => att,
+                    Some(mask) => {
+                        let att = att.reshape((b, nkv, g, seq_len, kv_len))?;
+                        let mask = mask.broadcast_as(att.shape())?;
+                        let neg = Tensor::new(f32::NEG_INFINITY, att.device())?
+                            .broadcast_as(att.shape())?;
+                        mask.where_cond(&neg, &att)?
+                            .reshape((b, nkv, g * seq_len, kv_len))?
+                    }
+                };
+                candle_nn::ops::softmax_last_dim(&att)?
             }
         };
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
         let y = att
             .matmul(&v)?
             .reshape((b, nq, seq_len, hd))?

@@ -1,10 +1,10 @@
 //! Collectives as Candle ops with autograd (Megatron's mappings), point-to-point `send` /
-//! `recv` with autograd (pipeline stages), tensor collectives, and the gated MLP's fused
-//! `silu(gate) · up`, and a decode step's attention in one op.
+//! `recv` with autograd (pipeline stages), tensor collectives, the gated MLP's fused
+//! `silu(gate) · up`, and causal attention in one op.
+pub(crate) mod attention;
 pub(crate) mod collective;
 #[cfg(feature = "cuda")]
 mod cuda;
-pub(crate) mod decode_attention;
 mod mappings;
 mod p2p;
 mod swiglu;

@@ -1,0 +1,282 @@
+//! Attention's fused CPU ops in f32, over `candle_tp_kernels::attention`: a decode step's
+//! attention in one op (each KV head's keys and values read once for its whole GQA group,
+//! instead of two matmuls and a softmax), and a prompt's causal softmax in one op (scale,
+//! mask and softmax in one pass, no masked score exponentiated).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_tp_kernels::attention::{AttentionShape, CacheView};
+use candle_tp_kernels::kernel::Kernel;
+
+/// The fused op (CPU, f32, inference only: it has no backward).
+struct CausalAttention {
+    scale: f32,
+    window: Option<usize>,
+}
+
+impl CausalAttention {
+    /// The view of keys or values `[batch, kv_heads, positions, head_dim]` of any strides
+    /// whose last is 1 (the KV cache's buffers are `[.., capacity, head_dim]`).
+    fn view<'a>(&self, name: &str, s: &'a CpuStorage, l: &Layout) -> Result<CacheView<'a>> {
+        let CpuStorage::F32(data) = s else {
+            candle_core::bail!("{}: {name} must be f32, got {:?}", self.name(), s.dtype())
+        };
+        let stride = l.stride();
+        if l.dims().len() != 4 || stride[3] != 1 {
+            candle_core::bail!(
+                "{}: {name} of shape {:?} and strides {stride:?}: expected [batch, kv_heads, \
+                 positions, head_dim] with contiguous rows",
+                self.name(),
+                l.dims()
+            )
+        }
+        Ok(CacheView {
+            data,
+            offset: l.start_offset(),
+            batch: stride[0],
+            head: stride[1],
+            pos: stride[2],
+        })
+    }
+}
+
+impl CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "candle-tp-causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(q) = s1 else {
+            candle_core::bail!("{}: q must be f32, got {:?}", self.name(), s1.dtype())
+        };
+        let (Some((q0, q1)), [batch, q_heads, queries, head_dim]) =
+            (l1.contiguous_offsets(), l1.dims())
+        else {
+            candle_core::bail!(
+                "{}: q of shape {:?} must be contiguous [batch, heads, queries, head_dim]",
+                self.name(),
+                l1.dims()
+            )
+        };
+        let (k, v) = (self.view("keys", s2, l2)?, self.view("values", s3, l3)?);
+        if l2.dims() != l3.dims() || l2.dims()[0] != *batch || l2.dims()[3] != *head_dim {
+            candle_core::bail!(
+                "{}: q {:?}, keys {:?} and values {:?} disagree (expected keys and values \
+                 [{batch}, kv_heads, positions, {head_dim}])",
+                self.name(),
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )
+        }
+        let shape = AttentionShape {
+            batch: *batch,
+            q_heads: *q_heads,
+            kv_heads: l2.dims()[1],
+            queries: *queries,
+            positions: l2.dims()[2],
+            head_dim: *head_dim,
+        };
+        let mut out = vec![0f32; q1 - q0];
+        candle_tp_kernels::attention::causal_attention(
+            Kernel::detect(),
+            &q[q0..q1],
+            k,
+            v,
+            shape,
+            self.window,
+            self.scale,
+            &mut out,
+        )?;
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// Causal `softmax(scale · q · kᵀ) · v`: `q` `[batch, heads, queries, head_dim]` holds the
+/// last `queries` of the positions of `k`, `v` `[batch, kv_heads, positions, head_dim]` (query
+/// head `h` reads KV head `h / (heads / kv_heads)`; any strides with contiguous rows), each
+/// row seeing the positions up to its own, or with a sliding `window` the last `window` of
+/// them; as the fused CPU op. `None` where it does not apply (another device or dtype, or a
+/// tensor that tracks gradients: the op has no backward), for the caller's general path.
+pub(crate) fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Option<Tensor>> {
+    let cpu_f32 = [q, k, v]
+        .iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op());
+    if !cpu_f32 {
+        return Ok(None);
+    }
+    let op = CausalAttention {
+        scale: scale as f32,
+        window,
+    };
+    Ok(Some(q.contiguous()?.apply_op3_no_bwd(k, v, &op)?))
+}
+
+/// The causal softmax of a prompt's scores as one op (CPU, f32, inference only).
+struct CausalSoftmax {
+    scale: f32,
+    queries: usize,
+    window: Option<usize>,
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "candle-tp-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(x) = s else {
+            candle_core::bail!("{}: scores must be f32, got {:?}", self.name(), s.dtype())
+        };
+        let (Some((x0, x1)), Some(&positions)) = (l.contiguous_offsets(), l.dims().last()) else {
+            candle_core::bail!(
+                "{}: scores of shape {:?} must be contiguous, positions last",
+                self.name(),
+                l.dims()
+            )
+        };
+        let mut out = vec![0f32; x1 - x0];
+        candle_tp_kernels::attention::causal_softmax(
+            Kernel::detect(),
+            &x[x0..x1],
+            &mut out,
+            (self.queries, positions),
+            self.window,
+            self.scale,
+        )?;
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+}
+
+/// `softmax(scale · scores)` over each row's visible positions (0 at the others): the rows of
+/// `scores` `[.., rows, positions]` are query rows `r % queries` of the last `queries`
+/// positions, each seeing the positions up to its own, or the last `window` of them; as the
+/// fused CPU op. `None` where it does not apply (another device or dtype, or gradients).
+pub(crate) fn causal_softmax(
+    scores: &Tensor,
+    scale: f64,
+    queries: usize,
+    window: Option<usize>,
+) -> Result<Option<Tensor>> {
+    if !scores.device().is_cpu() || scores.dtype() != DType::F32 || scores.track_op() {
+        return Ok(None);
+    }
+    let op = CausalSoftmax {
+        scale: scale as f32,
+        queries,
+        window,
+    };
+    Ok(Some(scores.contiguous()?.apply_op1_no_bwd(&op)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, IndexOp};
+
+    /// Against Candle's own matmuls, causal mask and softmax on the cache expanded to every
+    /// query head, with keys and values strided as the KV cache's buffers (a narrowed
+    /// capacity): a decode row and a prompt's last 5 rows.
+    #[test]
+    fn is_candles_attention_on_strided_caches() -> Result<()> {
+        for rows in [1, 5] {
+            is_candles_attention(rows)?;
+        }
+        Ok(())
+    }
+
+    fn is_candles_attention(rows: usize) -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, nq, nkv, d, cap, len) = (2, 6, 2, 16, 40, 33);
+        let q = Tensor::randn(0f32, 1.0, (b, nq, rows, d), &dev)?;
+        let kbuf = Tensor::randn(0f32, 1.0, (b, nkv, cap, d), &dev)?;
+        let vbuf = Tensor::randn(0f32, 1.0, (b, nkv, cap, d), &dev)?;
+        let (k, v) = (kbuf.narrow(2, 0, len)?, vbuf.narrow(2, 0, len)?);
+        assert!(!k.is_contiguous());
+        let scale = 1.0 / (d as f64).sqrt();
+        let got = causal_attention(&q, &k, &v, scale, None)?.expect("the fused path applies");
+        let g = nq / nkv;
+        let expand = |t: &Tensor| -> Result<Tensor> {
+            let heads: Vec<Tensor> = (0..nq)
+                .map(|h| t.i((.., h / g..h / g + 1)))
+                .collect::<Result<_>>()?;
+            Tensor::cat(&heads, 1)?.contiguous()
+        };
+        let (ke, ve) = (expand(&k)?, expand(&v)?);
+        let att = (q.matmul(&ke.t()?)? * scale)?;
+        // Row i (position len - rows + i) must not see the later positions.
+        let mask: Vec<f32> = (0..rows)
+            .flat_map(|i| {
+                (0..len).map(move |j| {
+                    if j > len - rows + i {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        let att = att.broadcast_add(&Tensor::from_vec(mask, (rows, len), &dev)?)?;
+        let want = candle_nn::ops::softmax_last_dim(&att)?.matmul(&ve)?;
+        assert_eq!(got.dims(), want.dims());
+        let diff: Vec<f32> = (got - want)?.abs()?.flatten_all()?.to_vec1()?;
+        assert!(diff.iter().all(|x| x.is_finite()), "{diff:?}");
+        let max = diff.iter().cloned().fold(0f32, f32::max);
+        assert!(max < 1e-5, "max |diff| {max}");
+        Ok(())
+    }
+
+    /// The prompt's softmax against candle's scale, mask and softmax.
+    #[test]
+    fn causal_softmax_is_candles_masked_softmax() -> Result<()> {
+        let dev = Device::Cpu;
+        let (rows, len) = (6, 20);
+        let scores = Tensor::randn(0f32, 3.0, (2, 3, rows, len), &dev)?;
+        let got = causal_softmax(&scores, 0.5, rows, Some(8))?.expect("fused");
+        let mask: Vec<f32> = (0..rows)
+            .flat_map(|i| {
+                let p = len - rows + i;
+                (0..len).map(move |j| {
+                    if j > p || p - j >= 8 {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        let masked = (scores * 0.5)?.broadcast_add(&Tensor::from_vec(mask, (rows, len), &dev)?)?;
+        let want = candle_nn::ops::softmax_last_dim(&masked)?;
+        let diff: Vec<f32> = (got - want)?.abs()?.flatten_all()?.to_vec1()?;
+        assert!(diff.iter().all(|x| x.is_finite()), "{diff:?}");
+        let max = diff.iter().cloned().fold(0f32, f32::max);
+        assert!(max < 1e-6, "max |diff| {max}");
+        Ok(())
+    }
+
+    #[test]
+    fn tracked_or_other_dtypes_take_the_general_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((1, 2, 1, 4), DType::F32, &dev)?;
+        let k = Tensor::zeros((1, 2, 3, 4), DType::F32, &dev)?;
+        let var = candle_core::Var::from_tensor(&q)?;
+        assert!(causal_attention(var.as_tensor(), &k, &k, 1.0, None)?.is_none());
+        let kb = k.to_dtype(DType::BF16)?;
+        assert!(causal_attention(&q.to_dtype(DType::BF16)?, &kb, &kb, 1.0, None)?.is_none());
+        Ok(())
+    }
+}
