@@ -188,6 +188,34 @@ mod tests {
     use super::*;
     use candle_core::{Device, IndexOp};
 
+    /// `[rows, len]`: −∞ where row `i` (position `len − rows + i`) must not look (a later
+    /// position, or one `window` or more back), 0 elsewhere; written out independently of the
+    /// kernels' own bounds.
+    fn additive_mask(rows: usize, len: usize, window: Option<usize>) -> Result<Tensor> {
+        let w = window.unwrap_or(usize::MAX);
+        let mask: Vec<f32> = (0..rows)
+            .flat_map(|i| {
+                let p = len - rows + i;
+                (0..len).map(move |j| {
+                    if j > p || p - j >= w {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        Tensor::from_vec(mask, (rows, len), &Device::Cpu)
+    }
+
+    /// The largest `|a − b|`, after checking that every difference is finite (a NaN would
+    /// pass any tolerance).
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let diff: Vec<f32> = (a - b)?.abs()?.flatten_all()?.to_vec1()?;
+        assert!(diff.iter().all(|x| x.is_finite()), "{diff:?}");
+        Ok(diff.iter().cloned().fold(0f32, f32::max))
+    }
+
     /// Against Candle's own matmuls, causal mask and softmax on the cache expanded to every
     /// query head, with keys and values strided as the KV cache's buffers (a narrowed
     /// capacity): a decode row and a prompt's last 5 rows.
@@ -218,24 +246,10 @@ mod tests {
         };
         let (ke, ve) = (expand(&k)?, expand(&v)?);
         let att = (q.matmul(&ke.t()?)? * scale)?;
-        // Row i (position len - rows + i) must not see the later positions.
-        let mask: Vec<f32> = (0..rows)
-            .flat_map(|i| {
-                (0..len).map(move |j| {
-                    if j > len - rows + i {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-            })
-            .collect();
-        let att = att.broadcast_add(&Tensor::from_vec(mask, (rows, len), &dev)?)?;
+        let att = att.broadcast_add(&additive_mask(rows, len, None)?)?;
         let want = candle_nn::ops::softmax_last_dim(&att)?.matmul(&ve)?;
         assert_eq!(got.dims(), want.dims());
-        let diff: Vec<f32> = (got - want)?.abs()?.flatten_all()?.to_vec1()?;
-        assert!(diff.iter().all(|x| x.is_finite()), "{diff:?}");
-        let max = diff.iter().cloned().fold(0f32, f32::max);
+        let max = max_abs_diff(&got, &want)?;
         assert!(max < 1e-5, "max |diff| {max}");
         Ok(())
     }
@@ -247,23 +261,9 @@ mod tests {
         let (rows, len) = (6, 20);
         let scores = Tensor::randn(0f32, 3.0, (2, 3, rows, len), &dev)?;
         let got = causal_softmax(&scores, 0.5, rows, Some(8))?.expect("fused");
-        let mask: Vec<f32> = (0..rows)
-            .flat_map(|i| {
-                let p = len - rows + i;
-                (0..len).map(move |j| {
-                    if j > p || p - j >= 8 {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-            })
-            .collect();
-        let masked = (scores * 0.5)?.broadcast_add(&Tensor::from_vec(mask, (rows, len), &dev)?)?;
+        let masked = (scores * 0.5)?.broadcast_add(&additive_mask(rows, len, Some(8))?)?;
         let want = candle_nn::ops::softmax_last_dim(&masked)?;
-        let diff: Vec<f32> = (got - want)?.abs()?.flatten_all()?.to_vec1()?;
-        assert!(diff.iter().all(|x| x.is_finite()), "{diff:?}");
-        let max = diff.iter().cloned().fold(0f32, f32::max);
+        let max = max_abs_diff(&got, &want)?;
         assert!(max < 1e-6, "max |diff| {max}");
         Ok(())
     }
