@@ -110,13 +110,16 @@ pub fn causal_attention(
     } = shape;
     if kv_heads == 0 || q_heads % kv_heads != 0 || queries > positions || window == Some(0) {
         candle_core::bail!(
-            "attention: {q_heads} query heads over {kv_heads} KV heads, {queries} query rows              at {positions} positions, window {window:?} (KV heads must divide the query              heads, the queries be among the positions, a window hold a position)"
+            "attention: {q_heads} query heads over {kv_heads} KV heads, {queries} query rows \
+             at {positions} positions, window {window:?} (KV heads must divide the query \
+             heads, the queries be among the positions, a window hold a position)"
         )
     }
     let want = batch * q_heads * queries * d;
     if q.len() != want || out.len() != want {
         candle_core::bail!(
-            "attention: q has {} values and out {}, expected {want} ({batch} x {q_heads}              heads x {queries} rows x {d})",
+            "attention: q has {} values and out {}, expected {want} ({batch} x {q_heads} \
+             heads x {queries} rows x {d})",
             q.len(),
             out.len()
         )
@@ -664,10 +667,14 @@ mod tests {
             &mut out,
         );
         assert!(e.contains("2 query heads over 3 KV heads"), "{e}");
+        assert!(e.contains("1 query rows at 3 positions"), "{e}");
         let e = err(shape, Some(0), &mut out);
         assert!(e.contains("window Some(0)"), "{e}");
         let e = err(shape, None, &mut [0f32; 7]);
-        assert!(e.contains("out 7, expected 8"), "{e}");
+        assert!(
+            e.contains("out 7, expected 8 (1 x 2 heads x 1 rows x 4)"),
+            "{e}"
+        );
         let e = err(
             AttentionShape {
                 positions: 4,
