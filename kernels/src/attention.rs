@@ -13,7 +13,11 @@
 //! group: per visible position, one key row against the group's query rows (dot products in
 //! eight lanes, fused multiply-adds), then a softmax per query head (with an eight-lane
 //! exponential), then per position one value row added into the group's outputs. Masked
-//! positions are never computed.
+//! positions are never computed. A prompt's rows go in blocks instead (`blocks`, on AVX2):
+//! the keys packed once per KV head, then per block of six query rows register tiles as a
+//! gemm's, over the key panels the block may see. Within a block, a row's weight at a
+//! position it must not see is 0, so a NaN or infinite value row there makes it NaN, as
+//! candle's `p · v` does.
 //!
 //! The sums run in another order than Candle's gemm, so results differ from it by rounding
 //! (tested: within 1e-5 of the definition in f64).
@@ -36,6 +40,9 @@
 use crate::kernel::Kernel;
 use candle_core::Result;
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+mod blocks;
 
 /// A cache's keys or values as the kernel reads them: element `(b, h, t, i)` (sequence `b`, KV
 /// head `h`, position `t`, component `i`) at `data[offset + b·batch + h·head + t·pos + i]`.
@@ -70,6 +77,11 @@ pub struct AttentionShape {
     /// Components per head.
     pub head_dim: usize,
 }
+
+/// Query rows per head from which the AVX2 kernels take a prompt in blocks of rows (register
+/// tiles over packed keys, `blocks`) rather than row by row.
+#[cfg(target_arch = "x86_64")]
+const BLOCKED_MIN_QUERIES: usize = blocks::ROWS / 2;
 
 /// Work per rayon task at least (multiply-adds), below which a task costs more than its work.
 const MIN_PER_TASK: usize = 1 << 16;
@@ -163,8 +175,12 @@ pub fn causal_attention(
             scale,
         };
         crate::kernel::by_kernel!(kernel,
-            scalar => group_rows(q, k, v, rows, out, Lanes::Scalar),
-            avx2 => avx2::group_rows(q, k, v, rows, out))
+        scalar => group_rows(q, k, v, rows, out, Lanes::Scalar),
+        avx2 => if queries >= BLOCKED_MIN_QUERIES {
+            blocks::group_blocks(q, k, v, rows, out)
+        } else {
+            avx2::group_rows(q, k, v, rows, out)
+        })
     };
     let work = g * queries * positions * d;
     if rayon::current_num_threads() > 1 && batch * kv_heads > 1 && work >= MIN_PER_TASK {
@@ -260,10 +276,15 @@ fn softmax_rows(
     }
 }
 
-/// The softmax of `row` in place: minus the largest value (NaN if any is NaN, as Candle's
-/// softmax gives), exponentials, divided by their sum.
+/// The softmax of `row` in place: minus the largest value, exponentials, divided by their sum
+/// (all NaN if any value is NaN, as Candle's softmax gives).
 #[inline(always)]
 fn softmax_in_place(row: &mut [f32], lanes: Lanes) {
+    #[cfg(target_arch = "x86_64")]
+    if let Lanes::Avx2 = lanes {
+        // SAFETY: `Lanes::Avx2` is only passed from a function that enables avx2 and fma.
+        return unsafe { softmax_avx2(row) };
+    }
     let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| {
         if s.is_nan() || m.is_nan() {
             f32::NAN
@@ -272,9 +293,53 @@ fn softmax_in_place(row: &mut [f32], lanes: Lanes) {
         }
     });
     row.iter_mut().for_each(|s| *s -= max);
-    exp_in_place(row, lanes);
+    row.iter_mut().for_each(|x| *x = x.exp());
     let sum: f32 = row.iter().sum();
     row.iter_mut().for_each(|p| *p /= sum);
+}
+
+/// [`softmax_in_place`] in eight lanes: the maximum, then the exponentials and their sum in
+/// one pass, then one multiplication by the sum's inverse (the scalar form's serial `max` and
+/// sum took a third of a prompt's blocked attention). A NaN makes the row NaN without being
+/// the maximum: its exponential, hence the sum, is NaN.
+///
+/// # Safety
+/// The CPU must support avx2 and fma (inline this into a function that enables them).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn softmax_avx2(row: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let whole = row.len() / 8 * 8;
+    let (body, tail) = row.split_at_mut(whole);
+    let p = body.as_mut_ptr();
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    for i in (0..whole).step_by(8) {
+        m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    let max = tail.iter().fold(_mm_cvtss_f32(m), |m, &x| m.max(x));
+    let vmax = _mm256_set1_ps(max);
+    let mut sum = _mm256_setzero_ps();
+    for i in (0..whole).step_by(8) {
+        let e = crate::swiglu::avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vmax));
+        _mm256_storeu_ps(p.add(i), e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    let sum = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    let sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+    let mut sum = _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+    for x in tail.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
+    let vinv = _mm256_set1_ps(inv);
+    for i in (0..whole).step_by(8) {
+        _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), vinv));
+    }
+    tail.iter_mut().for_each(|x| *x *= inv);
 }
 
 /// How [`group`] computes exponentials.
@@ -302,28 +367,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         s = x.mul_add(*y, s);
     }
     s
-}
-
-/// `e^x` for every value of `xs`, in place.
-#[inline(always)]
-fn exp_in_place(xs: &mut [f32], lanes: Lanes) {
-    match lanes {
-        Lanes::Scalar => xs.iter_mut().for_each(|x| *x = x.exp()),
-        #[cfg(target_arch = "x86_64")]
-        Lanes::Avx2 => {
-            use std::arch::x86_64::*;
-            let whole = xs.len() / 8 * 8;
-            for c in xs[..whole].chunks_exact_mut(8) {
-                // SAFETY: `Lanes::Avx2` is only passed from a function that enables avx2 and
-                // fma; `c` holds 8 values.
-                unsafe {
-                    let p = c.as_mut_ptr();
-                    _mm256_storeu_ps(p, crate::swiglu::avx2::exp(_mm256_loadu_ps(p)));
-                }
-            }
-            xs[whole..].iter_mut().for_each(|x| *x = x.exp());
-        }
-    }
 }
 
 /// A buffer, the offset of position 0 of one head, and the stride of positions.
@@ -528,8 +571,10 @@ mod tests {
     #[test]
     fn every_kernel_is_the_definition() {
         for kernel in Kernel::under_test() {
-            for (batch, q_heads, kv_heads, d) in [(1, 4, 4, 64), (1, 9, 3, 64), (2, 6, 2, 20)] {
-                for (queries, positions) in [(1, 1), (1, 7), (1, 130), (5, 5), (9, 40)] {
+            for (batch, q_heads, kv_heads, d) in
+                [(1, 4, 4, 64), (1, 9, 3, 64), (2, 6, 2, 20), (1, 4, 2, 24)]
+            {
+                for (queries, positions) in [(1, 1), (1, 7), (1, 130), (5, 5), (9, 40), (40, 70)] {
                     for window in [None, Some(4)] {
                         let capacity = positions + 5;
                         let shape = AttentionShape {
@@ -630,7 +675,7 @@ mod tests {
     }
 
     #[test]
-    fn nan_scores_give_nan_and_bad_sizes_are_errors() {
+    fn nan_queries_give_nan_rows_and_bad_sizes_are_errors() {
         let shape = AttentionShape {
             batch: 1,
             q_heads: 2,
@@ -647,12 +692,27 @@ mod tests {
             head: 12,
             pos: 4,
         };
-        let mut q = vec![0.5f32; 8];
-        q[1] = f32::NAN;
+        // Every kernel, a decode row and a prompt of 3 rows (blocked on AVX2): a NaN in head
+        // 0's last query row makes that row NaN and no other.
+        for kernel in Kernel::under_test() {
+            for queries in [1, 3] {
+                let shape = AttentionShape { queries, ..shape };
+                let mut q = vec![0.5f32; 2 * queries * 4];
+                q[(queries - 1) * 4 + 1] = f32::NAN;
+                let mut out = vec![0f32; q.len()];
+                causal_attention(kernel, &q, view, view, shape, None, 1.0, &mut out).unwrap();
+                for (row, out) in out.chunks(4).enumerate() {
+                    let case = format!("{kernel:?} {queries} rows: row {row} {out:?}");
+                    if row == queries - 1 {
+                        assert!(out.iter().all(|x| x.is_nan()), "{case}");
+                    } else {
+                        assert!(out.iter().all(|&x| (x - 1.0).abs() < 1e-6), "{case}");
+                    }
+                }
+            }
+        }
+        let q = vec![0.5f32; 8];
         let mut out = vec![0f32; 8];
-        causal_attention(Kernel::Scalar, &q, view, view, shape, None, 1.0, &mut out).unwrap();
-        assert!(out[..4].iter().all(|x| x.is_nan()), "{out:?}");
-        assert!(out[4..].iter().all(|&x| x == 1.0), "{out:?}");
         let err = |s: AttentionShape, w: Option<usize>, out: &mut [f32]| {
             causal_attention(Kernel::Scalar, &q, view, view, s, w, 1.0, out)
                 .unwrap_err()

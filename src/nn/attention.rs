@@ -515,13 +515,12 @@ impl ParallelAttention {
         let q = rope.apply(q, index_pos)?;
         let k = rope.apply(k, index_pos)?;
         let (k, v) = cache.append(&k, v)?;
-        // A decode step: one fused op on the CPU in f32, each KV head's keys and values read
-        // once for its group (GQA's groups as `kv_group` finds them; an irregular head split,
-        // a soft-cap or gradients take the general path). Not for prompts: per query row and
-        // key, its dot products are slower than candle's gemm over all rows at once (SmolLM2
-        // pp512 at world 1: 0.84x).
+        // One fused op on the CPU in f32: a decode step reads each KV head's keys and values
+        // once for its group, a prompt goes in blocks of query rows against packed keys,
+        // masked blocks skipped (GQA's groups as `kv_group` finds them; an irregular head
+        // split, a soft-cap or gradients take the general path).
         let groups_regular = self.kv_index.is_none() || self.kv_group.is_some();
-        if seq_len == 1 && self.softcap.is_none() && groups_regular {
+        if self.softcap.is_none() && groups_regular {
             let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
             let fused =
                 crate::ops::attention::causal_attention(&q, &k, &v, scale, self.sliding_window)?;

@@ -1,7 +1,9 @@
-//! Attention's fused CPU ops in f32, over `candle_tp_kernels::attention`: a decode step's
-//! attention in one op (each KV head's keys and values read once for its whole GQA group,
-//! instead of two matmuls and a softmax), and a prompt's causal softmax in one op (scale,
-//! mask and softmax in one pass, no masked score exponentiated).
+//! Attention's fused CPU ops in f32, over `candle_tp_kernels::attention`: causal attention in
+//! one op (a decode step's each KV head's keys and values read once for its whole GQA group;
+//! a prompt's in blocks of query rows against packed keys, masked blocks skipped; instead of
+//! two matmuls, a mask and a softmax), and a prompt's causal softmax in one op (scale, mask
+//! and softmax in one pass, no masked score exponentiated) for the paths that keep candle's
+//! matmuls.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -104,8 +106,9 @@ impl CustomOp3 for CausalAttention {
 /// last `queries` of the positions of `k`, `v` `[batch, kv_heads, positions, head_dim]` (query
 /// head `h` reads KV head `h / (heads / kv_heads)`; any strides with contiguous rows), each
 /// row seeing the positions up to its own, or with a sliding `window` the last `window` of
-/// them; as the fused CPU op. `None` where it does not apply (another device or dtype, or a
-/// tensor that tracks gradients: the op has no backward), for the caller's general path.
+/// them; as the fused CPU op. `None` where it does not apply (another device or dtype, a
+/// tensor that tracks gradients: the op has no backward; or a prompt on a CPU without AVX2,
+/// whose row-by-row kernel is slower than candle's gemm), for the caller's general path.
 pub(crate) fn causal_attention(
     q: &Tensor,
     k: &Tensor,
@@ -116,7 +119,7 @@ pub(crate) fn causal_attention(
     let cpu_f32 = [q, k, v]
         .iter()
         .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op());
-    if !cpu_f32 {
+    if !cpu_f32 || (q.dim(2)? > 1 && Kernel::detect() == Kernel::Scalar) {
         return Ok(None);
     }
     let op = CausalAttention {
@@ -221,7 +224,7 @@ mod tests {
     /// capacity): a decode row and a prompt's last 5 rows.
     #[test]
     fn is_candles_attention_on_strided_caches() -> Result<()> {
-        for rows in [1, 5] {
+        for rows in [1, 5, 33] {
             is_candles_attention(rows)?;
         }
         Ok(())
