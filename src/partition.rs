@@ -4,7 +4,9 @@
 //! differ by at most one *unit*, where the unit is what must not be cut (one column, one
 //! attention head of `head_dim` columns, one KV group, a quantization block). The first
 //! `units % parts` ranks get one unit more: 1000 columns on 3 ranks is 334 + 333 + 333, and 9
-//! heads on 2 ranks is 5 + 4. Uneven sizes are supported, not refused.
+//! heads on 2 ranks is 5 + 4. Uneven sizes are supported, not refused. A split can also give
+//! its first ranks fewer units on purpose ([`Partition::balancing`]): a gated MLP does, where
+//! those ranks hold one more attention group than the others.
 
 use std::ops::Range;
 
@@ -24,6 +26,11 @@ pub struct Partition {
     total: usize,
     parts: usize,
     unit: usize,
+    /// The first `lead` parts hold `lead_units` units each, the others `rest_units` (`lead` is
+    /// 0 when every part holds `rest_units`).
+    lead: usize,
+    lead_units: usize,
+    rest_units: usize,
 }
 
 impl Partition {
@@ -61,7 +68,102 @@ impl Partition {
                 reason: "there are fewer units than ranks, so some rank would hold nothing",
             });
         }
-        Ok(Self { total, parts, unit })
+        let units = total / unit;
+        Ok(Self::from_units(
+            total,
+            parts,
+            unit,
+            units % parts,
+            units / parts + 1,
+            units / parts,
+        ))
+    }
+
+    /// The split whose first `lead` parts hold `lead_units` units and the others `rest_units`,
+    /// normalised so that equal splits compare equal.
+    fn from_units(
+        total: usize,
+        parts: usize,
+        unit: usize,
+        lead: usize,
+        lead_units: usize,
+        rest_units: usize,
+    ) -> Self {
+        let (lead, lead_units) = if lead == 0 || lead_units == rest_units {
+            (0, rest_units)
+        } else {
+            (lead, lead_units)
+        };
+        Self {
+            total,
+            parts,
+            unit,
+            lead,
+            lead_units,
+            rest_units,
+        }
+    }
+
+    /// Splits `total` elements into `parts` ranges in multiples of `unit`, the first
+    /// `lead_parts` of which also carry other work worth `lead_extra` elements of this
+    /// dimension (a gated MLP's intermediate columns, on ranks that hold one more attention
+    /// group): those ranges are shorter, so that each part's elements plus its other work are
+    /// as even as whole units allow. The other parts hold equal ranges. Falls back to
+    /// [`Partition::with_unit`]'s split where no such split gives a part less to do than
+    /// it (a unit too coarse, no other work, or fewer units than parts need).
+    ///
+    /// ```
+    /// use candle_tp::Partition;
+    /// // SmolLM2's MLP (1536 columns, blocks of 32) on 2 ranks, the first holding 2 of 3 KV
+    /// // groups: its extra q/k/v/o rows weigh ~171 columns.
+    /// let p = Partition::balancing(1536, 2, 32, 1, 170.7).unwrap();
+    /// assert_eq!(p.sizes(), vec![672, 864]);
+    /// ```
+    pub fn balancing(
+        total: usize,
+        parts: usize,
+        unit: usize,
+        lead_parts: usize,
+        lead_extra: f64,
+    ) -> Result<Self, PartitionError> {
+        let even = Self::with_unit(total, parts, unit)?;
+        if lead_parts == 0 || lead_parts >= parts || lead_extra.is_nan() || lead_extra <= 0.0 {
+            return Ok(even);
+        }
+        // Each part's work: its elements, plus `lead_extra` on the lead parts.
+        let work = |p: &Self| {
+            (0..parts)
+                .map(|i| p.size(i) as f64 + if i < lead_parts { lead_extra } else { 0.0 })
+                .fold(0f64, f64::max)
+        };
+        let units = total / unit;
+        let rest_parts = parts - lead_parts;
+        // The real-valued balance: lead + extra = rest, lead_parts·lead + rest_parts·rest =
+        // total; then the whole-unit counts around it whose remainder splits evenly.
+        let ideal = (total as f64 - rest_parts as f64 * lead_extra) / parts as f64 / unit as f64;
+        let mut best = even;
+        for lead_units in [ideal.floor(), ideal.ceil()] {
+            // At least one unit each (a NaN or negative ideal: one).
+            let lead_units = lead_units.max(1.0) as usize;
+            let Some(rest) = units.checked_sub(lead_parts * lead_units) else {
+                continue;
+            };
+            if rest % rest_parts != 0 || rest / rest_parts == 0 {
+                continue;
+            }
+            let p = Self::from_units(
+                total,
+                parts,
+                unit,
+                lead_parts,
+                lead_units,
+                rest / rest_parts,
+            );
+            if work(&p) < work(&best) {
+                best = p;
+            }
+        }
+        Ok(best)
     }
 
     /// Total number of elements.
@@ -81,8 +183,11 @@ impl Partition {
 
     /// Number of units held by `part`.
     pub fn units_of(&self, part: usize) -> usize {
-        let units = self.total / self.unit;
-        units / self.parts + usize::from(part < units % self.parts)
+        if part < self.lead {
+            self.lead_units
+        } else {
+            self.rest_units
+        }
     }
 
     /// Number of elements held by `part`.
@@ -92,9 +197,8 @@ impl Partition {
 
     /// First element held by `part`.
     pub fn offset(&self, part: usize) -> usize {
-        let units = self.total / self.unit;
-        let (base, extra) = (units / self.parts, units % self.parts);
-        (part * base + part.min(extra)) * self.unit
+        let lead = part.min(self.lead);
+        (lead * self.lead_units + (part - lead) * self.rest_units) * self.unit
     }
 
     /// The elements held by `part`.
@@ -110,7 +214,7 @@ impl Partition {
 
     /// Whether every part has the same size.
     pub fn is_even(&self) -> bool {
-        (self.total / self.unit).is_multiple_of(self.parts)
+        self.lead == 0
     }
 
     /// The part that holds element `index` (`None` past the end).
@@ -185,6 +289,62 @@ mod tests {
         assert_eq!(p.sizes(), vec![5 * 64, 4 * 64]);
         assert_eq!(p.range(1), 320..576);
         assert!(!p.is_even());
+    }
+
+    /// Against the work of every split in whole units, found by brute force: the balanced
+    /// split's largest part (elements plus the lead parts' extra work) is the least that a
+    /// split with equal lead parts and equal other parts can reach, and its ranges tile the
+    /// dimension.
+    #[test]
+    fn balancing_is_the_least_loaded_split_of_its_form() {
+        for (total, parts, unit, lead, extra) in [
+            (1536, 2, 32, 1, 170.7),
+            (1536, 2, 256, 1, 170.7),
+            (2560, 3, 32, 2, 128.0),
+            (8192, 4, 32, 2, 300.0),
+            (96, 2, 32, 1, 500.0),
+            (1536, 2, 32, 1, 0.0),
+        ] {
+            let p = Partition::balancing(total, parts, unit, lead, extra).unwrap();
+            let work = |sizes: &[usize]| {
+                sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &s)| s as f64 + if i < lead { extra } else { 0.0 })
+                    .fold(0f64, f64::max)
+            };
+            let units = total / unit;
+            let best = (1..units)
+                .filter_map(|a| {
+                    let rest = units.checked_sub(lead * a)?;
+                    (rest % (parts - lead) == 0 && rest > 0).then(|| {
+                        let mut s = vec![a * unit; lead];
+                        s.resize(parts, rest / (parts - lead) * unit);
+                        work(&s)
+                    })
+                })
+                .fold(
+                    work(&Partition::with_unit(total, parts, unit).unwrap().sizes()),
+                    f64::min,
+                );
+            let case = format!("{total}/{parts} by {unit}, {lead} lead with {extra}");
+            assert_eq!(work(&p.sizes()), best, "{case}: {:?}", p.sizes());
+            assert_eq!(p.sizes().iter().sum::<usize>(), total, "{case}");
+            let mut next = 0;
+            for r in 0..parts {
+                assert_eq!(p.range(r).start, next, "{case}");
+                assert!(p.size(r).is_multiple_of(unit) && p.size(r) > 0, "{case}");
+                next = p.range(r).end;
+                assert_eq!(p.owner(next - 1), Some(r), "{case}");
+            }
+        }
+        let p = Partition::balancing(1536, 2, 32, 1, 170.7).unwrap();
+        assert_eq!(p.sizes(), vec![672, 864]);
+        assert!(!p.is_even());
+        // Too coarse to help (6 units of 256): the even split, equal to `with_unit`'s.
+        let p = Partition::balancing(1536, 2, 256, 1, 170.7).unwrap();
+        assert_eq!(p, Partition::with_unit(1536, 2, 256).unwrap());
+        assert!(p.is_even());
     }
 
     #[test]

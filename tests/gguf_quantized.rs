@@ -2,8 +2,11 @@
 //! the shipped Q4_1 file and Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K files written from it once
 //! into the model cache by `common::smollm2_gguf`.
 //!
-//! Worlds 2 and 3 (uneven: 5 + 4 and 3 + 3 + 3 heads; the down projection's 6 k-quant
-//! super-blocks 3 + 3 and 2 + 2 + 2) against world 1, four prompts x 32 greedy tokens each:
+//! Worlds 2 and 3 (uneven: 6 + 3 heads, 2 + 1 KV groups, and 3 + 3 + 3; at world 2 the MLP's
+//! 1536 columns 672 + 864 in blocks of 32 and 704 + 832 in Q5_0 / Q5_1's pairs of blocks,
+//! evening out the attention's extra group, and for the k-quants the down projection's 6
+//! super-blocks 3 + 3; at world 3 512 + 512 + 512 and 2 + 2 + 2) against world 1, four
+//! prompts x 32 greedy tokens each:
 //! the same ids, and the same last-position logits within [`TOL`] (measured: 0, bit for
 //! bit). Row-parallel layers sum quantized products in f64 and all-reduce them in f64
 //! (`candle_tp_kernels::f64_dot`); with candle's f32 sums, worlds 2 and 3 kept only 2 of 4
@@ -80,6 +83,25 @@ fn worlds_two_and_three_generate_the_ids_of_world_one() -> anyhow::Result<()> {
         for world in [2, 3] {
             let got = run_threads(world, |pg| {
                 let mut m = Llama::from_gguf(&path, &Device::Cpu, pg)?;
+                // The layout these worlds are meant to test: the attention's split by whole
+                // KV groups, the MLP's evened out against it where its blocks allow.
+                let q_heads = m.attention(0).expect("layer 0").heads().q_heads.len();
+                let mlp = m
+                    .decoder()
+                    .mlp(0)
+                    .expect("a gated MLP")
+                    .down_proj()
+                    .in_partition();
+                // The split unit: blocks of 32, pairs of 32 (Q5_0, Q5_1) or super-blocks of 256.
+                let columns: &[usize] = match (world, dtype) {
+                    (3, _) => &[512, 512, 512],
+                    (_, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q8_0) => &[672, 864],
+                    (_, GgmlDType::Q5_0 | GgmlDType::Q5_1) => &[704, 832],
+                    _ => &[768, 768],
+                };
+                let heads: &[usize] = if world == 2 { &[6, 3] } else { &[3, 3, 3] };
+                assert_eq!(q_heads, heads[m.pg().rank()], "{dtype:?} world {world}");
+                assert_eq!(mlp.sizes(), columns, "{dtype:?} world {world}");
                 greedy(&mut m)
             })?;
             for (rank, run) in got.iter().enumerate() {

@@ -436,3 +436,68 @@ fn row_parallel_with_a_full_input_splits_it_contiguously() {
         .unwrap();
     }
 }
+
+/// The gated MLP split against the attention's uneven groups (`GatedMlp::load_balanced` with
+/// `AttentionConfig::uneven_groups`), loaded by name from full dense tensors: on 2 ranks of a
+/// model with 9 heads of 4 in 3 KV groups, the rank that holds 2 groups gets fewer of the 48
+/// intermediate columns (19 + 29, by `Partition::balancing`'s rule, written out here), and
+/// the output is the dense `down(silu(gate x) · up x)`; on 3 ranks the groups split evenly and
+/// so does the MLP.
+#[test]
+fn a_gated_mlp_evens_out_the_attentions_extra_group() -> Result<()> {
+    use candle_core::{DType, Device};
+    use candle_tp::loader::ShardedVarBuilder;
+    use candle_tp::nn::AttentionConfig;
+    let (hidden, inter) = (8, 48);
+    let attention = AttentionConfig::new(hidden, 9, 3, 4, 1e4, 64);
+    let (wg, wu, wd) = (
+        seeded(&[inter, hidden], 21),
+        seeded(&[inter, hidden], 22),
+        seeded(&[hidden, inter], 23),
+    );
+    let x = seeded(&[2, 3, hidden], 24);
+    let dense = Linear::new(wd.clone(), None).forward(
+        &(Linear::new(wg.clone(), None).forward(&x)?.silu()?
+            * Linear::new(wu.clone(), None).forward(&x)?)?,
+    )?;
+    // Rank 0's extra group: q and o rows 3 heads x 4, k and v 4 each, 32 rows per feature
+    // (= 32 / 3 intermediate columns): 19 columns + 10.7 against 29.
+    assert_eq!(attention.uneven_groups(2), (1, 32.0));
+    assert_eq!(attention.uneven_groups(3), (0, 0.0));
+    for (world, sizes) in [(2, vec![19, 29]), (3, vec![16, 16, 16])] {
+        run_threads(world, |pg| {
+            let tensors = [
+                ("gate_proj.weight", &wg),
+                ("up_proj.weight", &wu),
+                ("down_proj.weight", &wd),
+            ]
+            .into_iter()
+            .map(|(n, t)| (n.to_string(), t.clone()))
+            .collect();
+            let vb = ShardedVarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu, pg.clone());
+            let (lead, extra) = attention.uneven_groups(world);
+            let mlp = GatedMlp::load_balanced(
+                hidden,
+                inter,
+                Activation::Silu,
+                ["gate_proj", "up_proj", "down_proj"],
+                (lead, extra / 3.0),
+                vb,
+            )?;
+            assert_eq!(
+                mlp.gate_proj().out_partition().sizes(),
+                sizes,
+                "world {world}"
+            );
+            assert_close(
+                "balanced gated mlp",
+                world,
+                pg.rank(),
+                &mlp.forward(&x)?,
+                &dense,
+            );
+            Ok(())
+        })?;
+    }
+    Ok(())
+}

@@ -124,18 +124,31 @@ enum FeedForwardLayer {
 }
 
 impl FeedForwardLayer {
-    fn load(cfg: &FeedForward, hidden: usize, vb: ShardedVarBuilder) -> Result<Self> {
+    /// `attention`: the layer's attention, whose uneven split over the ranks (one KV group
+    /// more on some) the gated MLP's split evens out.
+    fn load(
+        cfg: &FeedForward,
+        hidden: usize,
+        attention: &AttentionConfig,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
         Ok(match cfg {
             FeedForward::Gated {
                 intermediate_size,
                 act,
                 fused: false,
-            } => Self::Gated(Box::new(GatedMlp::load(
-                hidden,
-                *intermediate_size,
-                *act,
-                vb,
-            )?)),
+            } => {
+                // A group's rows per model feature, in MLP columns (3 rows of `hidden` each).
+                let (lead, extra) = attention.uneven_groups(vb.pg().size());
+                Self::Gated(Box::new(GatedMlp::load_balanced(
+                    hidden,
+                    *intermediate_size,
+                    *act,
+                    ["gate_proj", "up_proj", "down_proj"],
+                    (lead, extra / 3.0),
+                    vb,
+                )?))
+            }
             FeedForward::Gated {
                 intermediate_size,
                 act,
@@ -190,6 +203,7 @@ impl DecoderLayer {
             feed_forward: FeedForwardLayer::load(
                 &layer.feed_forward,
                 h,
+                &layer.attention,
                 vb.pp(&cfg.feed_forward_name),
             )?,
             rope,
@@ -491,6 +505,16 @@ impl CausalLm {
     /// it.
     pub fn attention(&self, i: usize) -> Option<&ParallelAttention> {
         self.local_layer(i).map(|l| &l.self_attn)
+    }
+
+    /// The gated MLP of decoder layer `i` (the model's numbering), if this rank holds it and
+    /// it has one (its partition says how the ranks split the intermediate size, evened out
+    /// against the attention's: [`GatedMlp::load_balanced`]).
+    pub fn mlp(&self, i: usize) -> Option<&GatedMlp> {
+        match self.local_layer(i).map(|l| &l.feed_forward) {
+            Some(FeedForwardLayer::Gated(m)) => Some(m),
+            _ => None,
+        }
     }
 
     /// The MoE layer of decoder layer `i` (the model's numbering), if this rank holds it and

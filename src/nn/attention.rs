@@ -79,6 +79,29 @@ pub struct AttentionConfig {
 }
 
 impl AttentionConfig {
+    /// Where `world` ranks split this attention unevenly: the ranks that hold one KV group
+    /// more than the others (the first `num_kv_heads % world`, as [`HeadAssignment`] splits
+    /// whole groups), and that group's multiply-adds per token per model feature, its q, k,
+    /// v and o rows (`head_dim · (2 · heads per group + 2)`). `(0, 0.0)` where the groups
+    /// split evenly, where KV heads are replicated (`world > num_kv_heads`) or for one rank.
+    /// A gated MLP on the same ranks evens the load out ([`crate::nn::GatedMlp::load_balanced`]).
+    ///
+    /// ```
+    /// use candle_tp::nn::AttentionConfig;
+    /// // SmolLM2-135M: 9 heads of 64 in 3 KV groups; on 2 ranks the first holds 2 groups.
+    /// let cfg = AttentionConfig::new(576, 9, 3, 64, 1e5, 2048);
+    /// assert_eq!(cfg.uneven_groups(2), (1, 512.0));
+    /// assert_eq!(cfg.uneven_groups(3), (0, 0.0));
+    /// ```
+    pub fn uneven_groups(&self, world: usize) -> (usize, f64) {
+        let kv = self.num_kv_heads;
+        if world <= 1 || kv == 0 || world > kv || kv.is_multiple_of(world) {
+            return (0, 0.0);
+        }
+        let group = self.num_heads / kv;
+        (kv % world, (self.head_dim * (2 * group + 2)) as f64)
+    }
+
     /// Plain (grouped-query) attention: no biases, full unscaled RoPE, no window, scores
     /// scaled by `1 / sqrt(head_dim)`, separate q/k/v. Families set their hooks on top.
     pub fn new(

@@ -33,6 +33,20 @@ fn partition(
     })
 }
 
+/// A given split must be over the group's ranks.
+fn check_parts(layer: &str, part: &Partition, pg: &ProcessGroup) -> Result<()> {
+    if part.parts() != pg.size() {
+        candle_core::bail!(
+            "{layer}: a split of {} features over {} parts for the {} ranks of group '{}'",
+            part.total(),
+            part.parts(),
+            pg.size(),
+            pg.name()
+        );
+    }
+    Ok(())
+}
+
 fn check_input(layer: &str, x: &Tensor, expected: usize, pg: &ProcessGroup) -> Result<()> {
     match x.dims().last() {
         Some(&d) if d == expected => Ok(()),
@@ -159,9 +173,26 @@ impl ColumnParallelLinear {
         unit: usize,
         vb: ShardedVarBuilder,
     ) -> Result<Self> {
-        let pg = vb.pg().clone();
         let layer = format!("ColumnParallelLinear '{}'", vb.prefix());
-        let part = partition(&layer, "out_features", out_features, &pg, unit)?;
+        let part = partition(&layer, "out_features", out_features, vb.pg(), unit)?;
+        Self::load_partitioned(in_features, part, bias, vb)
+    }
+
+    /// [`ColumnParallelLinear::load`] with the split of the output features given (`part`,
+    /// over the group's ranks; e.g. [`Partition::balancing`]).
+    pub fn load_partitioned(
+        in_features: usize,
+        part: Partition,
+        bias: bool,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        let pg = vb.pg().clone();
+        check_parts(
+            &format!("ColumnParallelLinear '{}'", vb.prefix()),
+            &part,
+            &pg,
+        )?;
+        let out_features = part.total();
         let w = vb.get_weight_sharded((out_features, in_features), "weight", 0, &part)?;
         let b = if bias {
             Some(vb.get_sharded(out_features, "bias", 0, &part)?)
@@ -323,9 +354,22 @@ impl RowParallelLinear {
         unit: usize,
         vb: ShardedVarBuilder,
     ) -> Result<Self> {
-        let pg = vb.pg().clone();
         let layer = format!("RowParallelLinear '{}'", vb.prefix());
-        let part = partition(&layer, "in_features", in_features, &pg, unit)?;
+        let part = partition(&layer, "in_features", in_features, vb.pg(), unit)?;
+        Self::load_partitioned(part, out_features, bias, vb)
+    }
+
+    /// [`RowParallelLinear::load`] with the split of the input features given (`part`, over
+    /// the group's ranks; e.g. [`Partition::balancing`]).
+    pub fn load_partitioned(
+        part: Partition,
+        out_features: usize,
+        bias: bool,
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
+        let pg = vb.pg().clone();
+        check_parts(&format!("RowParallelLinear '{}'", vb.prefix()), &part, &pg)?;
+        let in_features = part.total();
         let w = vb.get_weight_sharded((out_features, in_features), "weight", 1, &part)?;
         let b = if bias {
             Some(vb.get(out_features, "bias")?)

@@ -130,17 +130,39 @@ impl GatedMlp {
         [gate, up, down]: [&str; 3],
         vb: ShardedVarBuilder,
     ) -> Result<Self> {
+        Self::load_balanced(hidden, intermediate, act, [gate, up, down], (0, 0.0), vb)
+    }
+
+    /// [`GatedMlp::load_named`] on ranks whose other work differs: the first `lead_parts`
+    /// ranks of the group carry `lead_extra` intermediate columns' worth more (one column is
+    /// a gate, an up and a down row: `3 · hidden` multiply-adds per token), so they get that
+    /// many fewer columns, as whole quantization blocks allow ([`crate::Partition::balancing`]).
+    /// The decoders give the ranks that hold one more attention group than the others (9
+    /// heads in 3 KV groups on 2 ranks: 6 + 3 query heads) their extra q/k/v/o rows this way.
+    /// `(0, 0.0)`: the even split.
+    pub fn load_balanced(
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+        [gate, up, down]: [&str; 3],
+        (lead_parts, lead_extra): (usize, f64),
+        vb: ShardedVarBuilder,
+    ) -> Result<Self> {
         // Split the intermediate size on down_proj's quantization blocks where it can be
         // (1 for dense weights), so that no rank's shard cuts a block.
+        let world = vb.pg().size();
         let unit = vb.pp(down).split_unit("weight", 1);
-        let unit = if crate::Partition::with_unit(intermediate, vb.pg().size(), unit).is_ok() {
+        let unit = if crate::Partition::with_unit(intermediate, world, unit).is_ok() {
             unit
         } else {
             1
         };
-        let gate = ColumnParallelLinear::load(hidden, intermediate, false, unit, vb.pp(gate))?;
-        let up = ColumnParallelLinear::load(hidden, intermediate, false, unit, vb.pp(up))?;
-        let down = RowParallelLinear::load(intermediate, hidden, false, unit, vb.pp(down))?;
+        let part =
+            crate::Partition::balancing(intermediate, world, unit, lead_parts, lead_extra)
+                .map_err(|e| candle_core::Error::msg(format!("GatedMlp '{}': {e}", vb.prefix())))?;
+        let gate = ColumnParallelLinear::load_partitioned(hidden, part, false, vb.pp(gate))?;
+        let up = ColumnParallelLinear::load_partitioned(hidden, part, false, vb.pp(up))?;
+        let down = RowParallelLinear::load_partitioned(part, hidden, false, vb.pp(down))?;
         Self::new(gate, up, down, act)
     }
 
