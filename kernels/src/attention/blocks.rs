@@ -103,6 +103,11 @@ pub(super) unsafe fn group_blocks(
 
 /// `scores[r · ld + col + l] = q_block[r] · kᵀ` for the 16 keys of one packed panel (`kt`,
 /// `d` rows of 16), the [`ROWS`] query rows of `q_block` (rows of `d`).
+///
+/// # Safety
+/// The CPU must support avx2 and fma (inline this into a function that enables them);
+/// `q_block` holds `ROWS · d` values, `kt` `d · 16`, and `scores` reaches `(ROWS − 1) · ld +
+/// col + 16` (checked in debug builds).
 #[inline(always)]
 unsafe fn scores_tile(
     q_block: &[f32],
@@ -135,6 +140,11 @@ unsafe fn scores_tile(
 /// `out[r] = Σₜ weights[r · ld + t − lo] · v[t]` over the value rows `t` in `range` (`lo` its
 /// start), for the [`ROWS`] rows of weights; `out` holds [`ROWS`] rows of `d`. Sixteen
 /// components at a time, then eight, then one by one.
+///
+/// # Safety
+/// The CPU must support avx2 and fma (inline this into a function that enables them);
+/// `weights` reaches `(ROWS − 1) · ld + range.len()`, `out` holds `ROWS · d` values, and `v`
+/// holds `d` values at every row `t` of `range` (checked in debug builds).
 #[inline(always)]
 unsafe fn values_tiles(
     weights: &[f32],
