@@ -544,7 +544,7 @@ impl ParallelAttention {
         // split, a soft-cap or gradients take the general path).
         let groups_regular = self.kv_index.is_none() || self.kv_group.is_some();
         if self.softcap.is_none() && groups_regular {
-            let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
+            let scale = self.score_scale(hd);
             let fused =
                 crate::ops::attention::causal_attention(&q, &k, &v, scale, self.sliding_window)?;
             if let Some(y) = fused {
@@ -570,23 +570,7 @@ impl ParallelAttention {
         let q = q.to_dtype(DType::F32)?;
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
-        let att = match self.fused_softmax(&q, &k, hd, seq_len)? {
-            Some(att) => att,
-            None => {
-                let att = self.scores(&q, &k, hd)?;
-                let mask = attention_mask(seq_len, index_pos, self.sliding_window, att.device())?;
-                let att = match mask {
-                    None => att,
-                    Some(mask) => {
-                        let mask = mask.broadcast_as(att.shape())?;
-                        let neg = Tensor::new(f32::NEG_INFINITY, att.device())?
-                            .broadcast_as(att.shape())?;
-                        mask.where_cond(&neg, &att)?
-                    }
-                };
-                candle_nn::ops::softmax_last_dim(&att)?
-            }
-        };
+        let att = self.probabilities(&q, &k, hd, (1, seq_len), index_pos)?;
         let y = att.matmul(&v)?.to_dtype(in_dtype)?;
         y.transpose(1, 2)?.reshape((b, seq_len, nq * hd))
     }
@@ -619,9 +603,45 @@ impl ParallelAttention {
         if !applies {
             return Ok(None);
         }
-        let scale = self.scale.unwrap_or(1.0 / (hd as f64).sqrt());
+        let scale = self.score_scale(hd);
         let raw = q.matmul(&k.t()?)?;
         crate::ops::attention::causal_softmax(&raw, scale, seq_len, self.sliding_window)
+    }
+
+    /// The attention probabilities of `q` `[b, heads, g · seq, head_dim]` against `k` under
+    /// the causal mask (and the sliding window), row `j · seq + i` of a head being query
+    /// position `index_pos + i` (`(g, seq)`: `g` GQA query heads per KV head in one matrix,
+    /// or 1): the fused softmax where it applies, else candle's scores, mask and softmax.
+    fn probabilities(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        hd: usize,
+        (g, seq_len): (usize, usize),
+        index_pos: usize,
+    ) -> Result<Tensor> {
+        if let Some(att) = self.fused_softmax(q, k, hd, seq_len)? {
+            return Ok(att);
+        }
+        let att = self.scores(q, k, hd)?;
+        let att = match attention_mask(seq_len, index_pos, self.sliding_window, att.device())? {
+            None => att,
+            Some(mask) => {
+                let (b, heads, rows, kv_len) = att.dims4()?;
+                let att = att.reshape((b, heads, g, seq_len, kv_len))?;
+                let mask = mask.broadcast_as(att.shape())?;
+                let neg =
+                    Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
+                mask.where_cond(&neg, &att)?
+                    .reshape((b, heads, rows, kv_len))?
+            }
+        };
+        candle_nn::ops::softmax_last_dim(&att)
+    }
+
+    /// The scale of the scores: the model's, or `1/√head_dim`.
+    fn score_scale(&self, hd: usize) -> f64 {
+        self.scale.unwrap_or(1.0 / (hd as f64).sqrt())
     }
 
     /// `q · kᵀ`, scaled (by `1/√head_dim` unless the model gives its scale) and soft-capped
@@ -655,28 +675,7 @@ impl ParallelAttention {
         let q = q.to_dtype(DType::F32)?.reshape((b, nkv, g * seq_len, hd))?;
         let k = k.to_dtype(DType::F32)?;
         let v = v.to_dtype(DType::F32)?;
-        // Row `j·seq + i` of a group is query position `index_pos + i` (the fused softmax
-        // takes row `r` as query `r % seq`).
-        let att = match self.fused_softmax(&q, &k, hd, seq_len)? {
-            Some(att) => att,
-            None => {
-                let att = self.scores(&q, &k, hd)?;
-                let kv_len = att.dim(3)?;
-                let mask = attention_mask(seq_len, index_pos, self.sliding_window, att.device())?;
-                let att = match mask {
-                    None => att,
-                    Some(mask) => {
-                        let att = att.reshape((b, nkv, g, seq_len, kv_len))?;
-                        let mask = mask.broadcast_as(att.shape())?;
-                        let neg = Tensor::new(f32::NEG_INFINITY, att.device())?
-                            .broadcast_as(att.shape())?;
-                        mask.where_cond(&neg, &att)?
-                            .reshape((b, nkv, g * seq_len, kv_len))?
-                    }
-                };
-                candle_nn::ops::softmax_last_dim(&att)?
-            }
-        };
+        let att = self.probabilities(&q, &k, hd, (g, seq_len), index_pos)?;
         let y = att
             .matmul(&v)?
             .reshape((b, nq, seq_len, hd))?
