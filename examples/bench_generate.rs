@@ -35,6 +35,11 @@
 //! tokens from an empty KV cache, timed to the sampled first token (`prefill` in the JSON
 //! line: `{"N": {"ms", "tokens_per_s"}}`); the decode run follows from an empty cache.
 //! `scripts/bench-llama-cpp.sh` runs it against llama.cpp's `llama-bench`.
+//!
+//! For a `.gguf` file the line also holds `weight_bytes_per_token`: the bytes of the tensors
+//! one decode step reads (every tensor once, but only one row of the token embedding where
+//! the file has a separate `output.weight`), the whole model's, whatever the world size.
+//! Times tokens/s, it is the weight traffic that `examples/bench_memory` bounds.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -300,6 +305,30 @@ fn run_candle_transformers(args: &Args) -> Result<Measured> {
     single_process_greedy(args, &ids, |x, pos| model.forward(x, pos, &mut cache))
 }
 
+/// The bytes of the tensors one decode step of a GGUF model reads: every tensor once, except
+/// the token embedding (one row) where the file has a separate `output.weight` (where it has
+/// none, the LM head reads the embedding whole). `None` for a checkpoint directory.
+fn weight_bytes_per_token(model: &std::path::Path) -> Result<Option<usize>> {
+    if model.extension().and_then(|e| e.to_str()) != Some("gguf") {
+        return Ok(None);
+    }
+    let file = std::fs::File::open(model).with_context(|| format!("opening {model:?}"))?;
+    // SAFETY: read-only map of a file this process does not modify.
+    let map = unsafe { memmap2::Mmap::map(&file) }?;
+    let header = candle_tp::gguf::scan(&map, &model.to_string_lossy())?;
+    let tied = !header.tensors.iter().any(|t| t.name == "output.weight");
+    Ok(Some(
+        header
+            .tensors
+            .iter()
+            .map(|t| match t.name.as_str() {
+                "token_embd.weight" if !tied => t.len / t.dims.first().copied().unwrap_or(1).max(1),
+                _ => t.len,
+            })
+            .sum(),
+    ))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     // As generate and candle-tp-serve: freed op outputs stay in the process for the next
@@ -355,6 +384,9 @@ fn main() -> Result<()> {
         }
         if let Some(c) = comm {
             report["comm"] = c;
+        }
+        if let Some(bytes) = weight_bytes_per_token(&args.model)? {
+            report["weight_bytes_per_token"] = bytes.into();
         }
         println!("{report}");
     }

@@ -24,7 +24,10 @@
 #   the llama-cpp-python 0.3.36 sdist; and, with DLLAMA_SRC=CHECKOUT, distributed-llama
 #   (b4rtaz/distributed-llama, on no registry: clone it yourself; built here with make) on a
 #   random-weight model of the synthetic 1 B Llama's shape in its own Q40 format
-#   (scripts/dllama_model.py), 1 host x 1 thread and 2 hosts x 1 thread.
+#   (scripts/dllama_model.py), 1 host x 1 thread and 2 hosts x 1 thread. Each round also
+#   measures the machine's streaming read bandwidth (examples/bench_memory, 1 and 2 threads):
+#   the emulated hosts share one memory, so it bounds what 2 ranks can gain over 1 (a table
+#   gives that ceiling).
 # serve: candle-tp-serve under mpirun on the 2 hosts (rank 0, and so HTTP, on ctp-h1), SmolLM2
 #   Q4_1 (--serve-model), as 2 tensor-parallel ranks across the hosts and as 2 pipeline stages
 #   (one a host), at each link rate: scripts/bench_serve.py from ctp-h1 at 1, 4, 8 and 16
@@ -57,7 +60,7 @@ while [ $# -gt 0 ]; do
     --new-tokens) new_tokens="$2"; shift 2 ;;
     --serve-model) serve_model="$2"; shift 2 ;;
     --serve-tokens) serve_tokens="$2"; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -78,6 +81,7 @@ trap 'scripts/hosts.sh down >/dev/null 2>&1 || true' EXIT
 
 echo "==> building (release, features mpi and server)" >&2
 cargo build --release --quiet --features mpi,server --example bench_collectives --example bench_generate \
+  --example bench_memory \
   --bin candle-tp-serve
 mpicc -O2 -o "$out/mpi_collectives" benches/mpi_collectives.c
 bin="$target_dir/release/examples"
@@ -186,6 +190,13 @@ if [ "$only" = "" ] || [ "$only" = decode ]; then
         for t in 1 2; do
           ip netns exec ctp-h1 "$lbin/llama-bench" -m "$m" -t "$t" -p 0 -n "$new_tokens" -r 1 -o jsonl \
             2>/dev/null | sed -n "s/^{/{\"round\": $r, \"rate\": \"$rate\", \"model\": \"$name\", \"layout\": \"llama.cpp 1 host x $t thread(s)\", /p" \
+            | tee -a "$results" >&2
+        done
+        # The machine's streaming read bandwidth with 1 and 2 threads: the ceiling of every
+        # layout above, whose emulated hosts share this machine's memory.
+        for t in 1 2; do
+          "$bin/bench_memory" --threads "$t" \
+            | sed -n "s/^{/{\"round\": $r, \"rate\": \"$rate\", \"model\": \"$name\", \"layout\": \"host read, $t thread(s)\", /p" \
             | tee -a "$results" >&2
         done
         ip netns exec ctp-h2 "$lbin/rpc-server" -H 10.77.0.12 -p 50052 -t 1 >"$out/rpc-server.log" 2>&1 &

@@ -12,7 +12,11 @@
 # prompt and N more tokens for tg; its decode includes the distributed greedy sampling,
 # llama-bench's does not sample). Rounds are interleaved (every model, type and world in
 # each round, the two implementations back to back); the table gives medians over the rounds
-# and the ratios candle-tp / llama.cpp. JSON lines go to --out (default
+# and the ratios candle-tp / llama.cpp. Right before each side, examples/bench_memory
+# measures the host's streaming read bandwidth with as many threads: a decode reads every
+# weight once per token, so a second table puts each decode's weight traffic (tokens/s x the
+# file's weight_bytes_per_token) against the bandwidth measured before it, and gives the
+# ceiling that this sets on the ratio (1 / llama.cpp's share). JSON lines go to --out (default
 # $CARGO_TARGET_DIR/bench-llama-cpp.jsonl).
 #
 #   scripts/bench-llama-cpp.sh [--types "Q4_0 Q8_0"] [--models "smollm2 synthetic-1b"]
@@ -44,7 +48,7 @@ while [ $# -gt 0 ]; do
     --worlds) worlds="$2"; shift 2 ;;
     --quick) quick=1; shift ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -72,7 +76,7 @@ export CARGO_TARGET_DIR="$target_dir"
 lbin=$(lock -s bash -c '. scripts/lib/llama-cpp.sh && install_llama_cpp_tools')
 gguf=$(lock -s scripts/make-gguf-models.sh --models "$models" --types "$types" | tail -1)
 echo "==> building candle-tp (release)" >&2
-lock -s cargo build --release --quiet --bin tprun --example bench_generate
+lock -s cargo build --release --quiet --bin tprun --example bench_generate --example bench_memory
 bin="$target_dir/release"
 
 out="${out:-$target_dir/bench-llama-cpp.jsonl}"
@@ -97,6 +101,12 @@ candle_tp() {
   fi
 }
 
+# The host's streaming read bandwidth with $1 threads: one JSON line.
+host_memory() {
+  lock -x "$bin/examples/bench_memory" --threads "$1" --mib 1024 --passes 5 2>"$err" \
+    || { tail -20 "$err" >&2; exit 1; }
+}
+
 # llama-bench -t $1: its JSON lines (one per test).
 llama_bench() {
   lock -x "$lbin/llama-bench" -m "$2" -t "$1" -p "$pp_csv" -n "$tg" -r 1 -o jsonl 2>"$err" \
@@ -113,6 +123,8 @@ for r in $(seq "$rounds"); do
         # Alternate which side goes first, so neither always runs on a cooler machine.
         if [ $((r % 2)) = 1 ]; then order="candle llama"; else order="llama candle"; fi
         for side in $order; do
+          # The read bandwidth right before each side: this host's moves between runs.
+          host_memory "$w" | tag "$r" "$m" "$t" "$w" | sed "s/^{/{\"before\": \"$side\", /" | tee -a "$out" >&2
           if [ "$side" = candle ]; then
             candle_tp "$w" "$file" | tag "$r" "$m" "$t" "$w" | tee -a "$out" >&2
           else

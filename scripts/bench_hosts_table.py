@@ -22,6 +22,7 @@ def main(path):
     cross = {}
     dec = collections.defaultdict(list)
     srv = collections.defaultdict(list)
+    mem = collections.defaultdict(list)  # (model, rate, threads) -> host read GB/s per round
     for r in rows:
         if "serve" in r:
             srv[(r["rate"], r["serve"])].append(r)
@@ -32,6 +33,8 @@ def main(path):
             coll[(r["rate"], r["bytes"], impl)].append(r["median_us"])
             if "cross_host_bytes" in r:
                 cross[(r["rate"], r["bytes"], impl)] = r["cross_host_bytes"]
+        elif "read_gb_s" in r:
+            mem[(r["model"], r.get("rate", "unlimited"), r["threads"])].append(r["read_gb_s"])
         elif "tokens_per_s" in r:
             dec[(r["model"], r.get("rate", "unlimited"), r["layout"])].append(r)
         elif "avg_ts" in r:  # llama-bench's jsonl
@@ -89,6 +92,28 @@ def main(path):
                 t = tps[(model, rate, layout)]
                 print(f"| {model} | {rate} | {layout} | {t:.1f} | "
                       + (f"{t / b:.2f}" if b else "-") + f" | {cpt} | {bpt} | {same} |")
+        # The emulated hosts share this machine's memory: a decode streams every weight once
+        # per token, so two ranks together cannot pass the machine's two-thread read bandwidth.
+        ceilings = []
+        for model, rate in sorted({(k[0], k[1]) for k in dec}):
+            one = dec.get((model, rate, "1 host x 1"))
+            m1, m2 = mem.get((model, rate, 1)), mem.get((model, rate, 2))
+            if not one or not m1 or not m2 or "weight_bytes_per_token" not in one[0]:
+                continue
+            traffic = tps[(model, rate, "1 host x 1")] * one[0]["weight_bytes_per_token"] / 1e9
+            h1, h2 = statistics.median(m1), statistics.median(m2)
+            ceilings.append(f"| {model} | {rate} | {h1:.1f} | {h2:.1f} ({min(m2):.1f}-{max(m2):.1f}) "
+                            f"| {traffic:.1f} "
+                            f"| {traffic / h1:.0%} | {h2 / traffic:.2f} |")
+        if ceilings:
+            print("\nThe machine's ceiling (all emulated hosts share its memory): host read GB/s"
+                  " (bench_memory, medians), 1 host x 1's weight traffic (tokens/s x weight bytes"
+                  " per token), and the most that any layout of 2 single-threaded ranks on this"
+                  " machine can reach against 1 host x 1 (2-thread read / 1 x 1's traffic)\n")
+            print("| model | link | read, 1 thread | read, 2 threads | 1 host x 1 GB/s "
+                  "| share of 1 thread | ceiling x 1 host x 1 |")
+            print("|---|---|---|---|---|---|---|")
+            print("\n".join(ceilings))
 
     if srv:
         print("\nserving SmolLM2 Q4_1 from ctp-h1, 1 thread per rank: total tokens/s at N concurrent"
