@@ -99,9 +99,10 @@ if tg and host:
         wb = weight_bytes.get(key)
         if h and wb:
             gbs = tps * wb / 1e9
-            shares.setdefault(key + (impl,), []).append((gbs / h, gbs, h))
+            shares.setdefault(key + (impl,), []).append((gbs / h, gbs, h, r["round"]))
     head = ["model", "type", "world / threads", "weight MB / token", "host read GB/s",
-            "candle-tp GB/s", "share", "llama.cpp GB/s", "share", "ceiling on the ratio"]
+            "candle-tp GB/s", "share", "llama.cpp GB/s", "share", "ceiling on the ratio",
+            "per round: ratio / ceiling"]
     print(f"\nDecode ({t}) against the host's streaming read bandwidth, measured right before "
           "each side (medians over rounds):\n")
     print("| " + " | ".join(head) + " |")
@@ -114,6 +115,10 @@ if tg and host:
         med = lambda xs, i: statistics.median(x[i] for x in xs)
         hs = [x[2] for x in ours + theirs]
         ceiling = 1 / med(theirs, 0)
+        # Rounds in which both sides ran: that round's ratio and its own ceiling.
+        by_round = {x[3]: x for x in theirs}
+        rounds = [f"{a[1] / by_round[a[3]][1]:.2f} / {1 / by_round[a[3]][0]:.2f}"
+                  for a in ours if a[3] in by_round]
         print("| " + " | ".join([
             entry["model"], entry["type"], f"{entry['world']} / {entry['world']}",
             f"{weight_bytes[key] / 1e6:.1f}",
@@ -121,6 +126,7 @@ if tg and host:
             f"{med(ours, 1):.1f}", f"{med(ours, 0):.0%}", f"{med(theirs, 1):.1f}",
             f"{med(theirs, 0):.0%}",
             f"{ceiling:.2f}" + (" (below the 1.2x goal)" if entry["world"] == 2 and ceiling < 1.2 else ""),
+            ", ".join(rounds),
         ]) + " |")
         entry[t].update({"weight_bytes_per_token": weight_bytes[key],
                          "candle_tp_share": med(ours, 0), "llama_cpp_share": med(theirs, 0),
