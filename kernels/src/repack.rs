@@ -24,167 +24,16 @@
 //! activation rows with four-byte broadcasts ([`panel`]): measured on a Zen 4 core, one
 //! thread, 1 B Llama pp128, Q6_K 1.5x, Q4_K_M 1.4x and Q5_K_M 1.6x the four-row kernels.
 
-use crate::f64_dot::F64Dot;
 use crate::f64_matmul::{check_matmul, fill_in_place, RowsOut};
 use crate::kernel::Kernel;
 use candle_core::Result;
-use std::sync::Arc;
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for crate::q4_0::BlockQ4_0 {}
-    impl Sealed for crate::q4_1::BlockQ4_1 {}
-    impl Sealed for crate::q5_0::BlockQ5_0 {}
-    impl Sealed for crate::q5_1::BlockQ5_1 {}
-    impl Sealed for crate::q8_0::BlockQ8_0 {}
-    impl Sealed for crate::q4_k::BlockQ4K {}
-    impl Sealed for crate::q5_k::BlockQ5K {}
-    impl Sealed for crate::q6_k::BlockQ6K {}
-}
+mod erased;
+mod interleave;
 
-/// One activation row as the group kernels read it: its blocks, their
-/// [`Interleave::act_sum`]s and their [`Interleave::act_scales`].
-#[doc(hidden)]
-pub type ActRow<'a, A> = (&'a [A], &'a [i32], &'a [[f64; 2]]);
-
-/// A block type whose weights the crate repacks four rows at a time (implemented for Q4_0,
-/// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks; sealed).
-pub trait Interleave: F64Dot + sealed::Sealed {
-    /// Block `b` of four consecutive rows, interleaved.
-    type X4: Copy + Send + Sync + std::fmt::Debug + 'static;
-    /// Four all-zero blocks (the padding rows of a last, partial group).
-    const X4_ZERO: Self::X4;
-
-    /// Whether products of 8+ activation rows run tiles of 8 rather than 4 (the k-quants,
-    /// whose kernels unpack a super-block once per tile: measured on a Zen 3 core at 64
-    /// activation rows, Q6_K 1.26x and Q4_K 1.15x faster; Q4_0 0.88x, so not for the 32-wide
-    /// types; with [`Kernel::Avx512Vnni`] every type runs tiles of 8, its 32 registers
-    /// holding them).
-    const TILE_8: bool = false;
-
-    /// Puts `block` as row `r` (0..4) of `x4`.
-    fn set_row(x4: &mut Self::X4, r: usize, block: &Self);
-
-    /// Row `r`'s block, as GGUF stores it.
-    fn row(x4: &Self::X4, r: usize) -> Self;
-
-    /// The block's `BLOCK` values, as candle dequantizes them.
-    fn dequantize(block: &Self, out: &mut [f32]);
-
-    /// What the AVX2 kernel wants precomputed per activation block, once for all weight rows
-    /// (Q4_0: `8 · Σ q'`); 0 where it wants nothing.
-    fn act_sum(_x: &Self::Act) -> i32 {
-        0
-    }
-
-    /// What the 32-wide types' kernels want precomputed per activation block, once for all
-    /// weight rows: its scales `[d', s']` as f64 (`s'` 0 where the block has none), so that
-    /// each use is a broadcast from memory rather than an f16 conversion; zeros where the
-    /// kernels want nothing (the k-quants).
-    fn act_scales(_x: &Self::Act) -> [f64; 2] {
-        [0.0; 2]
-    }
-
-    /// The four rows of `group` against `M` activation rows (`xs[i]`: the blocks, their
-    /// [`Interleave::act_sum`]s and [`Interleave::act_scales`]): `out[i][r]`, bit for bit the
-    /// scalar f64 sum.
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c; every slice of `xs` has `group.len()` entries.
-    #[cfg(target_arch = "x86_64")]
-    #[doc(hidden)]
-    unsafe fn group_dot_avx2<const M: usize>(
-        group: &[Self::X4],
-        xs: [ActRow<'_, Self::Act>; M],
-    ) -> [[f64; 4]; M];
-
-    /// [`Interleave::group_dot_avx2`] with AVX-512 VNNI, bit for bit the same; by default
-    /// the AVX2 kernel itself.
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni;
-    /// every slice of `xs` has `group.len()` entries.
-    #[cfg(target_arch = "x86_64")]
-    #[doc(hidden)]
-    unsafe fn group_dot_avx512<const M: usize>(
-        group: &[Self::X4],
-        xs: [ActRow<'_, Self::Act>; M],
-    ) -> [[f64; 4]; M] {
-        Self::group_dot_avx2(group, xs)
-    }
-
-    /// Whether products of [`panel::MIN_ROWS`]+ activation rows with AVX-512 VNNI unpack
-    /// sixteen weight rows at a time into a [`panel`] and run
-    /// [`Interleave::panel_dot_avx512`] (the k-quants).
-    #[doc(hidden)]
-    const PANEL: bool = false;
-
-    /// Block `b` of four groups (sixteen rows: `groups[0]`'s four first) unpacked into `out`
-    /// ([`panel::PanelBlock`]). Only called where [`Interleave::PANEL`] is set.
-    ///
-    /// # Safety
-    /// As [`Interleave::group_dot_avx512`].
-    #[cfg(target_arch = "x86_64")]
-    #[doc(hidden)]
-    unsafe fn unpack_panel_avx512(_groups: [&Self::X4; 4], _out: &mut panel::PanelBlock) {
-        unreachable!("{} has no panel kernel", Self::NAME)
-    }
-
-    /// The sixteen rows of `panel` ([`Interleave::unpack_panel_avx512`]) against eight
-    /// activation rows with AVX-512 VNNI: `out[t][r]`, bit for bit the scalar f64 sum. Only
-    /// called where [`Interleave::PANEL`] is set.
-    ///
-    /// # Safety
-    /// As [`Interleave::group_dot_avx512`]; every slice of `xs` has `panel.len()` blocks.
-    #[cfg(target_arch = "x86_64")]
-    #[doc(hidden)]
-    unsafe fn panel_dot_avx512(
-        _panel: &[panel::PanelBlock],
-        _xs: &[ActRow<'_, Self::Act>; panel::TILE],
-    ) -> [[f64; panel::ROWS]; panel::TILE] {
-        unreachable!("{} has no panel kernel", Self::NAME)
-    }
-
-    /// Two groups (eight rows: `group0`'s four, then `group1`'s) against `M` activation rows
-    /// (`xs[i]` as for [`Interleave::group_dot_avx2`]) with AVX-512 VNNI: `out[i][r]`, bit for bit the scalar f64 sum. By default the two
-    /// groups' [`Interleave::group_dot_avx512`]; the 32-wide unsigned types put each of the
-    /// eight rows' sums in one lane, so that the per-block scaling in f64 is one 512-bit
-    /// step for eight rows instead of two 256-bit steps and two horizontal reductions.
-    ///
-    /// # Safety
-    /// As [`Interleave::group_dot_avx512`]; both groups have as many blocks as every slice
-    /// of `xs`.
-    #[cfg(target_arch = "x86_64")]
-    #[doc(hidden)]
-    unsafe fn group_pair_dot_avx512<const M: usize>(
-        group0: &[Self::X4],
-        group1: &[Self::X4],
-        xs: &[ActRow<'_, Self::Act>; M],
-    ) -> [[f64; 8]; M] {
-        let xs = *xs;
-        let (a, b) = (
-            Self::group_dot_avx512(group0, xs),
-            Self::group_dot_avx512(group1, xs),
-        );
-        std::array::from_fn(|i| std::array::from_fn(|r| if r < 4 { a[i][r] } else { b[i][r - 4] }))
-    }
-}
-
-/// Puts row `r`'s bytes into `runs` of 8 bytes per row (`runs[c][r]` = `bytes[8c .. 8c + 8]`),
-/// the layout in which one 32-byte load holds the same 8 bytes of four rows.
-pub(crate) fn put_runs<const C: usize>(runs: &mut [[[u8; 8]; 4]; C], r: usize, bytes: &[u8]) {
-    for (c, run) in bytes.chunks_exact(8).enumerate() {
-        runs[c][r].copy_from_slice(run);
-    }
-}
-
-/// Row `r`'s bytes back from `runs` ([`put_runs`]).
-pub(crate) fn take_runs<const C: usize, const N: usize>(
-    runs: &[[[u8; 8]; 4]; C],
-    r: usize,
-) -> [u8; N] {
-    std::array::from_fn(|j| runs[j / 8][r][j % 8])
-}
+pub use erased::{repack_bytes, PreparedActs, RepackFn, RepackedMatMul};
+pub(crate) use interleave::{put_runs, take_runs};
+pub use interleave::{ActRow, Interleave};
 
 /// A quantized weight `[n, k]` repacked in groups of four rows (the last group padded with
 /// zero rows), with its products against f32 activations.
@@ -638,7 +487,7 @@ fn panel_products<B: Interleave>(
     unreachable!("is_available is false off x86-64")
 }
 
-/// The reference: each row's blocks' [`F64Dot::block_dot`] added in block order, as the
+/// The reference: each row's blocks' [`crate::f64_dot::F64Dot::block_dot`] added in block order, as the
 /// scalar [`crate::f64_dot::dot_f64`] does.
 fn group_dot_scalar<B: Interleave, const M: usize>(
     group: &[B::X4],
@@ -682,127 +531,6 @@ pub(crate) mod avx2;
 
 #[doc(hidden)]
 pub mod panel;
-
-/// A repacked weight of any type, as `candle_tp::quant::QuantMatMul` holds it.
-pub trait RepackedMatMul: Send + Sync + std::fmt::Debug {
-    /// The block type's name (`Q4_0`).
-    fn type_name(&self) -> &'static str;
-    /// `(n, k)`.
-    fn dims(&self) -> (usize, usize);
-    /// [`Repacked::matmul_f64`].
-    fn matmul_f64(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f64]) -> Result<()>;
-    /// [`Repacked::matmul_f32`].
-    fn matmul_f32(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f32]) -> Result<()>;
-    /// [`Repacked::dequantize_row`].
-    fn dequantize_row(&self, row: usize, out: &mut [f32]);
-    /// [`Repacked::prepare`], for any weight of this block type.
-    fn prepare(&self, kernel: Kernel, m: usize, x: &[f32]) -> Result<PreparedActs>;
-    /// [`Repacked::matmul_prepared_f64`]; an error if `x` was prepared for another type.
-    fn matmul_prepared_f64(&self, x: &PreparedActs, dst: &mut [f64]) -> Result<()>;
-    /// [`Repacked::matmul_prepared_f32`]; an error if `x` was prepared for another type.
-    fn matmul_prepared_f32(&self, x: &PreparedActs, dst: &mut [f32]) -> Result<()>;
-}
-
-/// [`Prepared`] activations of some block type, as [`RepackedMatMul::prepare`] gives them.
-pub struct PreparedActs {
-    type_name: &'static str,
-    m: usize,
-    k: usize,
-    kernel: Kernel,
-    inner: Box<dyn std::any::Any + Send + Sync>,
-}
-
-impl PreparedActs {
-    /// The block type they were prepared for (`Q4_0`).
-    pub fn type_name(&self) -> &'static str {
-        self.type_name
-    }
-
-    /// Activation rows.
-    pub fn m(&self) -> usize {
-        self.m
-    }
-
-    /// Values per row.
-    pub fn k(&self) -> usize {
-        self.k
-    }
-
-    /// The kernel they were prepared for.
-    pub fn kernel(&self) -> Kernel {
-        self.kernel
-    }
-
-    fn get<B: Interleave>(&self) -> Result<&Prepared<B>> {
-        match self.inner.downcast_ref::<Prepared<B>>() {
-            Some(x) => Ok(x),
-            None => candle_core::bail!(
-                "{} (repacked) matmul: activations prepared for {} weights",
-                B::NAME,
-                self.type_name
-            ),
-        }
-    }
-}
-
-impl std::fmt::Debug for PreparedActs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "PreparedActs({} rows x {} for {}, {:?})",
-            self.m, self.k, self.type_name, self.kernel
-        )
-    }
-}
-
-impl<B: Interleave> RepackedMatMul for Repacked<B> {
-    fn type_name(&self) -> &'static str {
-        B::NAME
-    }
-    fn dims(&self) -> (usize, usize) {
-        (self.n, self.k())
-    }
-    fn matmul_f64(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f64]) -> Result<()> {
-        Repacked::matmul_f64(self, kernel, m, x, dst)
-    }
-    fn matmul_f32(&self, kernel: Kernel, m: usize, x: &[f32], dst: &mut [f32]) -> Result<()> {
-        Repacked::matmul_f32(self, kernel, m, x, dst)
-    }
-    fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        Repacked::dequantize_row(self, row, out)
-    }
-    fn prepare(&self, kernel: Kernel, m: usize, x: &[f32]) -> Result<PreparedActs> {
-        let p = Repacked::prepare(self, kernel, m, x)?;
-        Ok(PreparedActs {
-            type_name: B::NAME,
-            m: p.m,
-            k: p.k,
-            kernel,
-            inner: Box::new(p),
-        })
-    }
-    fn matmul_prepared_f64(&self, x: &PreparedActs, dst: &mut [f64]) -> Result<()> {
-        Repacked::matmul_prepared_f64(self, x.get::<B>()?, dst)
-    }
-    fn matmul_prepared_f32(&self, x: &PreparedActs, dst: &mut [f32]) -> Result<()> {
-        Repacked::matmul_prepared_f32(self, x.get::<B>()?, dst)
-    }
-}
-
-/// Repacks a weight `[n, k]` given as GGUF bytes (a `QTensor`'s data) of blocks of `B`. Call
-/// the block types' non-generic `repack` (e.g. [`crate::q4_0x4::repack`]) from other crates:
-/// this generic would be instantiated there, with their optimisation level.
-pub fn repack_bytes<B: Interleave>(
-    bytes: &[u8],
-    n: usize,
-    k: usize,
-) -> Result<Arc<dyn RepackedMatMul>> {
-    let blocks = crate::f64_dot::blocks_from_bytes::<B>(bytes)?;
-    Ok(Arc::new(Repacked::new(blocks, n, k)?))
-}
-
-/// The signature of [`repack_bytes`] for one block type.
-pub type RepackFn = fn(&[u8], usize, usize) -> Result<Arc<dyn RepackedMatMul>>;
 
 #[cfg(test)]
 pub(crate) mod testing;
