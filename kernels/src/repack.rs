@@ -218,23 +218,6 @@ impl<B: Interleave> Repacked<B> {
             return Ok(());
         }
         let (act, sums, scales) = (&x.act, &x.sums, &x.scales);
-        // Checked once per product rather than per group of four rows: the CPU features of
-        // the kernel, and every activation row's blocks. Per group (SmolLM2's rows are 18
-        // blocks), the checks and the call around them were 5.6 % of a Q4_0 decode's samples.
-        assert!(
-            kernel.is_available(),
-            "the {} kernel is not available on this CPU ({})",
-            kernel.name(),
-            crate::kernel::cpu_features()
-        );
-        assert!(
-            act.len() == m * kb && sums.len() == m * kb && scales.len() == m * kb,
-            "{} activations of {} blocks ({} sums, {} scales) for {m} rows of {kb} blocks",
-            B::NAME,
-            act.len(),
-            sums.len(),
-            scales.len()
-        );
         let row = |i: usize| {
             let r = i * kb..(i + 1) * kb;
             (&act[r.clone()], &sums[r.clone()], &scales[r])
@@ -312,22 +295,15 @@ impl<B: Interleave> Repacked<B> {
                 // The tiles of 8 of paired groups ran above.
                 let paired = if g < 2 * pairs { tiled8 } else { 0 };
                 for i in (paired..tiled8).step_by(8) {
-                    // SAFETY: the features and the lengths were checked above.
-                    let v = unsafe {
-                        group_dot::<B, 8>(kernel, group, std::array::from_fn(|t| row(i + t)))
-                    };
+                    let v = group_dot::<B, 8>(kernel, group, std::array::from_fn(|t| row(i + t)));
                     put(g, i, &v.map(widen), 4);
                 }
                 for i in (tiled8..tiled).step_by(4) {
-                    // SAFETY: the features and the lengths were checked above.
-                    let v = unsafe {
-                        group_dot::<B, 4>(kernel, group, std::array::from_fn(|t| row(i + t)))
-                    };
+                    let v = group_dot::<B, 4>(kernel, group, std::array::from_fn(|t| row(i + t)));
                     put(g, i, &v.map(widen), 4);
                 }
                 for i in tiled..m {
-                    // SAFETY: the features and the lengths were checked above.
-                    let v = unsafe { group_dot::<B, 1>(kernel, group, [row(i)]) };
+                    let v = group_dot::<B, 1>(kernel, group, [row(i)]);
                     put(g, i, &v.map(widen), 4);
                 }
             }
@@ -395,28 +371,18 @@ macro_rules! unrolled {
 }
 pub(crate) use unrolled;
 
-/// The four rows of `group` against `M` activation rows: `out[i][r]`, with the kernel's
-/// checks left to the product's loops, which make them once.
-///
-/// # Safety
-/// `kernel` is available on this CPU and every slice of `xs` has `group.len()` entries.
-#[inline(always)]
-unsafe fn group_dot<B: Interleave, const M: usize>(
+/// The four rows of `group` against `M` activation rows: `out[i][r]`.
+fn group_dot<B: Interleave, const M: usize>(
     kernel: Kernel,
     group: &[B::X4],
     xs: [ActRow<'_, B::Act>; M],
 ) -> [[f64; 4]; M] {
-    debug_assert!(kernel.is_available());
-    match kernel {
-        Kernel::Scalar => group_dot_scalar::<B, M>(group, xs),
-        // SAFETY: as the caller promises.
-        #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => unsafe { B::group_dot_avx2(group, xs) },
-        #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512Vnni => unsafe { B::group_dot_avx512(group, xs) },
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => unreachable!("is_available is false off x86-64"),
-    }
+    check_blocks::<B, M>(group.len(), &xs);
+    crate::kernel::by_kernel!(kernel,
+        scalar => group_dot_scalar::<B, M>(group, xs),
+        // The lengths were checked above.
+        avx2 => B::group_dot_avx2(group, xs),
+        avx512 => B::group_dot_avx512(group, xs))
 }
 
 /// Panics unless every activation row of `xs` (blocks and their sums) has `blocks` blocks,
