@@ -116,8 +116,9 @@ fn main() -> Result<()> {
             args.mib
         );
     }
-    let words = args.mib << 17; // MiB of u64
-                                // Distinct values, so that no page is shared with another (the zero page).
+    // The buffer in u64 words (2^17 per MiB), of distinct values, so that no page is shared
+    // with another (the zero page).
+    let words = args.mib << 17;
     let buf: Vec<u64> = (0..words as u64).collect();
     let per = words / args.threads;
     let slices: Vec<&[u64]> = buf.chunks(per).take(args.threads).collect();

@@ -4,8 +4,8 @@ candle-tp / llama.cpp, and the issue's goals at world 2 (decode >= 1.2x, prefill
 Then the decodes against the host's streaming read bandwidth (`bench_memory` with as many
 threads, measured right before each side): each side's weight traffic (tokens/s x the file's
 `weight_bytes_per_token`), its share of that bandwidth, and the ceiling this sets on the
-decode ratio (1 / llama.cpp's share: no kernel decodes faster than the weights stream). Ends with one JSON line (`llama_cpp_comparison`)
-holding the same numbers.
+decode ratio (1 / llama.cpp's share: no kernel decodes faster than the weights stream).
+Ends with one JSON line (`llama_cpp_comparison`) holding the same numbers.
 
     python3 scripts/bench_llama_cpp_table.py target/bench-llama-cpp.jsonl
 """
@@ -35,8 +35,13 @@ host = {}
 weight_bytes = {}
 
 
+def cell(r):
+    """The (model, type, world) a line of the run belongs to."""
+    return (r.get("bench_model") or r["model"], r["type"], r["world"])
+
+
 def add(r, impl, test, tps):
-    samples.setdefault((r.get("bench_model") or r["model"], r["type"], r["world"], impl, test), []).append(tps)
+    samples.setdefault(cell(r) + (impl, test), []).append(tps)
 
 
 for r in rows:
@@ -44,11 +49,11 @@ for r in rows:
         test = f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"
         add(r, "llama.cpp", test, r["avg_ts"])
     elif r.get("impl") == "host":
-        host[(r["bench_model"], r["type"], r["world"], r["round"], r["before"])] = r["read_gb_s"]
+        host[cell(r) + (r["round"], r["before"])] = r["read_gb_s"]
     elif r.get("impl") == "candle-tp":
         add(r, "candle-tp", f"tg{r['new_tokens'] - 1}", r["tokens_per_s"])
         if "weight_bytes_per_token" in r:
-            weight_bytes[(r["bench_model"], r["type"], r["world"])] = r["weight_bytes_per_token"]
+            weight_bytes[cell(r)] = r["weight_bytes_per_token"]
         for n, p in r.get("prefill", {}).items():
             add(r, "candle-tp", f"pp{n}", p["tokens_per_s"])
 
@@ -86,9 +91,9 @@ if tg and host:
     t = tg[0]
     n_gen = int(t[2:])
     # Per round: each side's decode traffic over the bandwidth measured right before it.
-    shares = {}  # (model, type, world, impl) -> [(share, GB/s, host GB/s) per round]
+    shares = {}  # (model, type, world, impl) -> [(share, GB/s, host GB/s, round) per round]
     for r in rows:
-        key = (r.get("bench_model") or r["model"], r["type"], r["world"])
+        key = cell(r)
         if r.get("impl") == "llama.cpp" and r["n_gen"] == n_gen:
             impl, tps = "llama.cpp", r["avg_ts"]
         elif r.get("impl") == "candle-tp" and r["new_tokens"] - 1 == n_gen:
@@ -134,6 +139,6 @@ if tg and host:
     print("\nshare: the decode's weight traffic (tokens/s x weight bytes per token) over the "
           "host's read bandwidth with as many threads, measured just before it; ceiling: 1 / "
           "llama.cpp's share, the most any implementation could reach against llama.cpp on the "
-          "same host state. The host's bandwidth moves between runs (2 threads: about 35 or "
-          "about 55 GB/s), so a round's ratio follows its state.")
+          "same host state. A host's bandwidth can move between runs, so a round's ratio follows "
+          "its state.")
 print(json.dumps({"llama_cpp_comparison": summary}))
