@@ -11,8 +11,8 @@
 //! - with the `mpi` feature, the MPI backend's collectives at 2 and 3 ranks.
 //!
 //! Needs `mpirun` (Debian's `openmpi-bin`, which `scripts/test.sh` installs when run as root).
-//! Without it each test prints `SKIPPED: ...` and passes, except under CI (`CI` set), where a
-//! missing `mpirun` fails.
+//! Without it each test skips through `common::skip` (which fails instead under CI and under
+//! `scripts/test.sh` as root).
 
 mod common;
 
@@ -26,11 +26,7 @@ fn mpirun(np: usize) -> Option<Command> {
         .output()
         .is_ok_and(|o| o.status.success());
     if !found {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "mpirun is missing under CI: .ci/run installs openmpi-bin through scripts/test.sh"
-        );
-        eprintln!("SKIPPED: mpirun not found (apt-get install openmpi-bin)");
+        common::skip("mpirun not found (scripts/setup-mpi.sh installs openmpi-bin)");
         return None;
     }
     let mut c = Command::new("mpirun");
@@ -379,4 +375,105 @@ fn mpi_worker() {
         "statistics did not count"
     );
     println!("mpi collectives ok on rank {rank} of {world}");
+}
+
+/// `mpirun -np 2` of [`mpi_exit_worker`] in `mode`, with a 60 s collective deadline: its
+/// output, exit status and how long it took.
+#[cfg(feature = "mpi")]
+fn exit_job(mode: &str, env: &[&str]) -> Option<(Output, std::time::Duration)> {
+    let mut c = mpirun(2)?;
+    c.args(["-x", "CANDLE_TP_BACKEND=mpi", "-x", "CANDLE_TP_TIMEOUT=60"])
+        .args(["-x", &format!("CANDLE_TP_MPI_EXIT_WORKER={mode}")]);
+    for e in env {
+        c.args(["-x", e]);
+    }
+    c.arg(std::env::current_exe().expect("test binary")).args([
+        "--ignored",
+        "--exact",
+        "mpi_exit_worker",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ]);
+    let t0 = std::time::Instant::now();
+    let out = c.output().expect("start mpirun");
+    Some((out, t0.elapsed()))
+}
+
+/// Issue 44, defect 1: a rank that leaves with an error (here `exit(3)`, what `main`
+/// returning `Err` does) while its peer waits in an all-reduce ends the whole job within
+/// seconds, and says which rank left. Before, the rank finalised MPI at exit, Open MPI's
+/// `MPI_Finalize` waited for the peer, and the peer waited out its 60 s deadline.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_rank_that_exits_with_an_error_ends_the_mpi_job_at_once() {
+    let Some((out, took)) = exit_job("error", &[]) else {
+        return;
+    };
+    let t = text(&out);
+    assert!(!out.status.success(), "the job succeeded:\n{t}");
+    assert!(
+        took < std::time::Duration::from_secs(15),
+        "the job took {took:?} to end:\n{t}"
+    );
+    assert!(t.contains("MPI rank 1 of 2 is exiting with status 3"), "{t}");
+    assert!(!t.contains("rank 0 got past the all-reduce"), "{t}");
+}
+
+/// Issue 44, defect 8: `CANDLE_TP_MPI_CHECK` set differently on the two ranks (which hung the
+/// first collective) is an error on every rank naming the variable, and the job ends.
+#[cfg(feature = "mpi")]
+#[test]
+fn ranks_that_disagree_on_the_size_check_end_with_an_error() {
+    // Open MPI's `-x` sets a variable for every rank: rank 1 changes its own at start.
+    let Some((out, took)) = exit_job("check", &[]) else {
+        return;
+    };
+    let t = text(&out);
+    assert!(!out.status.success(), "the job succeeded:\n{t}");
+    assert!(took < std::time::Duration::from_secs(15), "{took:?}:\n{t}");
+    // Both ranks fail alike, but the first to exit aborts the job, which may end the other
+    // before it prints.
+    assert!(
+        t.contains("init failed: ")
+            && t.contains("CANDLE_TP_MPI_CHECK")
+            && t.contains("differs between ranks"),
+        "{t}"
+    );
+}
+
+/// The worker side of the two tests above; does nothing unless started by them.
+/// `CANDLE_TP_MPI_EXIT_WORKER=error`: rank 1 exits with status 3 while rank 0 is in an
+/// all-reduce; `check`: rank 1 turns the size check off before MPI starts, and each rank
+/// prints its init error.
+#[cfg(feature = "mpi")]
+#[test]
+#[ignore]
+fn mpi_exit_worker() {
+    use candle_tp::comm::ReduceOp;
+    let Ok(mode) = std::env::var("CANDLE_TP_MPI_EXIT_WORKER") else {
+        return;
+    };
+    let rank: usize = std::env::var("OMPI_COMM_WORLD_RANK")
+        .expect("started by mpirun")
+        .parse()
+        .expect("a rank");
+    if mode == "check" && rank == 1 {
+        std::env::set_var("CANDLE_TP_MPI_CHECK", "0");
+    }
+    let pg = match candle_tp::init_from_env(&candle_core::Device::Cpu) {
+        Ok(pg) => pg,
+        Err(e) => {
+            eprintln!("rank {rank} init failed: {e}");
+            std::process::exit(2);
+        }
+    };
+    assert_eq!(mode, "error", "the check mode must fail at init");
+    if rank == 1 {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        std::process::exit(3);
+    }
+    let mut v = vec![1f32; 16];
+    let r = pg.all_reduce_slice(&mut v, ReduceOp::Sum);
+    println!("rank 0 got past the all-reduce: {r:?}");
 }

@@ -70,7 +70,7 @@ unsafe impl Send for Comm {}
 
 /// Joins the MPI job this process was started in (by `mpirun`, `mpiexec` or `srun`) and
 /// returns its world group on the `mpi` backend. Initialises MPI with `MPI_THREAD_MULTIPLE`;
-/// MPI is finalised when the last group is dropped at exit.
+/// MPI is finalised at a clean exit and aborted (the whole job ends) at an exit with an error.
 pub fn init_mpi(options: GroupOptions) -> CommResult<ProcessGroup> {
     let world = mpi_world(options)?;
     let (rank, size) = (world.rank, world.size);
@@ -91,10 +91,74 @@ pub fn init_mpi(options: GroupOptions) -> CommResult<ProcessGroup> {
     ))
 }
 
-/// Initialises MPI (once per process, with `MPI_THREAD_MULTIPLE`; finalised at exit) and
-/// returns the backend of `MPI_COMM_WORLD`.
+/// MPI's universe, once initialised (taken, hence finalised, at a clean exit).
+static UNIVERSE: OnceLock<Mutex<Option<::mpi::environment::Universe>>> = OnceLock::new();
+
+/// What happens to MPI when the process exits (statics are never dropped, so something must
+/// run then):
+/// - status 0: `MPI_Finalize`, which mpirun needs to count the rank as done;
+/// - any other status (`main` returned an error, a panic, `exit(1)`): `MPI_Abort`. Never
+///   finalise there: Open MPI's `MPI_Finalize` waits for every rank, so a rank leaving on an
+///   error would stay in it, mpirun would never see it fail, and its peers would wait in their
+///   collectives until their deadline (or for ever, outside one). `MPI_Abort` makes mpirun
+///   end the whole job within seconds.
+///
+/// The status is known at exit through glibc's `on_exit`; elsewhere (musl) only `atexit`
+/// exists, and the rank finalises whatever its status.
+fn register_exit_handler() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn on_exit(
+                f: extern "C" fn(libc::c_int, *mut libc::c_void),
+                arg: *mut libc::c_void,
+            ) -> libc::c_int;
+        }
+        extern "C" fn at_exit(status: libc::c_int, _: *mut libc::c_void) {
+            leave_mpi(status);
+        }
+        // SAFETY: registering a plain `extern "C"` function that ignores its pointer.
+        if unsafe { on_exit(at_exit, std::ptr::null_mut()) } != 0 {
+            eprintln!("candle-tp: could not register MPI's exit handler");
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        extern "C" fn at_exit() {
+            leave_mpi(0);
+        }
+        // SAFETY: registering a plain `extern "C"` function with no arguments.
+        if unsafe { libc::atexit(at_exit) } != 0 {
+            eprintln!("candle-tp: could not register MPI_Finalize at exit");
+        }
+    }
+}
+
+/// Finalises MPI (`status` 0) or aborts the whole job with `status` (see
+/// [`register_exit_handler`]).
+fn leave_mpi(status: libc::c_int) {
+    let Some(cell) = UNIVERSE.get() else { return };
+    let mut u = cell.lock().unwrap_or_else(|e| e.into_inner());
+    if status == 0 {
+        drop(u.take());
+        return;
+    }
+    if let Some(universe) = u.as_ref() {
+        let world = universe.world();
+        eprintln!(
+            "candle-tp: MPI rank {} of {} is exiting with status {status}: aborting the job \
+             (MPI_Abort) so that no peer waits for it",
+            world.rank(),
+            world.size()
+        );
+        world.abort(status);
+    }
+}
+
+/// Initialises MPI (once per process, with `MPI_THREAD_MULTIPLE`; finalised at a clean exit,
+/// aborted at any other, see [`register_exit_handler`]) and returns the backend of
+/// `MPI_COMM_WORLD`.
 pub(crate) fn mpi_world(options: GroupOptions) -> CommResult<Arc<MpiBackend>> {
-    static UNIVERSE: OnceLock<Mutex<Option<::mpi::environment::Universe>>> = OnceLock::new();
     let cell = UNIVERSE.get_or_init(|| Mutex::new(None));
     let mut u = cell.lock().unwrap_or_else(|e| e.into_inner());
     if u.is_none() {
@@ -109,18 +173,10 @@ pub(crate) fn mpi_world(options: GroupOptions) -> CommResult<Arc<MpiBackend>> {
                 ),
             ));
         }
+        let world = universe.world();
         *u = Some(universe);
-        // MPI must be finalised before the process exits (mpirun reports the job as failed
-        // otherwise), and statics are never dropped: finalise at exit.
-        extern "C" fn finalize() {
-            if let Some(cell) = UNIVERSE.get() {
-                drop(cell.lock().unwrap_or_else(|e| e.into_inner()).take());
-            }
-        }
-        // SAFETY: registering a plain `extern "C"` function with no arguments.
-        if unsafe { libc::atexit(finalize) } != 0 {
-            eprintln!("candle-tp: could not register MPI_Finalize at exit");
-        }
+        register_exit_handler();
+        agree_on_check_sizes(&world)?;
     }
     let world = u.as_ref().expect("initialised above").world();
     Ok(MpiBackend::new(world, "world".into(), options.timeout))
@@ -277,17 +333,65 @@ impl MpiBackend {
 /// as with NCCL or PyTorch's own backends; the default (`1`) checks.
 pub const CHECK_SIZES_VAR: &str = "CANDLE_TP_MPI_CHECK";
 
-/// Whether collectives agree on their sizes first (`CANDLE_TP_MPI_CHECK`, read once).
+/// Whether collectives agree on their sizes first: [`CHECK_SIZES_VAR`] as every rank agreed
+/// on it when MPI was initialised ([`agree_on_check_sizes`]), else as this rank reads it.
+static CHECK: OnceLock<bool> = OnceLock::new();
+
 fn check_sizes() -> bool {
-    static CHECK: OnceLock<bool> = OnceLock::new();
-    *CHECK.get_or_init(|| {
-        let v = std::env::var(CHECK_SIZES_VAR).unwrap_or_default();
-        let off = matches!(v.trim(), "0" | "false" | "off");
-        if !off && !matches!(v.trim(), "" | "1" | "true" | "on") {
-            eprintln!("candle-tp: {CHECK_SIZES_VAR}={v:?} is neither 0 nor 1; checking sizes");
-        }
-        !off
-    })
+    *CHECK.get_or_init(|| parse_check_sizes().unwrap_or(true))
+}
+
+/// [`CHECK_SIZES_VAR`]: unset, empty, `1`, `true` or `on` check; `0`, `false` or `off` do
+/// not; anything else is an error naming the value.
+fn parse_check_sizes() -> Result<bool, String> {
+    let v = std::env::var(CHECK_SIZES_VAR).unwrap_or_default();
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "1" | "true" | "on" => Ok(true),
+        "0" | "false" | "off" => Ok(false),
+        _ => Err(format!("{v:?} is neither 0 nor 1")),
+    }
+}
+
+/// Every rank's [`CHECK_SIZES_VAR`] compared at start (one all-reduce of the minimum and one of
+/// the maximum over `world`): ranks that disagree would hang in their first collective (one
+/// side sends a header the other does not expect), so a difference, or a value that is no
+/// setting on any rank, is an error on every rank alike.
+fn agree_on_check_sizes(world: &SimpleCommunicator) -> CommResult<()> {
+    use ::mpi::collective::SystemOperation;
+    let mine = parse_check_sizes();
+    let code: i32 = match mine {
+        Ok(true) => 1,
+        Ok(false) => 0,
+        Err(_) => -1,
+    };
+    let (mut lo, mut hi) = (0i32, 0i32);
+    world.all_reduce_into(&code, &mut lo, SystemOperation::min());
+    world.all_reduce_into(&code, &mut hi, SystemOperation::max());
+    if let Err(e) = mine {
+        return Err(CommError::env(
+            CHECK_SIZES_VAR,
+            format!("on rank {}: {e}", world.rank()),
+        ));
+    }
+    if lo < 0 {
+        return Err(CommError::env(
+            CHECK_SIZES_VAR,
+            "another rank has a value that is neither 0 nor 1",
+        ));
+    }
+    if lo != hi {
+        return Err(CommError::env(
+            CHECK_SIZES_VAR,
+            format!(
+                "differs between ranks (this rank, {}, has {}; set it alike on every rank, \
+                 e.g. mpirun -x {CHECK_SIZES_VAR}=0)",
+                world.rank(),
+                code
+            ),
+        ));
+    }
+    let _ = CHECK.set(code == 1);
+    Ok(())
 }
 
 fn hash_counts(counts: &[usize]) -> u64 {
