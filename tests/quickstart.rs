@@ -74,3 +74,39 @@ fn runs_alone_and_under_tprun() {
         }
     }
 }
+
+/// Issue 44, defect 8: environment values that were read as something else are errors that
+/// name the variable and the value, alone and under tprun: a deadline that is not a positive
+/// number of seconds (it became 300 s), and the NCCL backend on a CPU job (it ran shm).
+#[test]
+fn bad_environment_values_are_named() {
+    for (var, value, says) in [
+        ("CANDLE_TP_TIMEOUT", "abc", "abc"),
+        ("CANDLE_TP_TIMEOUT", "0", "above 0"),
+        ("CANDLE_TP_TIMEOUT", "30s", "30s"),
+        ("CANDLE_TP_BACKEND", "nccl", "CUDA"),
+    ] {
+        for ranks in [None, Some(2)] {
+            let mut c = match ranks {
+                Some(n) => {
+                    let mut c = Command::new(env!("CARGO_BIN_EXE_tprun"));
+                    c.args(["--standalone", "--nproc-per-node", &n.to_string()])
+                        .arg(example("quickstart"));
+                    c
+                }
+                None => Command::new(example("quickstart")),
+            };
+            let out = c.env(var, value).output().expect("run quickstart");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(!out.status.success(), "{var}={value} {ranks:?} ran:\n{text}");
+            assert!(
+                text.contains(var) && text.contains(says),
+                "{var}={value} {ranks:?}:\n{text}"
+            );
+        }
+    }
+}

@@ -84,6 +84,18 @@ pub fn rendezvous_from_env() -> CommResult<Rendezvous> {
 /// hosts), `mpi` (MPI for every byte, also inside a host) or `nccl`.
 pub const BACKEND_VAR: &str = "CANDLE_TP_BACKEND";
 
+/// The variable that gives the number of processes of the whole job, for messages.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+fn world_size_var(launcher: Launcher) -> &'static str {
+    match launcher {
+        Launcher::OpenMpi => "OMPI_COMM_WORLD_SIZE",
+        Launcher::Hydra => "PMI_SIZE",
+        Launcher::Slurm if var("SLURM_STEP_NUM_TASKS").is_some() => "SLURM_STEP_NUM_TASKS",
+        Launcher::Slurm => "SLURM_NTASKS",
+        Launcher::Alone | Launcher::Torchrun => "WORLD_SIZE",
+    }
+}
+
 /// The variable that gives the number of processes on this host, for messages.
 fn launch_size_var(launcher: Launcher) -> &'static str {
     match launcher {
@@ -133,6 +145,8 @@ pub(crate) fn torch_agent_store() -> CommResult<Option<String>> {
 /// # Ok(()) }
 /// ```
 pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
+    // A deadline nobody asked for (a typo read as the default) is worse than no job.
+    super::wait::timeout_from_env().map_err(|e| CommError::env(super::wait::TIMEOUT_VAR, e))?;
     let launch = launch_from_env()?;
     let mpi_launched = matches!(
         launch.launcher,
@@ -145,7 +159,19 @@ pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
         }
         Some("hierarchical") => Some(false),
         Some("mpi") => Some(true),
-        Some("shm") | Some("nccl") => None,
+        Some("shm") => None,
+        Some("nccl") if !device.is_cuda() => {
+            return Err(CommError::env(
+                BACKEND_VAR,
+                format!(
+                    "'nccl' runs on CUDA devices, and this job's device is {:?} (use shm, \
+                     hierarchical or mpi on CPUs, or auto)",
+                    device.location()
+                ),
+            )
+            .into())
+        }
+        Some("nccl") => None,
         Some(other) => {
             return Err(CommError::env(
                 BACKEND_VAR,
@@ -164,7 +190,7 @@ pub fn init_from_env(device: &Device) -> candle_core::Result<ProcessGroup> {
             };
             if launch.launcher != Launcher::Alone && pg.size() != launch.world_size {
                 return Err(CommError::env(
-                    launch_size_var(launch.launcher),
+                    world_size_var(launch.launcher),
                     format!(
                         "{} says the job has {} processes, but MPI reports {} (was this \
                          process started by that launcher's MPI?)",

@@ -286,19 +286,80 @@ impl Deadline {
     }
 }
 
-/// The collective deadline: `CANDLE_TP_TIMEOUT` seconds (fractions allowed), default 300.
+/// The variable that sets every wait's deadline, in seconds.
+pub const TIMEOUT_VAR: &str = "CANDLE_TP_TIMEOUT";
+
+/// The deadline when [`TIMEOUT_VAR`] is unset.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Reads a [`TIMEOUT_VAR`] value: a positive, finite number of seconds (fractions allowed,
+/// blanks around it ignored). Anything else (`abc`, `0`, `30s`, `-1`, `inf`) is an error that
+/// says what was given and what is wanted.
+///
+/// ```
+/// use candle_tp::comm::parse_timeout;
+/// use std::time::Duration;
+/// assert_eq!(parse_timeout(" 2.5 "), Ok(Duration::from_millis(2500)));
+/// assert!(parse_timeout("30s").unwrap_err().contains("30s"));
+/// assert!(parse_timeout("0").is_err());
+/// ```
+pub fn parse_timeout(value: &str) -> Result<Duration, String> {
+    let v = value.trim();
+    match v.parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s <= 1e9 => Ok(Duration::from_secs_f64(s)),
+        Ok(_) => Err(format!(
+            "{TIMEOUT_VAR}={v:?} must be a number of seconds above 0 (and at most 1e9)"
+        )),
+        Err(_) => Err(format!(
+            "{TIMEOUT_VAR}={v:?} is not a number of seconds (write e.g. 30, not 30s)"
+        )),
+    }
+}
+
+/// The deadline [`TIMEOUT_VAR`] sets ([`DEFAULT_TIMEOUT`] when unset or empty), or an error
+/// naming a value that is not a positive number of seconds. `init_from_env` checks it before
+/// anything else, so a job with a bad value ends at once instead of running on a deadline
+/// that nobody asked for.
+pub fn timeout_from_env() -> Result<Duration, String> {
+    match std::env::var(TIMEOUT_VAR) {
+        Ok(v) if !v.trim().is_empty() => parse_timeout(&v),
+        _ => Ok(DEFAULT_TIMEOUT),
+    }
+}
+
+/// The collective deadline: [`timeout_from_env`], or [`DEFAULT_TIMEOUT`] where its value is
+/// invalid (only for groups made outside `init_from_env`, such as `run_threads`, which is
+/// where the error would otherwise have nowhere to go; the value is reported on stderr once).
 pub fn default_timeout() -> Duration {
-    std::env::var("CANDLE_TP_TIMEOUT")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map(Duration::from_secs_f64)
-        .unwrap_or(Duration::from_secs(300))
+    timeout_from_env().unwrap_or_else(|e| {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            eprintln!(
+                "candle-tp: {e}; using {} s",
+                DEFAULT_TIMEOUT.as_secs()
+            )
+        });
+        DEFAULT_TIMEOUT
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::WaitPolicy;
+    use super::{parse_timeout, WaitPolicy};
+    use std::time::Duration;
+
+    #[test]
+    fn timeouts_are_positive_numbers_of_seconds() {
+        assert_eq!(parse_timeout("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_timeout("0.25"), Ok(Duration::from_millis(250)));
+        for bad in ["abc", "0", "30s", "-1", "inf", "NaN", "", "1e30"] {
+            let e = parse_timeout(bad).unwrap_err();
+            assert!(
+                e.contains("CANDLE_TP_TIMEOUT") && e.contains(bad),
+                "{bad:?}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn yields_only_when_ranks_outnumber_cores() {
