@@ -28,6 +28,8 @@ use crate::nn::KvCache;
 
 mod draw;
 
+use draw::FAILED_DRAW;
+
 /// What a sequence asks for besides sampling: log-probabilities and penalties. The default
 /// asks for neither.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -107,7 +109,7 @@ struct Active {
 #[derive(Debug)]
 pub struct BatchDecoder {
     seqs: Vec<Active>,
-    /// Sequences that left the batch because their grammar failed, with why.
+    /// Sequences that left the batch because their grammar or their draw failed, with why.
     failed: Vec<(u64, String)>,
     max_batch: usize,
     prefill_chunk: usize,
@@ -203,6 +205,9 @@ impl BatchDecoder {
         }
         req.options
             .penalties
+            .validate()
+            .map_err(|e| candle_core::Error::msg(format!("sequence {}: {e}", req.id)))?;
+        req.params
             .validate()
             .map_err(|e| candle_core::Error::msg(format!("sequence {}: {e}", req.id)))?;
         Ok(())
@@ -318,7 +323,8 @@ impl BatchDecoder {
     }
 
     /// The sequences that left the batch since the last call because their grammar failed (or
-    /// allowed no token), with why (rank 0's message; a generic one on the other ranks).
+    /// allowed no token) or their token could not be drawn (every logit -inf, a NaN logit),
+    /// with why (for a grammar, rank 0's message; a generic one on the other ranks).
     pub fn take_failed(&mut self) -> Vec<(u64, String)> {
         std::mem::take(&mut self.failed)
     }
@@ -438,15 +444,25 @@ impl BatchDecoder {
             Some(_) => self.grammar_masks(model, &mut ready)?,
             None => vec![None; ready.len()],
         };
-        let (tokens, logprobs) = match &logits {
+        let (tokens, logprobs, mut why) = match &logits {
             Some(logits) => self.draw(model, logits, &ready, &masks)?,
-            None => (vec![0; ready.len()], vec![None; ready.len()]),
+            None => (vec![0; ready.len()], vec![None; ready.len()], Vec::new()),
         };
         let (tokens, logprobs) = self.share_draws(model, &ready, tokens, logprobs)?;
         let mut events = Vec::new();
         let mut done = Vec::new();
-        for ((&(_, i), token), logprobs) in ready.iter().zip(tokens).zip(logprobs) {
+        for (r, ((&(_, i), token), logprobs)) in ready.iter().zip(tokens).zip(logprobs).enumerate() {
             let s = &mut self.seqs[i];
+            if token == FAILED_DRAW {
+                // This row alone leaves the batch; on a stage other than the last, without
+                // the last stage's reason.
+                let why = match why.iter().position(|(row, _)| *row == r) {
+                    Some(at) => why.swap_remove(at).1,
+                    None => "sampling failed on the pipeline's last stage".to_string(),
+                };
+                self.failed.push((s.req.id, why));
+                continue;
+            }
             s.generated += 1;
             s.history.push(token);
             if let Some(f) = s.filter.as_mut() {
@@ -514,7 +530,9 @@ impl BatchDecoder {
             let s = &self.seqs[i];
             let mask: Option<RowMask> = s.req.options.constrained.then(|| shared.next()).flatten();
             match mask {
-                Some(Err(why)) => self.failed.push((s.req.id, why)),
+                Some(Err(why)) => self
+                    .failed
+                    .push((s.req.id, format!("the grammar failed: {why}"))),
                 Some(Ok(bits)) => {
                     kept.push((row, i));
                     masks.push(Some(bits));

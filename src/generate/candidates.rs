@@ -13,6 +13,7 @@ use std::cmp::Ordering;
 
 use crate::comm::ProcessGroup;
 use crate::generate::noise::DrawNoise;
+use crate::generate::race::{RowDraw, ALL_NEG_INF};
 use crate::Partition;
 
 /// Candidates gathered per rank for top-p alone, before doubling.
@@ -29,6 +30,10 @@ fn order(a: &(f64, usize), b: &(f64, usize)) -> Ordering {
 
 /// Draws a token under top-k and / or top-p (at least one set) from this rank's scaled logits
 /// (`logit / temperature`), whose first global id is `offset`.
+///
+/// The outer error is a collective's (the step cannot go on); the inner one is this row's
+/// (every logit -inf, a NaN logit), seen alike by every rank from the gathered candidates, so
+/// that the row fails alone and every rank stays in step.
 pub(crate) fn sample_candidates(
     scaled: &[f64],
     offset: usize,
@@ -37,7 +42,7 @@ pub(crate) fn sample_candidates(
     noise: &DrawNoise,
     part: &Partition,
     pg: &ProcessGroup,
-) -> Result<u32> {
+) -> Result<RowDraw> {
     let nan = scaled.iter().position(|v| v.is_nan());
     // The softmax normaliser over the whole vocabulary: only top-p without top-k needs it.
     let sum = match (top_k, top_p) {
@@ -47,10 +52,13 @@ pub(crate) fn sample_candidates(
     let largest_share = part.sizes().into_iter().max().unwrap_or(1);
     let mut k = top_k.unwrap_or(FIRST_CANDIDATES).min(largest_share).max(1);
     loop {
-        let (cands, exact) = gather_candidates(scaled, nan, offset, k, part, pg)?;
+        let (cands, exact) = match gather_candidates(scaled, nan, offset, k, part, pg)? {
+            Ok(got) => got,
+            Err(why) => return Ok(Err(why)),
+        };
         let max = cands[0].0;
         if max == f64::NEG_INFINITY {
-            candle_core::bail!("sampling: every logit is -inf, no token can be drawn");
+            return Ok(Err(ALL_NEG_INF.to_string()));
         }
         let kept = match top_k {
             Some(tk) => &cands[..tk.min(cands.len())],
@@ -91,7 +99,7 @@ pub(crate) fn sample_candidates(
                 best_id = id;
             }
         }
-        return Ok(best_id as u32);
+        return Ok(Ok(best_id as u32));
     }
 }
 
@@ -137,7 +145,7 @@ fn gather_candidates(
     k: usize,
     part: &Partition,
     pg: &ProcessGroup,
-) -> Result<(Vec<(f64, usize)>, usize)> {
+) -> Result<std::result::Result<(Vec<(f64, usize)>, usize), String>> {
     let mut idx: Vec<usize> = (0..scaled.len()).collect();
     let take = k.min(scaled.len());
     if take < idx.len() {
@@ -159,7 +167,7 @@ fn gather_candidates(
     let mut all = vec![0f64; mine.len() * pg.size()];
     pg.all_gather_slice(&mine, &mut all)?;
     if let Some(p) = all.chunks_exact(2).find(|p| p[0].is_nan()) {
-        candle_core::bail!("sampling: the logit of token {} is NaN", p[1]);
+        return Ok(Err(format!("sampling: the logit of token {} is NaN", p[1])));
     }
     let pair = |p: &[f64]| (p[0], p[1] as usize);
     // The earliest last candidate of a rank that had more to send.
@@ -182,5 +190,5 @@ fn gather_candidates(
             .take_while(|c| order(c, &b) != Ordering::Greater)
             .count(),
     };
-    Ok((cands, exact))
+    Ok(Ok((cands, exact)))
 }

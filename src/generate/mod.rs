@@ -14,4 +14,4 @@ pub use batch::{BatchDecoder, FinishReason, SeqOptions, SeqRequest, TokenEvent};
 pub use constraint::{mask_shard, share_masks, MaskRequest, RowMask, TokenFilter};
 pub use logprobs::{shard_logprobs, LogprobRow, TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use penalties::{apply_penalties, History, Penalties};
-pub use sampling::{sample_batch, DistributedSampler, SamplingParams};
+pub use sampling::{sample_batch, DistributedSampler, SamplingParams, GREEDY_BELOW};

@@ -14,8 +14,6 @@
 //! the logarithms; the rest cost a hash and a comparison (about 4 ns a token,
 //! `examples/bench_sampling.rs`).
 
-use candle_core::Result;
-
 use crate::generate::noise::{gumbel_of, DrawNoise};
 
 /// The largest whole distance of [`skip_table`] (farther tokens use its threshold): there
@@ -70,13 +68,20 @@ pub(crate) fn race_best(local: &[f32], offset: usize, inv_t: f64, noise: &DrawNo
     [best, best_id as f64]
 }
 
+/// One row's draw: its token, or why this row (alone) cannot be drawn from. Every rank
+/// computes it from the same gathered values, so every rank fails the same rows.
+pub(crate) type RowDraw = std::result::Result<u32, String>;
+
+/// Why a row whose every logit is -inf fails.
+pub(crate) const ALL_NEG_INF: &str = "sampling: every logit is -inf, no token can be drawn";
+
 /// The winner of the race from every rank's entry (score, id): the best score, ties to the
-/// lowest id.
-pub(crate) fn race_pick(pairs: impl Iterator<Item = (f64, f64)>) -> Result<u32> {
+/// lowest id; an error for this row alone when a logit is NaN or every one is -inf.
+pub(crate) fn race_pick(pairs: impl Iterator<Item = (f64, f64)>) -> RowDraw {
     let (mut val, mut id) = (f64::NEG_INFINITY, f64::INFINITY);
     for (v, i) in pairs {
         if v.is_nan() {
-            candle_core::bail!("sampling: the logit of token {i} is NaN");
+            return Err(format!("sampling: the logit of token {i} is NaN"));
         }
         if v > val || (v == val && i < id) {
             val = v;
@@ -84,7 +89,7 @@ pub(crate) fn race_pick(pairs: impl Iterator<Item = (f64, f64)>) -> Result<u32> 
         }
     }
     if val == f64::NEG_INFINITY {
-        candle_core::bail!("sampling: every logit is -inf, no token can be drawn");
+        return Err(ALL_NEG_INF.to_string());
     }
     Ok(id as u32)
 }

@@ -23,14 +23,19 @@ use candle_core::{DType, Result, Tensor};
 use crate::comm::ProcessGroup;
 use crate::generate::candidates::sample_candidates;
 use crate::generate::noise::DrawNoise;
-use crate::generate::race::{race_best, race_pick};
+use crate::generate::race::{race_best, race_pick, RowDraw};
 use crate::nn::ParallelLmHead;
 use crate::Partition;
+
+/// Temperatures below this draw greedily (vLLM's `_SAMPLING_EPS`): a smaller one scales the
+/// logits' differences past anything a draw can tell apart, and a tiny one (1e-308) would
+/// scale finite logits to -inf in f64, leaving no token to draw.
+pub const GREEDY_BELOW: f64 = 1e-5;
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
-    /// Softmax temperature; `0` (or below) means greedy (argmax).
+    /// Softmax temperature; below [`GREEDY_BELOW`] (`0` included) means greedy (argmax).
     pub temperature: f64,
     /// Keep only the `k` most likely tokens.
     pub top_k: Option<usize>,
@@ -70,9 +75,9 @@ impl SamplingParams {
         Ok(())
     }
 
-    /// Greedy: temperature 0 or below (or so small its inverse overflows), or top-k of 1.
+    /// Greedy: a temperature below [`GREEDY_BELOW`] (0 or below included), or top-k of 1.
     fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 || !(1.0 / self.temperature).is_finite() || self.top_k == Some(1)
+        self.temperature < GREEDY_BELOW || self.top_k == Some(1)
     }
 }
 
@@ -132,6 +137,8 @@ impl DistributedSampler {
 
 /// How one row is drawn once every rank's (score, id) pair is known.
 enum Draw {
+    /// Invalid parameters: this row alone fails, with why.
+    Failed(String),
     Greedy,
     Race,
     /// Top-k / top-p: drawn after the pairs, with collectives of its own.
@@ -175,6 +182,21 @@ pub fn sample_batch(
     part: &Partition,
     pg: &ProcessGroup,
 ) -> Result<Vec<u32>> {
+    sample_rows(rows, part, pg)?
+        .into_iter()
+        .map(|r| r.map_err(candle_core::Error::msg))
+        .collect()
+}
+
+/// [`sample_batch`] with each row's own failure apart: the outer error ends the step (a
+/// collective failed, a shard of the wrong size); an inner one is that row's alone (its
+/// parameters are invalid, every logit is -inf, a logit is NaN) and the other rows still get
+/// their tokens. Every rank sees the same gathered values, so every rank fails the same rows.
+pub(crate) fn sample_rows(
+    rows: &mut [(&mut DistributedSampler, &Tensor)],
+    part: &Partition,
+    pg: &ProcessGroup,
+) -> Result<Vec<RowDraw>> {
     let rank = pg.rank();
     if part.parts() != pg.size() {
         candle_core::bail!(
@@ -199,13 +221,15 @@ pub fn sample_batch(
             );
         }
         let params = sampler.params;
-        params.validate()?;
         let noise = DrawNoise::new(params.seed, sampler.step);
         sampler.step += 1;
         // Filters that keep every token are no filters (and need no candidates).
         let top_k = params.top_k.filter(|&k| k < part.total());
         let top_p = params.top_p.filter(|&p| p < 1.0);
-        let draw = if params.is_greedy() {
+        // The parameters are the same on every rank: every rank leaves this row out alike.
+        let draw = if let Err(e) = params.validate() {
+            Draw::Failed(e.to_string())
+        } else if params.is_greedy() {
             mine.extend_from_slice(&greedy_best(&local, offset));
             Draw::Greedy
         } else if top_k.is_none() && top_p.is_none() {
@@ -230,6 +254,7 @@ pub fn sample_batch(
     let mut ids = Vec::with_capacity(draws.len());
     for draw in draws {
         let id = match draw {
+            Draw::Failed(why) => Err(why),
             Draw::Greedy | Draw::Race => {
                 let j = pair;
                 pair += 1;
@@ -237,9 +262,9 @@ pub fn sample_batch(
                     .chunks_exact(mine.len())
                     .map(move |r| (r[2 * j], r[2 * j + 1]));
                 if matches!(draw, Draw::Greedy) {
-                    greedy_pick(pairs)
+                    Ok(greedy_pick(pairs))
                 } else {
-                    race_pick(pairs)?
+                    race_pick(pairs)
                 }
             }
             Draw::Candidates(c) => {
@@ -276,4 +301,87 @@ fn greedy_pick(mut pairs: impl Iterator<Item = (f64, f64)>) -> u32 {
         }
     }
     id as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Rows that cannot be drawn from (every logit -inf, a NaN logit, invalid parameters) fail
+    /// alone at 2 ranks, on both ranks alike, in every kind of draw (greedy, race, top-k /
+    /// top-p), and the rows around them get the tokens they get in a batch of their own.
+    #[test]
+    fn a_row_that_cannot_be_drawn_fails_alone() {
+        let n = 11usize;
+        let good: Vec<f32> = (0..n).map(|i| ((i * 7) % 5) as f32 - 0.5 * i as f32).collect();
+        let ninf = vec![f32::NEG_INFINITY; n];
+        let mut nan = good.clone();
+        nan[8] = f32::NAN; // on rank 1's shard
+        let sampled = |t: f64, k: Option<usize>, p: Option<f64>| SamplingParams {
+            temperature: t,
+            top_k: k,
+            top_p: p,
+            seed: 3,
+        };
+        let rows: Vec<(Vec<f32>, SamplingParams, bool)> = vec![
+            (good.clone(), SamplingParams::greedy(), true),
+            (ninf.clone(), sampled(1.0, None, None), false),
+            (good.clone(), sampled(0.7, None, None), true),
+            (nan.clone(), sampled(1.0, None, None), false),
+            (ninf.clone(), sampled(1.0, Some(3), None), false),
+            (nan, sampled(1.0, None, Some(0.5)), false),
+            (good.clone(), sampled(f64::NAN, None, None), false),
+            (good.clone(), sampled(1.3, Some(4), Some(0.8)), true),
+            (good, sampled(1e-308, None, None), true),
+        ];
+        let got = crate::run_threads(2, |pg| {
+            let part = Partition::new(n, 2)?;
+            let range = part.range(pg.rank());
+            let tensors: Vec<Tensor> = rows
+                .iter()
+                .map(|(v, _, _)| Tensor::new(&v[range.clone()], &Device::Cpu))
+                .collect::<Result<_>>()?;
+            let mut samplers: Vec<DistributedSampler> = rows
+                .iter()
+                .map(|(_, p, _)| DistributedSampler::new(*p))
+                .collect();
+            let mut batch: Vec<(&mut DistributedSampler, &Tensor)> =
+                samplers.iter_mut().zip(&tensors).collect();
+            let together = sample_rows(&mut batch, &part, &pg)?;
+            // Each good row alone, with a fresh sampler (the same draw number).
+            let mut alone = Vec::new();
+            for ((_, p, ok), t) in rows.iter().zip(&tensors) {
+                if *ok {
+                    let mut s = DistributedSampler::new(*p);
+                    alone.push(Some(sample_batch(&mut [(&mut s, t)], &part, &pg)?[0]));
+                } else {
+                    alone.push(None);
+                }
+            }
+            Ok((together, alone))
+        })
+        .unwrap();
+        assert_eq!(got[0], got[1], "both ranks fail the same rows alike");
+        let (together, alone) = &got[0];
+        for (r, ((row, want), (_, p, ok))) in together.iter().zip(alone).zip(&rows).enumerate() {
+            match (row, want) {
+                (Ok(id), Some(want)) => assert_eq!(id, want, "row {r} {p:?}"),
+                (Err(why), None) => assert!(
+                    why.contains("-inf") || why.contains("NaN"),
+                    "row {r} {p:?}: {why}"
+                ),
+                _ => panic!("row {r} {p:?} (good: {ok}): {row:?}"),
+            }
+        }
+        // A batch of failing rows alone fails as a whole through the public entry.
+        let e = crate::run_threads(1, |pg| {
+            let part = Partition::new(n, 1)?;
+            let t = Tensor::new(&ninf[..], &Device::Cpu)?;
+            let mut s = DistributedSampler::new(sampled(1.0, None, None));
+            sample_batch(&mut [(&mut s, &t)], &part, &pg)
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("-inf"), "{e}");
+    }
 }

@@ -306,14 +306,15 @@ async fn serve(
     });
     let queued = Instant::now();
     let mut jobs = Vec::with_capacity(prompts.len() * req.n);
+    let mut subs = Vec::with_capacity(prompts.len() * req.n);
+    let mut total_prompt_tokens = 0u64;
     for (k, (ids, max_tokens)) in prompts.into_iter().zip(limits).enumerate() {
         for j in 0..req.n {
             let index = k * req.n + j;
             let (tx, rx) = unbounded_channel();
             let prompt_tokens = if j == 0 { ids.len() } else { 0 };
             let prompt_ids = req.return_token_ids.then(|| ids.clone());
-            s.queue
-                .submit(Submission {
+            subs.push(Submission {
                     seq: SeqRequest {
                         id: 0, // set by the loop
                         prompt: ids.clone(),
@@ -339,12 +340,8 @@ async fn serve(
                         .clone()
                         .map(|g| Box::new(g) as Box<dyn crate::generate::TokenFilter>),
                     events: tx,
-                })
-                .map_err(|e| submit_error(&s, e))?;
-            s.queue
-                .metrics()
-                .prompt_tokens
-                .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+                });
+            total_prompt_tokens += prompt_tokens as u64;
             jobs.push(Job {
                 index,
                 prompt_tokens,
@@ -367,6 +364,14 @@ async fn serve(
             });
         }
     }
+    // Every choice queued, or none (a 503 then leaves nothing behind).
+    s.queue
+        .submit_all(subs)
+        .map_err(|e| submit_error(&s, e))?;
+    s.queue
+        .metrics()
+        .prompt_tokens
+        .fetch_add(total_prompt_tokens, Ordering::Relaxed);
     let head = Head {
         chat,
         id: completion_id(chat),

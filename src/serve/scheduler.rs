@@ -11,7 +11,7 @@
 //! broadcast.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
@@ -114,22 +114,38 @@ pub fn queue(capacity: usize) -> (Queue, Inbox) {
 impl Queue {
     /// Queues a request, or refuses it at once.
     pub fn submit(&self, s: Submission) -> std::result::Result<(), SubmitError> {
+        self.submit_all(vec![s])
+    }
+
+    /// Queues every request of `subs` (a request's choices: `n`, several prompts), or none:
+    /// they are refused at once unless the queue has room for them all now, so that a request
+    /// never leaves some of its choices queued behind a refusal (they would hold slots that
+    /// other clients wait for).
+    pub fn submit_all(&self, subs: Vec<Submission>) -> std::result::Result<(), SubmitError> {
         if self.is_shutting_down() {
             return Err(SubmitError::ShuttingDown);
         }
-        // Counted before it is sent, so that the loop never takes it out first.
-        self.metrics.waiting.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send(Msg::Submit(Box::new(s))) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.metrics.waiting.fetch_sub(1, Ordering::SeqCst);
-                Err(e)
+        let k = subs.len();
+        let cap = self.capacity.max(1);
+        // Room reserved before anything is sent, so that the loop never takes one out before
+        // it is counted, and two requests never both take the last slots.
+        self.metrics
+            .waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+                (w + k <= cap).then_some(w + k)
+            })
+            .map_err(|_| SubmitError::Full)?;
+        for (sent, s) in subs.into_iter().enumerate() {
+            if let Err(e) = self.tx.try_send(Msg::Submit(Box::new(s))) {
+                // Those sent are the loop's to count down; the rest were never queued.
+                self.metrics.waiting.fetch_sub(k - sent, Ordering::SeqCst);
+                return Err(match e {
+                    TrySendError::Full(_) => SubmitError::Full,
+                    TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+                });
             }
         }
-        .map_err(|e| match e {
-            TrySendError::Full(_) => SubmitError::Full,
-            TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
-        })
+        Ok(())
     }
 
     /// Sequences in the batch after the last step.
@@ -176,6 +192,45 @@ fn apply(
     Ok(())
 }
 
+/// The longest step this process has run so far, in microseconds ([`longest_step`]).
+static LONGEST_STEP_US: AtomicU64 = AtomicU64::new(0);
+
+/// The longest step (a plan's batched forward and draw) this process has run so far: how long
+/// a rank may have to wait for the next plan. A rank other than 0 that is asked to stop waits
+/// at least this long for rank 0's shutdown plan.
+pub fn longest_step() -> Duration {
+    Duration::from_micros(LONGEST_STEP_US.load(Ordering::Relaxed))
+}
+
+/// Runs one step, recording its length for [`longest_step`].
+fn timed_step(
+    model: &mut CausalLm,
+    dec: &mut BatchDecoder,
+) -> Result<Vec<crate::generate::TokenEvent>> {
+    let t0 = std::time::Instant::now();
+    let r = dec.step(model);
+    let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+    LONGEST_STEP_US.fetch_max(us, Ordering::Relaxed);
+    r
+}
+
+/// The idle heartbeat for a job whose collectives wait at most `timeout`: rank 0 sends an
+/// empty plan this often while idle, so that the other ranks, waiting for the next plan in a
+/// broadcast, never reach their deadline. A quarter of the deadline, at most 10 s (a
+/// `CANDLE_TP_TIMEOUT` of 5 s would otherwise end an idle server), at least 1 ms.
+///
+/// ```
+/// use candle_tp::serve::idle_heartbeat;
+/// use std::time::Duration;
+/// assert_eq!(idle_heartbeat(Duration::from_secs(300)), Duration::from_secs(10));
+/// assert_eq!(idle_heartbeat(Duration::from_secs(4)), Duration::from_secs(1));
+/// ```
+pub fn idle_heartbeat(timeout: Duration) -> Duration {
+    (timeout / 4)
+        .min(Duration::from_secs(10))
+        .max(Duration::from_millis(1))
+}
+
 /// A rank other than 0: applies rank 0's plans and runs the steps until a plan says stop.
 pub fn run_follower(model: &mut CausalLm, dec: &mut BatchDecoder) -> Result<()> {
     let pg = model.world().clone();
@@ -187,7 +242,7 @@ pub fn run_follower(model: &mut CausalLm, dec: &mut BatchDecoder) -> Result<()> 
         apply(model, dec, &plan, &mut HashMap::new()).map_err(|e| {
             candle_core::Error::msg(format!("rank {}: applying rank 0's plan: {e}", pg.rank()))
         })?;
-        dec.step(model)?;
+        timed_step(model, dec)?;
         // Rank 0 tells the requests why.
         dec.take_failed();
     }
@@ -321,7 +376,7 @@ pub fn run_leader(
                 if plan.shutdown {
                     Ok(Vec::new())
                 } else {
-                    dec.step(model)
+                    timed_step(model, dec)
                 }
             });
         for id in &plan.cancel {
@@ -345,7 +400,7 @@ pub fn run_leader(
         }
         for (id, why) in dec.take_failed() {
             if let Some(tx) = leader.active.remove(&id) {
-                let _ = tx.send(Event::Error(format!("the grammar failed: {why}")));
+                let _ = tx.send(Event::Error(why));
             }
         }
         inbox.metrics.running.store(dec.len(), Ordering::SeqCst);

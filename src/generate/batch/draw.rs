@@ -1,15 +1,24 @@
 //! Drawing a step's tokens: penalties, `min_tokens` and grammar masks on each rank's
 //! vocabulary shard, one
-//! [`sample_batch`] call, log-probabilities on the shards; and, on a pipeline, handing the
+//! [`sample_batch`](crate::generate::sample_batch) call, log-probabilities on the shards; and, on a pipeline, handing the
 //! last stage's draws to every stage.
 
 use candle_core::{DType, Result, Tensor};
 
 use super::BatchDecoder;
+
+/// The token of a row whose draw failed (no model has `u32::MAX` ids): it crosses pipeline
+/// stages with the others, and every stage fails that row alone.
+pub(super) const FAILED_DRAW: u32 = u32::MAX;
+
+/// A step's draws: one token per ready row ([`FAILED_DRAW`] where it failed), the rows'
+/// log-probabilities where asked for, and why each failed row failed (index into the rows).
+pub(super) type Drawn = (Vec<u32>, Vec<Option<TokenLogprobs>>, Vec<(usize, String)>);
 use crate::generate::constraint::mask_shard;
 use crate::generate::logprobs::{shard_logprobs, LogprobRow, TokenLogprobs};
 use crate::generate::penalties::apply_penalties;
-use crate::generate::{sample_batch, DistributedSampler};
+use crate::generate::sampling::sample_rows;
+use crate::generate::DistributedSampler;
 use crate::models::CausalLm;
 
 impl BatchDecoder {
@@ -17,14 +26,16 @@ impl BatchDecoder {
     /// slices, one per plan row), and their log-probabilities where asked for: penalties and
     /// the `min_tokens` mask applied, then each row's grammar mask (`masks`, one per row of
     /// `ready`: rank 0's allowed ids, which hold `min_tokens` already), then one
-    /// [`sample_batch`] call.
+    /// [`sample_batch`](crate::generate::sample_batch) call. A row that cannot be drawn from (every logit -inf, a NaN) gets
+    /// [`FAILED_DRAW`] and its reason in the third list (index into `ready`); the other rows
+    /// go on.
     pub(super) fn draw(
         &mut self,
         model: &CausalLm,
         logits: &[Tensor],
         ready: &[(usize, usize)],
         masks: &[Option<Vec<u32>>],
-    ) -> Result<(Vec<u32>, Vec<Option<TokenLogprobs>>)> {
+    ) -> Result<Drawn> {
         let head = model.head("BatchDecoder::step")?;
         let range = head.partition().range(head.pg().rank());
         let mut rows_logits: Vec<Tensor> = Vec::with_capacity(ready.len());
@@ -60,10 +71,23 @@ impl BatchDecoder {
                     rows.push((&mut s.sampler, row_logits));
                 }
             }
-            sample_batch(&mut rows, head.partition(), head.pg())?
+            sample_rows(&mut rows, head.partition(), head.pg())?
         };
+        let mut failed = Vec::new();
+        let tokens: Vec<u32> = tokens
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| {
+                t.unwrap_or_else(|why| {
+                    failed.push((r, why));
+                    FAILED_DRAW
+                })
+            })
+            .collect();
         let mut logprobs: Vec<Option<TokenLogprobs>> = vec![None; ready.len()];
         if !raw.is_empty() {
+            // A failed row has no token to report (every rank leaves it out alike).
+            raw.retain(|(r, _)| tokens[*r] != FAILED_DRAW);
             let rows: Vec<LogprobRow<'_>> = raw
                 .iter()
                 .map(|(r, local)| LogprobRow {
@@ -77,7 +101,7 @@ impl BatchDecoder {
                 logprobs[*r] = Some(lp);
             }
         }
-        Ok((tokens, logprobs))
+        Ok((tokens, logprobs, failed))
     }
 
     /// On a pipeline, the last stage's draws handed to every stage (one broadcast of the
