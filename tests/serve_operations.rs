@@ -267,6 +267,13 @@ fn the_api_key_from_the_environment() {
     let auth = [("Authorization", "Bearer env-key-5")];
     let (status, text) = http_with(server.port, "POST", "/v1/completions", &body, &auth);
     assert_eq!(status, 200, "{text}");
+    // The scheme's name is case-insensitive (RFC 9110), as clients spell it differently.
+    for scheme in ["bearer", "BEARER"] {
+        let value = format!("{scheme} env-key-5");
+        let lower = [("Authorization", value.as_str())];
+        let (status, text) = http_with(server.port, "POST", "/v1/completions", &body, &lower);
+        assert_eq!(status, 200, "{scheme}: {text}");
+    }
     let (status, text) = http_with(server.port, "GET", &format!("/v1/models/{name}"), "", &auth);
     assert_eq!(status, 200, "{text}");
     let v: Value = serde_json::from_str(&text).unwrap();
@@ -285,6 +292,41 @@ fn the_api_key_from_the_environment() {
         assert_eq!(status, 404, "{headers:?}: {text}");
         let (status, text) = http_with(server.port, "POST", "/v2/chat", "{}", headers);
         assert_eq!(status, 404, "{headers:?}: {text}");
+    }
+}
+
+/// An API key that is set but empty (`--api-key ""`, or `CANDLE_TP_API_KEY=`) would let every
+/// client in: the server refuses to start, naming where the key came from, before it loads
+/// the model.
+#[test]
+fn an_empty_api_key_is_an_error() {
+    let serve = env!("CARGO_BIN_EXE_candle-tp-serve");
+    let model = model_dir();
+    let model = model.to_str().expect("utf-8 path");
+    for (args, env, names) in [
+        (vec!["--api-key", ""], None, "--api-key"),
+        (vec!["--api-key", "  "], None, "--api-key"),
+        (vec![], Some(""), "CANDLE_TP_API_KEY"),
+    ] {
+        let mut cmd = std::process::Command::new(serve);
+        cmd.args(["--model", model, "--port", "0"]).args(&args);
+        for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+            cmd.env_remove(v);
+        }
+        match env {
+            Some(v) => cmd.env("CANDLE_TP_API_KEY", v),
+            None => cmd.env_remove("CANDLE_TP_API_KEY"),
+        };
+        let out = cmd
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run candle-tp-serve");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} {env:?} started: {err}");
+        assert!(
+            err.contains(names) && err.contains("empty"),
+            "{args:?} {env:?}: {err}"
+        );
     }
 }
 

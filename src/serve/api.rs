@@ -221,10 +221,11 @@ impl GenRequest {
             }
         };
         check_fields(&o, chat)?;
-        let key = if o.contains_key("max_completion_tokens") {
-            "max_completion_tokens"
-        } else {
-            "max_tokens"
+        // `max_completion_tokens` when it has a value: a null one (what some clients send for
+        // "unset") leaves `max_tokens` in force.
+        let key = match o.get("max_completion_tokens") {
+            None | Some(Value::Null) => "max_tokens",
+            Some(_) => "max_completion_tokens",
         };
         let max_tokens = match integer(&o, key)? {
             None => None,
@@ -369,6 +370,19 @@ mod tests {
             (r.prompts.clone(), r.max_tokens, r.stop.len()),
             (vec![Prompt::Text("hi".into())], Some(5), 1)
         );
+        // A null max_completion_tokens is unset: max_tokens stands (issue 44).
+        let r = GenRequest::parse(
+            br#"{"prompt": "hi", "max_tokens": 7, "max_completion_tokens": null}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(7));
+        let r = GenRequest::parse(
+            br#"{"prompt": "hi", "max_tokens": 7, "max_completion_tokens": 3}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(3));
         let bad = |b: &str, chat| GenRequest::parse(b.as_bytes(), chat).unwrap_err();
         assert_eq!(bad("{", false).status, 400);
         let e = bad(r#"{"prompt": "hi", "foo": 1}"#, false);

@@ -36,8 +36,7 @@ pub(crate) fn key_refusal(key: Option<&str>, req: &Request) -> Option<Response> 
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(bearer_token);
     match given {
         Some(g) if constant_time_eq(g.as_bytes(), key.as_bytes()) => None,
         _ => Some(
@@ -54,6 +53,15 @@ pub(crate) fn key_refusal(key: Option<&str>, req: &Request) -> Option<Response> 
             .into_response(),
         ),
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value: the scheme's name is
+/// case-insensitive (RFC 9110 section 11.1: `bearer`, `BEARER` are the same scheme).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
 }
 
 /// Equality whose time depends on the lengths only, not on where the bytes differ.
@@ -271,4 +279,19 @@ fn detokenize_body(s: &AppState, body: &Bytes) -> Result<Response, ApiError> {
         .decode(&ids, false)
         .map_err(|e| bad(format!("decoding: {e}")))?;
     Ok(json_response(StatusCode::OK, &json!({"prompt": text})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for v in ["Bearer k1", "bearer k1", "BEARER  k1 ", " BeArEr k1"] {
+            assert_eq!(bearer_token(v), Some("k1"), "{v:?}");
+        }
+        for v in ["Basic k1", "Bearerk1", "k1", ""] {
+            assert_eq!(bearer_token(v), None, "{v:?}");
+        }
+    }
 }

@@ -141,6 +141,13 @@ pub(crate) fn penalties(o: &Map<String, Value>) -> Result<Penalties, ApiError> {
     in_range("frequency_penalty", frequency, -2.0, 2.0, false)?;
     let repetition = number(o, "repetition_penalty")?;
     in_range("repetition_penalty", repetition, 0.0, 100.0, true)?;
+    // The penalty is applied in f32: a value that rounds to 0 there is 0.
+    if let Some(r) = repetition.filter(|&r| r as f32 <= 0.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!("'repetition_penalty' = {r:e} is 0 in single precision; it must be above 0"),
+        ));
+    }
     let mut logit_bias = Vec::new();
     match o.get("logit_bias") {
         None | Some(Value::Null) => {}
@@ -232,6 +239,12 @@ mod tests {
                 "number",
             ),
             (r#", "repetition_penalty": 0"#, "repetition_penalty", "0"),
+            // Above 0, but 0 once in f32 (issue 44: it failed in the queue, a 503).
+            (
+                r#", "repetition_penalty": 1e-50"#,
+                "repetition_penalty",
+                "single precision",
+            ),
             (r#", "logit_bias": {"abc": 1}"#, "logit_bias", "abc"),
             (r#", "logit_bias": {"5": 101}"#, "logit_bias", "101"),
             (

@@ -84,10 +84,18 @@ struct Args {
     pp_layers: Option<Vec<usize>>,
 }
 
-/// How long a rank other than 0 waits, after SIGTERM or SIGINT, for rank 0's shutdown plan
-/// (which comes within a step when tprun signalled the whole job) before it leaves by the
-/// signal itself (when the signal was for it alone).
+/// How long a rank other than 0 waits at least, after SIGTERM or SIGINT, for rank 0's shutdown
+/// plan (which comes within a step when tprun signalled the whole job) before it leaves by
+/// the signal itself (when the signal was for it alone); twice the longest step so far is
+/// added ([`follower_grace`]).
 const FOLLOWER_GRACE: Duration = Duration::from_secs(2);
+
+/// The wait of [`FOLLOWER_GRACE`] plus twice the longest step run so far: a step of a long
+/// prompt can take longer than the fixed grace, and rank 0 sends its shutdown plan only after
+/// the step it is in.
+fn follower_grace() -> Duration {
+    FOLLOWER_GRACE + 2 * serve::longest_step()
+}
 
 /// The signal a rank other than 0 received (0: none yet).
 static SIGNAL: AtomicI32 = AtomicI32::new(0);
@@ -137,7 +145,8 @@ fn defer_signals(rank: usize) -> Result<()> {
                 }
                 return; // the pipe failed: leave the signals to rank 0's plan
             }
-            std::thread::sleep(FOLLOWER_GRACE);
+            let grace = follower_grace();
+            std::thread::sleep(grace);
             let sig = SIGNAL.load(Ordering::SeqCst);
             let name = if sig == libc::SIGINT {
                 "SIGINT"
@@ -145,8 +154,8 @@ fn defer_signals(rank: usize) -> Result<()> {
                 "SIGTERM"
             };
             eprintln!(
-                "rank {rank}: no shutdown from rank 0 within {:.0} s of {name}: leaving",
-                FOLLOWER_GRACE.as_secs_f64()
+                "rank {rank}: no shutdown from rank 0 within {:.1} s of {name}: leaving",
+                grace.as_secs_f64()
             );
             // SAFETY: restoring the default action and raising the signal ends the process
             // (the default action of SIGTERM and SIGINT), as if the handler had never been set.
@@ -168,6 +177,8 @@ fn defer_signals(rank: usize) -> Result<()> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // Checked on every rank before anything loads: a bad key ends the job at once.
+    let key = api_key(&args)?;
     // A request's tokens must not depend on what else is in its batch (and batches of 2-16
     // rows must read each weight once): the small-m kernel for f32 too.
     candle_tp::set_batch_invariant_matmul(true);
@@ -191,7 +202,7 @@ fn main() -> Result<()> {
                 path.display()
             );
         }
-        return serve_embeddings(&args, pg, &path, dtype, &device);
+        return serve_embeddings(&args, key, pg, &path, dtype, &device);
     }
     let t0 = Instant::now();
     let (stage, tp) = PipelineStage::from_option(&pg, args.pp, args.pp_layers.clone())?;
@@ -247,7 +258,7 @@ fn main() -> Result<()> {
         max_seq_len,
         vocab_size,
         queue: queue.clone(),
-        api_key: api_key(&args),
+        api_key: key,
         max_body_bytes: args.max_body_bytes,
         grammars,
         tool_format,
@@ -262,7 +273,8 @@ fn main() -> Result<()> {
             "load_s": t0.elapsed().as_secs_f64(),
         })
     );
-    let result = serve::run_leader(&mut model, &mut dec, inbox, Duration::from_secs(10));
+    let heartbeat = serve::idle_heartbeat(candle_tp::comm::default_timeout());
+    let result = serve::run_leader(&mut model, &mut dec, inbox, heartbeat);
     http.stop();
     if let Err(e) = result {
         bail!("rank 0: the serving loop failed: {e}");
@@ -378,6 +390,7 @@ fn sentence_settings(path: &std::path::Path, max_positions: usize) -> (usize, bo
 /// The embedding server: the BERT encoder over the ranks, `POST /v1/embeddings` on rank 0.
 fn serve_embeddings(
     args: &Args,
+    key: Option<String>,
     pg: candle_tp::ProcessGroup,
     path: &std::path::Path,
     dtype: candle_core::DType,
@@ -419,7 +432,7 @@ fn serve_embeddings(
         vocab_size: cfg.vocab_size,
         hidden_size: cfg.hidden_size,
         queue: queue.clone(),
-        api_key: api_key(args),
+        api_key: key,
         max_body_bytes: args.max_body_bytes,
     };
     let q = queue.clone();
@@ -433,7 +446,13 @@ fn serve_embeddings(
         })
     );
     let result =
-        embeddings::run_embed_leader(&model, normalize, rx, &queue, Duration::from_secs(10));
+        embeddings::run_embed_leader(
+            &model,
+            normalize,
+            rx,
+            &queue,
+            serve::idle_heartbeat(candle_tp::comm::default_timeout()),
+        );
     http.stop();
     if let Err(e) = result {
         bail!("rank 0: the serving loop failed: {e}");
@@ -441,12 +460,26 @@ fn serve_embeddings(
     Ok(())
 }
 
-/// `--api-key`, else `$CANDLE_TP_API_KEY`; none when empty.
-fn api_key(args: &Args) -> Option<String> {
-    args.api_key
-        .clone()
-        .or_else(|| std::env::var("CANDLE_TP_API_KEY").ok())
-        .filter(|k| !k.is_empty())
+/// `--api-key`, else `$CANDLE_TP_API_KEY`, else none. A key that is set but empty (or only
+/// blanks) is an error: it reads as "a key" but would let every client in.
+fn api_key(args: &Args) -> Result<Option<String>> {
+    let (key, from) = match &args.api_key {
+        Some(k) => (Some(k.clone()), "--api-key"),
+        None => (
+            std::env::var("CANDLE_TP_API_KEY").ok(),
+            "$CANDLE_TP_API_KEY",
+        ),
+    };
+    match key {
+        Some(k) if k.trim().is_empty() => bail!(
+            "{from} is set but empty: that would turn authentication off; give a key, or leave \
+             it unset to serve without one"
+        ),
+        Some(k) if k.trim() != k => {
+            bail!("{from} starts or ends with blanks: clients cannot send those in a Bearer token")
+        }
+        k => Ok(k),
+    }
 }
 
 async fn wait_for_signal() {
