@@ -35,11 +35,7 @@ impl Hosts {
             .expect("hosts.sh");
         if !check.status.success() {
             let why = String::from_utf8_lossy(&check.stdout).trim().to_string();
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "CI runs as root and must be able to make emulated hosts: {why}"
-            );
-            eprintln!("SKIPPED: {why}");
+            super::skip(&format!("no emulated hosts: {why}"));
             return None;
         }
         let machine = std::fs::OpenOptions::new()
