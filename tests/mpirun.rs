@@ -416,7 +416,10 @@ fn a_rank_that_exits_with_an_error_ends_the_mpi_job_at_once() {
         took < std::time::Duration::from_secs(15),
         "the job took {took:?} to end:\n{t}"
     );
-    assert!(t.contains("MPI rank 1 of 2 is exiting with status 3"), "{t}");
+    assert!(
+        t.contains("MPI rank 1 of 2 is exiting with status 3"),
+        "{t}"
+    );
     assert!(!t.contains("rank 0 got past the all-reduce"), "{t}");
 }
 

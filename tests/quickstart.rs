@@ -102,7 +102,10 @@ fn bad_environment_values_are_named() {
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             );
-            assert!(!out.status.success(), "{var}={value} {ranks:?} ran:\n{text}");
+            assert!(
+                !out.status.success(),
+                "{var}={value} {ranks:?} ran:\n{text}"
+            );
             assert!(
                 text.contains(var) && text.contains(says),
                 "{var}={value} {ranks:?}:\n{text}"

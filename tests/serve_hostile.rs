@@ -22,7 +22,7 @@ use candle_tp::generate::{
     SeqRequest,
 };
 use candle_tp::models::CausalLm;
-use candle_tp::serve::{self, Event, SubmitError, Submission};
+use candle_tp::serve::{self, Event, Submission, SubmitError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 mod common;
@@ -102,7 +102,7 @@ fn hostile_sampling_parameters_fail_alone() {
     const MAX_NEW: usize = 6;
     candle_tp::set_batch_invariant_matmul(true);
     let mut model = CausalLm::from_path(
-        &model_dir(),
+        model_dir(),
         DType::F32,
         &Device::Cpu,
         candle_tp::ProcessGroup::single(),

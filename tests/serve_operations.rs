@@ -310,7 +310,13 @@ fn an_empty_api_key_is_an_error() {
     ] {
         let mut cmd = std::process::Command::new(serve);
         cmd.args(["--model", model, "--port", "0"]).args(&args);
-        for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+        for v in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ] {
             cmd.env_remove(v);
         }
         match env {

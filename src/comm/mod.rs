@@ -48,6 +48,4 @@ pub use nccl::init_nccl;
 pub use shm::{init_shm, Rendezvous};
 pub use stats::{CollectiveKind, CommStats, OpStats};
 pub use threads::{run_threads, run_threads_with};
-pub use wait::{
-    default_timeout, parse_timeout, timeout_from_env, DEFAULT_TIMEOUT, TIMEOUT_VAR,
-};
+pub use wait::{default_timeout, parse_timeout, timeout_from_env, DEFAULT_TIMEOUT, TIMEOUT_VAR};

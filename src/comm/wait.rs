@@ -333,12 +333,7 @@ pub fn timeout_from_env() -> Result<Duration, String> {
 pub fn default_timeout() -> Duration {
     timeout_from_env().unwrap_or_else(|e| {
         static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| {
-            eprintln!(
-                "candle-tp: {e}; using {} s",
-                DEFAULT_TIMEOUT.as_secs()
-            )
-        });
+        WARNED.call_once(|| eprintln!("candle-tp: {e}; using {} s", DEFAULT_TIMEOUT.as_secs()));
         DEFAULT_TIMEOUT
     })
 }

@@ -451,7 +451,8 @@ impl BatchDecoder {
         let (tokens, logprobs) = self.share_draws(model, &ready, tokens, logprobs)?;
         let mut events = Vec::new();
         let mut done = Vec::new();
-        for (r, ((&(_, i), token), logprobs)) in ready.iter().zip(tokens).zip(logprobs).enumerate() {
+        for (r, ((&(_, i), token), logprobs)) in ready.iter().zip(tokens).zip(logprobs).enumerate()
+        {
             let s = &mut self.seqs[i];
             if token == FAILED_DRAW {
                 // This row alone leaves the batch; on a stage other than the last, without

@@ -130,6 +130,10 @@ fn softmax_sum(scaled: &[f64], pg: &ProcessGroup) -> Result<(f64, f64)> {
     Ok((max, sum))
 }
 
+/// The gathered candidates (scaled logit, id) in order, and how many of them, from the first,
+/// are known to be the vocabulary's best in that order.
+type Candidates = (Vec<(f64, usize)>, usize);
+
 /// Each rank's `k` best (scaled logit, id), gathered and sorted by [`order`], and how many of
 /// them, from the first, are the vocabulary's best in that order.
 ///
@@ -145,7 +149,7 @@ fn gather_candidates(
     k: usize,
     part: &Partition,
     pg: &ProcessGroup,
-) -> Result<std::result::Result<(Vec<(f64, usize)>, usize), String>> {
+) -> Result<std::result::Result<Candidates, String>> {
     let mut idx: Vec<usize> = (0..scaled.len()).collect();
     let take = k.min(scaled.len());
     if take < idx.len() {

@@ -314,7 +314,9 @@ mod tests {
     #[test]
     fn a_row_that_cannot_be_drawn_fails_alone() {
         let n = 11usize;
-        let good: Vec<f32> = (0..n).map(|i| ((i * 7) % 5) as f32 - 0.5 * i as f32).collect();
+        let good: Vec<f32> = (0..n)
+            .map(|i| ((i * 7) % 5) as f32 - 0.5 * i as f32)
+            .collect();
         let ninf = vec![f32::NEG_INFINITY; n];
         let mut nan = good.clone();
         nan[8] = f32::NAN; // on rank 1's shard

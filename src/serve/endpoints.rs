@@ -59,9 +59,7 @@ pub(crate) fn key_refusal(key: Option<&str>, req: &Request) -> Option<Response> 
 /// case-insensitive (RFC 9110 section 11.1: `bearer`, `BEARER` are the same scheme).
 fn bearer_token(value: &str) -> Option<&str> {
     let (scheme, token) = value.trim_start().split_once(' ')?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| token.trim())
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
 /// Equality whose time depends on the lengths only, not on where the bytes differ.

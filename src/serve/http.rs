@@ -315,32 +315,31 @@ async fn serve(
             let prompt_tokens = if j == 0 { ids.len() } else { 0 };
             let prompt_ids = req.return_token_ids.then(|| ids.clone());
             subs.push(Submission {
-                    seq: SeqRequest {
-                        id: 0, // set by the loop
-                        prompt: ids.clone(),
-                        max_tokens,
-                        // Capped where the context has no room for it (max_tokens absent).
-                        min_tokens: req.min_tokens.min(max_tokens),
-                        params: SamplingParams {
-                            temperature: req.temperature,
-                            top_k: req.top_k,
-                            top_p: req.top_p,
-                            // Choices differ; the first has the request's seed (n = 1 as before).
-                            seed: seed
-                                .wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-                        },
-                        stop_ids: s.eos.clone(),
-                        options: SeqOptions {
-                            logprobs: req.logprobs,
-                            penalties: req.penalties.clone(),
-                            constrained: grammar.is_some(),
-                        },
+                seq: SeqRequest {
+                    id: 0, // set by the loop
+                    prompt: ids.clone(),
+                    max_tokens,
+                    // Capped where the context has no room for it (max_tokens absent).
+                    min_tokens: req.min_tokens.min(max_tokens),
+                    params: SamplingParams {
+                        temperature: req.temperature,
+                        top_k: req.top_k,
+                        top_p: req.top_p,
+                        // Choices differ; the first has the request's seed (n = 1 as before).
+                        seed: seed.wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
                     },
-                    filter: grammar
-                        .clone()
-                        .map(|g| Box::new(g) as Box<dyn crate::generate::TokenFilter>),
-                    events: tx,
-                });
+                    stop_ids: s.eos.clone(),
+                    options: SeqOptions {
+                        logprobs: req.logprobs,
+                        penalties: req.penalties.clone(),
+                        constrained: grammar.is_some(),
+                    },
+                },
+                filter: grammar
+                    .clone()
+                    .map(|g| Box::new(g) as Box<dyn crate::generate::TokenFilter>),
+                events: tx,
+            });
             total_prompt_tokens += prompt_tokens as u64;
             jobs.push(Job {
                 index,
@@ -365,9 +364,7 @@ async fn serve(
         }
     }
     // Every choice queued, or none (a 503 then leaves nothing behind).
-    s.queue
-        .submit_all(subs)
-        .map_err(|e| submit_error(&s, e))?;
+    s.queue.submit_all(subs).map_err(|e| submit_error(&s, e))?;
     s.queue
         .metrics()
         .prompt_tokens

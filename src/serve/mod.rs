@@ -34,7 +34,7 @@ pub use http::{
     default_model_name, router, AppState, COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
 };
 pub use scheduler::{
-    idle_heartbeat, longest_step, queue, run_follower, run_leader, Event, Inbox, Queue,
-    Submission, SubmitError,
+    idle_heartbeat, longest_step, queue, run_follower, run_leader, Event, Inbox, Queue, Submission,
+    SubmitError,
 };
 pub use step::StepPlan;

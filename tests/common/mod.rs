@@ -42,7 +42,10 @@ pub fn skip(why: &str) {
             .and_then(|p| p.file_name())
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default();
-        let bin = bin.rsplit_once('-').map_or(&bin[..], |(b, _)| b).to_string();
+        let bin = bin
+            .rsplit_once('-')
+            .map_or(&bin[..], |(b, _)| b)
+            .to_string();
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

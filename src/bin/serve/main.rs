@@ -445,14 +445,13 @@ fn serve_embeddings(
             "load_s": t0.elapsed().as_secs_f64(),
         })
     );
-    let result =
-        embeddings::run_embed_leader(
-            &model,
-            normalize,
-            rx,
-            &queue,
-            serve::idle_heartbeat(candle_tp::comm::default_timeout()),
-        );
+    let result = embeddings::run_embed_leader(
+        &model,
+        normalize,
+        rx,
+        &queue,
+        serve::idle_heartbeat(candle_tp::comm::default_timeout()),
+    );
     http.stop();
     if let Err(e) = result {
         bail!("rank 0: the serving loop failed: {e}");
