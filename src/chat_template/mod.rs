@@ -73,7 +73,7 @@ impl ChatInput {
 
 /// The variables transformers passes itself: a keyword argument of the same name is a
 /// `TypeError` there, an error here.
-const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+pub(crate) const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
 
 /// A compiled chat template with the special tokens it is rendered with.
 #[derive(Debug, Clone)]

@@ -138,6 +138,39 @@ pub struct GenRequest {
     pub response_format: Option<GrammarSpec>,
     /// `tools`, `tool_choice` and `parallel_tool_calls` (`None`: no tools).
     pub tools: Option<Tools>,
+    /// `chat_template_kwargs` (vLLM's extension): further variables of the chat template, such
+    /// as Qwen3's `enable_thinking`.
+    pub template_kwargs: Vec<(String, Value)>,
+}
+
+/// `chat_template_kwargs`: an object of template variables. The variables the server sets
+/// itself (`messages`, `tools`, `documents`, `add_generation_prompt`) are refused, naming the
+/// key, as transformers refuses them.
+fn template_kwargs(o: &Map<String, Value>) -> Result<Vec<(String, Value)>, ApiError> {
+    const KEY: &str = "chat_template_kwargs";
+    match o.get(KEY) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Object(m)) => m
+            .iter()
+            .map(|(k, v)| {
+                if crate::chat_template::RESERVED.contains(&k.as_str()) {
+                    let param = format!("{KEY}.{k}");
+                    return Err(ApiError::invalid(
+                        &param,
+                        format!("'{param}': the server sets '{k}' itself"),
+                    ));
+                }
+                Ok((k.clone(), v.clone()))
+            })
+            .collect(),
+        Some(v) => Err(ApiError::invalid(
+            KEY,
+            format!(
+                "'{KEY}' must be an object of template variables, got {}",
+                kind_of(v)
+            ),
+        )),
+    }
 }
 
 fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
@@ -322,6 +355,11 @@ impl GenRequest {
             penalties: penalties(&o)?,
             response_format,
             tools,
+            template_kwargs: if chat {
+                template_kwargs(&o)?
+            } else {
+                Vec::new()
+            },
         })
     }
 }

@@ -110,6 +110,7 @@ pub const FIELDS: &[Field] = &[
     f("min_tokens", Both, Supported),
     f("repetition_penalty", Both, Supported),
     f("return_token_ids", Both, Supported),
+    f("chat_template_kwargs", Chat, Supported),
 ];
 
 /// Whether `v` is the neutral value of the refused field `name` (or null, which is absent).

@@ -388,7 +388,7 @@ fn prompt_ids(text: &ModelText, req: &GenRequest) -> Result<Vec<Vec<u32>>, ApiEr
     if let Some(msgs) = &req.messages {
         let tools = req.tools.as_ref().map(|t| t.definitions.as_slice());
         let rendered = text
-            .render_chat_with_tools(msgs, tools)
+            .render_chat_with(msgs, tools, &req.template_kwargs)
             .map_err(|e| ApiError::invalid("messages", client_message(&e)))?;
         if rendered.is_empty() {
             return Err(ApiError::invalid("messages", "the prompt is empty"));

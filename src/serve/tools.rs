@@ -147,6 +147,25 @@ pub(crate) fn tools(o: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
             }
         },
         Some(Value::Object(c)) => {
+            // OpenAI's object has `type` and `function: {name}`, nothing else: another key is
+            // a client's mistake that would otherwise pass unnoticed.
+            let unknown = c
+                .keys()
+                .find(|k| !matches!(k.as_str(), "type" | "function"))
+                .map(|k| format!("tool_choice.{k}"))
+                .or_else(|| match c.get("function") {
+                    Some(Value::Object(f)) => f
+                        .keys()
+                        .find(|k| k.as_str() != "name")
+                        .map(|k| format!("tool_choice.function.{k}")),
+                    _ => None,
+                });
+            if let Some(param) = unknown {
+                return Err(ApiError {
+                    code: Some("unknown_parameter"),
+                    ..ApiError::invalid(&param, format!("unknown field '{param}'"))
+                });
+            }
             let name = c
                 .get("function")
                 .and_then(|f| f.get("name"))

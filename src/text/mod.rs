@@ -43,6 +43,17 @@ pub struct ChatMessage {
     pub extra: serde_json::Map<String, Value>,
 }
 
+/// `tok` without the truncation and padding its `tokenizer.json` may carry (an encoder's
+/// export often has `truncation: {max_length: 512}` and a fixed padding): a prompt for
+/// generation is neither cut nor padded silently; its length is checked against the model's
+/// context instead, with an error that names both.
+fn for_generation(mut tok: Tokenizer, from: &Path) -> Result<Tokenizer> {
+    tok.with_truncation(None)
+        .map_err(|e| err(format!("{}: turning truncation off: {e}", from.display())))?;
+    tok.with_padding(None);
+    Ok(tok)
+}
+
 /// A checkpoint's tokenizer, chat template and special tokens.
 #[derive(Debug, Clone)]
 pub struct ModelText {
@@ -64,6 +75,7 @@ impl ModelText {
                 .map_err(|e| err(format!("{}: tokenizer JSON: {e}", model.display())))?;
             let tokenizer = Tokenizer::from_bytes(json)
                 .map_err(|e| err(format!("{}: building the tokenizer: {e}", model.display())))?;
+            let tokenizer = for_generation(tokenizer, model)?;
             let config = src
                 .tokenizer()
                 .tokenizer_config_json(src.config().max_position_embeddings);
@@ -78,6 +90,7 @@ impl ModelText {
         let tok_path = model.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path)
             .map_err(|e| err(format!("loading {}: {e}", tok_path.display())))?;
+        let tokenizer = for_generation(tokenizer, &tok_path)?;
         let tc = model.join("tokenizer_config.json");
         let config = if tc.is_file() {
             read_json(&tc)?
@@ -146,7 +159,7 @@ impl ModelText {
 
     /// The chat template applied to `messages`, with the generation prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
-        self.render_messages(messages, None, true)
+        self.render_messages(messages, None, true, &[])
     }
 
     /// The chat template applied to `messages` and the tool definitions `tools` (its `tools`
@@ -157,29 +170,61 @@ impl ModelText {
         messages: &[ChatMessage],
         tools: Option<&[Value]>,
     ) -> Result<String> {
-        self.render_messages(messages, tools, true)
+        self.render_messages(messages, tools, true, &[])
+    }
+
+    /// [`ModelText::render_chat_with_tools`] with further template variables (`kwargs`, as
+    /// transformers' `apply_chat_template(**kwargs)`: `enable_thinking`, ...).
+    pub fn render_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+        kwargs: &[(String, Value)],
+    ) -> Result<String> {
+        self.render_messages(messages, tools, true, kwargs)
     }
 
     /// The chat template applied to `messages` without the generation prompt (`/tokenize`
     /// with `add_generation_prompt: false`).
     pub fn render_chat_without_prompt(&self, messages: &[ChatMessage]) -> Result<String> {
-        self.render_messages(messages, None, false)
+        self.render_messages(messages, None, false, &[])
     }
 
+    /// Renders `messages`. OpenAI's `developer` role (its newer name for `system`) reaches a
+    /// template that never mentions it as `system`: such templates (Qwen3's, SmolLM2's) would
+    /// otherwise drop the message without a word.
     fn render_messages(
         &self,
         messages: &[ChatMessage],
         tools: Option<&[Value]>,
         generation_prompt: bool,
+        kwargs: &[(String, Value)],
     ) -> Result<String> {
         use crate::chat_template::Value as Jinja;
-        let messages = messages.iter().map(Jinja::from_serialize).collect();
+        let template = self.chat_template()?;
+        let knows_developer = template.source().contains("developer");
+        let messages = messages
+            .iter()
+            .map(|m| {
+                if m.role == "developer" && !knows_developer {
+                    let mut m = m.clone();
+                    m.role = "system".into();
+                    Jinja::from_serialize(&m)
+                } else {
+                    Jinja::from_serialize(m)
+                }
+            })
+            .collect();
         let input = ChatInput {
             add_generation_prompt: generation_prompt,
             tools: tools.map(|t| t.iter().map(Jinja::from_serialize).collect()),
+            kwargs: kwargs
+                .iter()
+                .map(|(k, v)| (k.clone(), Jinja::from_serialize(v)))
+                .collect(),
             ..ChatInput::new(messages)
         };
-        self.chat_template()?.render(&input)
+        template.render(&input)
     }
 }
 
@@ -222,6 +267,93 @@ mod tests {
             .unwrap();
         let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
         assert_eq!(text.render_chat(&messages).unwrap(), case["output"]);
+    }
+
+    /// The SmolLM2 tokenizer with Qwen3's template, and transformers' renderings of it.
+    fn qwen3_text() -> (ModelText, Value, tempfile::TempDir) {
+        let (data, dir) = checkpoint_with_tokenizer();
+        let template =
+            std::fs::read_to_string(data.join("chat_templates/Qwen-Qwen3-0.6B.jinja")).unwrap();
+        let config = serde_json::json!({"chat_template": template, "eos_token": "<|im_end|>"});
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        let text = ModelText::load(dir.path()).unwrap();
+        let expected: Value = serde_json::from_str(
+            &std::fs::read_to_string(data.join("chat_templates/expected.json")).unwrap(),
+        )
+        .unwrap();
+        (text, expected, dir)
+    }
+
+    fn case<'a>(expected: &'a Value, name: &str) -> &'a Value {
+        expected["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("no case {name}"))
+    }
+
+    /// `chat_template_kwargs` reach the template: Qwen3 with `enable_thinking: false` gives
+    /// transformers' text for the same call (issue 44, defect 14).
+    #[test]
+    fn template_kwargs_are_transformers_kwargs() {
+        let (text, expected, _dir) = qwen3_text();
+        let c = case(&expected, "Qwen-Qwen3-0.6B/enable-thinking-false");
+        let messages: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
+        let kwargs: Vec<(String, Value)> = c["kwargs"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert!(!kwargs.is_empty());
+        let got = text.render_chat_with(&messages, None, &kwargs).unwrap();
+        assert_eq!(got, c["output"]);
+        assert_ne!(
+            got,
+            text.render_chat(&messages).unwrap(),
+            "the kwarg changes nothing"
+        );
+    }
+
+    /// A `developer` message reaches a template that never names the role (Qwen3's) as a
+    /// `system` message: transformers' text for the system message, not a dropped message.
+    #[test]
+    fn the_developer_role_is_system_where_the_template_lacks_it() {
+        let (text, expected, _dir) = qwen3_text();
+        let c = case(&expected, "Qwen-Qwen3-0.6B/system-user");
+        let mut messages: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
+        let system = messages.iter_mut().find(|m| m.role == "system").unwrap();
+        system.role = "developer".into();
+        let got = text.render_chat(&messages).unwrap();
+        assert_eq!(got, c["output"]);
+    }
+
+    /// A tokenizer.json that truncates (max_length 4) and pads does neither for generation.
+    #[test]
+    fn the_generation_tokenizer_neither_truncates_nor_pads() {
+        let (data, dir) = checkpoint_with_tokenizer();
+        let mut tok: Value = serde_json::from_str(
+            &std::fs::read_to_string(data.join("smollm2/tokenizer.json")).unwrap(),
+        )
+        .unwrap();
+        tok["truncation"] = serde_json::json!({"direction": "Right", "max_length": 4,
+            "strategy": "LongestFirst", "stride": 0});
+        tok["padding"] = serde_json::json!({"strategy": {"Fixed": 64}, "direction": "Right",
+            "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"});
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let raw = Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+        let sentence = "Tensor parallelism splits every layer of a model across ranks.";
+        assert_eq!(raw.encode(sentence, false).unwrap().get_ids().len(), 64);
+        let want = {
+            let mut t = raw.clone();
+            t.with_truncation(None).unwrap();
+            t.with_padding(None);
+            t.encode(sentence, false).unwrap().get_ids().to_vec()
+        };
+        assert!(want.len() > 4 && want.len() < 64, "{}", want.len());
+        let text = ModelText::load(dir.path()).unwrap();
+        assert_eq!(text.encode(sentence, false).unwrap(), want);
     }
 
     #[test]
