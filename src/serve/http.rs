@@ -345,7 +345,8 @@ async fn serve(
                 index,
                 prompt_tokens,
                 text: text.clone(),
-                stream: TextStream::new(req.stop.clone()),
+                // Stop strings wait for min_tokens, as the stop ids do.
+                stream: TextStream::new(req.stop.clone()).with_min_tokens(req.min_tokens),
                 rx,
                 completion_tokens: 0,
                 prompt_ids,

@@ -38,6 +38,8 @@ pub struct TextStream {
     stopped: bool,
     /// Ids decoded so far, all calls together (the cost the tests bound).
     decoded: usize,
+    /// Tokens before which no stop string ends the text (vLLM's `min_tokens`).
+    min_tokens: usize,
 }
 
 impl TextStream {
@@ -51,7 +53,16 @@ impl TextStream {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             stopped: false,
             decoded: 0,
+            min_tokens: 0,
         }
+    }
+
+    /// The same stream, whose stop strings act only from the `min_tokens`-th token on (as
+    /// vLLM's `min_tokens`, which holds back the stop ids and the stop strings alike): the
+    /// text of the tokens before it is given out whole, stop string or not.
+    pub fn with_min_tokens(mut self, min_tokens: usize) -> Self {
+        self.min_tokens = min_tokens;
+        self
     }
 
     /// Whether a stop string was found (the caller ends the sequence).
@@ -80,6 +91,9 @@ impl TextStream {
             return Ok(String::new());
         }
         self.held.push_str(&piece);
+        if self.ids.len() < self.min_tokens {
+            return Ok(std::mem::take(&mut self.held));
+        }
         if let Some(out) = self.cut_at_stop() {
             return Ok(out);
         }
@@ -171,7 +185,18 @@ mod tests {
 
     /// Every id pushed, then finish: the pieces joined.
     fn stream_all(text: &ModelText, ids: &[u32], stops: &[&str]) -> (String, TextStream) {
-        let mut s = TextStream::new(stops.iter().map(|s| s.to_string()).collect());
+        stream_all_min(text, ids, stops, 0)
+    }
+
+    /// [`stream_all`] with stop strings acting from the `min_tokens`-th token on.
+    fn stream_all_min(
+        text: &ModelText,
+        ids: &[u32],
+        stops: &[&str],
+        min_tokens: usize,
+    ) -> (String, TextStream) {
+        let mut s = TextStream::new(stops.iter().map(|s| s.to_string()).collect())
+            .with_min_tokens(min_tokens);
         let mut out = String::new();
         for &id in ids {
             out.push_str(&s.push(text, id).unwrap());
@@ -261,5 +286,30 @@ mod tests {
         let (out, s) = stream_all(&text, &ids, &["ranks.!"]);
         assert!(!s.stopped());
         assert_eq!(out, TEXTS[0]);
+    }
+
+    /// Stop strings wait for `min_tokens` (issue 44, defect 14): a stop string completed by a
+    /// token before the `min_tokens`-th is text like any other; the next occurrence, or one
+    /// completed by a later token, stops the stream.
+    #[test]
+    fn stop_strings_wait_for_min_tokens() {
+        let text = smollm2();
+        let ids = text.encode("one two one two one two", false).unwrap();
+        // The token that completes the first " two" (the text grows past it there).
+        let first = (1..=ids.len())
+            .find(|&n| text.decode(&ids[..n]).unwrap().contains("one two"))
+            .unwrap();
+        let (out, s) = stream_all_min(&text, &ids, &["two"], 0);
+        assert!(s.stopped());
+        assert_eq!(out, "one ");
+        let (out, s) = stream_all_min(&text, &ids, &["two"], first + 1);
+        assert!(s.stopped());
+        assert_eq!(out, "one two one ");
+        let (out, s) = stream_all_min(&text, &ids, &["two"], first);
+        assert!(s.stopped(), "the min_tokens-th token's stop string counts");
+        assert_eq!(out, "one ");
+        let (out, s) = stream_all_min(&text, &ids, &["two"], ids.len() + 1);
+        assert!(!s.stopped());
+        assert_eq!(out, "one two one two one two");
     }
 }
