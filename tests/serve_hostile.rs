@@ -220,3 +220,41 @@ fn choices_are_queued_all_or_none() {
     assert_eq!(queue.submit(d), Err(SubmitError::Full));
     assert_eq!(waiting(), 4);
 }
+
+/// Issue 44, defect 17: `--pp 1 --pp-layers 30` (one stage, SmolLM2's 30 layers) left grammars
+/// on while the decoder refused them on any pipeline, so a constrained request failed the
+/// plan on every rank. Now it is a 400 naming `response_format`, and the server goes on.
+#[test]
+fn grammars_are_refused_on_a_single_stage_pipeline_and_the_server_goes_on() {
+    use common::serve::{is_running, post, Server, SERIAL};
+    use serde_json::json;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(
+        2,
+        &["--pp", "1", "--pp-layers", "30", "--max-seq-len", "64"],
+    );
+    let pids = server.rank_pids();
+    let (status, v) = post(
+        server.port,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Say hi in JSON"}],
+                "response_format": {"type": "json_object"}, "max_tokens": 4}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "response_format", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("pipeline")),
+        "{v}"
+    );
+    let (status, v) = post(
+        server.port,
+        "/v1/completions",
+        &json!({"prompt": "Hello", "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    for (rank, pid) in pids {
+        assert!(is_running(pid), "rank {rank} is gone");
+    }
+}

@@ -243,6 +243,12 @@ impl BatchDecoder {
                 req.id
             );
         }
+        if req.options.constrained && model.pipeline().is_some() {
+            candle_core::bail!(
+                "sequence {}: a grammar needs the model in one pipeline stage (rank 0 holds the grammars, the last stage draws)",
+                req.id
+            );
+        }
         let limit = self.seq_limit(model);
         if req.prompt.len() >= limit {
             candle_core::bail!(
@@ -276,12 +282,6 @@ impl BatchDecoder {
     ) -> Result<()> {
         self.check_for(model, &req)?;
         let rank = model.world().rank();
-        if req.options.constrained && model.pipeline().is_some() {
-            candle_core::bail!(
-                "sequence {}: a grammar needs the model in one pipeline stage (rank 0 holds the grammars, the last stage draws)",
-                req.id
-            );
-        }
         if filter.is_some() != (req.options.constrained && rank == 0) {
             candle_core::bail!(
                 "sequence {} on rank {rank}: constrained = {}, with{} a grammar (rank 0 alone holds the grammars)",

@@ -229,11 +229,18 @@ fn main() -> Result<()> {
     let text = ModelText::load(&path)?;
     let eos = text.eos_ids(&model.config().eos_token_ids);
     let vocab_size = model.config().vocab_size;
-    // Rank 0 holds the grammars and the LM head's group shares its masks: one stage only.
-    let grammars = if args.pp > 1 {
+    // Rank 0 holds the grammars and the LM head's group shares its masks: no pipeline (also
+    // not the one stage that `--pp 1 --pp-layers N` makes: the decoder refuses grammars on
+    // any pipeline, which then failed every constrained request at every rank).
+    let grammars = if model.pipeline().is_some() {
         Err(format!(
-            "grammars need the model in one stage (this server runs --pp {})",
-            args.pp
+            "grammars need the model outside a pipeline (this server runs --pp {}{})",
+            args.pp,
+            if args.pp_layers.is_some() {
+                " with --pp-layers"
+            } else {
+                ""
+            }
         ))
     } else {
         serve::grammar::Grammars::new(&text, vocab_size, &eos).map_err(|e| {
