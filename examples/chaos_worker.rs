@@ -13,6 +13,10 @@
 //!   others through the reduced buffer, so every rank runs the same number of collectives).
 //! - `exit0 --victim K --after S`: the all-reduce loop, but rank K prints
 //!   `chaos: rank K exits 0 early at <unix seconds>` and exits with code 0 after S seconds.
+//! - `error --victim K --phase P`: rank K returns an error from `main` (exit status 1) at
+//!   phase P: `init` (before it joins), `loop` (after `--after` seconds of the all-reduce loop,
+//!   its peers inside an all-reduce) or `end` (after the loop, when every rank is done). It
+//!   prints `chaos: rank K returns an error (P) at <unix seconds>` first.
 //!
 //! Rank 0 ends with one JSON line: `iterations`, `world_size`, `start` and `end` (Unix seconds
 //! of the loop). With `--check`, each all-reduce result is compared with the value every rank can compute
@@ -30,6 +34,15 @@ enum Mode {
     Rendezvous,
     Allreduce,
     Exit0,
+    Error,
+}
+
+/// Where `error` makes its victim fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Phase {
+    Init,
+    Loop,
+    End,
 }
 
 #[derive(Parser, Debug)]
@@ -50,9 +63,12 @@ struct Args {
     /// `exit0`: the rank that exits early.
     #[arg(long, default_value_t = 1)]
     victim: usize,
-    /// `exit0`: seconds after joining at which the victim exits.
+    /// `exit0`, `error --phase loop`: seconds after joining at which the victim leaves.
     #[arg(long, default_value_t = 0.5)]
     after: f64,
+    /// `error`: when the victim returns its error.
+    #[arg(long, value_enum, default_value_t = Phase::Loop)]
+    phase: Phase,
     /// Check every all-reduce result against the expected sum.
     #[arg(long)]
     check: bool,
@@ -75,16 +91,27 @@ fn seconds(name: &str, value: f64) -> Result<Duration> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let rank: usize = std::env::var("RANK")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0);
+    // RANK under tprun and torchrun, the MPI launcher's own variables under mpirun and srun.
+    let rank = candle_tp::comm::launch_from_env()?.rank;
+    let fail = |phase: Phase| -> Result<()> {
+        if args.mode == Mode::Error && args.phase == phase && rank == args.victim {
+            // One write, so that mpirun's output tags do not cut the line.
+            let line = format!(
+                "chaos: rank {rank} returns an error ({phase:?}) at {:.6}\n",
+                unix_now()
+            );
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+            bail!("rank {rank}: the injected error ({phase:?})");
+        }
+        Ok(())
+    };
+    fail(Phase::Init)?;
     if args.mode == Mode::Rendezvous {
         eprintln!("chaos: rank {rank} rendezvous");
         std::thread::sleep(seconds("stagger", args.stagger * rank as f64)?);
     }
     let pg = candle_tp::init_from_env(&Device::Cpu)?;
-    if args.mode == Mode::Exit0 && args.victim >= pg.size() {
+    if matches!(args.mode, Mode::Exit0 | Mode::Error) && args.victim >= pg.size() {
         bail!(
             "--victim {} is not a rank of this job of {}",
             args.victim,
@@ -104,6 +131,9 @@ fn main() -> Result<()> {
         if args.mode == Mode::Exit0 && rank == args.victim && start.elapsed() >= exit_after {
             eprintln!("chaos: rank {rank} exits 0 early at {:.6}", unix_now());
             return Ok(());
+        }
+        if args.phase == Phase::Loop && start.elapsed() >= exit_after {
+            fail(Phase::Loop)?;
         }
         let stop = rank == 0 && start.elapsed() >= run_for;
         buf[0] = if stop { 1.0 } else { 0.0 };
@@ -126,6 +156,7 @@ fn main() -> Result<()> {
         }
     }
     eprintln!("chaos: rank {rank} done after {iterations} all-reduces");
+    fail(Phase::End)?;
     if rank == 0 {
         println!(
             "{{\"iterations\": {iterations}, \"world_size\": {}, \"start\": {started_at:.6}, \"end\": {:.6}}}",

@@ -298,3 +298,53 @@ fn a_killed_rank_ends_the_job() {
     );
     nothing_left();
 }
+
+/// Issue 44: a rank that *returns an error* (exit status 1; the chaos worker's `error` mode) on
+/// the second host ends the whole 2 x 2 job within 10 s, whether it fails before it joins,
+/// while its peers wait in an all-reduce, or after the last collective; the output names the
+/// rank, and nothing is left on either host. Before, the rank sat in `MPI_Finalize` waiting
+/// for its peers, which waited out their deadline (here 60 s).
+#[test]
+fn a_rank_that_returns_an_error_ends_the_job() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    for phase in ["init", "loop", "end"] {
+        let job = hosts
+            .mpirun(4)
+            .args(["-x", "CANDLE_TP_TIMEOUT=60"])
+            .arg(common::example("chaos_worker"))
+            .args(["error", "--victim", "3", "--phase", phase, "--after", "1"])
+            .args(["--seconds", "2", "--elems", "4096"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun");
+        let t0 = Instant::now();
+        let out = ended_within(job, t0, Duration::from_secs(30), "the job started");
+        let t = text(&out);
+        assert!(!out.status.success(), "{phase}: the job succeeded:\n{t}");
+        let at: f64 = t
+            .lines()
+            .find_map(|l| {
+                l.split_once("chaos: rank 3 returns an error")
+                    .and_then(|(_, rest)| rest.rsplit(' ').next())
+                    .and_then(|s| s.trim().parse().ok())
+            })
+            .unwrap_or_else(|| panic!("{phase}: the victim did not fail:\n{t}"));
+        // `ended_within` polls every 100 ms: now is when the job ended, to that.
+        let ended = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs_f64();
+        let teardown = ended - at;
+        eprintln!("{phase}: the job ended {teardown:.2} s after rank 3's error");
+        assert!(teardown < 10.0, "{phase}: {teardown:.1} s:\n{t}");
+        // Before MPI starts, mpirun names the process; after, the exit handler names the rank.
+        let named = if phase == "init" {
+            t.contains(",3]") && t.contains("Exit code:")
+        } else {
+            t.contains("MPI rank 3 of 4 is exiting with status 1")
+        };
+        assert!(named, "{phase}: the output does not name rank 3:\n{t}");
+        nothing_left();
+    }
+}
