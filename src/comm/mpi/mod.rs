@@ -420,6 +420,21 @@ fn displacements(counts: &[usize]) -> CommResult<(Vec<i32>, Vec<i32>)> {
     Ok((counts, displs))
 }
 
+/// The most elements one MPI call carries: MPI's counts are 32-bit (rsmpi panics past
+/// `i32::MAX`), so the element-wise collectives (all-reduce, broadcast, reduce-scatter) run in
+/// pieces of at most this many. `CANDLE_TP_MPI_MAX_COUNT` lowers it (a test hook: the pieces
+/// are then tested on buffers of ordinary size).
+fn max_count() -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("CANDLE_TP_MPI_MAX_COUNT")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .map_or(i32::MAX as usize, |n| n.min(i32::MAX as usize))
+    })
+}
+
 fn too_large(n: usize) -> CommError {
     CommError::invalid(
         "mpi",
@@ -468,12 +483,19 @@ impl MpiBackend {
             });
         }
         self.run(kind, meta, (bytes, bytes), |c| {
+            let max = max_count();
             match src {
-                Some(s) => <T as Wire>::all_reduce(c, s, d, op),
-                // In place: MPI's send and receive buffers must differ.
+                Some(s) => {
+                    for (s, d) in s.chunks(max).zip(d.chunks_mut(max)) {
+                        <T as Wire>::all_reduce(c, s, d, op)
+                    }
+                }
+                // In place: MPI's send and receive buffers must differ (one piece at a time).
                 None => {
-                    let s = d.to_vec();
-                    <T as Wire>::all_reduce(c, &s, d, op)
+                    for d in d.chunks_mut(max) {
+                        let s = d.to_vec();
+                        <T as Wire>::all_reduce(c, &s, d, op)
+                    }
                 }
             }
             Ok(())
@@ -510,7 +532,10 @@ impl MpiBackend {
         // MPI_Reduce_scatter with counts is not in rsmpi: reduce all, keep this block.
         self.run(CollectiveKind::ReduceScatter, meta, bytes, |comm| {
             let mut all = vec![T::default(); s.len()];
-            <T as Wire>::all_reduce(comm, s, &mut all, op);
+            let max = max_count();
+            for (s, d) in s.chunks(max).zip(all.chunks_mut(max)) {
+                <T as Wire>::all_reduce(comm, s, d, op);
+            }
             out.copy_from_slice(&all[start..start + out.len()]);
             Ok(())
         })
@@ -526,7 +551,9 @@ impl MpiBackend {
         let meta = meta::<T>(CollectiveKind::Broadcast, b.len(), root as u64);
         let bytes = std::mem::size_of_val(b);
         self.run(CollectiveKind::Broadcast, meta, (bytes, bytes), |comm| {
-            <T as Wire>::broadcast(comm, b, root);
+            for b in b.chunks_mut(max_count()) {
+                <T as Wire>::broadcast(comm, b, root);
+            }
             Ok(())
         })
     }
@@ -631,7 +658,12 @@ fn watchdog() -> &'static Mutex<Vec<Weak<MpiBackend>>> {
             .name("candle-tp-mpi-watchdog".into())
             .spawn(|| loop {
                 std::thread::sleep(Duration::from_millis(500));
-                let groups = watchdog().lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let groups = {
+                    let mut all = watchdog().lock().unwrap_or_else(|e| e.into_inner());
+                    // Groups dropped since: their entries go (the list grew for ever).
+                    all.retain(|g| g.strong_count() > 0);
+                    all.clone()
+                };
                 for g in groups.iter().filter_map(Weak::upgrade) {
                     let late = g
                         .in_flight
