@@ -451,7 +451,26 @@ fn ranks_that_disagree_on_the_size_check_end_with_an_error() {
     );
 }
 
-/// The worker side of the two tests above; does nothing unless started by them.
+/// Issue 44, defect 3: an argument error on one rank alone (a broadcast from a root that is
+/// not a rank) aborts its group, and with MPI that must reach the peer waiting in the same
+/// broadcast: the job ends within seconds with the error, not after the peer's 60 s deadline
+/// with "a peer did not arrive".
+#[cfg(feature = "mpi")]
+#[test]
+fn an_argument_error_on_one_rank_ends_the_mpi_job_with_it() {
+    let Some((out, took)) = exit_job("argument", &[]) else {
+        return;
+    };
+    let t = text(&out);
+    assert!(!out.status.success(), "the job succeeded:\n{t}");
+    assert!(took < std::time::Duration::from_secs(15), "{took:?}:\n{t}");
+    assert!(
+        t.contains("aborted on rank 1 of 2") && t.contains("root 7"),
+        "the error is not named:\n{t}"
+    );
+}
+
+/// The worker side of the tests above; does nothing unless started by them.
 /// `CANDLE_TP_MPI_EXIT_WORKER=error`: rank 1 exits with status 3 while rank 0 is in an
 /// all-reduce; `check`: rank 1 turns the size check off before MPI starts, and each rank
 /// prints its init error.
@@ -477,6 +496,14 @@ fn mpi_exit_worker() {
             std::process::exit(2);
         }
     };
+    if mode == "argument" {
+        let mut b = [0u32; 4];
+        let root = if rank == 1 { 7 } else { 0 };
+        let r = pg.broadcast_slice(&mut b, root);
+        println!("rank {rank} got past the broadcast: {r:?}");
+        std::thread::sleep(std::time::Duration::from_secs(30));
+        return;
+    }
     assert_eq!(mode, "error", "the check mode must fail at init");
     if rank == 1 {
         std::thread::sleep(std::time::Duration::from_millis(300));

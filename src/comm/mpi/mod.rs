@@ -570,11 +570,25 @@ impl Backend for MpiBackend {
         })
     }
 
+    /// Marks the group failed and ends the whole MPI job (`MPI_Abort`), printing `reason`.
+    ///
+    /// Peers blocked in an MPI collective cannot be woken with an error (MPI cancels no
+    /// collective), and a flag here reaches no other process: they would wait for the
+    /// watchdog's deadline and report a misleading "a peer did not arrive". A rank that
+    /// aborts its group has failed (an argument error on this rank alone, a dead peer on this
+    /// host), so the job ends now, with the reason on this rank's stderr.
     fn abort(&self, reason: &str) {
         let mut a = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
-        if a.is_none() {
-            *a = Some(reason.to_string());
+        if a.is_some() {
+            return;
         }
+        *a = Some(reason.to_string());
+        drop(a);
+        eprintln!(
+            "candle-tp: MPI group '{}' aborted on rank {} of {}: {reason}; aborting the MPI job",
+            self.name, self.rank, self.size
+        );
+        SimpleCommunicator::world().abort(4);
     }
 
     fn shared_stats(&self) -> Option<&SharedStats> {
