@@ -388,7 +388,10 @@ fn mpi_worker() {
 #[cfg(feature = "mpi")]
 fn exit_job(mode: &str, env: &[&str]) -> Option<(Output, std::time::Duration)> {
     let mut c = mpirun(2)?;
-    c.args(["-x", "CANDLE_TP_BACKEND=mpi", "-x", "CANDLE_TP_TIMEOUT=60"])
+    if !env.iter().any(|e| e.starts_with("CANDLE_TP_TIMEOUT=")) {
+        c.args(["-x", "CANDLE_TP_TIMEOUT=60"]);
+    }
+    c.args(["-x", "CANDLE_TP_BACKEND=mpi"])
         .args(["-x", &format!("CANDLE_TP_MPI_EXIT_WORKER={mode}")]);
     for e in env {
         c.args(["-x", e]);
@@ -470,6 +473,25 @@ fn an_argument_error_on_one_rank_ends_the_mpi_job_with_it() {
     );
 }
 
+/// Issue 44, defect 2: communicator creation runs under the deadline. Rank 0 waits for a
+/// first point-to-point message from rank 1, whose pair communicator is created lazily, and
+/// rank 1 never sends (a stage that failed before its first send): the job ends at the 3 s
+/// deadline, naming the creation, instead of blocking for ever (here: until rank 1 left).
+#[cfg(feature = "mpi")]
+#[test]
+fn communicator_creation_has_a_deadline() {
+    let Some((out, took)) = exit_job("create", &["CANDLE_TP_TIMEOUT=3"]) else {
+        return;
+    };
+    let t = text(&out);
+    assert!(!out.status.success(), "the job succeeded:\n{t}");
+    assert!(took < std::time::Duration::from_secs(15), "{took:?}:\n{t}");
+    assert!(
+        t.contains("MPI_Comm_create_group") && t.contains("has waited"),
+        "the creation is not named:\n{t}"
+    );
+}
+
 /// The worker side of the tests above; does nothing unless started by them.
 /// `CANDLE_TP_MPI_EXIT_WORKER=error`: rank 1 exits with status 3 while rank 0 is in an
 /// all-reduce; `check`: rank 1 turns the size check off before MPI starts, and each rank
@@ -496,6 +518,16 @@ fn mpi_exit_worker() {
             std::process::exit(2);
         }
     };
+    if mode == "create" {
+        if rank == 0 {
+            let mut got = [0i32; 2];
+            let r = pg.recv_slice(&mut got, 1);
+            println!("rank 0 got past the receive: {r:?}");
+        } else {
+            std::thread::sleep(std::time::Duration::from_secs(40));
+        }
+        return;
+    }
     if mode == "argument" {
         let mut b = [0u32; 4];
         let root = if rank == 1 { 7 } else { 0 };

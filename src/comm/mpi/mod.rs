@@ -185,13 +185,26 @@ pub(crate) fn mpi_world(options: GroupOptions) -> CommResult<Arc<MpiBackend>> {
 impl MpiBackend {
     /// Collective over `comm`'s members (it asks MPI which of them share a host).
     fn new(comm: SimpleCommunicator, name: String, timeout: Duration) -> Arc<Self> {
-        let spans_hosts = comm.split_shared(comm.rank()).size() < comm.size();
+        let (spans_hosts, exchange) = watched(
+            format!(
+                "creating MPI group '{name}' (rank {} of {}: MPI_Comm_split_type, MPI_Comm_dup)",
+                comm.rank(),
+                comm.size()
+            ),
+            timeout,
+            || {
+                (
+                    comm.split_shared(comm.rank()).size() < comm.size(),
+                    comm.duplicate(),
+                )
+            },
+        );
         let b = Arc::new(Self {
             spans_hosts,
             rank: comm.rank() as usize,
             size: comm.size() as usize,
             comm: Mutex::new(Comm {
-                exchange: comm.duplicate(),
+                exchange,
                 main: comm,
             }),
             name,
@@ -221,7 +234,11 @@ impl MpiBackend {
     /// by their rank here), as a group of their own. Collective over the whole group.
     pub(crate) fn split_shared(&self, name: String) -> Arc<MpiBackend> {
         let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-        let local = comm.main.split_shared(self.rank as i32);
+        let local = watched(
+            format!("{} (MPI_Comm_split_type)", self.who("split_shared")),
+            self.timeout,
+            || comm.main.split_shared(self.rank as i32),
+        );
         drop(comm);
         MpiBackend::new(local, name, self.timeout)
     }
@@ -622,15 +639,20 @@ impl Backend for MpiBackend {
         }
         let sub = mine.include(&ranks[..]);
         let tag = (hash_counts(members) % 30_000) as i32;
-        let new = comm
-            .main
-            .split_by_subgroup_with_tag(&sub, tag)
-            .ok_or_else(|| {
-                CommError::invalid(
-                    self.who("new_group"),
-                    "MPI_Comm_create_group gave no communicator",
-                )
-            })?;
+        let new = watched(
+            format!(
+                "{} of members {members:?} (MPI_Comm_create_group)",
+                self.who("new_group")
+            ),
+            self.timeout,
+            || comm.main.split_by_subgroup_with_tag(&sub, tag),
+        )
+        .ok_or_else(|| {
+            CommError::invalid(
+                self.who("new_group"),
+                "MPI_Comm_create_group gave no communicator",
+            )
+        })?;
         drop(comm);
         Ok(MpiBackend::new(new, name, self.timeout))
     }
@@ -665,6 +687,39 @@ pub(crate) fn check_counts(
 }
 
 /// The groups the watchdog looks at, and the thread itself (started with the first group).
+/// Communicator creations in progress (`MPI_Comm_split_type`, `MPI_Comm_dup`,
+/// `MPI_Comm_create_group`): collective calls outside any group's collectives, which a peer
+/// that never comes (it failed before, or it creates another communicator) would block for
+/// ever. The watchdog ends the job when one runs past its deadline: (id, start, what,
+/// deadline).
+type Creation = (u64, Instant, String, Duration);
+
+fn creations() -> &'static Mutex<Vec<Creation>> {
+    static CREATING: OnceLock<Mutex<Vec<Creation>>> = OnceLock::new();
+    CREATING.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// Runs the communicator creation `f` under the watchdog: past `timeout` the job is aborted
+/// with `what` named, instead of waiting for ever.
+fn watched<R>(what: impl Into<String>, timeout: Duration, f: impl FnOnce() -> R) -> R {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    let _ = watchdog(); // started, if it is not yet
+    creations().lock().unwrap_or_else(|e| e.into_inner()).push((
+        id,
+        Instant::now(),
+        what.into(),
+        timeout,
+    ));
+    let out = f();
+    creations()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|c| c.0 != id);
+    out
+}
+
 fn watchdog() -> &'static Mutex<Vec<Weak<MpiBackend>>> {
     static GROUPS: OnceLock<Mutex<Vec<Weak<MpiBackend>>>> = OnceLock::new();
     GROUPS.get_or_init(|| {
@@ -678,6 +733,21 @@ fn watchdog() -> &'static Mutex<Vec<Weak<MpiBackend>>> {
                     all.retain(|g| g.strong_count() > 0);
                     all.clone()
                 };
+                let late = creations()
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .find(|c| c.1.elapsed() > c.3)
+                    .map(|c| (c.1.elapsed(), c.2.clone(), c.3));
+                if let Some((waited, what, limit)) = late {
+                    eprintln!(
+                        "candle-tp: {what} has waited {:.0} s (CANDLE_TP_TIMEOUT is {:.0} s): a \
+                         peer did not take part (MPI does not say which); aborting the MPI job",
+                        waited.as_secs_f64(),
+                        limit.as_secs_f64()
+                    );
+                    SimpleCommunicator::world().abort(3);
+                }
                 for g in groups.iter().filter_map(Weak::upgrade) {
                     let late = g
                         .in_flight
