@@ -75,6 +75,10 @@ pub(crate) struct Hierarchical {
     cross: Option<Arc<dyn Backend>>,
     map: Arc<HostMap>,
     stats: SharedStats,
+    /// Held for a whole collective (its in-host, across-host and in-host stages): two
+    /// threads of one rank would otherwise interleave their stages, in a different order on
+    /// different ranks, and match one collective's stage with another's.
+    serial: std::sync::Mutex<()>,
 }
 
 /// Joins the MPI job this process was started in (`mpirun`, `mpiexec`, `srun`) and returns its
@@ -248,6 +252,7 @@ impl Hierarchical {
             cross,
             map: map.clone(),
             stats: SharedStats::default(),
+            serial: std::sync::Mutex::new(()),
         }))
     }
 
@@ -280,6 +285,7 @@ impl Hierarchical {
         payload: usize,
         f: impl FnOnce(&mut usize) -> CommResult<()>,
     ) -> CommResult<()> {
+        let _whole = self.serial.lock().unwrap_or_else(|e| e.into_inner());
         let t0 = std::time::Instant::now();
         let before = self.stage_totals();
         let mut cross_bytes = 0usize;
