@@ -291,6 +291,8 @@ fn main() -> Result<()> {
             step: step as u64,
             hidden: args.hidden_dropout,
             attention: args.attention_dropout,
+            // This data-parallel rank's rows of the global batch: its masks are theirs.
+            first_row: rows.start as u64,
         };
         // The local batch in micro-batches through the schedule (one forward and backward
         // without a pipeline and with one micro-batch).

@@ -122,7 +122,12 @@ pub fn train_step(
                     Some(x) => x.as_tensor().clone(),
                     None => model.embed_input(&batches[mb].ids)?,
                 };
-                let h = model.forward_layers(&input, s, drop)?;
+                // Each micro-batch's masks are those of its rows of the batch.
+                let rows_before: usize = batches[..mb]
+                    .iter()
+                    .map(|b| b.ids.dims2().map_or(0, |d| d.0))
+                    .sum();
+                let h = model.forward_layers(&input, s, &drop.skip_rows(rows_before))?;
                 let out = if last {
                     let logits = model.forward_head(&h, b, s)?;
                     let l = (loss(&logits, &batches[mb].targets)? / m as f64)?;
