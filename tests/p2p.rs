@@ -218,3 +218,85 @@ fn inference_transfers_keep_dtype_and_shape() -> Result<()> {
     assert_eq!(common::max_abs_diff(&out[0], &out[1])?, 0.0);
     Ok(())
 }
+
+/// Issue 44, defect 7: two tensors of one shape sent to one peer were matched in order only,
+/// so transfers (or their gradients) taken in different orders by the two ranks swapped
+/// silently. Now every transfer and its gradient carry a tag: the loss L = Σ 3a + Σ 5b gives
+/// ∂L/∂a = 3 and ∂L/∂b = 5 back at rank 0, and a receiver that asks for tag 1 where tag 0
+/// comes fails, naming both tags, instead of taking the wrong tensor.
+#[test]
+fn tagged_transfers_keep_their_gradients_and_misorders_are_errors() -> Result<()> {
+    let grads = run_threads(2, |pg| {
+        if pg.rank() == 0 {
+            let a = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+            let b = Var::new(&[10f32, 20.0], &Device::Cpu)?;
+            let ha = candle_tp::ops::send_tagged(a.as_tensor(), &pg, 1, 0)?;
+            let hb = candle_tp::ops::send_tagged(b.as_tensor(), &pg, 1, 1)?;
+            // One backward over both handles: Candle picks the order of the two receives.
+            let g = (ha + hb)?.backward()?;
+            Ok(vec![
+                g.get(a.as_tensor()).expect("∂a").to_vec1::<f32>()?,
+                g.get(b.as_tensor()).expect("∂b").to_vec1::<f32>()?,
+            ])
+        } else {
+            let a = candle_tp::ops::recv_tagged(&[2], DType::F32, &Device::Cpu, &pg, 0, true, 0)?;
+            let b = candle_tp::ops::recv_tagged(&[2], DType::F32, &Device::Cpu, &pg, 0, true, 1)?;
+            ((a * 3.0)?.sum_all()? + (b * 5.0)?.sum_all()?)?.backward()?;
+            Ok(vec![])
+        }
+    })?;
+    assert_eq!(grads[0], vec![vec![3.0, 3.0], vec![5.0, 5.0]]);
+
+    let errs = run_threads_with(
+        2,
+        GroupOptions {
+            timeout: std::time::Duration::from_secs(5),
+            ..GroupOptions::default()
+        },
+        |pg| {
+            if pg.rank() == 0 {
+                let x = Tensor::new(&[1f32, 2.0], &Device::Cpu)?;
+                candle_tp::ops::send_tagged(&x, &pg, 1, 0)?;
+                candle_tp::ops::send_tagged(&x, &pg, 1, 1)?;
+                Ok(String::new())
+            } else {
+                let e =
+                    candle_tp::ops::recv_tagged(&[2], DType::F32, &Device::Cpu, &pg, 0, false, 1)
+                        .unwrap_err()
+                        .to_string();
+                // The second transfer still arrives: drain it so that rank 0 finishes.
+                let _ =
+                    candle_tp::ops::recv_tagged(&[2], DType::F32, &Device::Cpu, &pg, 0, false, 1);
+                Ok(e)
+            }
+        },
+    )?;
+    assert!(
+        errs[1].contains("tag 1") && errs[1].contains("of tag 0"),
+        "{}",
+        errs[1]
+    );
+    Ok(())
+}
+
+/// Issue 44, defect 7: a stage sends a tensor that tracks no gradient (a frozen first stage)
+/// to a `recv(grad = true)`: the receiver's backward sent a gradient nobody received, and the
+/// next transfer between the two ranks read it in its place (or the pair waited out its
+/// deadline). Now the receiver sends none, and the next transfer is the one that was sent.
+#[test]
+fn a_sender_without_gradients_gets_none_back() -> Result<()> {
+    let got = run_threads(2, |pg| {
+        if pg.rank() == 0 {
+            let x = Tensor::new(&[1f32, 2.0], &Device::Cpu)?; // no gradient
+            send(&x, &pg, 1)?;
+            send(&Tensor::new(&[7f32, 8.0], &Device::Cpu)?, &pg, 1)?;
+            Ok(vec![])
+        } else {
+            let x = recv(&[2], DType::F32, &Device::Cpu, &pg, 0, true)?;
+            (x * 2.0)?.sum_all()?.backward()?;
+            recv(&[2], DType::F32, &Device::Cpu, &pg, 0, false)?.to_vec1::<f32>()
+        }
+    })?;
+    assert_eq!(got[1], vec![7.0, 8.0]);
+    Ok(())
+}

@@ -13,5 +13,5 @@ mod tensor;
 pub use mappings::{
     copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp,
 };
-pub use p2p::{recv, send};
+pub use p2p::{recv, recv_tagged, send, send_tagged};
 pub use swiglu::silu_mul;

@@ -149,12 +149,37 @@ impl PipelineStage {
     /// Sends this stage's activations to the next stage (which calls
     /// [`recv_prev`](Self::recv_prev) with their shape).
     pub fn send_next(&self, x: &Tensor) -> Result<()> {
-        crate::ops::send(x, &self.group, self.index() + 1).map(|_| ())
+        self.send_next_tagged(x, 0)
+    }
+
+    /// [`send_next`](Self::send_next) tagged `tag` (a micro-batch's index): the next stage must
+    /// receive it with the same tag, or both fail naming the two tags.
+    pub fn send_next_tagged(&self, x: &Tensor, tag: u64) -> Result<()> {
+        crate::ops::send_tagged(x, &self.group, self.index() + 1, tag).map(|_| ())
     }
 
     /// Receives the previous stage's activations, `shape` and `dtype`, on `device`.
     pub fn recv_prev(&self, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        crate::ops::recv(shape, dtype, device, &self.group, self.index() - 1, false)
+        self.recv_prev_tagged(shape, dtype, device, 0)
+    }
+
+    /// [`recv_prev`](Self::recv_prev) of the transfer tagged `tag`.
+    pub fn recv_prev_tagged(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+        tag: u64,
+    ) -> Result<Tensor> {
+        crate::ops::recv_tagged(
+            shape,
+            dtype,
+            device,
+            &self.group,
+            self.index() - 1,
+            false,
+            tag,
+        )
     }
 
     /// Hands `values` from the last stage to every stage (a broadcast over the stages): the

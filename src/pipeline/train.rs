@@ -112,7 +112,9 @@ pub fn train_step(
             Step::RecvActivation(mb) => {
                 let (b, s) = dims(mb)?;
                 let shape = model.residual_shape(b, s)?;
-                let x = stage()?.recv_prev(&shape, model.dtype(), &device)?;
+                // Tags: 2 mb for a micro-batch's activations, 2 mb + 1 for their gradient, so
+                // that a schedule that differs between stages is an error, not a swap.
+                let x = stage()?.recv_prev_tagged(&shape, model.dtype(), &device, 2 * mb as u64)?;
                 slots[mb].input = Some(Var::from_tensor(&x)?);
             }
             Step::Forward(mb) => {
@@ -147,17 +149,18 @@ pub fn train_step(
             }
             Step::SendActivation(mb) => {
                 let out = slot_output(&slots[mb], mb)?;
-                stage()?.send_next(&out.detach())?;
+                stage()?.send_next_tagged(&out.detach(), 2 * mb as u64)?;
             }
             Step::RecvGrad(mb) => {
                 let out = slot_output(&slots[mb], mb)?;
-                let g = crate::ops::recv(
+                let g = crate::ops::recv_tagged(
                     out.dims(),
                     out.dtype(),
                     &device,
                     stage()?.group(),
                     index + 1,
                     false,
+                    2 * mb as u64 + 1,
                 )?;
                 slots[mb].out_grad = Some(g);
             }
@@ -198,7 +201,7 @@ pub fn train_step(
                 let g = slots[mb].in_grad.take().ok_or_else(|| {
                     candle_core::Error::msg(format!("micro-batch {mb}: no input gradient to send"))
                 })?;
-                crate::ops::send(&g, stage()?.group(), index - 1)?;
+                crate::ops::send_tagged(&g, stage()?.group(), index - 1, 2 * mb as u64 + 1)?;
             }
         }
     }
