@@ -273,8 +273,11 @@ fn minilm_world_1_bf16_f16_match_candle_transformers_bert() -> Result<()> {
     let (ids, mask, len) = padded_pair(&dir)?;
     let mask_t = Tensor::from_vec(mask.clone(), (2, len), &Device::Cpu)?;
     let exact = reference_bert(&dir, DType::F32, &ids, &mask)?;
-    // Measured: bf16 2.8e-1 (|hidden| up to 5.9), f16 4.9e-3.
-    for (dtype, tol) in [(DType::BF16, 0.4), (DType::F16, 1e-2)] {
+    // Measured: bf16 2.8e-1 (|hidden| up to 5.9), f16 4.9e-3 on a Zen 4 host and 1.17e-2 on
+    // the 2026-11-27 afternoon host (AMD EPYC with AVX-512 VP2INTERSECT and VBMI2, whose gemm
+    // kernels round f16 differently; the main of that morning measured the same there). The
+    // difference is the reference's f16 softmax: ours stays closer to f32 (checked below).
+    for (dtype, tol) in [(DType::BF16, 0.4), (DType::F16, 2e-2)] {
         let want = reference_bert(&dir, dtype, &ids, &mask)?;
         let got = run_threads(1, |pg| {
             BertModel::from_dir(&dir, dtype, &Device::Cpu, pg)?.forward(&ids, None, Some(&mask_t))
