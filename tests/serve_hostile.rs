@@ -16,10 +16,9 @@
 
 use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use candle_tp::generate::{
-    BatchDecoder, DistributedSampler, FinishReason, Penalties, SamplingParams, SeqOptions,
-    SeqRequest,
+    BatchDecoder, FinishReason, Penalties, SamplingParams, SeqOptions, SeqRequest,
 };
 use candle_tp::models::CausalLm;
 use candle_tp::serve::{self, Event, Submission, SubmitError};
@@ -27,49 +26,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 mod common;
 
-use common::serve::model_dir;
-
-/// The loop of examples/generate.rs, greedy: the prompt, then one token at a time.
-fn alone(model: &mut CausalLm, prompt: &[u32], max_new: usize) -> Vec<u32> {
-    model.clear_kv_cache();
-    let mut sampler = DistributedSampler::new(SamplingParams::greedy());
-    let x = Tensor::new(prompt, &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let mut logits = model.forward(&x, 0).unwrap().squeeze(0).unwrap();
-    let mut out = Vec::new();
-    loop {
-        let next = sampler.sample_stage(Some(&logits), model).unwrap();
-        out.push(next);
-        if out.len() == max_new {
-            return out;
-        }
-        let x = Tensor::new(&[next], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let pos = prompt.len() + out.len() - 1;
-        logits = model.forward(&x, pos).unwrap().squeeze(0).unwrap();
-    }
-}
-
-/// Everything a request got: its tokens and how it ended (an error message or a finish).
-fn collect(mut rx: UnboundedReceiver<Event>) -> (Vec<u32>, Result<FinishReason, String>) {
-    let mut tokens = Vec::new();
-    while let Some(e) = rx.blocking_recv() {
-        match e {
-            Event::Token { token, finish, .. } => {
-                tokens.push(token);
-                if let Some(f) = finish {
-                    return (tokens, Ok(f));
-                }
-            }
-            Event::Error(m) => return (tokens, Err(m)),
-        }
-    }
-    (tokens, Err("the channel closed".into()))
-}
+use common::serve::{alone, collect, model_dir};
 
 fn request(prompt: &[u32], max_tokens: usize, params: SamplingParams) -> SeqRequest {
     SeqRequest {

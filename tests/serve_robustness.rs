@@ -20,17 +20,17 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Tensor};
-use candle_tp::generate::{
-    BatchDecoder, DistributedSampler, FinishReason, SamplingParams, SeqRequest, TokenFilter,
-};
+use candle_core::{DType, Device};
+use candle_tp::generate::{BatchDecoder, FinishReason, SamplingParams, SeqRequest, TokenFilter};
 use candle_tp::models::CausalLm;
-use candle_tp::serve::{self, Event, Submission};
+use candle_tp::serve::{self, Submission};
 use serde_json::{json, Value};
 
 mod common;
 
-use common::serve::{http, is_running, model_dir, post, wait_active, Server, SERIAL};
+use common::serve::{
+    alone, collect, http, is_running, model_dir, post, wait_active, Server, SERIAL,
+};
 
 /// A prompt id beyond SmolLM2's vocabulary of 49152 (and different from it, so that a
 /// message naming both can be told apart).
@@ -176,50 +176,6 @@ fn out_of_vocabulary_prompt_id_ends_only_its_request() {
     assert_eq!(status, 200, "the request after: {v}");
     assert_eq!(ids_of(&v), expect_second, "the request after: {v}");
     drop(server);
-}
-
-/// The loop of examples/generate.rs on one model: the prompt, then one token at a time.
-fn alone(model: &mut CausalLm, prompt: &[u32], max_new: usize) -> Vec<u32> {
-    model.clear_kv_cache();
-    let mut sampler = DistributedSampler::new(SamplingParams::greedy());
-    let x = Tensor::new(prompt, &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let mut logits = model.forward(&x, 0).unwrap().squeeze(0).unwrap();
-    let mut out = Vec::new();
-    loop {
-        let next = sampler.sample_stage(Some(&logits), model).unwrap();
-        out.push(next);
-        if out.len() == max_new {
-            return out;
-        }
-        let x = Tensor::new(&[next], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let pos = prompt.len() + out.len() - 1;
-        logits = model.forward(&x, pos).unwrap().squeeze(0).unwrap();
-    }
-}
-
-/// Everything a request got: its tokens and how it ended (an error message or a finish).
-fn collect(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-) -> (Vec<u32>, Result<FinishReason, String>) {
-    let mut tokens = Vec::new();
-    while let Some(e) = rx.blocking_recv() {
-        match e {
-            Event::Token { token, finish, .. } => {
-                tokens.push(token);
-                if let Some(f) = finish {
-                    return (tokens, Ok(f));
-                }
-            }
-            Event::Error(m) => return (tokens, Err(m)),
-        }
-    }
-    (tokens, Err("the channel closed".into()))
 }
 
 /// A grammar that allows every id for `left` draws, then fails (or, with `empty`, allows no

@@ -44,6 +44,15 @@ fn grads(
     Ok((loss.to_scalar()?, out))
 }
 
+/// Residual dropout with a shared seed: part of the comparisons with one process.
+const HIDDEN_DROPOUT: Dropout = Dropout {
+    seed: 5,
+    step: 1,
+    hidden: 0.1,
+    attention: 0.0,
+    first_row: 0,
+};
+
 fn reference(cfg: &TrainConfig, drop: Dropout) -> Result<(f32, HashMap<String, Tensor>)> {
     let mut r = run_threads(1, |pg| grads(cfg, &pg, None, false, drop, 0..4))?;
     let (loss, g) = r.remove(0);
@@ -87,13 +96,7 @@ fn gradients_equal_one_process_tp_2_3_with_and_without_sp() -> Result<()> {
     for tie in [false, true] {
         let cfg = cfg(tie);
         // Residual dropout uses a shared seed, so it is part of the comparison.
-        let drop = Dropout {
-            seed: 5,
-            step: 1,
-            hidden: 0.1,
-            attention: 0.0,
-            first_row: 0,
-        };
+        let drop = HIDDEN_DROPOUT;
         let reference = reference(&cfg, drop)?;
         for tp in [2, 3] {
             for sp in [false, true] {
@@ -110,13 +113,7 @@ fn gradients_equal_one_process_dp2_x_tp2() -> Result<()> {
     let cfg = cfg(false);
     // Residual dropout (issue 44, defect 16): each data-parallel rank's masks are those of
     // its rows of the batch (they were the same masks on every rank).
-    let drop = Dropout {
-        seed: 5,
-        step: 1,
-        hidden: 0.1,
-        attention: 0.0,
-        first_row: 0,
-    };
+    let drop = HIDDEN_DROPOUT;
     let reference = reference(&cfg, drop)?;
     let got = run_threads(4, |world| {
         let mesh = DeviceMesh::dp_tp(&world, 2)?;

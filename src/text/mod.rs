@@ -245,30 +245,6 @@ mod tests {
         (data, dir)
     }
 
-    /// The server renders through [`crate::chat_template`]: Qwen3's template (which calls
-    /// Python string methods) gives transformers' text.
-    #[test]
-    fn render_chat_is_transformers_rendering() {
-        let (data, dir) = checkpoint_with_tokenizer();
-        let template =
-            std::fs::read_to_string(data.join("chat_templates/Qwen-Qwen3-0.6B.jinja")).unwrap();
-        let config = serde_json::json!({"chat_template": template, "eos_token": "<|im_end|>"});
-        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
-        let text = ModelText::load(dir.path()).unwrap();
-        let expected: Value = serde_json::from_str(
-            &std::fs::read_to_string(data.join("chat_templates/expected.json")).unwrap(),
-        )
-        .unwrap();
-        let case = expected["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == "Qwen-Qwen3-0.6B/multi-turn")
-            .unwrap();
-        let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
-        assert_eq!(text.render_chat(&messages).unwrap(), case["output"]);
-    }
-
     /// The SmolLM2 tokenizer with Qwen3's template, and transformers' renderings of it.
     fn qwen3_text() -> (ModelText, Value, tempfile::TempDir) {
         let (data, dir) = checkpoint_with_tokenizer();
@@ -291,6 +267,16 @@ mod tests {
             .iter()
             .find(|c| c["name"] == name)
             .unwrap_or_else(|| panic!("no case {name}"))
+    }
+
+    /// The server renders through [`crate::chat_template`]: Qwen3's template (which calls
+    /// Python string methods) gives transformers' text.
+    #[test]
+    fn render_chat_is_transformers_rendering() {
+        let (text, expected, _dir) = qwen3_text();
+        let c = case(&expected, "Qwen-Qwen3-0.6B/multi-turn");
+        let messages: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
+        assert_eq!(text.render_chat(&messages).unwrap(), c["output"]);
     }
 
     /// `chat_template_kwargs` reach the template: Qwen3 with `enable_thinking: false` gives

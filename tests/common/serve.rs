@@ -292,3 +292,52 @@ pub fn failed_checks<'a>(checks: &[(&'a str, &dyn Fn())]) -> Vec<&'a str> {
         .map(|(name, _)| *name)
         .collect()
 }
+
+/// The loop of examples/generate.rs on one model, greedy: the prompt, then one token at a
+/// time (the reference the in-process scheduler tests compare a request's ids with).
+pub fn alone(model: &mut candle_tp::models::CausalLm, prompt: &[u32], max_new: usize) -> Vec<u32> {
+    use candle_core::{Device, Tensor};
+    use candle_tp::generate::{DistributedSampler, SamplingParams};
+    model.clear_kv_cache();
+    let mut sampler = DistributedSampler::new(SamplingParams::greedy());
+    let x = Tensor::new(prompt, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let mut logits = model.forward(&x, 0).unwrap().squeeze(0).unwrap();
+    let mut out = Vec::new();
+    loop {
+        let next = sampler.sample_stage(Some(&logits), model).unwrap();
+        out.push(next);
+        if out.len() == max_new {
+            return out;
+        }
+        let x = Tensor::new(&[next], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let pos = prompt.len() + out.len() - 1;
+        logits = model.forward(&x, pos).unwrap().squeeze(0).unwrap();
+    }
+}
+
+/// Everything a request submitted to the scheduler got: its tokens and how it ended (an error
+/// message or a finish).
+pub fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<candle_tp::serve::Event>,
+) -> (Vec<u32>, Result<candle_tp::generate::FinishReason, String>) {
+    use candle_tp::serve::Event;
+    let mut tokens = Vec::new();
+    while let Some(e) = rx.blocking_recv() {
+        match e {
+            Event::Token { token, finish, .. } => {
+                tokens.push(token);
+                if let Some(f) = finish {
+                    return (tokens, Ok(f));
+                }
+            }
+            Event::Error(m) => return (tokens, Err(m)),
+        }
+    }
+    (tokens, Err("the channel closed".into()))
+}
