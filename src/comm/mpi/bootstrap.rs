@@ -124,12 +124,32 @@ mod tests {
         );
     }
 
+    /// `addresses()` against iproute2's own list (`ip -o -4 addr show up`, read from the
+    /// kernel through netlink rather than getifaddrs): the same addresses, loopback last.
     #[test]
-    fn this_host_has_an_address() {
+    fn the_addresses_are_the_kernels() {
         let a = super::addresses();
-        assert!(!a.is_empty());
-        // Loopback, if present, comes last.
         let first_loop = a.iter().position(|x| x.is_loopback()).unwrap_or(a.len());
         assert!(a[first_loop..].iter().all(|x| x.is_loopback()), "{a:?}");
+        let out = std::process::Command::new("ip")
+            .args(["-o", "-4", "addr", "show", "up"])
+            .output();
+        let Ok(out) = out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()) else {
+            panic!("iproute2's `ip` is needed (scripts/setup-mpi.sh installs it)");
+        };
+        let mut want: Vec<std::net::Ipv4Addr> = out
+            .lines()
+            .filter_map(|l| {
+                let mut w = l.split_whitespace();
+                w.position(|x| x == "inet")?;
+                w.next()?.split('/').next()?.parse().ok()
+            })
+            .collect();
+        assert!(!want.is_empty(), "ip listed no IPv4 address: {out}");
+        want.sort();
+        want.dedup();
+        let mut got = a.clone();
+        got.sort();
+        assert_eq!(got, want, "getifaddrs against ip:\n{out}");
     }
 }
