@@ -16,8 +16,8 @@ use crate::comm::store::{Keep, Store, TcpStore, TcpStoreServer};
 
 use super::MpiBackend;
 
-/// Bytes of the broadcast message: addresses, port and token as text.
-const MESSAGE: usize = 1024;
+/// The longest message rank 0 may announce (port, token and every address as text).
+const MAX_MESSAGE: usize = 1 << 20;
 
 /// The IPv4 addresses of this host's interfaces that are up, loopback last.
 fn addresses() -> Vec<Ipv4Addr> {
@@ -60,19 +60,31 @@ pub(crate) fn store_over_mpi(
     timeout: Duration,
 ) -> CommResult<(Arc<dyn Store>, Keep)> {
     let mut keep: Keep = Vec::new();
-    let mut msg = [0u8; MESSAGE];
+    let mut text = String::new();
     if world.rank() == 0 {
         let token = random_hex();
         let server = TcpStoreServer::bind("0.0.0.0", 0, &token)?;
         let addrs: Vec<String> = addresses().iter().map(|a| a.to_string()).collect();
-        let text = format!("{} {} {}", server.port(), token, addrs.join(","));
-        let n = text.len().min(MESSAGE);
-        msg[..n].copy_from_slice(&text.as_bytes()[..n]);
+        text = format!("{} {} {}", server.port(), token, addrs.join(","));
         keep.push(Box::new(server));
     }
+    // Its length first, then the message: a host with many interfaces has a long list (a
+    // fixed message of 1024 bytes cut it).
+    let mut len = [text.len() as i64];
+    world.broadcast(HostBufMut::new(&mut len), 0)?;
+    let len = usize::try_from(len[0])
+        .ok()
+        .filter(|&n| n <= MAX_MESSAGE)
+        .ok_or_else(|| {
+            CommError::invalid(
+                "the rendezvous store over MPI",
+                format!("rank 0 announced a message of {} bytes", len[0]),
+            )
+        })?;
+    let mut msg = text.into_bytes();
+    msg.resize(len, 0);
     world.broadcast(HostBufMut::new(&mut msg), 0)?;
     let text = String::from_utf8_lossy(&msg);
-    let text = text.trim_end_matches('\0');
     let mut parts = text.split(' ');
     let bad = || {
         CommError::invalid(
