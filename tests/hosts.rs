@@ -320,7 +320,7 @@ fn a_rank_that_returns_an_error_ends_the_job() {
             .expect("mpirun");
         let t0 = Instant::now();
         let out = ended_within(job, t0, Duration::from_secs(30), "the job started");
-        let t = text(&out);
+        let t = common::untagged(&common::output_text(&out));
         assert!(!out.status.success(), "{phase}: the job succeeded:\n{t}");
         let at: f64 = t
             .lines()

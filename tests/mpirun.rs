@@ -419,7 +419,7 @@ fn a_rank_that_exits_with_an_error_ends_the_mpi_job_at_once() {
     let Some((out, took)) = exit_job("error", &[]) else {
         return;
     };
-    let t = text(&out);
+    let t = common::untagged(&text(&out));
     assert!(!out.status.success(), "the job succeeded:\n{t}");
     assert!(
         took < std::time::Duration::from_secs(15),
@@ -441,7 +441,7 @@ fn ranks_that_disagree_on_the_size_check_end_with_an_error() {
     let Some((out, took)) = exit_job("check", &[]) else {
         return;
     };
-    let t = text(&out);
+    let t = common::untagged(&text(&out));
     assert!(!out.status.success(), "the job succeeded:\n{t}");
     assert!(took < std::time::Duration::from_secs(15), "{took:?}:\n{t}");
     // Both ranks fail alike, but the first to exit aborts the job, which may end the other
@@ -464,7 +464,7 @@ fn an_argument_error_on_one_rank_ends_the_mpi_job_with_it() {
     let Some((out, took)) = exit_job("argument", &[]) else {
         return;
     };
-    let t = text(&out);
+    let t = common::untagged(&text(&out));
     assert!(!out.status.success(), "the job succeeded:\n{t}");
     assert!(took < std::time::Duration::from_secs(15), "{took:?}:\n{t}");
     assert!(
@@ -483,7 +483,7 @@ fn communicator_creation_has_a_deadline() {
     let Some((out, took)) = exit_job("create", &["CANDLE_TP_TIMEOUT=3"]) else {
         return;
     };
-    let t = text(&out);
+    let t = common::untagged(&text(&out));
     assert!(!out.status.success(), "the job succeeded:\n{t}");
     assert!(took < std::time::Duration::from_secs(15), "{took:?}:\n{t}");
     assert!(

@@ -284,6 +284,37 @@ pub fn assert_loaded(errs: Vec<(f32, f32)>, tol: f32) {
 }
 
 /// A finished process's stdout then stderr, as text (for assertions and failure messages).
+/// `text` without mpirun's `--tag-output` tags (`[1,3]<stderr>:`), wherever they stand: a
+/// rank's line that reached mpirun in several writes is cut by a tag at each, and reads whole
+/// again here.
+pub fn untagged(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("[1,") {
+        out.push_str(&rest[..at]);
+        let tail = &rest[at..];
+        let tag_end = tail.find(']').and_then(|close| {
+            let after = &tail[close + 1..];
+            ["<stdout>:", "<stderr>:"]
+                .iter()
+                .find(|t| after.starts_with(*t))
+                .map(|t| close + 1 + t.len())
+        });
+        let digits = tail[3..]
+            .find(']')
+            .is_some_and(|n| n > 0 && tail[3..3 + n].bytes().all(|b| b.is_ascii_digit()));
+        match tag_end {
+            Some(end) if digits => rest = &tail[end..],
+            _ => {
+                out.push_str("[1,");
+                rest = &tail[3..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 pub fn output_text(out: &std::process::Output) -> String {
     format!(
         "{}\n{}",

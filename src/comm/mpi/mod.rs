@@ -91,6 +91,14 @@ pub fn init_mpi(options: GroupOptions) -> CommResult<ProcessGroup> {
     ))
 }
 
+/// Writes `line` and a newline to stderr in one write: under mpirun, whose output tags cut
+/// a line at every write (and `eprintln!` writes its arguments piece by piece), the line then
+/// reaches the log whole, so that the rank and the reason stand together.
+fn say(line: String) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 /// MPI's universe, once initialised (taken, hence finalised, at a clean exit).
 static UNIVERSE: OnceLock<Mutex<Option<::mpi::environment::Universe>>> = OnceLock::new();
 
@@ -119,7 +127,7 @@ fn register_exit_handler() {
         }
         // SAFETY: registering a plain `extern "C"` function that ignores its pointer.
         if unsafe { on_exit(at_exit, std::ptr::null_mut()) } != 0 {
-            eprintln!("candle-tp: could not register MPI's exit handler");
+            say("candle-tp: could not register MPI's exit handler".into());
         }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -129,7 +137,7 @@ fn register_exit_handler() {
         }
         // SAFETY: registering a plain `extern "C"` function with no arguments.
         if unsafe { libc::atexit(at_exit) } != 0 {
-            eprintln!("candle-tp: could not register MPI_Finalize at exit");
+            say("candle-tp: could not register MPI_Finalize at exit".into());
         }
     }
 }
@@ -145,12 +153,12 @@ fn leave_mpi(status: libc::c_int) {
     }
     if let Some(universe) = u.as_ref() {
         let world = universe.world();
-        eprintln!(
+        say(format!(
             "candle-tp: MPI rank {} of {} is exiting with status {status}: aborting the job \
              (MPI_Abort) so that no peer waits for it",
             world.rank(),
             world.size()
-        );
+        ));
         world.abort(status);
     }
 }
@@ -601,10 +609,10 @@ impl Backend for MpiBackend {
         }
         *a = Some(reason.to_string());
         drop(a);
-        eprintln!(
+        say(format!(
             "candle-tp: MPI group '{}' aborted on rank {} of {}: {reason}; aborting the MPI job",
             self.name, self.rank, self.size
-        );
+        ));
         SimpleCommunicator::world().abort(4);
     }
 
@@ -740,12 +748,12 @@ fn watchdog() -> &'static Mutex<Vec<Weak<MpiBackend>>> {
                     .find(|c| c.1.elapsed() > c.3)
                     .map(|c| (c.1.elapsed(), c.2.clone(), c.3));
                 if let Some((waited, what, limit)) = late {
-                    eprintln!(
+                    say(format!(
                         "candle-tp: {what} has waited {:.0} s (CANDLE_TP_TIMEOUT is {:.0} s): a \
                          peer did not take part (MPI does not say which); aborting the MPI job",
                         waited.as_secs_f64(),
                         limit.as_secs_f64()
-                    );
+                    ));
                     SimpleCommunicator::world().abort(3);
                 }
                 for g in groups.iter().filter_map(Weak::upgrade) {
@@ -755,13 +763,13 @@ fn watchdog() -> &'static Mutex<Vec<Weak<MpiBackend>>> {
                         .unwrap_or_else(|e| e.into_inner())
                         .filter(|(t0, _)| t0.elapsed() > g.timeout);
                     if let Some((t0, op)) = late {
-                        eprintln!(
+                        say(format!(
                             "candle-tp: {} has waited {:.0} s (CANDLE_TP_TIMEOUT is {:.0} s): a peer \
                              did not arrive (MPI does not say which); aborting the MPI job",
                             g.who(op),
                             t0.elapsed().as_secs_f64(),
                             g.timeout.as_secs_f64()
-                        );
+                        ));
                         SimpleCommunicator::world().abort(3);
                     }
                 }
