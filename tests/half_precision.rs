@@ -274,7 +274,7 @@ fn minilm_world_1_bf16_f16_match_candle_transformers_bert() -> Result<()> {
     let mask_t = Tensor::from_vec(mask.clone(), (2, len), &Device::Cpu)?;
     let exact = reference_bert(&dir, DType::F32, &ids, &mask)?;
     // Measured: bf16 2.8e-1 (|hidden| up to 5.9), f16 4.9e-3 on a Zen 4 host and 1.17e-2 on
-    // the 2026-11-27 afternoon host (AMD EPYC with AVX-512 VP2INTERSECT and VBMI2, whose gemm
+    // the 2026-11-27 afternoon host (AMD EPYC Zen 5, family 26: AVX-512 VP2INTERSECT, whose gemm
     // kernels round f16 differently; the main of that morning measured the same there). The
     // difference is the reference's f16 softmax: ours stays closer to f32 (checked below).
     for (dtype, tol) in [(DType::BF16, 0.4), (DType::F16, 2e-2)] {
