@@ -31,9 +31,14 @@ impl ProcessGroup {
     /// assert_eq!(got[1], vec![1.0, 2.0, 3.0]);
     /// ```
     pub fn send_slice<T: Element>(&self, buf: &[T], peer: usize) -> CommResult<()> {
+        self.send_vec(buf.to_vec(), peer)
+    }
+
+    /// [`send_slice`](Self::send_slice) of a buffer the caller gives away (the transfer is a
+    /// broadcast over the pair, which writes its buffer: no copy of it is made here).
+    pub(crate) fn send_vec<T: Element>(&self, mut buf: Vec<T>, peer: usize) -> CommResult<()> {
         let (pair, me) = self.pair("send", peer)?;
-        let mut tmp = buf.to_vec();
-        pair.broadcast_slice(&mut tmp, me)
+        pair.broadcast_slice(&mut buf, me)
     }
 
     /// Receives into `buf` what rank `peer` of this group sends with

@@ -58,12 +58,17 @@ pub fn send(x: &Tensor, pg: &ProcessGroup, peer: usize) -> Result<Tensor> {
 /// sides otherwise), and the gradient that comes back carries it too. A pipeline tags each
 /// micro-batch's transfers with its index.
 pub fn send_tagged(x: &Tensor, pg: &ProcessGroup, peer: usize, tag: u64) -> Result<Tensor> {
+    send_kind(x, pg, peer, tag, Kind::Forward)
+}
+
+/// Sends `x` as a transfer of `kind` (a forward tensor, or a [`recv`]'s gradient going back).
+fn send_kind(x: &Tensor, pg: &ProcessGroup, peer: usize, tag: u64, kind: Kind) -> Result<Tensor> {
     let x = x.contiguous()?;
     let op = P2pOp {
         pg: pg.clone(),
         peer,
         dir: Dir::Send,
-        kind: Kind::Forward,
+        kind,
         tag,
         shape: x.shape().clone(),
         tracks: Arc::new(AtomicBool::new(x.track_op())),
@@ -203,7 +208,8 @@ impl P2pOp {
                 buf.extend_from_slice(data);
                 buf.resize(data.len() + h, T::default());
                 write_header(&mut buf[data.len()..], [self.tag, flags]);
-                self.pg.send_slice(&buf, self.peer)?;
+                // The one copy of the data: the buffer goes to the transfer as it is.
+                self.pg.send_vec(buf, self.peer)?;
                 Ok((vec![T::default()], Shape::from(())))
             }
             Dir::Recv => {
@@ -308,17 +314,8 @@ impl CustomOp1 for P2pOp {
             // is zero.
             Dir::Recv => {
                 if self.tracks.load(Ordering::Relaxed) {
-                    let g = grad_res.detach().contiguous()?;
-                    let op = P2pOp {
-                        pg: self.pg.clone(),
-                        peer: self.peer,
-                        dir: Dir::Send,
-                        kind: Kind::Gradient,
-                        tag: self.tag,
-                        shape: g.shape().clone(),
-                        tracks: Arc::new(AtomicBool::new(false)),
-                    };
-                    g.apply_op1_no_bwd(&op)?;
+                    let g = grad_res.detach();
+                    send_kind(&g, &self.pg, self.peer, self.tag, Kind::Gradient)?;
                 }
                 Ok(Some(arg.zeros_like()?))
             }
