@@ -143,12 +143,21 @@ mod tests {
         let a = super::addresses();
         let first_loop = a.iter().position(|x| x.is_loopback()).unwrap_or(a.len());
         assert!(a[first_loop..].iter().all(|x| x.is_loopback()), "{a:?}");
-        let out = std::process::Command::new("ip")
+        // The output is read to its end rather than through `output()`: another test in this
+        // binary starts MPI as a singleton, and Open MPI's SIGCHLD handler may reap `ip` first,
+        // so that waiting for it fails with ECHILD (CI saw this as "`ip` is needed").
+        let mut child = match std::process::Command::new("ip")
             .args(["-o", "-4", "addr", "show", "up"])
-            .output();
-        let Ok(out) = out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()) else {
-            panic!("iproute2's `ip` is needed (scripts/setup-mpi.sh installs it)");
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => panic!("iproute2's `ip` is needed (scripts/setup-mpi.sh installs it): {e}"),
         };
+        let mut out = String::new();
+        std::io::Read::read_to_string(child.stdout.as_mut().expect("piped"), &mut out)
+            .expect("read ip's output");
+        let _ = child.wait();
         let mut want: Vec<std::net::Ipv4Addr> = out
             .lines()
             .filter_map(|l| {
