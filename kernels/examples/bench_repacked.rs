@@ -60,7 +60,7 @@ fn main() -> candle_core::Result<()> {
             let ws: Vec<Arc<dyn RepackedMatMul>> = (0..copies)
                 .map(|_| repack(&bytes, n, k))
                 .collect::<candle_core::Result<_>>()?;
-            for m in [1usize, 4, 8, 64] {
+            for m in [1usize, 2, 4, 8, 64] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 255) as f32 - 127.0)
                     .collect();

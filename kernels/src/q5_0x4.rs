@@ -100,6 +100,16 @@ impl Interleave for BlockQ5_0 {
         [x.d.to_f64(), 0.0]
     }
 
+    const QUAD: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_quad_dot_avx512<const M: usize>(
+        groups: [&[BlockQ5_0x4]; 4],
+        xs: &[ActRow<'_, BlockQ8_0>; M],
+    ) -> [[f64; 16]; M] {
+        avx2::quad_dot_vnni(groups, xs)
+    }
+
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_pair_dot_avx512<const M: usize>(
         group0: &[BlockQ5_0x4],

@@ -291,9 +291,10 @@ pub unsafe fn pair_prefetch<G, const AHEAD: usize>(g0: &G, g1: &G, b: usize, kb:
     );
 }
 
-/// Defines a 32-wide unsigned type's three group kernels on [`unsigned_group_dot`] and
-/// [`unsigned_pair_dot`]: `group_dot` (AVX2), `group_dot_vnni` and `pair_dot_vnni`
-/// (AVX-512 VNNI, one group or two), for weight groups `$x4`,
+/// Defines a 32-wide unsigned type's four group kernels on [`unsigned_group_dot`],
+/// [`unsigned_pair_dot`] and [`super::avx512::unsigned_quad_dot`]: `group_dot` (AVX2),
+/// `group_dot_vnni`, `pair_dot_vnni` and `quad_dot_vnni` (AVX-512 VNNI, one group, two or
+/// four), for weight groups `$x4`,
 /// activation blocks `$act`, `$has_m` as `HAS_M` and `$unpack` as `unpack`. All are
 /// `unsafe`: the CPU must have their features, and every slice of `xs` has `group.len()`
 /// blocks.
@@ -327,6 +328,19 @@ macro_rules! unsigned_kernels {
             $crate::repack::avx2::unsigned_group_dot::<_, _, M, { $has_m }, true>(
                 group, xs, $unpack,
             )
+        }
+
+        /// The 512-bit kernel for four groups (`unsigned_quad_dot`).
+        ///
+        /// # Safety
+        /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and
+        /// avx512vnni; the groups and every slice of `xs` have the same length.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(super) unsafe fn quad_dot_vnni<const M: usize>(
+            groups: [&[$x4]; 4],
+            xs: &[$crate::repack::ActRow<'_, $act>; M],
+        ) -> [[f64; $crate::repack::avx512::QUAD_ROWS]; M] {
+            $crate::repack::avx512::unsigned_quad_dot::<_, _, M, { $has_m }>(groups, xs, $unpack)
         }
 
         /// The AVX-512 VNNI kernel for two groups (`unsigned_pair_dot`).

@@ -120,6 +120,28 @@ pub trait Interleave: F64Dot + sealed::Sealed {
         unreachable!("{} has no panel kernel", Self::NAME)
     }
 
+    /// Whether products with AVX-512 VNNI run the activation rows left over from tiles of 8
+    /// (decode's one row, tiles of 4) on four groups at once
+    /// ([`Interleave::group_quad_dot_avx512`]: the 32-wide unsigned types).
+    #[doc(hidden)]
+    const QUAD: bool = false;
+
+    /// Four groups (sixteen rows: `groups[0]`'s four first) against `M` activation rows with
+    /// 512-bit VNNI: `out[i][r]`, bit for bit the scalar f64 sum. Only called where
+    /// [`Interleave::QUAD`] is set.
+    ///
+    /// # Safety
+    /// As [`Interleave::group_dot_avx512`]; the groups have as many blocks as every slice of
+    /// `xs`.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    unsafe fn group_quad_dot_avx512<const M: usize>(
+        _groups: [&[Self::X4]; 4],
+        _xs: &[ActRow<'_, Self::Act>; M],
+    ) -> [[f64; 16]; M] {
+        unreachable!("{} has no four-group kernel", Self::NAME)
+    }
+
     /// Two groups (eight rows: `group0`'s four, then `group1`'s) against `M` activation rows
     /// (`xs[i]` as for [`Interleave::group_dot_avx2`]) with AVX-512 VNNI: `out[i][r]`, bit for bit the scalar f64 sum. By default the two
     /// groups' [`Interleave::group_dot_avx512`]; the 32-wide unsigned types put each of the

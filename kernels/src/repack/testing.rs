@@ -65,6 +65,17 @@ pub fn prepared_activations_serve_every_weight<B: Interleave>(block: impl Fn(usi
 
 pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(usize, usize) -> B) {
     values_are_the_unpacked_rows_f64_dot(&block, &[1, 3, 4, 5, 8, 9], &[1, 2, 3, 5, 18], 1..=9);
+    if B::QUAD {
+        // Quads of groups (sixteen weight rows) with groups and rows left over: tiles of 4,
+        // the last two or three rows, one row alone (not run on quads), and each of these
+        // after tiles of 8.
+        values_are_the_unpacked_rows_f64_dot(
+            &block,
+            &[16, 21, 35],
+            &[1, 2, 18],
+            [1, 2, 3, 4, 5, 6, 7, 10, 12, 13],
+        );
+    }
 }
 
 /// [`every_value_is_the_unpacked_rows_f64_dot`] where the AVX-512 VNNI kernel runs panels of
@@ -171,6 +182,17 @@ pub fn nan_activations_give_nan_and_bad_sizes_are_errors<B: Interleave>(
     block: impl Fn(usize, usize) -> B,
 ) {
     let k = 2 * B::BLOCK;
+    // 17 rows: a quad of groups and a group left over, where the type has quads.
+    let w17: Vec<B> = (0..34).map(|i| block(i / 2, i % 2)).collect();
+    let packed17 = Repacked::new(&w17, 17, k).unwrap();
+    for kernel in Kernel::under_test() {
+        let mut x = activations(2, k);
+        x[k + 6] = f32::NAN; // row 1, block 0
+        let mut y = vec![0f32; 34];
+        packed17.matmul_f32(kernel, 2, &x, &mut y).unwrap();
+        assert!(y[..17].iter().all(|v| v.is_finite()), "{kernel:?}: {y:?}");
+        assert!(y[17..].iter().all(|v| v.is_nan()), "{kernel:?}: {y:?}");
+    }
     let w: Vec<B> = (0..10).map(|i| block(i / 2, i % 2)).collect();
     let packed = Repacked::new(&w, 5, k).unwrap();
     for kernel in Kernel::under_test() {
