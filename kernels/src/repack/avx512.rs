@@ -1,5 +1,8 @@
-//! The 512-bit engine of the 32-wide unsigned types (Q4_0, Q4_1, Q5_0, Q5_1): sixteen weight
-//! rows (four groups) against two to four activation rows, each `vpdpbusd` on a whole zmm.
+//! The 512-bit engine of the 32-wide types (Q4_0, Q4_1, Q5_0, Q5_1, and Q8_0 as `q + 128`):
+//! sixteen weight rows (four groups) against two to four activation rows, each `vpdpbusd` on
+//! a whole zmm. [`quad_dot`] is the engine; each type gives it its block's values as runs of
+//! 8 bytes per row ([`unsigned_quad_dot`] from the four-row kernels' unpacking, Q8_0 by two
+//! `vpermt2q` per run).
 //!
 //! The four-row kernel ([`super::avx2::unsigned_group_dot`], with VNNI) multiplies 32-byte
 //! vectors and reduces each block's sums to four rows with a `hadd`, an extract and an unpack,
@@ -11,7 +14,9 @@
 //!
 //! Measured with `bench_repacked` on a Zen 5 core (AMD EPYC, family 26), one thread, against
 //! the four-row VNNI kernel in the same run: 1.3-1.8x at 2 activation rows and 1.2-1.55x at 4
-//! (tiles of 4), on SmolLM2's 1536 x 576 and a 1 B Llama's 5632 x 2048. One activation row
+//! (tiles of 4), on SmolLM2's 1536 x 576 and a 1 B Llama's 5632 x 2048; Q8_0 1.76-2.08x and
+//! 1.63-1.66x, once each stream prefetches both lines its 136-byte records cross per block
+//! (with one, 0.81-0.89x at 4 rows streamed from memory). One activation row
 //! (decode) is not run here: joining the weights costs more than it saves, and four streams
 //! read slower than the four-row kernel's one (0.95x in L2, 0.65-0.8x from memory). Tiles of 8
 //! stay on the eight-row kernel (two tiles of 4 here: 0.75-1.5x by type and size at 8 rows).
@@ -24,24 +29,60 @@ use super::avx2::PREFETCH;
 use super::{Act8, ActRow};
 use std::arch::x86_64::*;
 
-/// Weight rows per call of [`unsigned_quad_dot`] (four groups).
+/// Weight rows per call of [`quad_dot`] (four groups).
 pub const QUAD_ROWS: usize = 16;
 
 /// The sixteen rows of four groups (`groups[0]`'s four rows first) against `M` activation
 /// rows, for a type whose rows unpack as [`super::avx2::unsigned_group_dot`] takes them
 /// (`unpack(g)`: the group's values in runs of 8, vector `t` holding values `8t .. 8t + 8` of
 /// rows 0, 1, 2, 3 in turn, and their `d` and `m` as f32; `HAS_M`: whether `m` is used):
-/// `out[i][r]`, bit for bit the scalar f64 sum.
+/// `out[i][r]`, bit for bit the scalar f64 sum. Two groups' runs share a zmm ([`quad_dot`]).
+///
+/// # Safety
+/// As [`quad_dot`].
+#[inline(always)]
+pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
+    groups: [&[G]; 4],
+    xs: &[ActRow<'_, A>; M],
+    unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
+) -> [[f64; QUAD_ROWS]; M] {
+    quad_dot::<_, _, M, HAS_M, PREFETCH>(groups, xs, |g| {
+        let (u0, d0, m0) = unpack(g[0]);
+        let (u1, d1, m1) = unpack(g[1]);
+        let (u2, d2, m2) = unpack(g[2]);
+        let (u3, d3, m3) = unpack(g[3]);
+        let w = std::array::from_fn(|j| {
+            let t = j % 4;
+            if j < 4 {
+                join_si(u0[t], u1[t])
+            } else {
+                join_si(u2[t], u3[t])
+            }
+        });
+        let f = |a: __m128, b: __m128, c: __m128, d: __m128| {
+            join_ps(_mm256_set_m128(b, a), _mm256_set_m128(d, c))
+        };
+        (w, f(d0, d1, d2, d3), f(m0, m1, m2, m3))
+    })
+}
+
+/// The engine: the sixteen rows of four groups against `M` activation rows, for a 32-wide
+/// type whose block `b` of row `r` is `d·(u − o) + m` with unsigned byte values `u`.
+/// `words(g)` gives block `b` of the four groups as `w[t]` (rows 0..8) and `w[4 + t]` (rows
+/// 8..16), values `8t .. 8t + 8` of each row in its 64-bit lane, and the sixteen rows' `d`
+/// and `m` (0 where the type has none; `HAS_M`: whether it has one) as f32; `xs[i].1` holds
+/// `o·Σ q'` per activation block and `xs[i].2` its scales `[d', s']` in f64. `out[i][r]`,
+/// bit for bit the scalar f64 sum. `AHEAD`: the prefetch distance of each group's stream.
 ///
 /// # Safety
 /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni (inline
 /// this into a function that enables them); the four groups and every slice of `xs` have the
 /// same number of blocks.
 #[inline(always)]
-pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
+pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEAD: usize>(
     groups: [&[G]; 4],
     xs: &[ActRow<'_, A>; M],
-    unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
+    words: impl Fn([&G; 4]) -> ([__m512i; 8], __m512, __m512),
 ) -> [[f64; QUAD_ROWS]; M] {
     // Lane `2c` and `2c + 1` of a product hold row `c`'s two partial sums (eight rows per
     // zmm): the even lanes of both, then the odd ones, added, give the sixteen rows in order.
@@ -51,39 +92,34 @@ pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
     let blocks = groups[0].len();
     for b in 0..blocks {
         let g = groups.map(|s| s.get_unchecked(b));
-        // `PREFETCH` bytes ahead in each group's stream, or, where that passes the group's
+        // `AHEAD` bytes ahead in each group's stream, or, where that passes the group's
         // end, as far into the same group of the next quad, which no stream reaches before
         // the next call (the four groups' next blocks are read meanwhile). Hints: no fault
         // past the end of the weight.
         let group = std::mem::size_of_val(groups[0]);
-        let ahead = if b * std::mem::size_of::<G>() + PREFETCH < group {
-            PREFETCH
+        let ahead = if b * std::mem::size_of::<G>() + AHEAD < group {
+            AHEAD
         } else {
-            PREFETCH + 4 * group
+            AHEAD + 4 * group
         };
         for g in g {
-            _mm_prefetch(
-                (g as *const G as *const i8).wrapping_add(ahead),
-                _MM_HINT_T0,
-            );
+            let p = (g as *const G as *const i8).wrapping_add(ahead);
+            _mm_prefetch(p, _MM_HINT_T0);
+            // Records over a line long (Q8_0's 136 bytes) cross two or three lines a block.
+            if std::mem::size_of::<G>() > 64 {
+                _mm_prefetch(p.wrapping_add(64), _MM_HINT_T0);
+            }
         }
-        let (u0, d0, m0) = unpack(g[0]);
-        let (u1, d1, m1) = unpack(g[1]);
-        let (u2, d2, m2) = unpack(g[2]);
-        let (u3, d3, m3) = unpack(g[3]);
-        let join = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
-        // Rows 0..8 and 8..16, values 8t .. 8t + 8 of each row in its 64-bit lane.
-        let lo: [__m512i; 4] = std::array::from_fn(|t| join(u0[t], u1[t]));
-        let hi: [__m512i; 4] = std::array::from_fn(|t| join(u2[t], u3[t]));
+        let (w, wd, wm) = words(g);
         // Shared by the activation rows: the weight scales in f64.
         let wd = [
-            _mm512_cvtps_pd(_mm256_set_m128(d1, d0)),
-            _mm512_cvtps_pd(_mm256_set_m128(d3, d2)),
+            _mm512_cvtps_pd(_mm512_castps512_ps256(wd)),
+            _mm512_cvtps_pd(high_ps(wd)),
         ];
         let wm = if HAS_M {
             [
-                _mm512_cvtps_pd(_mm256_set_m128(m1, m0)),
-                _mm512_cvtps_pd(_mm256_set_m128(m3, m2)),
+                _mm512_cvtps_pd(_mm512_castps512_ps256(wm)),
+                _mm512_cvtps_pd(high_ps(wm)),
             ]
         } else {
             [_mm512_setzero_pd(); 2]
@@ -98,8 +134,8 @@ pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
                 let q = |t: usize| _mm512_set1_epi64(std::ptr::read_unaligned(a.add(t)));
                 let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                 for t in 0..4 {
-                    s0 = _mm512_dpbusd_epi32(s0, lo[t], q(t));
-                    s1 = _mm512_dpbusd_epi32(s1, hi[t], q(t));
+                    s0 = _mm512_dpbusd_epi32(s0, w[t], q(t));
+                    s1 = _mm512_dpbusd_epi32(s1, w[4 + t], q(t));
                 }
                 let sums = _mm512_add_epi32(
                     _mm512_permutex2var_epi32(s0, even, s1),
@@ -131,4 +167,25 @@ pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
         _mm512_storeu_pd(out[i].as_mut_ptr().add(8), acc[i][1]);
     }
     out
+}
+
+/// `[a | b]` (AVX-512 F only).
+#[inline(always)]
+pub unsafe fn join_si(a: __m256i, b: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
+}
+
+/// `[a | b]` (AVX-512 F only: no DQ).
+#[inline(always)]
+pub unsafe fn join_ps(a: __m256, b: __m256) -> __m512 {
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(a)),
+        _mm256_castps_pd(b),
+    ))
+}
+
+/// The high eight lanes of `v` (AVX-512 F only: no DQ).
+#[inline(always)]
+pub unsafe fn high_ps(v: __m512) -> __m256 {
+    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
 }
