@@ -124,10 +124,12 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the group's current block that each step prefetches (about four
-    /// groups, as for Q4_0); also for each of the four streams of [`quad_dot_vnni`] (1024
-    /// and 2048 measured no different there on a Zen 5 core: prefetching both lines a
-    /// block crosses is what counted).
+    /// groups, as for Q4_0).
     const PREFETCH: usize = 512;
+
+    /// The same for each of the four streams of [`quad_dot_vnni`]: measured on a Zen 5 core
+    /// at 2 and 4 activation rows, 512 took 1.2-1.5x the time of 2048.
+    const QUAD_PREFETCH: usize = 2048;
 
     /// The same for each of the two streams of [`pair_dot_vnni`].
     const PAIR_PREFETCH: usize = 1024;
@@ -153,7 +155,7 @@ mod avx2 {
             let t = t as i64;
             _mm512_setr_epi64(t, 4 + t, 8 + t, 12 + t, t, 4 + t, 8 + t, 12 + t)
         });
-        quad_dot::<_, _, M, false, PREFETCH>(groups, xs, |g| {
+        quad_dot::<_, _, M, false, QUAD_PREFETCH>(groups, xs, |g| {
             let load =
                 |g: &BlockQ8_0x4, r: usize| _mm512_loadu_si512(g.qs[r].as_ptr() as *const __m512i);
             let rows: [[__m512i; 2]; 4] = std::array::from_fn(|i| [load(g[i], 0), load(g[i], 2)]);

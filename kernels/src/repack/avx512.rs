@@ -15,8 +15,9 @@
 //! Measured with `bench_repacked` on a Zen 5 core (AMD EPYC, family 26), one thread, against
 //! the four-row VNNI kernel in the same run: 1.3-1.8x at 2 activation rows and 1.2-1.55x at 4
 //! (tiles of 4), on SmolLM2's 1536 x 576 and a 1 B Llama's 5632 x 2048; Q8_0 1.76-2.08x and
-//! 1.63-1.66x, once each stream prefetches both lines its 136-byte records cross per block
-//! (with one, 0.81-0.89x at 4 rows streamed from memory). One activation row
+//! 1.63-1.66x, once each stream prefetches both lines its 136-byte records cross per block,
+//! 2 KiB ahead (with one line, 0.81-0.89x at 4 rows streamed from memory; 512 bytes ahead
+//! took 1.2-1.5x the time of 2 KiB). One activation row
 //! (decode) is not run here: joining the weights costs more than it saves, and four streams
 //! read slower than the four-row kernel's one (0.95x in L2, 0.65-0.8x from memory). Tiles of 8
 //! stay on the eight-row kernel (two tiles of 4 here: 0.75-1.5x by type and size at 8 rows).
