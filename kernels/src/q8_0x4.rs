@@ -95,6 +95,10 @@ impl Interleave for BlockQ8_0 {
 
     const QUAD: bool = true;
 
+    /// One row stays on the four-row kernel: on a Zen 5 core the quads measured 0.80-1.04x
+    /// its time there (by run), against 1.5-2x at 2 and 4 rows.
+    const QUAD_SINGLE: bool = false;
+
     #[cfg(target_arch = "x86_64")]
     unsafe fn group_quad_dot_avx512<const M: usize>(
         groups: [&[BlockQ8_0x4]; 4],
@@ -119,17 +123,13 @@ mod avx2 {
     use crate::f64_dot::avx2::hsum4;
     use crate::q8_0::BlockQ8_0;
     use crate::repack::avx2::{f16x4, pair_dot_words};
-    use crate::repack::avx512::{join_ps, quad_dot};
+    use crate::repack::avx512::{join_ps, quad_dot, QUAD_PREFETCH};
     use crate::repack::ActRow;
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the group's current block that each step prefetches (about four
     /// groups, as for Q4_0).
     const PREFETCH: usize = 512;
-
-    /// The same for each of the four streams of [`quad_dot_vnni`]: measured on a Zen 5 core
-    /// at 2 and 4 activation rows, 512 took 1.2-1.5x the time of 2048.
-    const QUAD_PREFETCH: usize = 2048;
 
     /// The same for each of the two streams of [`pair_dot_vnni`].
     const PAIR_PREFETCH: usize = 1024;

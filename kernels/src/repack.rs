@@ -277,19 +277,22 @@ impl<B: Interleave> Repacked<B> {
                     put_tile(&mut o, 16 * p, 8 * t, v, live, &out);
                 });
             }
-            // With AVX-512 VNNI, the activation rows left over from tiles of 8 run four groups
-            // at once where the type has a 512-bit kernel: tiles of 4, then the last two or
-            // three rows together. One row alone (decode) stays on the four-row kernel, one
-            // sequential stream: measured on a Zen 5 core, one thread, the quads took 1.05-1.1x
-            // its time with the weights in L2 and 1.25-1.5x streaming them from memory, against
-            // 0.65-0.8x at tiles of 4 (`bench_repacked`).
-            let quads = if B::QUAD && kernel == Kernel::Avx512Vnni && m - tiled8 >= 2 {
+            // With AVX-512 VNNI, the activation rows left over from tiles of 8 (decode's one
+            // row, tiles of 4, the last 1-3 rows) run four groups at once where the type has a
+            // 512-bit kernel: measured on a Zen 5 core, one thread, 1.05-1.4x the four-row
+            // kernel at one row and 1.5-2.5x at 2 and 4 (`bench_repacked`).
+            // The rows the quads take: every one left over from tiles of 8, except a single
+            // last row of a type that keeps it on the four-row kernel (Q8_0).
+            let quad_end = if m - tiled == 1 && !B::QUAD_SINGLE {
+                tiled
+            } else {
+                m
+            };
+            let quads = if B::QUAD && kernel == Kernel::Avx512Vnni && tiled8 < quad_end {
                 groups / 4
             } else {
                 0
             };
-            // The rows the quads take: every one left over from tiles of 8, unless one alone.
-            let quad_end = if m - tiled == 1 { tiled } else { m };
             for q in 0..quads {
                 let quad = std::array::from_fn(|i| group(4 * q + i));
                 let live = (rows - 16 * q).min(16);
@@ -298,6 +301,10 @@ impl<B: Interleave> Repacked<B> {
                     put_tile(&mut o, 16 * q, i, &v, live, &out);
                 }
                 match quad_end - tiled {
+                    1 => {
+                        let v = quad_dot::<B, 1>(quad, &[row(tiled)]);
+                        put_tile(&mut o, 16 * q, tiled, &v, live, &out);
+                    }
                     2 => {
                         let v = quad_dot::<B, 2>(quad, &[row(tiled), row(tiled + 1)]);
                         put_tile(&mut o, 16 * q, tiled, &v, live, &out);
@@ -330,7 +337,7 @@ impl<B: Interleave> Repacked<B> {
                     let v = group_dot::<B, 8>(kernel, group, std::array::from_fn(|t| row(i + t)));
                     put(g, i, &v.map(widen), 4);
                 }
-                // Rows from `tiled8` to `quad_end` ran in the quads above.
+                // Rows `tiled8 .. quad_end` ran in the quads above.
                 let (tiles4, singles) = if g < 4 * quads {
                     (tiled8..tiled8, quad_end..m)
                 } else {

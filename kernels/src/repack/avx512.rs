@@ -1,5 +1,5 @@
 //! The 512-bit engine of the 32-wide types (Q4_0, Q4_1, Q5_0, Q5_1, and Q8_0 as `q + 128`):
-//! sixteen weight rows (four groups) against two to four activation rows, each `vpdpbusd` on
+//! sixteen weight rows (four groups) against one to four activation rows, each `vpdpbusd` on
 //! a whole zmm. [`quad_dot`] is the engine; each type gives it its block's values as runs of
 //! 8 bytes per row ([`unsigned_quad_dot`] from the four-row kernels' unpacking, Q8_0 by two
 //! `vpermt2q` per run).
@@ -13,22 +13,24 @@
 //! and scaled as two f64x8.
 //!
 //! Measured with `bench_repacked` on a Zen 5 core (AMD EPYC, family 26), one thread, against
-//! the four-row VNNI kernel in the same run: 1.3-1.8x at 2 activation rows and 1.2-1.55x at 4
-//! (tiles of 4), on SmolLM2's 1536 x 576 and a 1 B Llama's 5632 x 2048; Q8_0 1.76-2.08x and
-//! 1.63-1.66x, once each stream prefetches both lines its 136-byte records cross per block,
-//! 2 KiB ahead (with one line, 0.81-0.89x at 4 rows streamed from memory; 512 bytes ahead
-//! took 1.2-1.5x the time of 2 KiB). One activation row
-//! (decode) is not run here: joining the weights costs more than it saves, and four streams
-//! read slower than the four-row kernel's one (0.95x in L2, 0.65-0.8x from memory). Tiles of 8
-//! stay on the eight-row kernel (two tiles of 4 here: 0.75-1.5x by type and size at 8 rows).
-//!
+//! the four-row VNNI kernel in the same run, on SmolLM2's 1536 x 576 and a 1 B Llama's
+//! 5632 x 2048: 1.05-1.4x at one activation row (decode; not Q8_0, even there), 1.7-2.5x at 2
+//! and 1.5-2x at 4
+//! (docs/PERFORMANCE.md has the table). The four streams must be prefetched 2 KiB ahead, both
+//! lines a block crosses: 512 bytes ahead (the four-row kernel's distance) left one row slower
+//! than the four-row kernel (0.65-0.95x) and cost 1.1-1.6x at 2 and 4 rows. Tiles of 8 stay on
+//! the eight-row kernel (two tiles of 4 here: 0.75-1.5x by type and size at 8 rows).
+
 //! The integers and the f64 steps are those of the four-row kernel (the block's `Σ u·q'` exact
 //! in i32, minus `o·Σ q'`, times `d'`, then an FMA with `d` into the row's sum, or with `m·s'`
 //! first), so every value is bit for bit the scalar sum (tested with each type).
 
-use super::avx2::PREFETCH;
 use super::{Act8, ActRow};
 use std::arch::x86_64::*;
+
+/// Bytes ahead in each of the four streams that [`unsigned_quad_dot`] prefetches (see the
+/// module's documentation).
+pub const QUAD_PREFETCH: usize = 2048;
 
 /// Weight rows per call of [`quad_dot`] (four groups).
 pub const QUAD_ROWS: usize = 16;
@@ -47,7 +49,7 @@ pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
     xs: &[ActRow<'_, A>; M],
     unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
 ) -> [[f64; QUAD_ROWS]; M] {
-    quad_dot::<_, _, M, HAS_M, PREFETCH>(groups, xs, |g| {
+    quad_dot::<_, _, M, HAS_M, QUAD_PREFETCH>(groups, xs, |g| {
         let (u0, d0, m0) = unpack(g[0]);
         let (u1, d1, m1) = unpack(g[1]);
         let (u2, d2, m2) = unpack(g[2]);

@@ -121,10 +121,15 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     }
 
     /// Whether products with AVX-512 VNNI run the activation rows left over from tiles of 8
-    /// (decode's one row, tiles of 4) on four groups at once
-    /// ([`Interleave::group_quad_dot_avx512`]: the 32-wide unsigned types).
+    /// (decode's one row, tiles of 4, the last 1-3 rows) on four groups at once
+    /// ([`Interleave::group_quad_dot_avx512`]: the 32-wide types).
     #[doc(hidden)]
     const QUAD: bool = false;
+
+    /// Whether a single activation row left over (decode) runs on the quads too, where
+    /// [`Interleave::QUAD`] is set.
+    #[doc(hidden)]
+    const QUAD_SINGLE: bool = true;
 
     /// Four groups (sixteen rows: `groups[0]`'s four first) against `M` activation rows with
     /// 512-bit VNNI: `out[i][r]`, bit for bit the scalar f64 sum. Only called where

@@ -66,9 +66,8 @@ pub fn prepared_activations_serve_every_weight<B: Interleave>(block: impl Fn(usi
 pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(usize, usize) -> B) {
     values_are_the_unpacked_rows_f64_dot(&block, &[1, 3, 4, 5, 8, 9], &[1, 2, 3, 5, 18], 1..=9);
     if B::QUAD {
-        // Quads of groups (sixteen weight rows) with groups and rows left over: tiles of 4,
-        // the last two or three rows, one row alone (not run on quads), and each of these
-        // after tiles of 8.
+        // Quads of groups (sixteen weight rows) with groups and rows left over: one row,
+        // tiles of 4, the last one to three rows, and each of these after tiles of 8.
         values_are_the_unpacked_rows_f64_dot(
             &block,
             &[16, 21, 35],
