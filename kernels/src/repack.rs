@@ -277,25 +277,31 @@ impl<B: Interleave> Repacked<B> {
                     put_tile(&mut o, 16 * p, 8 * t, v, live, &out);
                 });
             }
-            // With AVX-512 VNNI, the activation rows left over from tiles of 8 (decode's one
-            // row, tiles of 4, the last 1-3 rows) run four groups at once where the type has a
-            // 512-bit kernel: measured on a Zen 5 core, one thread, 1.05-1.4x the four-row
-            // kernel at one row and 1.5-2.5x at 2 and 4 (`bench_repacked`).
-            // The rows the quads take: every one left over from tiles of 8, except a single
-            // last row of a type that keeps it on the four-row kernel (Q8_0).
+            // With AVX-512 VNNI, the types with a 512-bit kernel run four groups at once
+            // (sixteen weight rows) against every activation row: tiles of 8 and of 4, then
+            // the last 1-3 rows (decode's one). Measured on a Zen 5 core, one thread, against
+            // the eight-row kernel 1.0-2.1x at 8 rows and 1.0-1.35x at 64, against the
+            // four-row kernel 1.05-1.4x at one row and 1.5-2.5x at 2 and 4
+            // (`bench_repacked`). A type may keep a single last row on the four-row kernel
+            // (Q8_0).
             let quad_end = if m - tiled == 1 && !B::QUAD_SINGLE {
                 tiled
             } else {
                 m
             };
-            let quads = if B::QUAD && kernel == Kernel::Avx512Vnni && tiled8 < quad_end {
+            let quads = if B::QUAD && kernel == Kernel::Avx512Vnni && quad_end > 0 {
                 groups / 4
             } else {
                 0
             };
+            debug_assert!(quads == 0 || panels == 0, "{}: quads and panels", B::NAME);
             for q in 0..quads {
                 let quad = std::array::from_fn(|i| group(4 * q + i));
                 let live = (rows - 16 * q).min(16);
+                for i in (0..tiled8).step_by(8) {
+                    let v = quad_dot::<B, 8>(quad, &std::array::from_fn(|t| row(i + t)));
+                    put_tile(&mut o, 16 * q, i, &v, live, &out);
+                }
                 for i in (tiled8..tiled).step_by(4) {
                     let v = quad_dot::<B, 4>(quad, &std::array::from_fn(|t| row(i + t)));
                     put_tile(&mut o, 16 * q, i, &v, live, &out);
@@ -321,7 +327,8 @@ impl<B: Interleave> Repacked<B> {
             let mut put = |g: usize, i: usize, tile: &[[f64; 8]], r_max: usize| {
                 put_tile(&mut o, 4 * g, i, tile, (rows - 4 * g).min(r_max), &out);
             };
-            for p in 2 * panels..pairs {
+            // Pairs of the groups that no panel or quad took.
+            for p in (2 * panels).max(2 * quads)..pairs {
                 let (g0, g1) = (group(2 * p), group(2 * p + 1));
                 for (t, tile) in pair_tiles[..tiled8 / 8].iter().enumerate() {
                     let v = pair_dot::<B, 8>(g0, g1, tile);
@@ -331,13 +338,17 @@ impl<B: Interleave> Repacked<B> {
             let widen = |v: [f64; 4]| std::array::from_fn(|r| if r < 4 { v[r] } else { 0.0 });
             for g in 0..groups {
                 let group = group(g);
-                // The tiles of 8 of paired groups ran above.
-                let paired = if g < 2 * pairs { tiled8 } else { 0 };
+                // The tiles of 8 of paired (or quad) groups ran above.
+                let paired = if g < 2 * pairs || g < 4 * quads {
+                    tiled8
+                } else {
+                    0
+                };
                 for i in (paired..tiled8).step_by(8) {
                     let v = group_dot::<B, 8>(kernel, group, std::array::from_fn(|t| row(i + t)));
                     put(g, i, &v.map(widen), 4);
                 }
-                // Rows `tiled8 .. quad_end` ran in the quads above.
+                // Rows `0 .. quad_end` ran in the quads above.
                 let (tiles4, singles) = if g < 4 * quads {
                     (tiled8..tiled8, quad_end..m)
                 } else {

@@ -1,5 +1,5 @@
 //! The 512-bit engine of the 32-wide types (Q4_0, Q4_1, Q5_0, Q5_1, and Q8_0 as `q + 128`):
-//! sixteen weight rows (four groups) against one to four activation rows, each `vpdpbusd` on
+//! sixteen weight rows (four groups) against one to eight activation rows, each `vpdpbusd` on
 //! a whole zmm. [`quad_dot`] is the engine; each type gives it its block's values as runs of
 //! 8 bytes per row ([`unsigned_quad_dot`] from the four-row kernels' unpacking, Q8_0 by two
 //! `vpermt2q` per run).
@@ -18,8 +18,9 @@
 //! and 1.5-2x at 4
 //! (docs/PERFORMANCE.md has the table). The four streams must be prefetched 2 KiB ahead, both
 //! lines a block crosses: 512 bytes ahead (the four-row kernel's distance) left one row slower
-//! than the four-row kernel (0.65-0.95x) and cost 1.1-1.6x at 2 and 4 rows. Tiles of 8 stay on
-//! the eight-row kernel (two tiles of 4 here: 0.75-1.5x by type and size at 8 rows).
+//! than the four-row kernel (0.65-0.95x) and cost 1.1-1.6x at 2 and 4 rows. Tiles of 8 rows
+//! (sixteen f64x8 accumulators beside the eight weight vectors) ran 1.2-1.7x the eight-row
+//! kernel ([`super::avx2::pair_dot_words`]) at 8 rows and 1.05-1.55x at 64.
 
 //! The integers and the f64 steps are those of the four-row kernel (the block's `Σ u·q'` exact
 //! in i32, minus `o·Σ q'`, times `d'`, then an FMA with `d` into the row's sum, or with `m·s'`
