@@ -466,20 +466,7 @@ fn pair_dot<B: Interleave, const M: usize>(
     group1: &[B::X4],
     xs: &[ActRow<'_, B::Act>; M],
 ) -> [[f64; 8]; M] {
-    assert_eq!(
-        group0.len(),
-        group1.len(),
-        "{} groups of {} and {} blocks",
-        B::NAME,
-        group0.len(),
-        group1.len()
-    );
-    check_blocks::<B, M>(group0.len(), xs);
-    assert!(
-        Kernel::Avx512Vnni.is_available(),
-        "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, avx512vl and \
-         avx512vnni"
-    );
+    check_avx512_groups::<B, M>(&[group0, group1], xs);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the features and the lengths were checked just above.
     unsafe {
@@ -487,6 +474,27 @@ fn pair_dot<B: Interleave, const M: usize>(
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("is_available is false off x86-64")
+}
+
+/// Panics unless the groups have as many blocks as each other and as every activation row
+/// of `xs`, and the CPU runs AVX-512 VNNI: what the multi-group kernels need.
+fn check_avx512_groups<B: Interleave, const M: usize>(
+    groups: &[&[B::X4]],
+    xs: &[ActRow<'_, B::Act>; M],
+) {
+    let blocks = groups[0].len();
+    assert!(
+        groups.iter().all(|g| g.len() == blocks),
+        "{} groups of {:?} blocks",
+        B::NAME,
+        groups.iter().map(|g| g.len()).collect::<Vec<_>>()
+    );
+    check_blocks::<B, M>(blocks, xs);
+    assert!(
+        Kernel::Avx512Vnni.is_available(),
+        "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, avx512vl and \
+         avx512vnni"
+    );
 }
 
 /// Four groups (sixteen weight rows) against `M` activation rows with 512-bit VNNI:
@@ -498,19 +506,7 @@ fn quad_dot<B: Interleave, const M: usize>(
     quad: [&[B::X4]; 4],
     xs: &[ActRow<'_, B::Act>; M],
 ) -> [[f64; 16]; M] {
-    let blocks = quad[0].len();
-    assert!(
-        quad.iter().all(|g| g.len() == blocks),
-        "{} quad of groups of {:?} blocks",
-        B::NAME,
-        quad.map(|g| g.len())
-    );
-    check_blocks::<B, M>(blocks, xs);
-    assert!(
-        Kernel::Avx512Vnni.is_available(),
-        "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, avx512vl and \
-         avx512vnni"
-    );
+    check_avx512_groups::<B, M>(&quad, xs);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the features and the lengths were checked just above.
     unsafe {
@@ -533,20 +529,9 @@ fn panel_products<B: Interleave>(
     mut put: impl FnMut(usize, &[[f64; panel::ROWS]; panel::TILE]),
 ) {
     let blocks = quad[0].len();
-    assert!(
-        quad.iter().all(|g| g.len() == blocks),
-        "{} panel of groups of {:?} blocks",
-        B::NAME,
-        quad.map(|g| g.len())
-    );
     for tile in tiles {
-        check_blocks::<B, { panel::TILE }>(blocks, tile);
+        check_avx512_groups::<B, { panel::TILE }>(&quad, tile);
     }
-    assert!(
-        Kernel::Avx512Vnni.is_available(),
-        "the AVX-512 VNNI kernel needs avx2, fma, f16c, avx512f, avx512bw, avx512vl and \
-         avx512vnni"
-    );
     #[cfg(target_arch = "x86_64")]
     panel::with_panel(blocks, |buf| {
         for (b, out) in buf.iter_mut().enumerate() {

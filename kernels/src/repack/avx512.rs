@@ -26,6 +26,7 @@
 //! in i32, minus `o·Σ q'`, times `d'`, then an FMA with `d` into the row's sum, or with `m·s'`
 //! first), so every value is bit for bit the scalar sum (tested with each type).
 
+use super::avx2::f64_step8;
 use super::{Act8, ActRow};
 use std::arch::x86_64::*;
 
@@ -152,14 +153,7 @@ pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEA
                     _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64::<1>(sums)),
                 ];
                 for h in 0..2 {
-                    // `Σ·d'`, then times `d` in the FMA: every product exact in f64.
-                    let s = _mm512_mul_pd(halves[h], xd);
-                    acc[i][h] = if HAS_M {
-                        let ms = _mm512_mul_pd(wm[h], _mm512_set1_pd(xs));
-                        _mm512_add_pd(acc[i][h], _mm512_fmadd_pd(s, wd[h], ms))
-                    } else {
-                        _mm512_fmadd_pd(s, wd[h], acc[i][h])
-                    };
+                    acc[i][h] = f64_step8::<HAS_M>(acc[i][h], halves[h], xd, wd[h], wm[h], xs);
                 }
             }};
         }
