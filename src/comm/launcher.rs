@@ -216,7 +216,7 @@ pub fn detect_launch(get: &dyn Fn(&str) -> Option<String>) -> CommResult<Launch>
             world_size: world,
             local_rank,
             local_world_size,
-            job_key: job_key(launcher, get),
+            job_key: job_key(launcher, local_world_size == world, get),
             first_host: get("SLURM_JOB_NODELIST")
                 .or_else(|| get("SLURM_NODELIST"))
                 .and_then(|l| first_host(&l)),
@@ -238,19 +238,25 @@ pub fn launch_from_env() -> CommResult<Launch> {
     detect_launch(&|k| std::env::var(k).ok().filter(|v| !v.trim().is_empty()))
 }
 
-/// An id every rank of the job sees alike.
-fn job_key(launcher: Launcher, get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+/// An id every rank of the job sees alike (`single_host`: whether every rank runs on this
+/// host), or `None` where the environment holds none.
+fn job_key(
+    launcher: Launcher,
+    single_host: bool,
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Option<String> {
     let pmix = || get("PMIX_NAMESPACE");
     match launcher {
         Launcher::Alone | Launcher::Torchrun => None,
         Launcher::OpenMpi => get("OMPI_MCA_ess_base_jobid")
             .or_else(pmix)
             .map(|k| format!("ompi/{k}")),
-        // Hydra puts no job id in the environment; the ranks of one host share their
-        // parent (its proxy), which is what a one-host default needs.
+        // Hydra may put no job id in the environment; the ranks of one host share their
+        // parent (its proxy), which is what a one-host default needs. Across hosts each host
+        // has its own proxy, so there is no key (MASTER_PORT is then asked for by name).
         Launcher::Hydra => pmix()
             .or_else(|| get("PMI_KVSNAME"))
-            .or_else(|| Some(format!("ppid{}", parent_pid())))
+            .or_else(|| single_host.then(|| format!("ppid{}", parent_pid())))
             .map(|k| format!("hydra/{k}")),
         Launcher::Slurm => get("SLURM_JOB_ID").map(|j| {
             format!(
@@ -442,6 +448,28 @@ mod tests {
             (1, 2, 1, 2)
         );
         assert!(l.is_single_host() && l.default_port().is_some());
+    }
+
+    /// Under Hydra across hosts without a job id in the environment (no PMIX_NAMESPACE or
+    /// PMI_KVSNAME), the parent pid (each host's proxy) differs per host, so it cannot pick
+    /// a port that every rank agrees on: no default port, so that MASTER_PORT is asked for by
+    /// name instead of ranks meeting at different ports until the deadline.
+    #[test]
+    fn hydra_across_hosts_has_no_default_port_without_a_job_id() {
+        let across = [
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "2"),
+        ];
+        let l = launch(&across).unwrap();
+        assert!(!l.is_single_host());
+        assert_eq!((l.job_key.as_deref(), l.default_port()), (None, None));
+        let mut named = across.to_vec();
+        named.push(("PMI_KVSNAME", "kvs_4242_0"));
+        let l = launch(&named).unwrap();
+        assert_eq!(l.job_key.as_deref(), Some("hydra/kvs_4242_0"));
+        assert!(l.default_port().is_some());
     }
 
     #[test]
