@@ -6,7 +6,7 @@
 //! Rank 0's HTTP side talks to the loop through a [`Queue`] (bounded: a full queue is refused
 //! at once, the HTTP answer is 503) and gets each sequence's tokens back on its own channel;
 //! a request whose channel is closed (the client went away, or a stop string ended it) is
-//! dropped before the next step. When idle, rank 0 waits on the queue and sends an empty plan
+//! dropped before the next step, whether it is in the batch or still queued. When idle, rank 0 waits on the queue and sends an empty plan
 //! every `heartbeat` (below the collectives' deadline) while the other ranks sleep in the
 //! broadcast.
 
@@ -300,6 +300,17 @@ impl Leader {
                 plan.cancel.push(id);
             }
         }
+        // Requests whose client left while they waited give their places in the queue back
+        // now, not when their turn comes (until then they made the queue refuse others).
+        while let Ok(m) = inbox.rx.try_recv() {
+            self.take(m);
+        }
+        let queued = self.waiting.len();
+        self.waiting.retain(|s| !s.events.is_closed());
+        inbox
+            .metrics
+            .waiting
+            .fetch_sub(queued - self.waiting.len(), Ordering::SeqCst);
         let mut room = self.room(dec, plan.cancel.len());
         while room > 0 {
             if self.waiting.is_empty() {
