@@ -7,9 +7,10 @@
 //! process group (a tag, the count, the lengths, the ids), and every rank runs the same
 //! [`BertModel::embed`] calls (batches of at most [`EMBED_BATCH`] inputs); rank 0 answers.
 //! With nothing to do it broadcasts an idle tag every heartbeat, so that the other ranks'
-//! wait stays below the collectives' deadline.
+//! wait stays below the collectives' deadline. A request whose client has gone by the time
+//! its turn comes is dropped unrun (`cancelled` in `/health`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +29,8 @@ use tokenizers::Tokenizer;
 use crate::models::bert::BertModel;
 use crate::serve::api::ApiError;
 use crate::serve::endpoints::key_refusal;
-use crate::serve::http::{json_response, off_the_async_threads, read_body, unix_now};
+use crate::serve::http::{json_response, json_text_response, unix_now};
+use crate::serve::limits::{read_body, RequestLimits};
 use crate::ProcessGroup;
 
 mod request;
@@ -38,6 +40,9 @@ pub use request::{EMBEDDING_FIELDS, MAX_INPUTS};
 
 /// Inputs per [`BertModel::embed`] call at most (a batch is padded to its longest input).
 pub const EMBED_BATCH: usize = 32;
+
+/// Answers with more numbers than this are built on a blocking thread.
+const LARGE_ANSWER_FLOATS: usize = 1 << 16;
 
 const TAG_IDLE: u32 = 0;
 const TAG_WORK: u32 = 1;
@@ -67,6 +72,18 @@ pub struct EmbedQueue {
     tx: SyncSender<EmbedMsg>,
     shutting_down: Arc<AtomicBool>,
     capacity: usize,
+    counts: Arc<EmbedCounts>,
+}
+
+/// What `/health` reports of the embedding loop.
+#[derive(Debug, Default)]
+struct EmbedCounts {
+    /// Requests queued, not yet taken by the loop.
+    waiting: AtomicUsize,
+    /// Requests being embedded (0 or 1).
+    active: AtomicUsize,
+    /// Requests dropped unrun because their client had gone.
+    cancelled: AtomicU64,
 }
 
 /// A queue of at most `capacity` waiting requests, and the receiver [`run_embed_leader`] takes.
@@ -76,6 +93,7 @@ pub fn embed_queue(capacity: usize) -> (EmbedQueue, Receiver<EmbedMsg>) {
         tx,
         shutting_down: Arc::new(AtomicBool::new(false)),
         capacity: capacity.max(1),
+        counts: Arc::default(),
     };
     (q, rx)
 }
@@ -92,11 +110,29 @@ impl EmbedQueue {
         self.shutting_down.load(Ordering::SeqCst)
     }
 
+    /// Requests queued, not yet taken by the loop.
+    pub fn waiting(&self) -> usize {
+        self.counts.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Requests being embedded now (0 or 1).
+    pub fn active(&self) -> usize {
+        self.counts.active.load(Ordering::SeqCst)
+    }
+
+    /// Requests dropped unrun since the start, their client gone before their turn.
+    pub fn cancelled(&self) -> u64 {
+        self.counts.cancelled.load(Ordering::SeqCst)
+    }
+
     fn submit(&self, job: EmbedJob) -> std::result::Result<(), ApiError> {
         if self.is_shutting_down() {
             return Err(unavailable("the server is shutting down"));
         }
-        self.tx.try_send(EmbedMsg::Job(job)).map_err(|e| match e {
+        self.counts.waiting.fetch_add(1, Ordering::SeqCst);
+        self.tx.try_send(EmbedMsg::Job(job)).map_err(|e| {
+            self.counts.waiting.fetch_sub(1, Ordering::SeqCst);
+            match e {
             TrySendError::Full(_) => ApiError::new(
                 503,
                 "server_error",
@@ -107,6 +143,7 @@ impl EmbedQueue {
                 ),
             ),
             TrySendError::Disconnected(_) => unavailable("the server is shutting down"),
+            }
         })
     }
 }
@@ -166,7 +203,8 @@ pub fn embed_inputs(
 }
 
 /// Rank 0's loop: one request at a time, broadcast to every rank, embedded, answered; an idle
-/// broadcast every `heartbeat`; returns after broadcasting the shutdown. A failed step (a dead
+/// broadcast every `heartbeat`; returns after broadcasting the shutdown. A request whose
+/// client has gone (its answer's receiver dropped) is skipped, not run. A failed step (a dead
 /// rank) fails the request and every waiting one and returns the error.
 pub fn run_embed_leader(
     model: &BertModel,
@@ -190,12 +228,21 @@ pub fn run_embed_leader(
             EmbedMsg::Shutdown => {
                 queue.shutting_down.store(true, Ordering::SeqCst);
                 let result = share(&pg, Some((TAG_SHUTDOWN, &[])));
-                fail_waiting(&rx, "the server is shutting down");
+                fail_waiting(&rx, queue, "the server is shutting down");
                 return result.map(|_| ());
             }
             EmbedMsg::Job(job) => {
+                let counts = &queue.counts;
+                counts.waiting.fetch_sub(1, Ordering::SeqCst);
+                if job.reply.is_closed() {
+                    // The client left while the request waited: nobody takes the answer.
+                    counts.cancelled.fetch_add(1, Ordering::SeqCst);
+                    continue;
+                }
+                counts.active.store(1, Ordering::SeqCst);
                 let result = share(&pg, Some((TAG_WORK, &job.inputs)))
                     .and_then(|_| embed_inputs(model, &job.inputs, normalize));
+                counts.active.store(0, Ordering::SeqCst);
                 match result {
                     Ok(v) => {
                         let _ = job.reply.send(Ok(v));
@@ -207,7 +254,7 @@ pub fn run_embed_leader(
                             crate::serve::api::client_message(&e)
                         );
                         let _ = job.reply.send(Err(why.clone()));
-                        fail_waiting(&rx, &why);
+                        fail_waiting(&rx, queue, &why);
                         return Err(e);
                     }
                 }
@@ -216,9 +263,10 @@ pub fn run_embed_leader(
     }
 }
 
-fn fail_waiting(rx: &Receiver<EmbedMsg>, why: &str) {
+fn fail_waiting(rx: &Receiver<EmbedMsg>, queue: &EmbedQueue, why: &str) {
     while let Ok(m) = rx.try_recv() {
         if let EmbedMsg::Job(job) = m {
+            queue.counts.waiting.fetch_sub(1, Ordering::SeqCst);
             let _ = job.reply.send(Err(why.to_string()));
         }
     }
@@ -259,6 +307,8 @@ pub struct EmbedState {
     pub api_key: Option<String>,
     /// The largest request body read, in bytes.
     pub max_body_bytes: usize,
+    /// The body deadline and the text work off the async thread.
+    pub limits: RequestLimits,
 }
 
 /// The router of an embedding server: `POST /v1/embeddings`, `GET /v1/models[/{id}]`,
@@ -320,7 +370,11 @@ async fn health(State(s): State<EmbedState>) -> Response {
     if s.queue.is_shutting_down() {
         return unavailable("the server is shutting down").into_response();
     }
-    json_response(StatusCode::OK, &json!({"status": "ok"}))
+    let q = &s.queue;
+    json_response(
+        StatusCode::OK,
+        &json!({"status": "ok", "active": q.active(), "waiting": q.waiting(), "cancelled": q.cancelled()}),
+    )
 }
 
 fn card(s: &EmbedState) -> Value {
@@ -392,7 +446,7 @@ async fn answer(
     headers: HeaderMap,
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
-    let body = read_body(s.max_body_bytes, &headers, body).await?;
+    let body = read_body(s.max_body_bytes, s.limits.body_timeout, &headers, body).await?;
     let req = parse(&body, s.hidden_size)?;
     if let Some(m) = &req.model {
         if m != &s.model_name {
@@ -402,7 +456,8 @@ async fn answer(
     let ids = {
         let s = s.clone();
         let inputs = req.inputs.clone();
-        off_the_async_threads(move || tokenize(&s, &inputs)).await??
+        let jobs = s.limits.text_jobs.clone();
+        jobs.run(move || tokenize(&s, &inputs)).await??
     };
     let tokens: usize = ids.iter().map(Vec::len).sum();
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -415,24 +470,33 @@ async fn answer(
         Ok(Err(why)) => return Err(unavailable(&why)),
         Err(_) => return Err(unavailable("the server is shutting down")),
     };
-    let data: Vec<Value> = vectors
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            let embedding = if req.base64 {
-                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                json!(base64(&bytes))
-            } else {
-                json!(v)
-            };
-            json!({"object": "embedding", "index": i, "embedding": embedding})
-        })
-        .collect();
-    Ok(json_response(
-        StatusCode::OK,
-        &json!({"object": "list", "data": data, "model": s.model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}),
-    ))
+    let large = vectors.iter().map(Vec::len).sum::<usize>() > LARGE_ANSWER_FLOATS;
+    let model = s.model_name.clone();
+    let build = move || {
+        let data: Vec<Value> = vectors
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let embedding = if req.base64 {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    json!(base64(&bytes))
+                } else {
+                    json!(v)
+                };
+                json!({"object": "embedding", "index": i, "embedding": embedding})
+            })
+            .collect();
+        json!({"object": "list", "data": data, "model": model,
+               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        .to_string()
+    };
+    // Thousands of vectors make megabytes of JSON: built off the async thread.
+    let json = if large {
+        s.limits.text_jobs.run_waiting(build).await?
+    } else {
+        build()
+    };
+    Ok(json_text_response(StatusCode::OK, json))
 }
 
 #[cfg(test)]

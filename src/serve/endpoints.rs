@@ -12,7 +12,8 @@ use serde_json::{json, Map, Value};
 
 use crate::serve::api::{client_message, ApiError};
 use crate::serve::fields::{boolean, kind_of};
-use crate::serve::http::{json_response, off_the_async_threads, read_body, unix_now, AppState};
+use crate::serve::http::{json_response, unix_now, AppState};
+use crate::serve::limits::read_body;
 
 /// 401 unless the request carries `Authorization: Bearer <the key>` (when the server has
 /// one). `/health` and `/metrics` stay open, as vLLM's; the router runs this on its routes
@@ -168,17 +169,19 @@ pub async fn tokenize(State(s): State<AppState>, headers: HeaderMap, body: Body)
     blocking(s, headers, body, tokenize_body).await
 }
 
-/// `work` on the body, off the async threads (tokenizing a large body takes a while).
+/// `work` on the body, off the async thread (tokenizing a large body takes a while), at most
+/// `--max-tokenize-jobs` at once.
 async fn blocking(
     s: AppState,
     headers: HeaderMap,
     body: Body,
     work: fn(&AppState, &Bytes) -> Result<Response, ApiError>,
 ) -> Response {
-    let answer = match read_body(s.max_body_bytes, &headers, body).await {
-        Ok(body) => off_the_async_threads(move || work(&s, &body))
-            .await
-            .and_then(|r| r),
+    let answer = match read_body(s.max_body_bytes, s.limits.body_timeout, &headers, body).await {
+        Ok(body) => {
+            let jobs = s.limits.text_jobs.clone();
+            jobs.run(move || work(&s, &body)).await.and_then(|r| r)
+        }
         Err(e) => Err(e),
     };
     answer.unwrap_or_else(IntoResponse::into_response)

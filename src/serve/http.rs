@@ -9,13 +9,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -24,6 +23,7 @@ use crate::serve::api::{client_message, ApiError, GenRequest, Prompt};
 use crate::serve::endpoints;
 use crate::serve::grammar::{GrammarFilter, GrammarSpec, Grammars};
 use crate::serve::job::{self, server_error, Head, Job};
+use crate::serve::limits::{read_body, RequestLimits};
 use crate::serve::logprobs::LogprobsOut;
 use crate::serve::scheduler::{Queue, Submission, SubmitError};
 use crate::serve::tool_calls::ToolStream;
@@ -55,62 +55,12 @@ pub struct AppState {
     pub grammars: Result<Grammars, String>,
     /// How the model writes tool calls (from its chat template).
     pub tool_format: ToolFormat,
+    /// The body deadline, the text work off the async thread and the streams' keep-alives.
+    pub limits: RequestLimits,
 }
 
 /// `--max-body-bytes`'s default: 2 MiB (axum's own default limit).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 2 << 20;
-
-/// The request body, at most `limit` bytes of it: a larger one (by its `Content-Length`, or as
-/// read) is a 400 `request_too_large` naming the limit and the size.
-pub(crate) async fn read_body(
-    limit: usize,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<Bytes, ApiError> {
-    let too_large = |size: String| {
-        ApiError::new(
-            400,
-            "invalid_request_error",
-            Some("request_too_large"),
-            format!("the request body has {size} bytes; this server reads at most {limit} (--max-body-bytes)"),
-        )
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if let Some(n) = declared.filter(|&n| n > limit as u64) {
-        return Err(too_large(n.to_string()));
-    }
-    let mut stream = body.into_data_stream();
-    let mut out = Vec::new();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| {
-            ApiError::new(
-                400,
-                "invalid_request_error",
-                None,
-                format!("reading the body: {e}"),
-            )
-        })?;
-        if out.len() + chunk.len() > limit {
-            return Err(too_large(format!("more than {limit}")));
-        }
-        out.extend_from_slice(&chunk);
-    }
-    Ok(Bytes::from(out))
-}
-
-/// Runs `work` (tokenizing, rendering a chat template: milliseconds to seconds for a large
-/// body) on tokio's blocking threads, so that the async workers keep serving other requests
-/// and streams meanwhile.
-pub(crate) async fn off_the_async_threads<T: Send + 'static>(
-    work: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| ApiError::new(500, "server_error", None, format!("tokenizing: {e}")))
-}
 
 /// `max_tokens` of a `/v1/completions` request that gives none (OpenAI's default; chat
 /// completions default to the rest of the context).
@@ -167,12 +117,12 @@ impl IntoResponse for ApiError {
 
 /// A JSON answer.
 pub(crate) fn json_response(status: StatusCode, v: &Value) -> Response {
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        v.to_string(),
-    )
-        .into_response()
+    json_text_response(status, v.to_string())
+}
+
+/// A JSON answer already serialised.
+pub(crate) fn json_text_response(status: StatusCode, json: String) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], json).into_response()
 }
 
 /// The router over `state`.
@@ -240,7 +190,7 @@ async fn serve(
     body: Body,
     chat: bool,
 ) -> Result<Response, ApiError> {
-    let body = read_body(s.max_body_bytes, &headers, body).await?;
+    let body = read_body(s.max_body_bytes, s.limits.body_timeout, &headers, body).await?;
     let req = GenRequest::parse(&body, chat)?;
     if let Some((id, _)) = req
         .penalties
@@ -264,16 +214,18 @@ async fn serve(
     let text = s.text.clone();
     let param = if chat { "messages" } else { "prompt" };
     // Each prompt's ids (chat: the one rendered conversation) and the grammar, off the async
-    // threads.
+    // thread (at most --max-tokenize-jobs at once).
     let (req, prompts, grammar) = {
         let text = text.clone();
         let (grammars, format) = (s.grammars.clone(), s.tool_format);
-        off_the_async_threads(move || {
-            let prompts = prompt_ids(&text, &req);
-            let grammar = compile_grammar(&grammars, format, &req);
-            (req, prompts, grammar)
-        })
-        .await?
+        s.limits
+            .text_jobs
+            .run(move || {
+                let prompts = prompt_ids(&text, &req);
+                let grammar = compile_grammar(&grammars, format, &req);
+                (req, prompts, grammar)
+            })
+            .await?
     };
     let prompts = prompts?;
     let grammar = grammar?;
@@ -378,9 +330,9 @@ async fn serve(
         include_usage: req.include_usage,
     };
     if req.stream {
-        return Ok(job::streamed(head, jobs));
+        return Ok(job::streamed(head, jobs, s.limits.sse_keep_alive));
     }
-    job::whole(head, jobs).await
+    job::whole(head, jobs, &s.limits.text_jobs).await
 }
 
 /// The token ids of each of `req`'s prompts (chat: the one rendered conversation).

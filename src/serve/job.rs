@@ -7,10 +7,10 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, BoxStream, StreamExt};
 use serde_json::{json, Value};
@@ -18,7 +18,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::generate::FinishReason;
 use crate::serve::api::{client_message, ApiError};
-use crate::serve::http::json_response;
+use crate::serve::http::json_text_response;
+use crate::serve::limits::TextJobs;
 use crate::serve::logprobs::LogprobsOut;
 use crate::serve::metrics::Metrics;
 use crate::serve::scheduler::Event;
@@ -251,21 +252,42 @@ impl Job {
     }
 }
 
-/// The whole answer: every choice awaited, in `index` order, `usage` over all of them.
-pub async fn whole(head: Head, mut jobs: Vec<Job>) -> Result<Response, ApiError> {
+/// Answers with more generated tokens than this (all choices together), or with
+/// log-probabilities, are built on a blocking thread ([`whole`]).
+pub const BUILD_OFF_THE_WORKER_TOKENS: usize = 1024;
+
+/// The whole answer: every choice awaited, in `index` order, `usage` over all of them. A large
+/// answer (log-probabilities: up to 21 entries per token, each with its bytes; or more than
+/// [`BUILD_OFF_THE_WORKER_TOKENS`] tokens) is built and serialised by `text_jobs` on a
+/// blocking thread, so that the async thread keeps serving the other connections meanwhile.
+pub async fn whole(
+    head: Head,
+    mut jobs: Vec<Job>,
+    text_jobs: &TextJobs,
+) -> Result<Response, ApiError> {
     let ends =
         futures_util::future::try_join_all(jobs.iter_mut().map(|j| async move { j.run().await }))
             .await?;
-    let mut choices = Vec::with_capacity(jobs.len());
-    for (j, (text, finish)) in jobs.iter_mut().zip(ends) {
-        choices.push(j.choice(head.chat, &text, Some(finish), false));
-    }
-    let mut v = head.envelope(json!(choices), false);
-    v["usage"] = usage(
-        jobs.iter().map(|j| j.prompt_tokens).sum(),
-        jobs.iter().map(|j| j.completion_tokens).sum(),
-    );
-    Ok(json_response(StatusCode::OK, &v))
+    let large = jobs.iter().any(|j| j.logprobs.is_some())
+        || jobs.iter().map(|j| j.completion_tokens).sum::<usize>() > BUILD_OFF_THE_WORKER_TOKENS;
+    let build = move || {
+        let mut choices = Vec::with_capacity(jobs.len());
+        for (j, (text, finish)) in jobs.iter_mut().zip(ends) {
+            choices.push(j.choice(head.chat, &text, Some(finish), false));
+        }
+        let mut v = head.envelope(json!(choices), false);
+        v["usage"] = usage(
+            jobs.iter().map(|j| j.prompt_tokens).sum(),
+            jobs.iter().map(|j| j.completion_tokens).sum(),
+        );
+        v.to_string()
+    };
+    let json = if large {
+        text_jobs.run_waiting(build).await?
+    } else {
+        build()
+    };
+    Ok(json_text_response(StatusCode::OK, json))
 }
 
 /// What one choice's stream yields.
@@ -332,8 +354,10 @@ fn choice_stream(head: Head, job: Job, usage_in_last: bool) -> BoxStream<'static
 }
 
 /// The streamed answer: the choices' chunks as they come, then (with `include_usage`) a chunk
-/// of the total usage, then `[DONE]`; a failed choice ends the answer with its error.
-pub fn streamed(head: Head, jobs: Vec<Job>) -> Response {
+/// of the total usage, then `[DONE]`; a failed choice ends the answer with its error. With
+/// `keep_alive`, a comment line (`: keep-alive`) goes out whenever nothing else has for that
+/// long (a request queued behind others, a long prompt being read), as SSE clients ignore.
+pub fn streamed(head: Head, jobs: Vec<Job>, keep_alive: Option<Duration>) -> Response {
     let mut first = VecDeque::new();
     if head.chat {
         for j in &jobs {
@@ -398,5 +422,11 @@ pub fn streamed(head: Head, jobs: Vec<Job>) -> Response {
                 .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
         )
     });
-    Sse::new(events).into_response()
+    let sse = Sse::new(events);
+    match keep_alive {
+        Some(every) => sse
+            .keep_alive(KeepAlive::new().interval(every).text("keep-alive"))
+            .into_response(),
+        None => sse.into_response(),
+    }
 }

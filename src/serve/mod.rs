@@ -8,6 +8,8 @@
 //!   started on a sentence-embedding checkpoint).
 //! - [`api`], [`fields`] and [`http`]: the OpenAI request fields (each one honoured or
 //!   refused) and errors, and the axum routes (rank 0).
+//! - [`limits`]: connections, request and answer deadlines, and the text work off the async
+//!   thread, bounded.
 //! - [`grammar`]: llguidance grammars (structured outputs, forced tool calls) as the batch
 //!   decoder's token filters; `response_format`, [`tools`] and [`tool_calls`]: the fields and
 //!   the model's tool-call formats.
@@ -18,6 +20,7 @@ pub mod fields;
 pub mod grammar;
 pub mod http;
 pub mod job;
+pub mod limits;
 pub mod logprobs;
 mod messages;
 pub mod metrics;
@@ -33,6 +36,7 @@ pub use api::{ApiError, GenRequest, Prompt};
 pub use http::{
     default_model_name, router, AppState, COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
 };
+pub use limits::{ConnLimits, RequestLimits, TextJobs};
 pub use scheduler::{
     idle_heartbeat, longest_step, queue, run_follower, run_leader, Event, Inbox, Queue, Submission,
     SubmitError,

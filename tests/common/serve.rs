@@ -341,3 +341,52 @@ pub fn collect(
     }
     (tokens, Err("the channel closed".into()))
 }
+
+/// A connection to `port` whose receive buffer is set to `bytes` before it connects (the
+/// kernel doubles it and keeps it there: no autotuning), so that a client that stops reading
+/// closes its TCP window after a few kilobytes.
+pub fn connect_with_receive_buffer(port: u16, bytes: i32) -> TcpStream {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket calls on a descriptor this function owns until it hands it to
+    // TcpStream (which closes it); the option and address are live locals of the sizes given.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let rc = libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&bytes as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        );
+        assert_eq!(rc, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
+        let addr = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let rc = libc::connect(
+            fd,
+            (&addr as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        assert_eq!(rc, 0, "connect: {}", std::io::Error::last_os_error());
+        TcpStream::from_raw_fd(fd)
+    }
+}
+
+/// The sum of the samples of `metric` (every label) in the server's `/metrics`.
+pub fn metric(port: u16, metric: &str) -> f64 {
+    let (status, text) = http(port, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{text}");
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(metric)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -26,7 +26,7 @@ use candle_tp::generate::BatchDecoder;
 use candle_tp::models::bert::BertModel;
 use candle_tp::models::{CausalLm, FromCheckpoint, LoadOptions};
 use candle_tp::pipeline::PipelineStage;
-use candle_tp::serve::{self, embeddings, AppState, ModelText};
+use candle_tp::serve::{self, embeddings, limits, AppState, ModelText};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -75,6 +75,33 @@ struct Args {
     /// before any of it is parsed or tokenized.
     #[arg(long, default_value_t = serve::DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
+    /// Connections served at once; one more is answered 503 `too_many_connections` and
+    /// closed.
+    #[arg(long, default_value_t = limits::DEFAULT_MAX_CONNECTIONS, value_parser = at_least_one)]
+    max_connections: usize,
+    /// Seconds a connection has to send a request's headers, from its opening or the end of
+    /// its last answer; then it is closed (idle keep-alive connections, slowloris clients).
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = positive_seconds)]
+    header_timeout: Duration,
+    /// Seconds a request's body has to arrive once its headers have; then 408
+    /// `request_timeout` and the connection is closed.
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = positive_seconds)]
+    body_timeout: Duration,
+    /// Seconds an answer may wait for the client to read any of it (its TCP window full);
+    /// then the connection is closed and its request dropped (a stream's decode slot freed).
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = positive_seconds)]
+    send_timeout: Duration,
+    /// Tokenizing jobs (chat templates, tokenizers, grammars, building large answers) run
+    /// at once on their own threads. Default: the machine's cores, at least 2.
+    #[arg(long, value_parser = at_least_one)]
+    max_tokenize_jobs: Option<usize>,
+    /// Seconds a request waits for a tokenizing job; then 503 `tokenizer_busy`.
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = positive_seconds)]
+    tokenize_wait: Duration,
+    /// Seconds between keep-alive comments on a server-sent event stream that has nothing
+    /// else to send (a request queued behind others); 0: none.
+    #[arg(long, value_name = "SECS", default_value = "15", value_parser = seconds_or_zero)]
+    sse_keep_alive: Duration,
     /// Pipeline stages: the ranks split into this many stages of layers, each stage's layers
     /// split over world / N tensor-parallel ranks (HTTP stays on rank 0, the first stage).
     #[arg(long, visible_alias = "pipeline-parallel-size", default_value_t = 1)]
@@ -82,6 +109,54 @@ struct Args {
     /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
     #[arg(long, value_delimiter = ',')]
     pp_layers: Option<Vec<usize>>,
+}
+
+/// A count of 1 or more.
+fn at_least_one(v: &str) -> std::result::Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("'{v}' is not a whole number of at least 1")),
+    }
+}
+
+/// Seconds (`30`, `1.5`) of 0 or more.
+fn seconds_or_zero(v: &str) -> std::result::Result<Duration, String> {
+    v.parse::<f64>()
+        .ok()
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| format!("'{v}' is not a number of seconds"))
+}
+
+/// Seconds (`30`, `1.5`) above 0.
+fn positive_seconds(v: &str) -> std::result::Result<Duration, String> {
+    match seconds_or_zero(v)? {
+        d if d.is_zero() => Err(format!("'{v}': the deadline must be above 0 seconds")),
+        d => Ok(d),
+    }
+}
+
+impl Args {
+    /// The limits of each connection.
+    fn conn_limits(&self) -> limits::ConnLimits {
+        limits::ConnLimits {
+            max_connections: self.max_connections,
+            header_timeout: self.header_timeout,
+            send_timeout: self.send_timeout,
+        }
+    }
+
+    /// The limits of each request.
+    fn request_limits(&self) -> limits::RequestLimits {
+        limits::RequestLimits {
+            body_timeout: self.body_timeout,
+            text_jobs: limits::TextJobs::new(
+                self.max_tokenize_jobs
+                    .unwrap_or_else(limits::default_tokenize_jobs),
+                self.tokenize_wait,
+            ),
+            sse_keep_alive: (!self.sse_keep_alive.is_zero()).then_some(self.sse_keep_alive),
+        }
+    }
 }
 
 /// How long a rank other than 0 waits at least, after SIGTERM or SIGINT, for rank 0's shutdown
@@ -269,6 +344,7 @@ fn main() -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         grammars,
         tool_format,
+        limits: args.request_limits(),
     };
     let q = queue.clone();
     let http = start_http(&args, serve::router(state), move || q.shutdown())?;
@@ -309,8 +385,9 @@ impl Http {
     }
 }
 
-/// Serves `app` on `--host:--port`; on SIGTERM or Ctrl-C (or when the server fails) calls
-/// `shutdown`, which makes the serving loop broadcast the end.
+/// Serves `app` on `--host:--port` within the connection limits (`--max-connections`,
+/// `--header-timeout`, `--send-timeout`); on SIGTERM or Ctrl-C (or when the server fails)
+/// calls `shutdown`, which makes the serving loop broadcast the end.
 fn start_http(
     args: &Args,
     app: axum::Router,
@@ -327,6 +404,8 @@ fn start_http(
     let local: SocketAddr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let shutdown = Arc::new(shutdown);
+    let conn_limits = args.conn_limits();
+    room_for_connections(conn_limits.max_connections);
     let thread = std::thread::Builder::new()
         .name("http".into())
         .spawn(move || {
@@ -337,11 +416,10 @@ fn start_http(
                     eprintln!("shutting down: ending in-flight requests");
                     (*on_signal)();
                 });
-                let r = axum::serve(listener, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = stopped.await;
-                    })
-                    .await;
+                let r = limits::serve(listener, app, conn_limits, async move {
+                    let _ = stopped.await;
+                })
+                .await;
                 if let Err(e) = r {
                     eprintln!("http server: {e}");
                     (*shutdown)();
@@ -353,6 +431,33 @@ fn start_http(
         stop,
         thread,
     })
+}
+
+/// Raises the process's open-file limit (its soft limit, up to the hard one) so that
+/// `--max-connections` connections fit beside the files and sockets the job itself holds;
+/// warns when they cannot (accepting then fails with EMFILE, retried every second).
+fn room_for_connections(max_connections: usize) {
+    let needed = max_connections as u64 + 256;
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into a live local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur >= needed {
+        return;
+    }
+    let raised = libc::rlimit {
+        rlim_cur: needed.min(lim.rlim_max),
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: setrlimit reads one rlimit from a live local.
+    let ok = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0;
+    if !ok || raised.rlim_cur < needed {
+        eprintln!(
+            "rank 0: --max-connections {max_connections} needs about {needed} open files; this process may open {} (ulimit -n): connections past that wait",
+            if ok { raised.rlim_cur } else { lim.rlim_cur }
+        );
+    }
 }
 
 /// Whether `path` is a BERT checkpoint directory (config.json's `model_type` "bert", or a
@@ -441,6 +546,7 @@ fn serve_embeddings(
         queue: queue.clone(),
         api_key: key,
         max_body_bytes: args.max_body_bytes,
+        limits: args.request_limits(),
     };
     let q = queue.clone();
     let http = start_http(args, embeddings::router(state), move || q.shutdown())?;
