@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the `mpi` feature and the mpirun tests need, from Debian's archive: Open MPI
 # (openmpi-bin: mpirun; libopenmpi-dev: the library and mpicc, which rsmpi's build probes) and
-# libclang-dev (rsmpi generates its bindings with bindgen), and iproute2 (the emulated hosts
-# and the MPI bootstrap's address test). Idempotent; needs root and apt-get.
+# libclang-dev (rsmpi generates its bindings with bindgen), and iproute2 (the emulated hosts).
+# Idempotent; needs root and apt-get.
 #
 #   scripts/setup-mpi.sh && cargo build --features mpi
 set -euo pipefail

@@ -136,41 +136,36 @@ mod tests {
         );
     }
 
-    /// `addresses()` against iproute2's own list (`ip -o -4 addr show up`, read from the
-    /// kernel through netlink rather than getifaddrs): the same addresses, loopback last.
+    /// `addresses()` against the kernel's routing table: every address that
+    /// `/proc/net/fib_trie` lists as a local host route (`/32 host LOCAL`) on an interface
+    /// that is up, read without netlink or getifaddrs; loopback last.
+    ///
+    /// Read from `/proc` rather than from iproute2's `ip`: another test of this binary starts
+    /// Open MPI as a singleton, and a process spawned while it starts failed twice in CI (its
+    /// SIGCHLD handler reaped `ip` first: ECHILD; then the spawn itself: EFAULT).
     #[test]
     fn the_addresses_are_the_kernels() {
         let a = super::addresses();
         let first_loop = a.iter().position(|x| x.is_loopback()).unwrap_or(a.len());
         assert!(a[first_loop..].iter().all(|x| x.is_loopback()), "{a:?}");
-        // The output is read to its end rather than through `output()`: another test in this
-        // binary starts MPI as a singleton, and Open MPI's SIGCHLD handler may reap `ip` first,
-        // so that waiting for it fails with ECHILD (CI saw this as "`ip` is needed").
-        let mut child = match std::process::Command::new("ip")
-            .args(["-o", "-4", "addr", "show", "up"])
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-        {
-            Ok(c) => c,
-            Err(e) => panic!("iproute2's `ip` is needed (scripts/setup-mpi.sh installs it): {e}"),
-        };
-        let mut out = String::new();
-        std::io::Read::read_to_string(child.stdout.as_mut().expect("piped"), &mut out)
-            .expect("read ip's output");
-        let _ = child.wait();
-        let mut want: Vec<std::net::Ipv4Addr> = out
-            .lines()
-            .filter_map(|l| {
-                let mut w = l.split_whitespace();
-                w.position(|x| x == "inet")?;
-                w.next()?.split('/').next()?.parse().ok()
-            })
-            .collect();
-        assert!(!want.is_empty(), "ip listed no IPv4 address: {out}");
+        let out = std::fs::read_to_string("/proc/net/fib_trie").expect("/proc/net/fib_trie");
+        let mut want: Vec<std::net::Ipv4Addr> = Vec::new();
+        let mut last: Option<std::net::Ipv4Addr> = None;
+        for l in out.lines().map(str::trim) {
+            if let Some(addr) = l.strip_prefix("|-- ") {
+                last = addr.trim().parse().ok();
+            } else if l.contains("/32 host LOCAL") {
+                want.extend(last);
+            }
+        }
+        assert!(
+            !want.is_empty(),
+            "fib_trie lists no local IPv4 address: {out}"
+        );
         want.sort();
         want.dedup();
         let mut got = a.clone();
         got.sort();
-        assert_eq!(got, want, "getifaddrs against ip:\n{out}");
+        assert_eq!(got, want, "getifaddrs against fib_trie:\n{out}");
     }
 }
