@@ -30,8 +30,8 @@ use serde_json::{json, Value};
 mod common;
 
 use common::serve::{
-    connect_with_receive_buffer, failed_checks, health, http, metric, model_dir, post, wait_active,
-    Server, SERIAL,
+    connect_with_receive_buffer, failed_checks, health, http, made_up_words, metric, model_dir,
+    post, wait_active, Server, SERIAL,
 };
 
 /// Writes a request to a new connection (kept alive) and returns the connection.
@@ -83,8 +83,24 @@ fn read_response(s: &mut TcpStream, within: Duration) -> (u16, String) {
     }
 }
 
-/// Whether the server closes `s` within `within` (anything it sends meanwhile is returned).
-fn closed_within(s: &mut TcpStream, within: Duration) -> (bool, Vec<u8>) {
+/// How [`read_for`] ended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Ended {
+    /// The server closed (or reset) the connection.
+    Closed,
+    /// What was read satisfied the caller.
+    Enough,
+    /// The time ran out.
+    Deadline,
+}
+
+/// Reads `s` for at most `within`, until the server closes it or `enough(what was read)`;
+/// returns how it ended and what was read.
+fn read_for(
+    s: &mut TcpStream,
+    within: Duration,
+    enough: impl Fn(&[u8]) -> bool,
+) -> (Ended, Vec<u8>) {
     let t0 = Instant::now();
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
@@ -96,13 +112,22 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> (bool, Vec<u8>) {
         ))
         .unwrap();
         match s.read(&mut buf) {
-            Ok(0) => return (true, got),
+            Ok(0) => return (Ended::Closed, got),
             Ok(n) => got.extend_from_slice(&buf[..n]),
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => break,
-            Err(_) => return (true, got), // reset: closed
+            Err(_) => return (Ended::Closed, got), // reset: closed
+        }
+        if enough(&got) {
+            return (Ended::Enough, got);
         }
     }
-    (false, got)
+    (Ended::Deadline, got)
+}
+
+/// Whether the server closes `s` within `within` (anything it sends meanwhile is returned).
+fn closed_within(s: &mut TcpStream, within: Duration) -> (bool, Vec<u8>) {
+    let (ended, got) = read_for(s, within, |_| false);
+    (ended == Ended::Closed, got)
 }
 
 /// Writes `bytes` to `s` one at a time, `every` apart, on a thread, until they are all sent,
@@ -300,18 +325,7 @@ fn slow_clients_are_cut_off() {
 /// A `/tokenize` body of `bytes` made-up words (the tokenizer's word cache cannot shortcut
 /// them).
 fn big_tokenize_body(bytes: usize) -> String {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut prompt = String::with_capacity(bytes + 10);
-    while prompt.len() < bytes {
-        for _ in 0..7 {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            prompt.push((b'a' + ((state >> 33) % 26) as u8) as char);
-        }
-        prompt.push(' ');
-    }
-    json!({"prompt": prompt}).to_string()
+    json!({"prompt": made_up_words(bytes)}).to_string()
 }
 
 /// Issue 44, defect 12: with `--max-tokenize-jobs 1 --tokenize-wait 1`, a burst of large
@@ -410,29 +424,17 @@ impl Drop for Drained {
 /// Reads `s` until `want` appears (true) or `stop` does first, or `within` passes (false);
 /// returns what was read.
 fn read_until(s: &mut TcpStream, want: &str, stop: &str, within: Duration) -> (bool, String) {
-    let t0 = Instant::now();
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    while t0.elapsed() < within {
-        s.set_read_timeout(Some(
-            within
-                .saturating_sub(t0.elapsed())
-                .max(Duration::from_millis(1)),
-        ))
-        .unwrap();
-        match s.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-        }
-        let text = String::from_utf8_lossy(&got);
-        match (text.find(want), text.find(stop)) {
-            (Some(w), Some(s)) => return (w < s, text.into_owned()),
-            (Some(_), None) => return (true, text.into_owned()),
-            (None, Some(_)) => return (false, text.into_owned()),
-            (None, None) => {}
-        }
-    }
-    (false, String::from_utf8_lossy(&got).into_owned())
+    let (_, got) = read_for(s, within, |got| {
+        let text = String::from_utf8_lossy(got);
+        text.contains(want) || text.contains(stop)
+    });
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let seen = match (text.find(want), text.find(stop)) {
+        (Some(w), Some(s)) => w < s,
+        (Some(_), None) => true,
+        _ => false,
+    };
+    (seen, text)
 }
 
 /// Waits until no sequence runs and none waits (the streams of a check were dropped; also

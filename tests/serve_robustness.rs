@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 mod common;
 
 use common::serve::{
-    alone, collect, http, is_running, model_dir, post, wait_active, Server, SERIAL,
+    alone, collect, http, is_running, made_up_words, model_dir, post, wait_active, Server, SERIAL,
 };
 
 /// A prompt id beyond SmolLM2's vocabulary of 49152 (and different from it, so that a
@@ -488,18 +488,7 @@ fn bodies_and_stop_strings_are_bounded(port: u16) {
 fn tokenizing_leaves_the_server_responsive(port: u16) {
     // 1.5 MB (under the 2 MiB body limit) of distinct made-up words: the tokenizer's word cache
     // cannot shortcut them, so it stays at work long after the request arrived, on any host.
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut prompt = String::with_capacity(1_500_010);
-    while prompt.len() < 1_500_000 {
-        for _ in 0..7 {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            prompt.push((b'a' + ((state >> 33) % 26) as u8) as char);
-        }
-        prompt.push(' ');
-    }
-    let body = json!({"prompt": prompt}).to_string();
+    let body = json!({"prompt": made_up_words(1_500_000)}).to_string();
     let worker = std::thread::spawn(move || {
         let (status, text) = http(port, "POST", "/tokenize", &body);
         (status, text.len())

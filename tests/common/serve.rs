@@ -390,3 +390,21 @@ pub fn metric(port: u16, metric: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// `bytes` (or a few more) of made-up seven-letter words, space-separated, from a fixed
+/// generator: a prompt that the tokenizer's word cache cannot shortcut, so tokenizing it takes
+/// time in proportion to its length on any host.
+pub fn made_up_words(bytes: usize) -> String {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut prompt = String::with_capacity(bytes + 10);
+    while prompt.len() < bytes {
+        for _ in 0..7 {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            prompt.push((b'a' + ((state >> 33) % 26) as u8) as char);
+        }
+        prompt.push(' ');
+    }
+    prompt
+}
