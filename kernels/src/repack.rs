@@ -222,7 +222,8 @@ impl<B: Interleave> Repacked<B> {
             let r = i * kb..(i + 1) * kb;
             (&act[r.clone()], &sums[r.clone()], &scales[r])
         };
-        // The eight-row kernel's tiles of activation rows, made once for every weight pair.
+        // The tiles of 8 activation rows of the eight-row kernel and the quads, made once for
+        // every weight pair and quad.
         let pair_tiles: Vec<[ActRow<'_, B::Act>; 8]> = if kernel == Kernel::Avx512Vnni {
             (0..m / 8)
                 .map(|t| std::array::from_fn(|r| row(8 * t + r)))
@@ -298,9 +299,9 @@ impl<B: Interleave> Repacked<B> {
             for q in 0..quads {
                 let quad = std::array::from_fn(|i| group(4 * q + i));
                 let live = (rows - 16 * q).min(16);
-                for i in (0..tiled8).step_by(8) {
-                    let v = quad_dot::<B, 8>(quad, &std::array::from_fn(|t| row(i + t)));
-                    put_tile(&mut o, 16 * q, i, &v, live, &out);
+                for (t, tile) in pair_tiles[..tiled8 / 8].iter().enumerate() {
+                    let v = quad_dot::<B, 8>(quad, tile);
+                    put_tile(&mut o, 16 * q, 8 * t, &v, live, &out);
                 }
                 for i in (tiled8..tiled).step_by(4) {
                     let v = quad_dot::<B, 4>(quad, &std::array::from_fn(|t| row(i + t)));
@@ -338,12 +339,9 @@ impl<B: Interleave> Repacked<B> {
             let widen = |v: [f64; 4]| std::array::from_fn(|r| if r < 4 { v[r] } else { 0.0 });
             for g in 0..groups {
                 let group = group(g);
-                // The tiles of 8 of paired (or quad) groups ran above.
-                let paired = if g < 2 * pairs || g < 4 * quads {
-                    tiled8
-                } else {
-                    0
-                };
+                // The tiles of 8 of paired groups ran above (the quads' groups are among
+                // them: with tiles of 8, `2 · pairs` covers every group but an odd last one).
+                let paired = if g < 2 * pairs { tiled8 } else { 0 };
                 for i in (paired..tiled8).step_by(8) {
                     let v = group_dot::<B, 8>(kernel, group, std::array::from_fn(|t| row(i + t)));
                     put(g, i, &v.map(widen), 4);

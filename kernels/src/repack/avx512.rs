@@ -95,13 +95,13 @@ pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEA
     let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     let mut acc = [[_mm512_setzero_pd(); 2]; M];
     let blocks = groups[0].len();
+    let group = std::mem::size_of_val(groups[0]);
     for b in 0..blocks {
         let g = groups.map(|s| s.get_unchecked(b));
         // `AHEAD` bytes ahead in each group's stream, or, where that passes the group's
         // end, as far into the same group of the next quad, which no stream reaches before
         // the next call (the four groups' next blocks are read meanwhile). Hints: no fault
         // past the end of the weight.
-        let group = std::mem::size_of_val(groups[0]);
         let ahead = if b * std::mem::size_of::<G>() + AHEAD < group {
             AHEAD
         } else {
