@@ -4,82 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::{Engine, Header, Record, HEADER_BYTES, REASON_BYTES, RECORD_BYTES};
-use crate::comm::error::{CommError, CommResult};
+use super::layout::{Header, Record, HEADER_BYTES, REASON_BYTES, RECORD_BYTES};
 use crate::comm::region::Mapping;
 use crate::comm::wait::futex_wake_all;
-
-impl Record {
-    /// The abort reason this rank wrote (empty if none).
-    fn reason(&self) -> String {
-        let bytes: Vec<u8> = self
-            .reason
-            .iter()
-            .map(|b| b.load(Ordering::Relaxed))
-            .take_while(|&b| b != 0)
-            .collect();
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
-}
-
-impl Engine {
-    /// Marks the group as failed, with a reason every peer will see, and wakes all waiters.
-    pub(crate) fn abort(&self, reason: &str) {
-        abort_region(&self.map, self.rank, self.size, reason);
-    }
-
-    /// A handle that aborts the group without this engine (nor its lock): what a watchdog
-    /// thread uses while a collective of this rank is stuck holding the lock.
-    pub(crate) fn abort_handle(&self) -> AbortHandle {
-        AbortHandle {
-            map: self.map.clone(),
-            rank: self.rank,
-            size: self.size,
-            parent: self.parent.clone(),
-        }
-    }
-
-    /// Links this group to the group it was made from (see [`Parent`]).
-    pub(crate) fn set_parent(&mut self, name: String, abort: AbortHandle) {
-        self.parent = Some(Arc::new(Parent { name, abort }));
-    }
-
-    pub(super) fn check_abort(&self, op: &str) -> CommResult<()> {
-        let a = self.header().abort.load(Ordering::Acquire);
-        if a == 0 {
-            return match self.parent.as_deref().and_then(Parent::aborted) {
-                None => Ok(()),
-                Some((group, rank, reason)) => Err(CommError::Aborted {
-                    group,
-                    op: op.to_string(),
-                    rank,
-                    reason,
-                }),
-            };
-        }
-        let by = a as usize - 1;
-        Err(CommError::Aborted {
-            group: self.group.clone(),
-            op: op.to_string(),
-            rank: by,
-            reason: self.record(by).reason(),
-        })
-    }
-
-    /// Errors if peer `r` is a process that no longer runs.
-    pub(super) fn check_alive(&self, r: usize, op: &str) -> CommResult<()> {
-        let pid = self.record(r).pid.load(Ordering::Acquire);
-        if pid == 0 || pid == self.pid || process_alive(pid) {
-            return Ok(());
-        }
-        Err(CommError::PeerDied {
-            group: self.group.clone(),
-            op: op.to_string(),
-            rank: r,
-            pid,
-        })
-    }
-}
 
 /// A parent group's name and abort state.
 pub(super) struct Parent {
@@ -98,8 +25,13 @@ pub(crate) struct AbortHandle {
 }
 
 impl Parent {
+    /// A link to the group `name`, aborted through `abort`.
+    pub(super) fn new(name: String, abort: AbortHandle) -> Self {
+        Self { name, abort }
+    }
+
     /// The aborted ancestor's name, the rank that aborted it and its reason.
-    fn aborted(&self) -> Option<(String, usize, String)> {
+    pub(super) fn aborted(&self) -> Option<(String, usize, String)> {
         match self.abort.own_abort() {
             Some((rank, reason)) => Some((self.name.clone(), rank, reason)),
             None => self.abort.parent.as_deref().and_then(Parent::aborted),
@@ -108,6 +40,21 @@ impl Parent {
 }
 
 impl AbortHandle {
+    /// A handle on the region `map` of rank `rank` of `size`, its group made from `parent`.
+    pub(super) fn new(
+        map: Arc<Mapping>,
+        rank: usize,
+        size: usize,
+        parent: Option<Arc<Parent>>,
+    ) -> Self {
+        Self {
+            map,
+            rank,
+            size,
+            parent,
+        }
+    }
+
     /// Marks the group as failed with `reason` and wakes every waiter.
     pub(crate) fn abort(&self, reason: &str) {
         abort_region(&self.map, self.rank, self.size, reason);
@@ -140,7 +87,7 @@ impl AbortHandle {
 /// Writes this rank's abort reason (the first abort of the rank wins), sets the group's abort
 /// word (the first rank wins) and wakes all waiters. The reason is written before the word, so
 /// a peer that sees the word reads a complete reason.
-fn abort_region(map: &Mapping, rank: usize, size: usize, reason: &str) {
+pub(super) fn abort_region(map: &Mapping, rank: usize, size: usize, reason: &str) {
     let record = |r: usize| {
         // SAFETY: attach checked that the mapping holds the header and `size` records; they
         // hold only atomics.
@@ -173,7 +120,7 @@ fn abort_region(map: &Mapping, rank: usize, size: usize, reason: &str) {
 }
 
 /// Whether process `pid` exists and is not a zombie.
-fn process_alive(pid: u32) -> bool {
+pub(super) fn process_alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks for existence.
     let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
     if r != 0 {

@@ -31,13 +31,16 @@
 
 mod abort;
 mod algorithms;
+mod layout;
 
 pub(crate) use abort::AbortHandle;
-use abort::Parent;
+use abort::{abort_region, process_alive, Parent};
+pub(crate) use layout::{region_layout, MAX_RANKS};
+use layout::{Header, MetaValue, Record, HEADER_BYTES, MAGIC, PORTION_ALIGN, RECORD_BYTES};
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,87 +51,6 @@ use super::wait::{
     futex_wait, futex_wake_all, reached, spin_then_yield, yield_while_running, Deadline, Spun,
     WaitPolicy,
 };
-
-const MAGIC: u64 = 0x7074_656c_646e_6163; // "candletp", little endian
-const HEADER_BYTES: usize = 256;
-const RECORD_BYTES: usize = 512;
-/// Room for an abort reason (an error message naming the layer, the sizes and the rank).
-const REASON_BYTES: usize = 432;
-const PAGE: usize = 4096;
-/// Element alignment of the per-rank portions of a chunk (one cache line of f32).
-const PORTION_ALIGN: usize = 16;
-/// Largest group the engine serves (per-call scratch lives on the stack).
-pub(crate) const MAX_RANKS: usize = 64;
-
-#[repr(C)]
-struct Header {
-    magic: AtomicU64,
-    size: AtomicU64,
-    slot_bytes: AtomicU64,
-    abort: AtomicU32,
-    _pad: AtomicU32,
-    /// Largest one-shot all-reduce in bytes: a protocol choice, so the creator's value (its
-    /// `CANDLE_TP_ONESHOT_BYTES`) holds for every rank.
-    one_shot_bytes: AtomicU64,
-}
-
-#[repr(C)]
-struct Meta {
-    kind: AtomicU32,
-    dtype: AtomicU32,
-    count: AtomicU64,
-    aux: AtomicU64,
-}
-
-#[repr(C)]
-struct Record {
-    seq: AtomicU32,
-    waiters: AtomicU32,
-    pid: AtomicU32,
-    /// Set (0 -> 1) by the first abort of this rank, which alone writes `reason`.
-    reason_claimed: AtomicU32,
-    /// Non-zero while this rank sleeps on a futex waiting for a peer: its waiters then sleep
-    /// too instead of yielding (see [`super::wait`]).
-    sleeping: AtomicU32,
-    meta: [Meta; 2],
-    reason: [AtomicU8; REASON_BYTES],
-}
-
-const _: () = assert!(std::mem::size_of::<Record>() <= RECORD_BYTES);
-const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
-
-/// What a rank declares about a collective, compared across ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct MetaValue {
-    kind: u32,
-    dtype: u32,
-    count: u64,
-    aux: u64,
-}
-
-/// The data offset and the bytes needed for a region of `size` ranks with `slot_bytes`
-/// slots, in checked arithmetic (the slot size comes from `CANDLE_TP_SLOT_BYTES`).
-pub(crate) fn region_layout(size: usize, slot_bytes: usize) -> CommResult<(usize, usize)> {
-    let data = size
-        .checked_mul(RECORD_BYTES)
-        .and_then(|r| r.checked_add(HEADER_BYTES))
-        .map(|b| b.div_ceil(PAGE))
-        .and_then(|p| p.checked_mul(PAGE));
-    let total = data.and_then(|d| {
-        size.checked_mul(2)
-            .and_then(|s| s.checked_mul(slot_bytes))
-            .and_then(|s| s.checked_add(d))
-    });
-    match (data, total) {
-        (Some(d), Some(t)) => Ok((d, t)),
-        _ => Err(CommError::invalid(
-            "shared memory",
-            format!(
-                "a region for {size} ranks with 2 slots of {slot_bytes} bytes each does not fit in the address space: lower CANDLE_TP_SLOT_BYTES"
-            ),
-        )),
-    }
-}
 
 /// One rank's view of a group's region.
 pub(crate) struct Engine {
@@ -471,5 +393,60 @@ impl Engine {
         self.stats
             .record(CollectiveKind::Barrier, 0, 0, 0, t0.elapsed());
         Ok(())
+    }
+}
+
+/// Aborting (`abort.rs` holds the handle and the region's abort word).
+impl Engine {
+    /// Marks the group as failed, with a reason every peer will see, and wakes all waiters.
+    pub(crate) fn abort(&self, reason: &str) {
+        abort_region(&self.map, self.rank, self.size, reason);
+    }
+
+    /// A handle that aborts the group without this engine (nor its lock): what a watchdog
+    /// thread uses while a collective of this rank is stuck holding the lock.
+    pub(crate) fn abort_handle(&self) -> AbortHandle {
+        AbortHandle::new(self.map.clone(), self.rank, self.size, self.parent.clone())
+    }
+
+    /// Links this group to the group it was made from (see [`Parent`]).
+    pub(crate) fn set_parent(&mut self, name: String, abort: AbortHandle) {
+        self.parent = Some(Arc::new(Parent::new(name, abort)));
+    }
+
+    pub(super) fn check_abort(&self, op: &str) -> CommResult<()> {
+        let a = self.header().abort.load(Ordering::Acquire);
+        if a == 0 {
+            return match self.parent.as_deref().and_then(Parent::aborted) {
+                None => Ok(()),
+                Some((group, rank, reason)) => Err(CommError::Aborted {
+                    group,
+                    op: op.to_string(),
+                    rank,
+                    reason,
+                }),
+            };
+        }
+        let by = a as usize - 1;
+        Err(CommError::Aborted {
+            group: self.group.clone(),
+            op: op.to_string(),
+            rank: by,
+            reason: self.record(by).reason(),
+        })
+    }
+
+    /// Errors if peer `r` is a process that no longer runs.
+    pub(super) fn check_alive(&self, r: usize, op: &str) -> CommResult<()> {
+        let pid = self.record(r).pid.load(Ordering::Acquire);
+        if pid == 0 || pid == self.pid || process_alive(pid) {
+            return Ok(());
+        }
+        Err(CommError::PeerDied {
+            group: self.group.clone(),
+            op: op.to_string(),
+            rank: r,
+            pid,
+        })
     }
 }
