@@ -1,26 +1,32 @@
-//! The one trait every communication backend implements, and the type-erased host buffers
-//! it takes.
+//! The one trait every communication backend implements, the type-erased host buffers it
+//! takes, and what a backend hands up: the [`World`] its join returns (which
+//! [`ProcessGroup`](super::ProcessGroup) wraps; no backend builds a group) and the
+//! [`Registration`] that puts it in `init_from_env`'s table (`comm/join.rs`).
 //!
 //! [`ProcessGroup`](super::ProcessGroup) holds an `Arc<dyn Backend>` and never asks which
 //! backend it is: the shared-memory engine (processes or threads of one host,
-//! `comm/shm.rs`), NCCL (`comm/nccl.rs`, feature `nccl`) and the one-rank group
-//! (`comm/single.rs`) each live in their own file. A new backend is one more file implementing
-//! [`Backend`] plus the line in `comm/env.rs` (or its own `init_*`) that chooses it.
+//! `comm/shm.rs`), NCCL (`comm/nccl.rs`, feature `nccl`), MPI (`comm/mpi/`), the hierarchical
+//! backend (`comm/hierarchical/`) and the one-rank group (`comm/single.rs`) each live in their
+//! own files. A new backend is one more file implementing [`Backend`] and a [`Registration`],
+//! plus its line in `join::BACKENDS`. A capability only some backends have is a trait method
+//! with a default (NCCL's collectives on device memory: `device_collectives`), never a
+//! downcast.
 //!
 //! Collectives are generic over [`Element`] in the group's API; a trait object cannot have
 //! generic methods, so buffers cross the trait as [`HostBuf`] / [`HostBufMut`] (a slice with
 //! its element type), and a backend gets its typed slice back with [`HostBuf::get`] inside
 //! [`for_element!`], which expands its body once per element type.
 
-use std::any::{Any, TypeId};
+use std::any::TypeId;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use candle_core::DType;
 
-use super::context::Context;
+use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
+use super::launcher::Launch;
 use super::stats::{CommStats, SharedStats};
 
 /// A host slice of some [`Element`] type, for [`Backend`] methods.
@@ -208,10 +214,6 @@ macro_rules! erased_collectives {
             for_element!(buf.dtype(), who(), |T| self
                 .typed_broadcast(typed_mut::<T>(buf, who)?, root))
         }
-
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
     };
 }
 pub(crate) use erased_collectives;
@@ -295,7 +297,155 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// `nccl`), or `single` for a group of one rank.
     fn kind(&self) -> &'static str;
 
-    /// For the code that needs one backend's own API (NCCL's device collectives).
-    #[allow(dead_code)] // used with the nccl feature
-    fn as_any(&self) -> &dyn Any;
+    /// The backend's collectives on device memory, when it has them (NCCL): the capability
+    /// the CUDA paths of `ops` use, so that they never name a backend.
+    #[cfg(feature = "nccl")]
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        None
+    }
+}
+
+/// Collectives on CUDA memory, run on the tensors' own stream (no host copy): what a backend
+/// whose collectives live on the device (NCCL) offers through
+/// [`Backend::device_collectives`]. `src` is the input's elements `range` of a storage,
+/// `dst` a whole storage of the same element type; `name` names the call in errors.
+#[cfg(feature = "nccl")]
+pub(crate) trait DeviceCollectives {
+    /// Checks that `dev` is the group's device and stream; the error names `op`.
+    fn check_device(&self, dev: &candle_core::cuda_backend::CudaDevice, op: &str)
+        -> CommResult<()>;
+
+    /// Element-wise reduction of `src` into `dst` (same length) across ranks.
+    fn all_reduce(
+        &self,
+        name: &str,
+        src: DeviceSrc<'_>,
+        dst: &mut DeviceDst,
+        op: ReduceOp,
+    ) -> candle_core::Result<()>;
+
+    /// Copies `root`'s `src` into every rank's `dst` (same length).
+    fn broadcast(
+        &self,
+        name: &str,
+        src: DeviceSrc<'_>,
+        dst: &mut DeviceDst,
+        root: usize,
+    ) -> candle_core::Result<()>;
+
+    /// Concatenates every rank's `src` into `dst`; rank `r` contributes `counts[r]` elements.
+    fn all_gather_v(
+        &self,
+        name: &str,
+        src: DeviceSrc<'_>,
+        dst: &mut DeviceDst,
+        counts: &[usize],
+    ) -> candle_core::Result<()>;
+
+    /// Reduces `src` (blocks of `counts[r]` elements) and leaves block `rank` in `dst`.
+    fn reduce_scatter_v(
+        &self,
+        name: &str,
+        src: DeviceSrc<'_>,
+        dst: &mut DeviceDst,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> candle_core::Result<()>;
+}
+
+/// The input of a [`DeviceCollectives`] call: elements `range` of a CUDA storage.
+#[cfg(feature = "nccl")]
+#[derive(Clone)]
+pub(crate) struct DeviceSrc<'a> {
+    /// The storage.
+    pub(crate) storage: &'a candle_core::cuda_backend::CudaStorage,
+    /// The elements of it the collective reads.
+    pub(crate) range: std::ops::Range<usize>,
+}
+
+/// The output of a [`DeviceCollectives`] call: a whole CUDA storage.
+#[cfg(feature = "nccl")]
+pub(crate) type DeviceDst = candle_core::cuda_backend::CudaStorage;
+
+/// A group as a backend's join returns it (the world of a job, on this rank), for
+/// [`ProcessGroup`](super::ProcessGroup) to wrap: the backends sit below the group and never
+/// build one themselves.
+pub(crate) struct World {
+    /// The group's name, as errors print it (`world`, or `single` for a job of one rank).
+    pub(crate) name: String,
+    /// This rank's index among `members`.
+    pub(crate) rank: usize,
+    /// World rank of each member, in group order.
+    pub(crate) members: Vec<usize>,
+    /// The collectives.
+    pub(crate) backend: Arc<dyn Backend>,
+    /// What the group's sub-groups share (`None`: a group of one rank, whose sub-groups are
+    /// single too).
+    pub(crate) ctx: Option<Arc<Context>>,
+}
+
+impl World {
+    /// The world of rank `rank` of `size` ranks on `backend`, named `world`.
+    pub(crate) fn new(
+        rank: usize,
+        size: usize,
+        backend: Arc<dyn Backend>,
+        ctx: Option<Arc<Context>>,
+    ) -> Self {
+        Self {
+            name: "world".into(),
+            rank,
+            members: (0..size).collect(),
+            backend,
+            ctx,
+        }
+    }
+}
+
+/// A backend as [`init_from_env`](crate::init_from_env) sees it: one line of the table in
+/// `comm/env.rs`, defined by the backend's own file (or by `comm/join.rs` for a backend made of
+/// others). `env.rs` names no backend: it reads `CANDLE_TP_BACKEND`, picks the entry, joins.
+pub(crate) struct Registration {
+    /// The name `CANDLE_TP_BACKEND` gives it.
+    pub(crate) name: &'static str,
+    /// The devices it runs on, for messages (`CPUs`, `CUDA devices`).
+    pub(crate) devices: &'static str,
+    /// Whether it runs on `device`.
+    pub(crate) serves: fn(&candle_core::Device) -> bool,
+    /// Whether `auto` takes it for this job (the table is tried in order).
+    pub(crate) auto: fn(&candle_core::Device, &Launch) -> bool,
+    /// Joins the job; `Err` when this build lacks the backend: what builds it.
+    pub(crate) join: Result<JoinFn, &'static str>,
+}
+
+/// How a registered backend joins the job this process was started in.
+pub(crate) type JoinFn = fn(&candle_core::Device, &Launch, GroupOptions) -> CommResult<World>;
+
+/// Checks the per-rank sizes of a `*_v` collective on a group of `size` ranks where this rank
+/// is `rank`: one count per rank, this rank's count equal to its buffer's `mine` elements, and
+/// the counts summing to the whole buffer's `total` (`gather`: the input is this rank's part;
+/// else the output is). The error names `who`.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))] // the MPI and hierarchical backends
+pub(crate) fn check_counts(
+    who: &str,
+    counts: &[usize],
+    size: usize,
+    rank: usize,
+    mine: usize,
+    total: usize,
+    gather: bool,
+) -> CommResult<()> {
+    let sum: usize = counts.iter().sum();
+    if counts.len() != size || counts[rank] != mine || sum != total {
+        return Err(CommError::invalid(
+            who,
+            format!(
+                "sizes {counts:?} for {size} ranks: this rank's {} has {mine} elements, the {} \
+                 {total}",
+                if gather { "input" } else { "output" },
+                if gather { "output" } else { "input" },
+            ),
+        ));
+    }
+    Ok(())
 }

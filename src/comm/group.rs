@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use super::backend::{Backend, HostBuf, HostBufMut};
+#[cfg(feature = "nccl")]
+use super::backend::DeviceCollectives;
+use super::backend::{Backend, HostBuf, HostBufMut, World};
 use super::context::Context;
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
@@ -78,22 +80,22 @@ impl ProcessGroup {
         }
     }
 
-    /// The group's NCCL backend, if it has one (for the CUDA tensor paths of `ops`).
+    /// The group of a backend's joined world.
+    pub(crate) fn from_world(w: World) -> Self {
+        Self::new(w.name, w.rank, w.members, w.backend, w.ctx)
+    }
+
+    /// The group's collectives on device memory, when its backend has them (NCCL), for the
+    /// CUDA tensor paths of `ops`.
     #[cfg(feature = "nccl")]
-    pub(crate) fn nccl(&self) -> Option<&super::nccl::NcclGroup> {
-        self.inner.backend.as_any().downcast_ref()
+    pub(crate) fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        self.inner.backend.device_collectives()
     }
 
     /// A group of one rank: every collective is a copy. What a program gets when it runs
     /// without a launcher; layers built on it behave exactly like candle-nn's.
     pub fn single() -> Self {
-        Self::new(
-            "single".into(),
-            0,
-            vec![0],
-            Arc::new(Single::new("single".into())),
-            None,
-        )
+        Self::from_world(Single::world())
     }
 
     /// This rank's index in the group, `0..size()`.

@@ -37,6 +37,33 @@ impl Launcher {
             Self::Slurm => "Slurm's srun",
         }
     }
+
+    /// Whether an MPI launcher (`mpirun`, Hydra's `mpiexec`) or `srun` started the job.
+    pub fn is_mpi(self) -> bool {
+        matches!(self, Self::OpenMpi | Self::Hydra | Self::Slurm)
+    }
+
+    /// The variable that gives the number of processes of the whole job, for messages.
+    pub fn world_size_var(self) -> &'static str {
+        let step = std::env::var("SLURM_STEP_NUM_TASKS").is_ok_and(|v| !v.trim().is_empty());
+        match self {
+            Self::OpenMpi => "OMPI_COMM_WORLD_SIZE",
+            Self::Hydra => "PMI_SIZE",
+            Self::Slurm if step => "SLURM_STEP_NUM_TASKS",
+            Self::Slurm => "SLURM_NTASKS",
+            Self::Alone | Self::Torchrun => "WORLD_SIZE",
+        }
+    }
+
+    /// The variable that gives the number of processes on this host, for messages.
+    pub fn local_size_var(self) -> &'static str {
+        match self {
+            Self::OpenMpi => "OMPI_COMM_WORLD_SIZE",
+            Self::Hydra => "MPI_LOCALNRANKS",
+            Self::Slurm => "SLURM_STEP_TASKS_PER_NODE",
+            Self::Alone | Self::Torchrun => "LOCAL_WORLD_SIZE",
+        }
+    }
 }
 
 /// This process's place in its job, as its launcher describes it.

@@ -6,7 +6,7 @@
 //!   under `<group>/nccl-id`; the others read it. Every member then checks in under
 //!   `<group>/nccl-ready/<rank>` and waits (with the group's deadline) for all the others
 //!   before `ncclCommInitRank`, which itself waits without a deadline.
-//! - Device: the CUDA device given to [`init_nccl`] (`LOCAL_RANK` under `tprun`/`torchrun`,
+//! - Device: the CUDA device given to [`init_nccl`](crate::comm::init_nccl) (`LOCAL_RANK` under `tprun`/`torchrun`,
 //!   see [`crate::device_from_arg`]). Its context is made current on the calling thread before
 //!   `ncclCommInitRank` (cudarc's `Comm::from_rank` does not do it) and before every call.
 //! - Sub-groups: a new communicator per group, its id exchanged through the store the same way.
@@ -28,20 +28,20 @@ use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr};
 use cudarc::nccl::result::{group_end, group_start, NcclError};
 use cudarc::nccl::safe::{Comm, NcclType, ReduceOp as NcclOp};
 
-use super::backend::{erased_collectives, Backend};
+use super::backend::{erased_collectives, Backend, DeviceCollectives};
 use super::context::Context;
 use super::element::ReduceOp;
 use super::error::{CommError, CommResult};
 use super::stats::{CollectiveKind, SharedStats};
 
+mod device;
 mod host;
 mod setup;
 
-pub use setup::init_nccl;
-pub(crate) use setup::rendezvous;
+pub(crate) use setup::{join, rendezvous};
 // Only a job that mpirun launched meets over MPI's store (comm/env.rs).
 #[cfg(feature = "mpi")]
-pub(crate) use setup::init_nccl_on;
+pub(crate) use setup::join_on;
 
 /// An NCCL communicator that may move between threads.
 ///
@@ -115,7 +115,7 @@ pub(crate) fn ordinal(device: &CudaDevice) -> usize {
 
 /// Host buffers go through device memory (`nccl/host.rs`); tensors on the GPU take the
 /// device collectives directly (`ops/cuda.rs`, through
-/// [`ProcessGroup::nccl`](crate::ProcessGroup::nccl)).
+/// [`ProcessGroup::device_collectives`](crate::ProcessGroup::device_collectives)).
 impl Backend for NcclGroup {
     erased_collectives!();
 
@@ -151,6 +151,10 @@ impl Backend for NcclGroup {
 
     fn kind(&self) -> &'static str {
         "nccl"
+    }
+
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        Some(self)
     }
 }
 

@@ -7,13 +7,14 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::backend::{erased_collectives, Backend};
+use super::backend::{erased_collectives, Backend, Registration, World};
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::engine::{region_layout, AbortHandle, Engine};
 use super::error::{CommError, CommResult};
-use super::group::ProcessGroup;
+use super::launcher::Launch;
 use super::region::{self, random_hex, RegionKind};
+use super::rendezvous::{rendezvous_from_env, Rendezvous};
 use super::single::Single;
 use super::stats::CommStats;
 use super::store::connect_job_store;
@@ -43,26 +44,51 @@ fn job_id() -> CommResult<String> {
     }
 }
 
-/// Where and how the ranks of a job meet.
-#[derive(Debug, Clone)]
-pub struct Rendezvous {
-    /// This process's rank.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world_size: usize,
-    /// Address rank 0 listens on (`MASTER_ADDR`; loopback for one host).
-    pub master_addr: String,
-    /// Port of the store (`MASTER_PORT`).
-    pub master_port: u16,
-    /// The job's secret; peers without it are refused (`CANDLE_TP_TOKEN`, set by `tprun`).
-    pub token: String,
+/// The `shm` backend in `init_from_env`'s table: CPUs of one host, what `auto` takes there.
+pub(crate) const REGISTRATION: Registration = Registration {
+    name: "shm",
+    devices: "CPUs",
+    serves: candle_core::Device::is_cpu,
+    auto: |device, _| device.is_cpu(),
+    join: Ok(join_from_env),
+};
+
+/// Joins the job this process was started in (tprun, torchrun, or an MPI launcher on one
+/// host): the rendezvous from the environment; a job that spans hosts is refused, naming the
+/// launcher's variable and what crosses hosts instead.
+fn join_from_env(
+    _device: &candle_core::Device,
+    launch: &Launch,
+    options: GroupOptions,
+) -> CommResult<World> {
+    let rv = rendezvous_from_env()?;
+    if rv.world_size == 1 {
+        return Ok(Single::world());
+    }
+    if !launch.is_single_host() {
+        return Err(CommError::env(
+            launch.launcher.local_size_var(),
+            format!(
+                "the job spans hosts ({} processes, {} on this host, started by {}), but \
+                 the shared-memory backend serves one host. On CPUs, cross hosts with MPI: \
+                 build with `--features mpi` (scripts/setup-mpi.sh installs Open MPI) and \
+                 launch with `mpirun -np 4 --host a:2,b:2 PROGRAM` or `srun -N 2 \
+                 --ntasks-per-node 2 PROGRAM` instead of tprun --nnodes (docs/MULTIHOST.md); \
+                 tprun --nnodes serves GPU jobs (the nccl feature)",
+                launch.world_size,
+                launch.local_world_size,
+                launch.launcher.name()
+            ),
+        ));
+    }
+    join(&rv, options)
 }
 
-/// Joins the job described by `rv` as one process of the `shm` backend, and returns its world
-/// group.
-pub fn init_shm(rv: &Rendezvous, options: GroupOptions) -> CommResult<ProcessGroup> {
+/// Joins the job described by `rv` as one process of the `shm` backend (what
+/// [`init_shm`](crate::comm::init_shm) wraps); a job of one rank is [`Single::world`].
+pub(crate) fn join(rv: &Rendezvous, options: GroupOptions) -> CommResult<World> {
     if rv.world_size == 1 {
-        return Ok(ProcessGroup::single());
+        return Ok(Single::world());
     }
     let (store, keep) = connect_job_store(rv, options.timeout)?;
     if rv.rank == 0 {
@@ -79,13 +105,7 @@ pub fn init_shm(rv: &Rendezvous, options: GroupOptions) -> CommResult<ProcessGro
     );
     let members: Vec<usize> = (0..rv.world_size).collect();
     let backend = rendezvous(&ctx, "world".into(), rv.rank, &members, None)?;
-    Ok(ProcessGroup::new(
-        "world".into(),
-        rv.rank,
-        members,
-        backend,
-        Some(ctx),
-    ))
+    Ok(World::new(rv.rank, rv.world_size, backend, Some(ctx)))
 }
 
 /// The shared-memory engine of one group on this rank: a mapped region and the protocol on it

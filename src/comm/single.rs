@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::backend::{erased_collectives, Backend};
+use super::backend::{erased_collectives, Backend, World};
 use super::context::Context;
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
@@ -17,6 +17,18 @@ pub(crate) struct Single {
 impl Single {
     pub(crate) fn new(name: String) -> Self {
         Self { name }
+    }
+
+    /// The world of a job of one rank (named `single`): what a program gets without a
+    /// launcher.
+    pub(crate) fn world() -> World {
+        World {
+            name: "single".into(),
+            rank: 0,
+            members: vec![0],
+            backend: Arc::new(Single::new("single".into())),
+            ctx: None,
+        }
     }
 
     fn who(&self, op: &str) -> String {

@@ -3,7 +3,8 @@
 
 use candle_core::{Result, Tensor};
 
-use super::collective::{CollectiveOp, Kind};
+use super::collective::CollectiveOp;
+use super::kind::Kind;
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::Partition;
 
@@ -109,7 +110,7 @@ impl ProcessGroup {
     /// exercises the NCCL path (`scripts/gpu-smoke.sh`) and counts in [`stats`](Self::stats).
     fn returns_input(&self) -> bool {
         #[cfg(feature = "nccl")]
-        if self.nccl().is_some() {
+        if self.device_collectives().is_some() {
             return false;
         }
         self.size() == 1

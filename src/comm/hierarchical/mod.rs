@@ -1,7 +1,9 @@
 //! The hierarchical backend (feature `mpi`): for a job across hosts, the shared-memory engine
 //! among the ranks of each host and MPI between hosts.
 //!
-//! The hosts are found with `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Ranks of one host meet
+//! It knows its two transports only through the `Backend` trait: `comm/join.rs` hands it MPI's
+//! world and the group of this host's ranks, and the shm engine's rendezvous, which builds the
+//! in-host groups. The hosts are found with `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Ranks of one host meet
 //! through a store that the host's first rank serves on its loopback (its port handed out over
 //! MPI), so no address needs configuring. A group whose members all sit on one host is a plain
 //! shm group, one whose members sit on different hosts one per host a plain MPI group; only a
@@ -32,22 +34,19 @@ mod algorithms;
 use std::any::Any;
 use std::sync::Arc;
 
-use super::backend::{erased_collectives, Backend, HostBuf, HostBufMut};
+use super::backend::{check_counts, erased_collectives, Backend, HostBuf, HostBufMut, World};
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
-use super::group::ProcessGroup;
-use super::mpi::{mpi_world, MpiBackend};
 use super::region::{random_hex, RegionKind};
-use super::shm::rendezvous;
 use super::single::Single;
 use super::stats::{CollectiveKind, SharedStats};
 use super::store::{Store, TcpStore, TcpStoreServer};
 
 /// Where every world rank lives, and the world's two transports, shared by all groups.
 struct HostMap {
-    /// `MPI_COMM_WORLD`: its sub-groups are the across-host stages.
-    mpi: Arc<MpiBackend>,
+    /// The world on the across-host transport (MPI): its sub-groups are the across-host stages.
+    across: Arc<dyn Backend>,
     /// The shm engine over this host's world ranks: its sub-groups are the in-host stages.
     local: Arc<dyn Backend>,
     /// Host index of each world rank (hosts numbered in the order of their first rank).
@@ -81,14 +80,26 @@ pub(crate) struct Hierarchical {
     serial: std::sync::Mutex<()>,
 }
 
-/// Joins the MPI job this process was started in (`mpirun`, `mpiexec`, `srun`) and returns its
-/// world group on the hierarchical backend: shared memory among the ranks of each host, MPI
-/// between hosts. On one host it is the shm backend, with one rank per host plain MPI.
-pub fn init_hierarchical(options: GroupOptions) -> CommResult<ProcessGroup> {
-    let mpi = mpi_world(options)?;
-    let (rank, size) = (mpi.rank(), mpi.size());
+/// The in-host backend of a host's ranks: `(context, name, rank, members)`, members numbered
+/// among the host's ranks (the shm engine's rendezvous).
+pub(crate) type LocalJoin<'a> =
+    &'a dyn Fn(&Arc<Context>, String, usize, &[usize]) -> CommResult<Arc<dyn Backend>>;
+
+/// The world of the hierarchical backend, over two backends it knows only through the trait
+/// (what [`init_hierarchical`](crate::comm::init_hierarchical) wraps): `across`, the world on
+/// the transport between hosts (MPI), whose sub-groups carry the across-host stages; `node`,
+/// the ranks of this rank's host as a group of that transport (ordered by world rank); and
+/// `local`, which builds the in-host backend (shared memory) of a host's ranks. On one host
+/// the world is the in-host backend's, with one rank per host the transport's.
+pub(crate) fn join(
+    across: World,
+    node: Arc<dyn Backend>,
+    local: LocalJoin<'_>,
+    options: GroupOptions,
+) -> CommResult<World> {
+    let (rank, size) = (across.rank, across.members.len());
+    let mpi = across.backend;
     // The host of every rank, named by its host's first world rank.
-    let node = mpi.split_shared("world/node".into());
     let mut first = [rank as i64];
     node.broadcast(HostBufMut::new(&mut first), 0)?;
     let mut firsts = vec![0i64; size];
@@ -123,36 +134,24 @@ pub fn init_hierarchical(options: GroupOptions) -> CommResult<ProcessGroup> {
     }
     mpi.broadcast(HostBufMut::new(&mut job), 0)?;
     let job = String::from_utf8_lossy(&job).into_owned();
-    let ctx = host_store(&node, local_of[rank], local_size, job, &options)?;
+    let ctx = host_store(node.as_ref(), local_of[rank], local_size, job, &options)?;
     let local_members: Vec<usize> = (0..local_size).collect();
-    let local = rendezvous(
-        &ctx,
-        "world/host".into(),
-        local_of[rank],
-        &local_members,
-        None,
-    )?;
+    let local = local(&ctx, "world/host".into(), local_of[rank], &local_members)?;
     let map = Arc::new(HostMap {
-        mpi,
+        across: mpi,
         local,
         host_of,
         local_of,
     });
     let members: Vec<usize> = (0..size).collect();
     let backend = Hierarchical::group(&map, &ctx, "world".into(), rank, &members, true)?;
-    Ok(ProcessGroup::new(
-        "world".into(),
-        rank,
-        members,
-        backend,
-        Some(ctx),
-    ))
+    Ok(World::new(rank, size, backend, Some(ctx)))
 }
 
 /// The store of this host's ranks: its first rank serves it on loopback and tells the others
 /// the port and a fresh token over MPI.
 fn host_store(
-    node: &MpiBackend,
+    node: &dyn Backend,
     local_rank: usize,
     local_size: usize,
     job: String,
@@ -218,7 +217,7 @@ impl Hierarchical {
             .map(|&g| map.local_of[members[g]])
             .collect();
         if one_per_host {
-            return map.mpi.subgroup(ctx, name, rank, members);
+            return map.across.subgroup(ctx, name, rank, members);
         }
         if whole_host {
             return map.local.subgroup(ctx, name, my_index, &local_members);
@@ -236,7 +235,7 @@ impl Hierarchical {
         let cross = if even || my_index == 0 {
             let across: Vec<usize> = hosts.iter().map(|m| members[m[my_index]]).collect();
             Some(
-                map.mpi
+                map.across
                     .subgroup(ctx, format!("{name}/across{my_index}"), my_host, &across)?,
             )
         } else {
@@ -380,7 +379,7 @@ impl Hierarchical {
         total: usize,
         gather: bool,
     ) -> CommResult<()> {
-        super::mpi::check_counts(
+        check_counts(
             who,
             counts,
             self.place.len(),

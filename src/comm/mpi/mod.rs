@@ -25,11 +25,11 @@ use ::mpi::topology::{Communicator, SimpleCommunicator};
 use ::mpi::traits::*;
 use ::mpi::Threading;
 
-use super::backend::{erased_collectives, Backend};
+use super::backend::{check_counts, erased_collectives, Backend, Registration, World};
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
-use super::group::ProcessGroup;
+use super::launcher::{Launch, Launcher};
 use super::region::random_hex;
 use super::stats::{CollectiveKind, SharedStats};
 use super::store::MemStore;
@@ -68,10 +68,41 @@ struct Comm {
 // communicator may be used from any thread; the Mutex around it serialises this group's calls.
 unsafe impl Send for Comm {}
 
-/// Joins the MPI job this process was started in (by `mpirun`, `mpiexec` or `srun`) and
-/// returns its world group on the `mpi` backend. Initialises MPI with `MPI_THREAD_MULTIPLE`;
-/// MPI is finalised at a clean exit and aborted (the whole job ends) at an exit with an error.
-pub fn init_mpi(options: GroupOptions) -> CommResult<ProcessGroup> {
+/// The `mpi` backend in `init_from_env`'s table: every byte over MPI, on CPUs; only when asked
+/// for (`auto` takes the hierarchical backend across hosts).
+pub(crate) const REGISTRATION: Registration = Registration {
+    name: "mpi",
+    devices: "CPUs",
+    serves: candle_core::Device::is_cpu,
+    auto: |_, _| false,
+    join: Ok(|_, launch, options| {
+        let world = join(options)?;
+        check_launch(&world, launch)?;
+        Ok(world)
+    }),
+};
+
+/// Checks that MPI's world is the job the launcher describes (a process started by hand with
+/// a launcher's variables sees a world of one), naming the launcher's variable.
+pub(crate) fn check_launch(world: &World, launch: &Launch) -> CommResult<()> {
+    if launch.launcher != Launcher::Alone && world.members.len() != launch.world_size {
+        return Err(CommError::env(
+            launch.launcher.world_size_var(),
+            format!(
+                "{} says the job has {} processes, but MPI reports {} (was this process \
+                 started by that launcher's MPI?)",
+                launch.launcher.name(),
+                launch.world_size,
+                world.members.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Joins the MPI job this process was started in, every byte over MPI (what
+/// [`init_mpi`](crate::comm::init_mpi) wraps).
+pub(crate) fn join(options: GroupOptions) -> CommResult<World> {
     let world = mpi_world(options)?;
     let (rank, size) = (world.rank, world.size);
     let ctx = Context::new(
@@ -82,13 +113,7 @@ pub fn init_mpi(options: GroupOptions) -> CommResult<ProcessGroup> {
         size,
         Vec::new(),
     );
-    Ok(ProcessGroup::new(
-        "world".into(),
-        rank,
-        (0..size).collect(),
-        world,
-        Some(ctx),
-    ))
+    Ok(World::new(rank, size, world, Some(ctx)))
 }
 
 /// Writes `line` and a newline to stderr in one write: under mpirun, whose output tags cut
@@ -668,30 +693,6 @@ impl Backend for MpiBackend {
     fn kind(&self) -> &'static str {
         "mpi"
     }
-}
-
-pub(crate) fn check_counts(
-    who: &str,
-    counts: &[usize],
-    size: usize,
-    rank: usize,
-    mine: usize,
-    total: usize,
-    gather: bool,
-) -> CommResult<()> {
-    let sum: usize = counts.iter().sum();
-    if counts.len() != size || counts[rank] != mine || sum != total {
-        return Err(CommError::invalid(
-            who,
-            format!(
-                "sizes {counts:?} for {size} ranks: this rank's {} has {mine} elements, the {} \
-                 {total}",
-                if gather { "input" } else { "output" },
-                if gather { "output" } else { "input" },
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// The groups the watchdog looks at, and the thread itself (started with the first group).

@@ -1,4 +1,4 @@
-//! Meeting on NCCL: the world group of a job ([`init_nccl`]) and the communicator of each
+//! Meeting on NCCL: the world group of a job ([`join`]) and the communicator of each
 //! group ([`rendezvous`]), the NCCL unique id exchanged through the rendezvous store.
 
 use std::sync::{Arc, Mutex};
@@ -8,25 +8,18 @@ use candle_core::Device;
 use cudarc::nccl::safe::{Comm, Id};
 
 use super::{driver_err, nccl_err, ordinal, NcclComm, NcclGroup};
+use crate::comm::backend::World;
 use crate::comm::context::{Context, GroupOptions};
 use crate::comm::error::{CommError, CommResult};
-use crate::comm::group::ProcessGroup;
 use crate::comm::region::{random_hex, RegionKind};
-use crate::comm::shm::Rendezvous;
+use crate::comm::rendezvous::Rendezvous;
 use crate::comm::stats::SharedStats;
 use crate::comm::store::connect_job_store;
 
-/// Joins the job described by `rv` with one NCCL communicator per rank on `device`, and returns
-/// the world group. Unlike [`crate::init_from_env`], a job of one rank still gets a real NCCL
-/// communicator (useful to test NCCL on one GPU).
-///
-/// Rank 0 hosts the rendezvous store at `rv.master_addr:rv.master_port` (port 0: any free
-/// port, only for one rank). Each rank needs its own GPU: NCCL refuses two ranks on one device.
-pub fn init_nccl(
-    rv: &Rendezvous,
-    device: &Device,
-    options: GroupOptions,
-) -> CommResult<ProcessGroup> {
+/// Joins the job described by `rv` with one NCCL communicator per rank on `device` (what
+/// [`init_nccl`](crate::comm::init_nccl) wraps): rank 0 hosts the rendezvous store, a job of
+/// one rank still gets a real communicator.
+pub(crate) fn join(rv: &Rendezvous, device: &Device, options: GroupOptions) -> CommResult<World> {
     let Device::Cuda(dev) = device else {
         return Err(CommError::invalid(
             "init_nccl",
@@ -34,32 +27,25 @@ pub fn init_nccl(
         ));
     };
     let (store, keep) = connect_job_store(rv, options.timeout)?;
-    init_nccl_on(Arc::from(store), keep, rv.rank, rv.world_size, dev, options)
+    join_on(Arc::from(store), keep, rv.rank, rv.world_size, dev, options)
 }
 
-/// The world group on NCCL, the ranks meeting (NCCL unique ids) through `store`.
-pub(crate) fn init_nccl_on(
+/// The world on NCCL, the ranks meeting (NCCL unique ids) through `store`.
+pub(crate) fn join_on(
     store: Arc<dyn crate::comm::store::Store>,
     keep: crate::comm::store::Keep,
     rank: usize,
     world_size: usize,
     dev: &CudaDevice,
     options: GroupOptions,
-) -> CommResult<ProcessGroup> {
+) -> CommResult<World> {
     if rank == 0 {
         store.set("job", random_hex().as_bytes())?;
     }
     let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
     let ctx = Context::new(store, RegionKind::Shm, job, &options, world_size, keep);
-    let members: Vec<usize> = (0..world_size).collect();
-    let group = rendezvous(&ctx, "world".into(), rank, members.len(), dev)?;
-    Ok(ProcessGroup::new(
-        "world".into(),
-        rank,
-        members,
-        Arc::new(group),
-        Some(ctx),
-    ))
+    let group = rendezvous(&ctx, "world".into(), rank, world_size, dev)?;
+    Ok(World::new(rank, world_size, Arc::new(group), Some(ctx)))
 }
 
 /// Creates the NCCL communicator of group `name` (this rank is `rank` of `members`).

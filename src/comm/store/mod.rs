@@ -21,6 +21,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::error::{CommError, CommResult};
+use super::rendezvous::{torch_agent_store, Rendezvous};
 
 mod client;
 mod mem;
@@ -47,10 +48,10 @@ pub(crate) type Keep = Vec<Box<dyn std::any::Any + Send + Sync>>;
 /// hosts a [`TcpStoreServer`] there and every rank connects with the job token. Returns the
 /// store and what must be kept alive with the group.
 pub(crate) fn connect_job_store(
-    rv: &crate::comm::Rendezvous,
+    rv: &Rendezvous,
     timeout: Duration,
 ) -> CommResult<(Box<dyn Store>, Keep)> {
-    if let Some(prefix) = crate::comm::env::torch_agent_store()? {
+    if let Some(prefix) = torch_agent_store()? {
         let store = TorchTcpStore::connect(&rv.master_addr, rv.master_port, &prefix, timeout)?;
         return Ok((Box::new(store), Vec::new()));
     }
