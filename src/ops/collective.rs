@@ -6,45 +6,10 @@
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
+use super::kind::who;
+// Re-exported: the 2D layers build their ops from it (`nn/parallel_2d/summa.rs`).
+pub(crate) use super::kind::Kind;
 use crate::comm::{Element, ProcessGroup, ReduceOp};
-
-/// What a collective op does to its input, on one rank.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Kind {
-    /// A copy (identity): the forward of `copy_to_tp`, the backward of `reduce_from_tp`.
-    Identity,
-    /// All-reduce across the group.
-    AllReduce(ReduceOp),
-    /// All-gather along `dim`; rank `r` holds `sizes[r]` along it.
-    AllGather { dim: usize, sizes: Vec<usize> },
-    /// Keep this rank's part along `dim` (local, no communication).
-    Split { dim: usize, sizes: Vec<usize> },
-    /// Reduce across the group, keep this rank's part along `dim`.
-    ReduceScatter {
-        dim: usize,
-        sizes: Vec<usize>,
-        op: ReduceOp,
-    },
-    /// Copy of the root's tensor.
-    Broadcast { root: usize },
-    /// Sum over the group on the root; zeros of the same shape elsewhere (the gradient of a
-    /// broadcast: only the root's input reached the outputs).
-    Reduce { root: usize },
-}
-
-impl Kind {
-    pub(crate) fn name(&self) -> &'static str {
-        match self {
-            Kind::Identity => "candle-tp-identity",
-            Kind::AllReduce(_) => "candle-tp-all-reduce",
-            Kind::AllGather { .. } => "candle-tp-all-gather",
-            Kind::Split { .. } => "candle-tp-split",
-            Kind::ReduceScatter { .. } => "candle-tp-reduce-scatter",
-            Kind::Broadcast { .. } => "candle-tp-broadcast",
-            Kind::Reduce { .. } => "candle-tp-reduce",
-        }
-    }
-}
 
 /// A collective as a Candle op: `fwd` in the forward pass, `bwd` on the gradient.
 pub(crate) struct CollectiveOp {
@@ -78,17 +43,6 @@ impl CollectiveOp {
 
 fn prod(d: &[usize]) -> usize {
     d.iter().product()
-}
-
-/// Names a collective in errors: its kind, the group and this rank.
-pub(super) fn who(pg: &ProcessGroup, kind: &Kind) -> String {
-    format!(
-        "{} on group '{}' (rank {} of {})",
-        kind.name(),
-        pg.name(),
-        pg.rank(),
-        pg.size()
-    )
 }
 
 /// Runs `kind` on a contiguous buffer with dims `dims`; returns the output and its dims.
@@ -283,7 +237,9 @@ impl CustomOp1 for CollectiveOp {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::fwd(self, storage, layout)
+        super::cuda::fwd(&self.pg, &self.fwd, storage, layout, |cpu, l| {
+            self.cpu_fwd(cpu, l)
+        })
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {

@@ -10,9 +10,9 @@
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::CudaStorage;
-use candle_core::{CustomOp1, Layout, Result, Shape};
+use candle_core::{CpuStorage, Layout, Result, Shape};
 
-use super::collective::{who, CollectiveOp, Kind};
+use super::kind::{who, Kind};
 use crate::comm::ProcessGroup;
 
 /// The geometry of a dim-wise collective: `outer` rows of `total * inner` elements.
@@ -97,16 +97,24 @@ fn permute(
 }
 
 /// `cuda_fwd` of [`CollectiveOp`].
-pub(crate) fn fwd(op: &CollectiveOp, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+///
+/// `cpu_fwd` is the op's CPU forward, for a group whose backend has no device collectives:
+/// the data then goes through host memory.
+pub(crate) fn fwd(
+    pg: &ProcessGroup,
+    kind: &Kind,
+    s: &CudaStorage,
+    l: &Layout,
+    cpu_fwd: impl FnOnce(&CpuStorage, &Layout) -> Result<(CpuStorage, Shape)>,
+) -> Result<(CudaStorage, Shape)> {
     let Some((start, end)) = l.contiguous_offsets() else {
-        candle_core::bail!("{}: the input must be contiguous", op.fwd.name());
+        candle_core::bail!("{}: the input must be contiguous", kind.name());
     };
     let dims = l.dims();
     #[cfg(feature = "nccl")]
-    if let Some(n) = op.pg.nccl() {
-        return nccl_fwd(op, n, s, start, end, dims);
+    if let Some(n) = pg.device_collectives() {
+        return nccl_fwd(pg, kind, n, s, start, end, dims);
     }
-    let pg = &op.pg;
     let len = end - start;
     let copy = |s: &CudaStorage| -> Result<CudaStorage> {
         let mut out = alloc(s, len)?;
@@ -115,9 +123,9 @@ pub(crate) fn fwd(op: &CollectiveOp, s: &CudaStorage, l: &Layout) -> Result<(Cud
         }
         Ok(out)
     };
-    match &op.fwd {
+    match kind {
         Kind::Identity => Ok((copy(s)?, Shape::from(dims))),
-        Kind::Split { dim, sizes } => split(pg, &op.fwd, s, start, dims, *dim, sizes),
+        Kind::Split { dim, sizes } => split(pg, kind, s, start, dims, *dim, sizes),
         Kind::AllReduce(_) | Kind::Broadcast { root: 0 } | Kind::Reduce { root: 0 }
             if pg.size() == 1 =>
         {
@@ -126,13 +134,13 @@ pub(crate) fn fwd(op: &CollectiveOp, s: &CudaStorage, l: &Layout) -> Result<(Cud
         Kind::AllGather { dim, sizes } | Kind::ReduceScatter { dim, sizes, .. }
             if pg.size() == 1 =>
         {
-            geometry(pg, &op.fwd, dims, *dim, sizes, true)?;
+            geometry(pg, kind, dims, *dim, sizes, true)?;
             Ok((copy(s)?, Shape::from(dims)))
         }
         _ => {
             // A CPU backend given CUDA tensors: through host memory.
             let cpu = s.to_cpu_storage()?;
-            let (out, shape) = op.cpu_fwd(&cpu, l)?;
+            let (out, shape) = cpu_fwd(&cpu, l)?;
             Ok((s.device().storage_from_cpu_storage(&out)?, shape))
         }
     }
@@ -169,41 +177,25 @@ fn split(
     Ok((out, Shape::from(out_dims)))
 }
 
-/// Runs `$call` with `$src: &CudaView<T>` (the input elements `$start..$end`) and
-/// `$dst: &mut CudaViewMut<T>` (all of `$out`) for the storage's element type.
+/// The input elements `start..end` of `s`, for a [`DeviceCollectives`](crate::comm::DeviceCollectives) call.
 #[cfg(feature = "nccl")]
-macro_rules! typed {
-    ($name:expr, $s:expr, $start:expr, $end:expr, $out:expr, |$src:ident, $dst:ident| $call:expr) => {{
-        use candle_core::cuda_backend::CudaStorageSlice as S;
-        let range = $start..$end;
-        let bad = || candle_core::Error::Msg(format!("{}: input range {:?} out of bounds", $name, $start..$end));
-        match (&$s.slice, &mut $out.slice) {
-            (S::F32(a), S::F32(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
-            (S::F16(a), S::F16(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
-            (S::BF16(a), S::BF16(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
-            (S::F64(a), S::F64(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
-            (S::U8(a), S::U8(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
-            (S::U32(a), S::U32(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
-            (S::I32(a), S::I32(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
-            (S::I64(a), S::I64(b)) => { let $src = &a.try_slice(range).ok_or_else(bad)?; let $dst = &mut b.as_view_mut(); $call }
-            _ => candle_core::bail!(
-                "{}: dtype {:?} is not supported by NCCL collectives (use f32, f16, bf16, f64, u8, u32, i32, i64)",
-                $name, $s.dtype()
-            ),
-        }
-    }};
+fn src(s: &CudaStorage, start: usize, end: usize) -> crate::comm::DeviceSrc<'_> {
+    crate::comm::DeviceSrc {
+        storage: s,
+        range: start..end,
+    }
 }
 
 #[cfg(feature = "nccl")]
 fn nccl_fwd(
-    op: &CollectiveOp,
-    n: &crate::comm::nccl::NcclGroup,
+    pg: &ProcessGroup,
+    kind: &Kind,
+    n: &dyn crate::comm::DeviceCollectives,
     s: &CudaStorage,
     start: usize,
     end: usize,
     dims: &[usize],
 ) -> Result<(CudaStorage, Shape)> {
-    let (pg, kind) = (&op.pg, &op.fwd);
     let name = who(pg, kind);
     n.check_device(s.device(), kind.name())?;
     let len = end - start;
@@ -219,14 +211,12 @@ fn nccl_fwd(
         Kind::Split { dim, sizes } => split(pg, kind, s, start, dims, *dim, sizes),
         Kind::AllReduce(rop) => {
             let mut out = alloc(s, len)?;
-            typed!(name, s, start, end, out, |src, dst| n
-                .all_reduce(src, dst, *rop))?;
+            n.all_reduce(&name, src(s, start, end), &mut out, *rop)?;
             Ok((out, same))
         }
         Kind::Broadcast { root } => {
             let mut out = alloc(s, len)?;
-            typed!(name, s, start, end, out, |src, dst| n
-                .broadcast(src, dst, *root))?;
+            n.broadcast(&name, src(s, start, end), &mut out, *root)?;
             Ok((out, same))
         }
         Kind::Reduce { root } => {
@@ -238,12 +228,13 @@ fn nccl_fwd(
                 .map(|r| if r == *root { len } else { 0 })
                 .collect();
             let mut out = alloc(s, counts[pg.rank()])?;
-            typed!(name, s, start, end, out, |src, dst| n.reduce_scatter_v(
-                src,
-                dst,
+            n.reduce_scatter_v(
+                &name,
+                src(s, start, end),
+                &mut out,
                 &counts,
-                crate::comm::ReduceOp::Sum
-            ))?;
+                crate::comm::ReduceOp::Sum,
+            )?;
             if pg.rank() != *root {
                 out = s.device().zeros_impl(&same, s.dtype())?;
             }
@@ -253,8 +244,7 @@ fn nccl_fwd(
             let g = geometry(pg, kind, dims, *dim, sizes, true)?;
             let counts: Vec<usize> = sizes.iter().map(|s| s * g.outer * g.inner).collect();
             let mut gathered = alloc(s, counts.iter().sum())?;
-            typed!(name, s, start, end, gathered, |src, dst| n
-                .all_gather_v(src, dst, &counts))?;
+            n.all_gather_v(&name, src(s, start, end), &mut gathered, &counts)?;
             let mut out_dims = dims.to_vec();
             out_dims[*dim] = g.total;
             if g.outer == 1 {
@@ -273,14 +263,12 @@ fn nccl_fwd(
             let counts: Vec<usize> = sizes.iter().map(|s| s * g.outer * g.inner).collect();
             let mut out = alloc(s, counts[pg.rank()])?;
             if g.outer == 1 {
-                typed!(name, s, start, end, out, |src, dst| n
-                    .reduce_scatter_v(src, dst, &counts, *rop))?;
+                n.reduce_scatter_v(&name, src(s, start, end), &mut out, &counts, *rop)?;
             } else {
                 // [outer][total * inner] -> rank-major blocks [r][outer][s_r * inner].
                 let mut blocks = alloc(s, len)?;
                 permute(s, start, &mut blocks, &g, sizes, false)?;
-                typed!(name, &blocks, 0, len, out, |src, dst| n
-                    .reduce_scatter_v(src, dst, &counts, *rop))?;
+                n.reduce_scatter_v(&name, src(&blocks, 0, len), &mut out, &counts, *rop)?;
             }
             let mut out_dims = dims.to_vec();
             out_dims[*dim] = sizes[pg.rank()];

@@ -15,7 +15,8 @@
 
 use candle_core::{Result, Tensor};
 
-use super::collective::{CollectiveOp, Kind};
+use super::collective::CollectiveOp;
+use super::kind::Kind;
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::Partition;
 

@@ -5,6 +5,7 @@ pub(crate) mod attention;
 pub(crate) mod collective;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod kind;
 mod mappings;
 mod p2p;
 mod swiglu;
