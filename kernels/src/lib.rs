@@ -45,5 +45,6 @@ pub mod q8_0x4;
 pub mod q8_1;
 pub mod q8_k;
 pub mod repack;
+pub(crate) mod row_dot;
 pub mod small_m;
 pub mod swiglu;

@@ -68,7 +68,7 @@ pub fn dot_rows<const R: usize>(
     xs: &[BlockQ8_1],
     out: &mut [f32; R],
 ) {
-    crate::kernel::dot_rows_by(kernel, ws, xs, out)
+    crate::row_dot::dot_rows_by(kernel, ws, xs, out)
 }
 
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
@@ -86,7 +86,7 @@ pub fn rows_dot(
     row0: usize,
     out: &mut [f32],
 ) {
-    crate::kernel::rows_dot_by(kernel, (w, kb), (xq, m), row0, out)
+    crate::row_dot::rows_dot_by(kernel, (w, kb), (xq, m), row0, out)
 }
 
 /// The integer sum `Σ q·q'` of one block pair.
@@ -100,7 +100,7 @@ fn int_sum(w: &BlockQ4_1, x: &BlockQ8_1) -> i32 {
     sum
 }
 
-impl crate::kernel::RowDot for BlockQ4_1 {
+impl crate::row_dot::RowDot for BlockQ4_1 {
     /// Scalar reference (ggml's generic `ggml_vec_dot_q4_1_q8_1`, block after block).
     fn dot_scalar(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f32 {
         let mut sum = 0f32;
@@ -438,6 +438,6 @@ mod tests {
                 .sum();
             (w.d.to_f64() * x.d.to_f64()).abs() * sum as f64 + (w.m.to_f64() * x.s.to_f64()).abs()
         };
-        crate::kernel::testing::check_rows_dot_sizes(block, abs_dot);
+        crate::row_dot::testing::check_rows_dot_sizes(block, abs_dot);
     }
 }

@@ -79,7 +79,7 @@ pub fn dot_rows<const R: usize>(
     xs: &[BlockQ8_0],
     out: &mut [f32; R],
 ) {
-    crate::kernel::dot_rows_by(kernel, ws, xs, out)
+    crate::row_dot::dot_rows_by(kernel, ws, xs, out)
 }
 
 /// Weight rows `row0..row0 + out.len() / m` of `w` (rows of `kb` blocks) against all `m`
@@ -94,7 +94,7 @@ pub fn rows_dot(
     row0: usize,
     out: &mut [f32],
 ) {
-    crate::kernel::rows_dot_by(kernel, (w, kb), (xq, m), row0, out)
+    crate::row_dot::rows_dot_by(kernel, (w, kb), (xq, m), row0, out)
 }
 
 /// The integer sum `Σ (q − 16)·q'` of one block pair.
@@ -110,7 +110,7 @@ fn int_sum(w: &BlockQ5_0, x: &BlockQ8_0) -> i32 {
     sum
 }
 
-impl crate::kernel::RowDot for BlockQ5_0 {
+impl crate::row_dot::RowDot for BlockQ5_0 {
     /// Scalar reference in f32 (ggml's generic `ggml_vec_dot_q5_0_q8_0`, block after block).
     fn dot_scalar(ws: &[BlockQ5_0], xs: &[BlockQ8_0]) -> f32 {
         ws.iter().zip(xs).fold(0f32, |sum, (w, x)| {
@@ -233,9 +233,10 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::f64_dot::testing::{
-        check_against_candle, f32_rows_match_the_f64_sum, nan_and_inf_activations_propagate,
-        pseudo, pseudo_bytes, split_sums_round_alike,
+        check_against_candle, nan_and_inf_activations_propagate, pseudo, pseudo_bytes,
+        split_sums_round_alike,
     };
+    use crate::row_dot::testing::f32_rows_match_the_f64_sum;
     use candle_core::quantized::GgmlDType;
 
     /// A block of pseudo-random values and scale, `i` its seed.
@@ -277,7 +278,7 @@ mod tests {
     #[test]
     fn nan_and_inf_activations_give_nan() {
         nan_and_inf_activations_propagate::<BlockQ5_0>(GgmlDType::Q5_0);
-        crate::kernel::testing::f32_kernels_propagate_nan(block(1));
+        crate::row_dot::testing::f32_kernels_propagate_nan(block(1));
     }
 
     /// The f32 kernels (4 rows, 1 row, `rows_dot` over 7 rows and 3 activation rows) against
@@ -302,7 +303,7 @@ mod tests {
     /// gives the one-row kernel's bits.
     #[test]
     fn tiles_are_bit_for_bit_the_one_row_kernel() {
-        crate::kernel::testing::check_rows_dot_sizes(|r, b| block(r * 1000 + b), abs_dot);
+        crate::row_dot::testing::check_rows_dot_sizes(|r, b| block(r * 1000 + b), abs_dot);
     }
 
     #[test]

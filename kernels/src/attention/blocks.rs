@@ -11,7 +11,7 @@
 //! positions, zeros included, through two tensors of `queries × positions` per head; here a
 //! block's scores (`ROWS × positions`) stay in the first cache levels.
 
-use super::{softmax_in_place, Lanes, Rows, Strided};
+use super::parts::{softmax_in_place, Lanes, Rows, Strided};
 use std::arch::x86_64::*;
 
 /// Query rows per block: six rows of two eight-lane accumulators (twelve registers of the
