@@ -2,6 +2,7 @@
 //! [`NcclGroup`], which the CUDA paths of `ops` reach through
 //! [`Backend::device_collectives`](crate::comm::backend::Backend::device_collectives).
 
+use candle_core::backend::BackendStorage;
 use candle_core::Result;
 
 use super::NcclGroup;
