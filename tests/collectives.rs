@@ -617,3 +617,26 @@ fn a_full_dev_shm_is_a_clear_error_not_a_sigbus() {
         assert!(line.contains(want), "missing '{want}': {line}");
     }
 }
+
+/// A slot size out of range (`CANDLE_TP_SLOT_BYTES`) fails every rank at once: each checks it
+/// before it waits for the rank that creates the region (the others used to wait for it until
+/// the deadline, 300 s by default).
+#[test]
+fn a_bad_slot_size_fails_every_rank_before_the_rendezvous() {
+    let options = GroupOptions {
+        slot_bytes: 512,
+        timeout: Duration::from_secs(120),
+    };
+    let start = Instant::now();
+    let err = run_threads_with(3, options, |_| Ok(())).expect_err("512-byte slots");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "the ranks waited {:?}",
+        start.elapsed()
+    );
+    assert!(
+        err.to_string()
+            .contains("slot size 512 bytes: it must be a multiple of 64 and at least 1024"),
+        "{err}"
+    );
+}

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::backend::{erased_collectives, Backend, Registration, World};
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
-use super::engine::{region_layout, AbortHandle, Engine};
+use super::engine::{check_slot_bytes, region_layout, AbortHandle, Engine};
 use super::error::{CommError, CommResult};
 use super::launcher::Launch;
 use super::region::{self, random_hex, RegionKind};
@@ -231,6 +231,7 @@ pub(crate) fn rendezvous(
         return Ok(Arc::new(Single::new(name)));
     }
     let key = format!("{name}/region");
+    check_slot_bytes(&name, ctx.slot_bytes)?;
     let (_, len) = region_layout(size, ctx.slot_bytes)?;
     let mut engine = if rank == 0 {
         let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));

@@ -63,6 +63,19 @@ pub(super) struct MetaValue {
     pub(super) aux: u64,
 }
 
+/// Checks the slot size (`CANDLE_TP_SLOT_BYTES`) of group `group`: every rank checks it before
+/// it waits for its peers, so that a bad one fails every rank at once instead of the one that
+/// creates the region while the others wait for it.
+pub(crate) fn check_slot_bytes(group: &str, slot_bytes: usize) -> CommResult<()> {
+    if slot_bytes < 1024 || !slot_bytes.is_multiple_of(64) {
+        return Err(CommError::invalid(
+            format!("group '{group}'"),
+            format!("slot size {slot_bytes} bytes: it must be a multiple of 64 and at least 1024"),
+        ));
+    }
+    Ok(())
+}
+
 /// The data offset and the bytes needed for a region of `size` ranks with `slot_bytes`
 /// slots, in checked arithmetic (the slot size comes from `CANDLE_TP_SLOT_BYTES`).
 pub(crate) fn region_layout(size: usize, slot_bytes: usize) -> CommResult<(usize, usize)> {

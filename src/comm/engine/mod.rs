@@ -35,7 +35,7 @@ mod layout;
 
 pub(crate) use abort::AbortHandle;
 use abort::{abort_region, process_alive, Parent};
-pub(crate) use layout::{region_layout, MAX_RANKS};
+pub(crate) use layout::{check_slot_bytes, region_layout, MAX_RANKS};
 use layout::{Header, MetaValue, Record, HEADER_BYTES, MAGIC, PORTION_ALIGN, RECORD_BYTES};
 #[cfg(test)]
 mod tests;
@@ -118,14 +118,7 @@ impl Engine {
         init: bool,
         local_ranks: usize,
     ) -> CommResult<Self> {
-        if slot_bytes < 1024 || !slot_bytes.is_multiple_of(64) {
-            return Err(CommError::invalid(
-                format!("group '{group}'"),
-                format!(
-                    "slot size {slot_bytes} bytes: it must be a multiple of 64 and at least 1024"
-                ),
-            ));
-        }
+        check_slot_bytes(&group, slot_bytes)?;
         let (data_off, len) = region_layout(size, slot_bytes)?;
         if size == 0 || size > MAX_RANKS {
             return Err(CommError::invalid(
