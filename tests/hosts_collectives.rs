@@ -4,8 +4,8 @@
 //! - 2 hosts x 2 ranks (the even hierarchical layout), 2 + 1 ranks (the uneven one), and 2 x 2 on
 //!   flat MPI, with `--map-by node` so that a host's ranks are not consecutive;
 //! - sums in f32 within 1e-6 of the exact f64 sum (relative to the sum of magnitudes), every
-//!   rank the same bits as every other, gathers and broadcasts bit-exact, and each checksum
-//!   within 1e-6 of the one-host run's (shm backend, same ranks);
+//!   rank the same bits as every other, gathers, all-to-alls and broadcasts bit-exact, and
+//!   each checksum within 1e-6 of the one-host run's (shm backend, same ranks);
 //! - sub-groups that live on one host (shm), one per host (MPI) or spread unevenly
 //!   (hierarchical), point-to-point across and inside hosts;
 //! - bytes that crossed hosts against the formula: a hierarchical all-reduce hands each rank's
@@ -217,6 +217,27 @@ fn exercise(pg: &ProcessGroup, members: &[usize], tag: &str) {
         }
         assert_eq!(bits_f32(&all), bits_f32(&want), "{tag} all_gather {n}");
         report(&format!("bits_gather_{tag}_{n}"), bits_f32(&all));
+        // all_to_all with uneven blocks, some empty: rank s sends count(s, d) values to d.
+        let count = |s: usize, d: usize| {
+            if (s + d) % 3 == 2 {
+                0
+            } else {
+                n / (size * size) + s + 2 * d
+            }
+        };
+        let sent = |s: usize| (0..size).map(|d| count(s, d)).sum::<usize>();
+        let send: Vec<usize> = (0..size).map(|d| count(rank, d)).collect();
+        let recv: Vec<usize> = (0..size).map(|s| count(s, rank)).collect();
+        let mut got = vec![f32::NAN; recv.iter().sum()];
+        pg.all_to_all_v_slice(&input(me, sent(rank), 6), &send, &mut got, &recv)
+            .unwrap();
+        let mut want = Vec::with_capacity(got.len());
+        for (s, &from) in members.iter().enumerate() {
+            let a: usize = (0..rank).map(|d| count(s, d)).sum();
+            want.extend_from_slice(&input(from, sent(s), 6)[a..a + count(s, rank)]);
+        }
+        assert_eq!(bits_f32(&got), bits_f32(&want), "{tag} all_to_all {n}");
+        report(&format!("rank_bits_all_to_all_{tag}_{n}"), bits_f32(&got));
         // broadcast from the last rank and from rank 1.
         for root in [size - 1, 1] {
             let mut b = input(me, n, 5);

@@ -163,7 +163,7 @@ impl ProcessGroup {
     /// collective's first phase, so the peers would wait for it until the deadline: abort the
     /// group with the error, so they fail at once with this reason. Errors every rank sees at
     /// the same phase (a mismatch) leave the group usable and pass through.
-    fn abort_if_invalid<R>(&self, r: CommResult<R>) -> CommResult<R> {
+    pub(super) fn abort_if_invalid<R>(&self, r: CommResult<R>) -> CommResult<R> {
         if let Err(e @ CommError::InvalidArgument { .. }) = &r {
             self.abort_with(&e.to_string());
         }

@@ -15,6 +15,7 @@
 //! and the context a job's groups share → the backends → `ProcessGroup`, point-to-point and
 //! meshes → joining (`join.rs`: the `init_*` functions and the backends' table), the threads
 //! runner and `init_from_env` (`env.rs`). This file only declares and re-exports.
+mod all_to_all;
 mod backend;
 mod context;
 pub mod element;

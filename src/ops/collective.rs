@@ -115,6 +115,27 @@ pub(crate) fn run_kind<T: Element>(
             }
             Ok((out, dims.to_vec()))
         }
+        Kind::AllToAll { send, recv } => {
+            check_dim(0)?;
+            check_sizes(send)?;
+            check_sizes(recv)?;
+            let rows: usize = send.iter().sum();
+            if dims[0] != rows {
+                return Err(pg.refuse(format!(
+                    "{}: tensor has {} rows (shape {dims:?}), the rows sent {send:?} add up to {rows}",
+                    who(),
+                    dims[0]
+                )));
+            }
+            let inner = prod(&dims[1..]);
+            let sends: Vec<usize> = send.iter().map(|r| r * inner).collect();
+            let recvs: Vec<usize> = recv.iter().map(|r| r * inner).collect();
+            let mut out = vec![T::default(); recvs.iter().sum()];
+            pg.all_to_all_v_slice(data, &sends, &mut out, &recvs)?;
+            let mut out_dims = dims.to_vec();
+            out_dims[0] = recv.iter().sum();
+            Ok((out, out_dims))
+        }
         Kind::AllGather { dim, sizes } => {
             check_dim(*dim)?;
             check_sizes(sizes)?;

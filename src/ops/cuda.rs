@@ -112,7 +112,11 @@ pub(crate) fn fwd(
     };
     let dims = l.dims();
     #[cfg(feature = "nccl")]
-    if let Some(n) = pg.device_collectives() {
+    // The all-to-all has no device form yet: it goes through host memory on every backend.
+    if let (Some(n), false) = (
+        pg.device_collectives(),
+        matches!(kind, Kind::AllToAll { .. }),
+    ) {
         return nccl_fwd(pg, kind, n, s, start, end, dims);
     }
     let len = end - start;
@@ -239,6 +243,9 @@ fn nccl_fwd(
                 out = s.device().zeros_impl(&same, s.dtype())?;
             }
             Ok((out, same))
+        }
+        Kind::AllToAll { .. } => {
+            candle_core::bail!("{name}: the all-to-all runs through host memory (ops/cuda.rs fwd)")
         }
         Kind::AllGather { dim, sizes } => {
             let g = geometry(pg, kind, dims, *dim, sizes, true)?;

@@ -22,6 +22,9 @@ pub(crate) enum Kind {
     },
     /// Copy of the root's tensor.
     Broadcast { root: usize },
+    /// All-to-all along dim 0: rows `send[d]` (consecutive, in rank order) go to rank `d`;
+    /// `recv[s]` rows come from rank `s`, in rank order. Its gradient is the reverse one.
+    AllToAll { send: Vec<usize>, recv: Vec<usize> },
     /// Sum over the group on the root; zeros of the same shape elsewhere (the gradient of a
     /// broadcast: only the root's input reached the outputs).
     Reduce { root: usize },
@@ -37,6 +40,7 @@ impl Kind {
             Kind::ReduceScatter { .. } => "candle-tp-reduce-scatter",
             Kind::Broadcast { .. } => "candle-tp-broadcast",
             Kind::Reduce { .. } => "candle-tp-reduce",
+            Kind::AllToAll { .. } => "candle-tp-all-to-all",
         }
     }
 }

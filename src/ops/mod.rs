@@ -1,6 +1,7 @@
-//! Collectives as Candle ops with autograd (Megatron's mappings), point-to-point `send` /
-//! `recv` with autograd (pipeline stages), tensor collectives, the gated MLP's fused
-//! `silu(gate) · up`, and causal attention in one op.
+//! Collectives as Candle ops with autograd (Megatron's mappings), the all-to-all of expert
+//! parallelism with autograd, point-to-point `send` / `recv` with autograd (pipeline stages),
+//! tensor collectives, the gated MLP's fused `silu(gate) · up`, and causal attention in one op.
+mod all_to_all;
 pub(crate) mod attention;
 pub(crate) mod collective;
 #[cfg(feature = "cuda")]
@@ -11,6 +12,7 @@ mod p2p;
 mod swiglu;
 mod tensor;
 
+pub use all_to_all::all_to_all;
 pub use mappings::{
     copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp,
 };
