@@ -1,6 +1,7 @@
 //! Parallel layers that are drop-in replacements for candle-nn's.
 pub mod attention;
 pub mod embedding;
+mod expert_parallel;
 pub mod kv_cache;
 pub mod linear;
 pub mod mlp;

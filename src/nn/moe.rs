@@ -1,6 +1,12 @@
-//! Tensor-parallel sparse mixture of experts (Mixtral, Qwen3-MoE), Megatron style: the router
-//! is replicated, every expert's gated MLP is split column/row across the ranks like a dense
-//! [`GatedMlp`], and the layer all-reduces once, not once per expert.
+//! Sparse mixture of experts (Mixtral, Qwen3-MoE) on a group of ranks, in one of two layouts:
+//!
+//! - tensor-parallel ([`SparseMoe::load`], Megatron style): the router is replicated, every
+//!   expert's gated MLP is split column/row across the ranks like a dense [`GatedMlp`], and
+//!   the layer all-reduces once, not once per expert;
+//! - expert-parallel ([`SparseMoe::load_expert_parallel`]): each rank holds whole experts
+//!   (a [`Partition`] of the expert index) and reads only their tensors; each rank routes a
+//!   share of the tokens, sends them to their experts' ranks and gets the outputs back by
+//!   all-to-all (`expert_parallel.rs`), and the shares are gathered again.
 //!
 //! Routing must pick the same experts on every rank, or the ranks would compute partial sums
 //! of different experts: it is computed from the replicated hidden state with the replicated
@@ -12,10 +18,13 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Activation;
 
+use super::expert_parallel::forward_local;
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::nn::{GatedMlp, ReplicatedLinear};
+use crate::ops::collective::{CollectiveOp, Kind};
 use crate::ops::{copy_to_tp, reduce_from_tp};
+use crate::Partition;
 
 /// Shape and routing of a sparse MoE layer, and the checkpoint's tensor names.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,20 +49,94 @@ pub struct MoeConfig {
     pub expert_names: [String; 3],
 }
 
-/// A sparse MoE layer with every expert split across the ranks of a group.
+/// A sparse MoE layer over the ranks of a group: every expert split across them
+/// ([`SparseMoe::load`]) or whole experts on each ([`SparseMoe::load_expert_parallel`]).
 #[derive(Debug, Clone)]
 pub struct SparseMoe {
     router: ReplicatedLinear,
+    /// Every expert's slice (tensor-parallel), or this rank's whole experts (expert-parallel).
     experts: Vec<GatedMlp>,
     top_k: usize,
     norm_topk_prob: bool,
     pg: ProcessGroup,
+    /// Expert-parallel: the experts of each rank of `pg`.
+    owners: Option<Partition>,
 }
 
 impl SparseMoe {
     /// Loads the router (replicated) and this rank's slice of every expert from `vb` (the
     /// layer's prefix, e.g. `model.layers.0.block_sparse_moe`).
     pub fn load(cfg: &MoeConfig, vb: ShardedVarBuilder) -> Result<Self> {
+        Self::check(cfg, &vb)?;
+        let router =
+            ReplicatedLinear::load(cfg.hidden_size, cfg.num_experts, false, vb.pp(&cfg.router))?;
+        let experts = (0..cfg.num_experts)
+            .map(|e| Self::load_expert(cfg, &vb, e))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            router,
+            experts,
+            top_k: cfg.num_experts_per_tok,
+            norm_topk_prob: cfg.norm_topk_prob,
+            pg: vb.pg().clone(),
+            owners: None,
+        })
+    }
+
+    /// Loads the layer expert-parallel over `ep`: the router replicated, and this rank's
+    /// whole experts, rank `r` holding experts `Partition::new(num_experts, ep.size())
+    /// .range(r)` (the first ranks one more when they do not divide evenly); no other
+    /// expert's tensor is read. `vb`'s own group is not used.
+    ///
+    /// The forward takes the hidden states replicated on `ep` (as a tensor-parallel attention
+    /// leaves them) and returns them replicated: each rank routes a share of the tokens,
+    /// exchanges them with the experts' ranks by all-to-all, and the shares are all-gathered.
+    /// [`forward_local`](Self::forward_local) takes each rank's own tokens instead (a
+    /// data-parallel attention). Either equals the layer on one rank with every expert, up to
+    /// the order of floating-point sums.
+    pub fn load_expert_parallel(
+        cfg: &MoeConfig,
+        vb: ShardedVarBuilder,
+        ep: ProcessGroup,
+    ) -> Result<Self> {
+        Self::check(cfg, &vb)?;
+        let owners = Partition::new(cfg.num_experts, ep.size()).map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "'{}': {} experts over an expert-parallel group of {} ranks: {e}",
+                vb.prefix(),
+                cfg.num_experts,
+                ep.size()
+            ))
+        })?;
+        let router =
+            ReplicatedLinear::load(cfg.hidden_size, cfg.num_experts, false, vb.pp(&cfg.router))?;
+        let whole = vb.with_pg(ProcessGroup::single());
+        let experts = owners
+            .range(ep.rank())
+            .map(|e| Self::load_expert(cfg, &whole, e))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            router,
+            experts,
+            top_k: cfg.num_experts_per_tok,
+            norm_topk_prob: cfg.norm_topk_prob,
+            pg: ep,
+            owners: Some(owners),
+        })
+    }
+
+    fn load_expert(cfg: &MoeConfig, vb: &ShardedVarBuilder, e: usize) -> Result<GatedMlp> {
+        let [g, u, d] = &cfg.expert_names;
+        GatedMlp::load_named(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.act,
+            [g.as_str(), u.as_str(), d.as_str()],
+            vb.pp("experts").pp(e),
+        )
+    }
+
+    fn check(cfg: &MoeConfig, vb: &ShardedVarBuilder) -> Result<()> {
         if cfg.num_experts == 0 || cfg.num_experts_per_tok == 0 {
             candle_core::bail!(
                 "'{}': a MoE layer needs experts and top-k > 0 (num_experts = {}, num_experts_per_tok = {})",
@@ -70,33 +153,18 @@ impl SparseMoe {
                 cfg.num_experts
             );
         }
-        let router =
-            ReplicatedLinear::load(cfg.hidden_size, cfg.num_experts, false, vb.pp(&cfg.router))?;
-        let [g, u, d] = &cfg.expert_names;
-        let names = [g.as_str(), u.as_str(), d.as_str()];
-        let experts = (0..cfg.num_experts)
-            .map(|e| {
-                GatedMlp::load_named(
-                    cfg.hidden_size,
-                    cfg.intermediate_size,
-                    cfg.act,
-                    names,
-                    vb.pp("experts").pp(e),
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            router,
-            experts,
-            top_k: cfg.num_experts_per_tok,
-            norm_topk_prob: cfg.norm_topk_prob,
-            pg: vb.pg().clone(),
-        })
+        Ok(())
     }
 
-    /// The experts (this rank's slices).
+    /// The experts this rank holds: every expert's slice (tensor-parallel), or its whole
+    /// experts (expert-parallel), in expert order.
     pub fn experts(&self) -> &[GatedMlp] {
         &self.experts
+    }
+
+    /// The experts of each rank of [`pg`](Self::pg), when the layer is expert-parallel.
+    pub fn expert_owners(&self) -> Option<Partition> {
+        self.owners
     }
 
     /// The group the experts are split over.
@@ -109,9 +177,10 @@ impl SparseMoe {
     /// renormalised if `norm_topk_prob`. Per expert: (token rows, weights).
     pub fn route(&self, x: &Tensor) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
         let logits = self.router.forward(x)?.to_dtype(DType::F32)?;
+        let n_experts = logits.dim(1)?;
         let probs: Vec<Vec<f32>> = candle_nn::ops::softmax_last_dim(&logits)?.to_vec2()?;
-        let mut per_expert = vec![(Vec::new(), Vec::new()); self.experts.len()];
-        let mut order: Vec<usize> = Vec::with_capacity(self.experts.len());
+        let mut per_expert = vec![(Vec::new(), Vec::new()); n_experts];
+        let mut order: Vec<usize> = Vec::with_capacity(n_experts);
         for (row, p) in probs.iter().enumerate() {
             if let Some(bad) = p.iter().find(|v| !v.is_finite()) {
                 candle_core::bail!(
@@ -139,12 +208,57 @@ impl SparseMoe {
     }
 }
 
+impl SparseMoe {
+    /// Expert-parallel: this rank's own tokens `x` `[tokens, hidden]` (each rank its own, as a
+    /// data-parallel attention leaves them) through their experts, wherever they live; every
+    /// rank of the group calls it, with any number of tokens (none included).
+    pub fn forward_local(&self, x: &Tensor) -> Result<Tensor> {
+        let Some(owners) = &self.owners else {
+            candle_core::bail!(
+                "SparseMoe::forward_local on rank {}: the layer is tensor-parallel (load it with load_expert_parallel)",
+                self.pg.rank()
+            );
+        };
+        let routes = self.route(x)?;
+        forward_local(&self.pg, owners, &self.experts, x, &routes)
+    }
+
+    /// `x` `[tokens, hidden]`, the same on every rank: rank `r` takes the `r`-th share of the
+    /// tokens through [`forward_local`](Self::forward_local), and the shares are all-gathered
+    /// (the gradient: each rank's share of it, and the input's all-reduced).
+    fn forward_expert_parallel(&self, x: &Tensor) -> Result<Tensor> {
+        let (p, me) = (self.pg.size(), self.pg.rank());
+        let tokens = x.dim(0)?;
+        let sizes: Vec<usize> = (0..p)
+            .map(|r| tokens / p + usize::from(r < tokens % p))
+            .collect();
+        let start: usize = sizes[..me].iter().sum();
+        let x = copy_to_tp(x, &self.pg)?.narrow(0, start, sizes[me])?;
+        let y = self.forward_local(&x.contiguous()?)?;
+        if p == 1 {
+            return Ok(y);
+        }
+        CollectiveOp::apply(
+            &self.pg,
+            &y,
+            Kind::AllGather {
+                dim: 0,
+                sizes: sizes.clone(),
+            },
+            Some(Kind::Split { dim: 0, sizes }),
+        )
+    }
+}
+
 impl Module for SparseMoe {
     /// `x` `[batch, seq, hidden]` (replicated) → `[batch, seq, hidden]`, all-reduced once.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let hidden = *dims.last().unwrap_or(&0);
         let flat = x.reshape(((), hidden))?;
+        if self.owners.is_some() {
+            return self.forward_expert_parallel(&flat)?.reshape(dims);
+        }
         let routes = self.route(&flat)?;
         let xp = copy_to_tp(&flat, &self.pg)?;
         // Summed in the experts' partial dtype (f64 for quantized experts: see
