@@ -27,8 +27,8 @@ use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
 use crate::models::bert::BertModel;
-use crate::serve::api::ApiError;
 use crate::serve::endpoints::key_refusal;
+use crate::serve::error::ApiError;
 use crate::serve::http::{json_response, json_text_response, unix_now};
 use crate::serve::limits::{read_body, RequestLimits};
 use crate::ProcessGroup;
@@ -251,7 +251,7 @@ pub fn run_embed_leader(
                         queue.shutting_down.store(true, Ordering::SeqCst);
                         let why = format!(
                             "the model step failed: {}",
-                            crate::serve::api::client_message(&e)
+                            crate::serve::error::client_message(&e)
                         );
                         let _ = job.reply.send(Err(why.clone()));
                         fail_waiting(&rx, queue, &why);

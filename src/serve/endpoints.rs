@@ -10,7 +10,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
-use crate::serve::api::{client_message, ApiError};
+use crate::serve::error::{client_message, ApiError};
 use crate::serve::fields::{boolean, kind_of};
 use crate::serve::http::{json_response, unix_now, AppState};
 use crate::serve::limits::read_body;

@@ -19,8 +19,9 @@ use serde_json::Value;
 use tokio::sync::mpsc::unbounded_channel;
 
 use crate::generate::{SamplingParams, SeqOptions, SeqRequest};
-use crate::serve::api::{client_message, ApiError, GenRequest, Prompt};
+use crate::serve::api::{GenRequest, Prompt};
 use crate::serve::endpoints;
+use crate::serve::error::{client_message, ApiError};
 use crate::serve::grammar::{GrammarFilter, GrammarSpec, Grammars};
 use crate::serve::job::{self, server_error, Head, Job};
 use crate::serve::limits::{read_body, RequestLimits};

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::generate::FinishReason;
-use crate::serve::api::{client_message, ApiError};
+use crate::serve::error::{client_message, ApiError};
 use crate::serve::http::json_text_response;
 use crate::serve::limits::TextJobs;
 use crate::serve::logprobs::LogprobsOut;

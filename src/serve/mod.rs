@@ -6,8 +6,8 @@
 //!   [`BatchDecoder`](crate::generate::BatchDecoder) (rank 0 plans, every rank steps).
 //! - [`embeddings`]: `POST /v1/embeddings` over the tensor-parallel BERT encoder (a server
 //!   started on a sentence-embedding checkpoint).
-//! - [`api`], [`fields`] and [`http`]: the OpenAI request fields (each one honoured or
-//!   refused) and errors, and the axum routes (rank 0).
+//! - [`error`], [`fields`], [`api`] and [`http`]: OpenAI's error answer, the request fields
+//!   (each one honoured or refused), the request read from them, and the axum routes (rank 0).
 //! - [`limits`]: connections, request and answer deadlines, and the text work off the async
 //!   thread, bounded.
 //! - [`grammar`]: llguidance grammars (structured outputs, forced tool calls) as the batch
@@ -16,6 +16,7 @@
 pub mod api;
 pub mod embeddings;
 pub mod endpoints;
+pub mod error;
 pub mod fields;
 pub mod grammar;
 pub mod http;

@@ -5,7 +5,8 @@
 use serde_json::{Map, Value};
 
 use super::EmbedState;
-use crate::serve::api::{json_object, ApiError};
+use crate::serve::api::json_object;
+use crate::serve::error::ApiError;
 use crate::serve::fields::{kind_of, short};
 
 /// Inputs of one request at most (OpenAI's limit).
