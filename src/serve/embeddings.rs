@@ -29,8 +29,9 @@ use tokenizers::Tokenizer;
 use crate::models::bert::BertModel;
 use crate::serve::endpoints::key_refusal;
 use crate::serve::error::ApiError;
-use crate::serve::http::{json_response, json_text_response, unix_now};
 use crate::serve::limits::{read_body, RequestLimits};
+use crate::serve::reply::{json_response, json_text_response, method_not_allowed};
+use crate::serve::stamp::unix_now;
 use crate::ProcessGroup;
 
 mod request;
@@ -329,7 +330,7 @@ pub fn router(state: EmbedState) -> Router {
             require_key,
         ))
         .fallback(not_found)
-        .method_not_allowed_fallback(crate::serve::http::method_not_allowed)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 

@@ -26,8 +26,11 @@ pub mod logprobs;
 mod messages;
 pub mod metrics;
 mod options;
+mod reply;
 mod response_format;
 pub mod scheduler;
+mod stamp;
+pub mod state;
 pub mod step;
 pub mod tool_calls;
 pub mod tools;
@@ -35,11 +38,12 @@ pub mod tools;
 pub use crate::text::{ChatMessage, ModelText, TextStream};
 pub use api::{ApiError, GenRequest, Prompt};
 pub use http::{
-    default_model_name, router, AppState, COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
+    default_model_name, router, COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
 };
 pub use limits::{ConnLimits, RequestLimits, TextJobs};
 pub use scheduler::{
     idle_heartbeat, longest_step, queue, run_follower, run_leader, Event, Inbox, Queue, Submission,
     SubmitError,
 };
+pub use state::AppState;
 pub use step::StepPlan;
