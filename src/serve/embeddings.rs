@@ -36,7 +36,7 @@ use crate::ProcessGroup;
 
 mod request;
 
-use request::{parse, tokenize};
+use request::{parse, tokenize, Encoder};
 pub use request::{EMBEDDING_FIELDS, MAX_INPUTS};
 
 /// Inputs per [`BertModel::embed`] call at most (a batch is padded to its longest input).
@@ -458,7 +458,15 @@ async fn answer(
         let s = s.clone();
         let inputs = req.inputs.clone();
         let jobs = s.limits.text_jobs.clone();
-        jobs.run(move || tokenize(&s, &inputs)).await??
+        jobs.run(move || {
+            let encoder = Encoder {
+                tokenizer: &s.tokenizer,
+                max_tokens: s.max_tokens,
+                vocab_size: s.vocab_size,
+            };
+            tokenize(&encoder, &inputs)
+        })
+        .await??
     };
     let tokens: usize = ids.iter().map(Vec::len).sum();
     let (tx, rx) = tokio::sync::oneshot::channel();
