@@ -4,9 +4,9 @@
 //! `/tokenize`, `/detokenize`, the API key); every error in OpenAI's shape.
 //!
 //! The top of the text server: it imports the request ([`api`](super::api)), the other
-//! endpoints, the answers ([`job`](super::job), `reply`) and the shared [`AppState`]
-//! (re-exported here from [`state`](super::state), its path before that file); no file of the
-//! crate imports it (`serve` re-exports its public items).
+//! endpoints, the answers ([`job`], `reply`) and the shared [`AppState`] (defined in
+//! [`state`](super::state), re-exported here so that `serve::http::AppState` stays); no file
+//! of the crate imports this one (`serve` re-exports its public items).
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
