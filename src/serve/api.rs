@@ -1,14 +1,18 @@
 //! The OpenAI request fields the server understands, read from the JSON body with an error
-//! naming the field for every wrong type or value, and OpenAI's error shape
-//! (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status.
+//! naming the field for every wrong type or value ([`ApiError`], OpenAI's error shape, lives in
+//! [`error`](crate::serve::error) and is re-exported here).
 //!
 //! Every key of the body is first checked against [`FIELDS`](crate::serve::fields::FIELDS):
 //! a field the server does not support (with a value that asks for something) or does not know
 //! is a 400 naming it, never silently ignored.
+//!
+//! The top of the request parsers: this file imports the field readers (`fields`,
+//! `messages`, `options`, `response_format`, `tools`), none of which imports it back.
 
 use serde_json::{Map, Value};
 
 use crate::generate::Penalties;
+pub use crate::serve::error::{client_message, ApiError};
 use crate::serve::fields::{boolean, check_fields, in_range, integer, kind_of, number};
 use crate::serve::grammar::GrammarSpec;
 use crate::serve::messages::messages;
@@ -17,84 +21,6 @@ pub use crate::serve::options::{Prompt, MAX_CHOICES, MAX_PROMPTS};
 use crate::serve::response_format::response_format;
 use crate::serve::tools::{tools, ToolChoice, Tools};
 use crate::text::{ChatMessage, MAX_STOP_BYTES};
-
-/// An error answer: HTTP status and OpenAI's error object.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    /// HTTP status code.
-    pub status: u16,
-    /// Human-readable message.
-    pub message: String,
-    /// OpenAI's `type` (`invalid_request_error`, `server_error`, ...).
-    pub kind: &'static str,
-    /// The request field at fault, if one is.
-    pub param: Option<String>,
-    /// A machine-readable code (`model_not_found`, `context_length_exceeded`, ...).
-    pub code: Option<&'static str>,
-}
-
-impl ApiError {
-    /// A 400 `invalid_request_error` about `param`.
-    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
-        Self {
-            status: 400,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: Some(param.to_string()),
-            code: None,
-        }
-    }
-
-    /// An error with `status`, `kind` and `code`.
-    pub fn new(
-        status: u16,
-        kind: &'static str,
-        code: Option<&'static str>,
-        message: impl Into<String>,
-    ) -> Self {
-        Self {
-            status,
-            message: message.into(),
-            kind,
-            param: None,
-            code,
-        }
-    }
-
-    /// The JSON body.
-    pub fn body(&self) -> Value {
-        serde_json::json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        })
-    }
-}
-
-/// Checks that `e` is a 400 about `param` whose message says `says` (`what`: the input, for
-/// the failure message).
-#[cfg(test)]
-pub(crate) fn assert_refused(e: &ApiError, param: &str, says: &str, what: &dyn std::fmt::Display) {
-    assert_eq!(e.status, 400, "{what}");
-    assert_eq!(e.param.as_deref(), Some(param), "{what}: {e:?}");
-    assert!(e.message.contains(says), "{what}: {}", e.message);
-}
-
-/// The text of `e` for an API client: candle's message and contexts without the Rust
-/// backtrace that `RUST_BACKTRACE` attaches (frames and source paths are for the server's log,
-/// not for clients).
-pub fn client_message(e: &candle_core::Error) -> String {
-    use candle_core::Error;
-    match e {
-        Error::WithBacktrace { inner, .. } => client_message(inner),
-        Error::Context { inner, context } => format!("{context}: {}", client_message(inner)),
-        Error::WithPath { inner, path } => format!("{}: {}", path.display(), client_message(inner)),
-        e => e.to_string(),
-    }
-}
 
 /// What the body asks for: the prompt (chat messages or text) and the generation settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -369,20 +295,6 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    #[test]
-    fn client_messages_carry_no_backtrace() {
-        let traced = candle_core::Error::WithBacktrace {
-            inner: Box::new(candle_core::Error::Msg("peer rank 1 is gone".into())),
-            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
-        };
-        let e = traced.context("the model step failed");
-        assert!(e.to_string().contains("peer rank 1 is gone\n"), "{e}");
-        assert_eq!(
-            client_message(&e),
-            "the model step failed: peer rank 1 is gone"
-        );
-    }
-
     /// A stop string longer than [`MAX_STOP_BYTES`] is a 400 naming the limit and its size.
     #[test]
     fn stop_strings_are_bounded() {
@@ -468,5 +380,205 @@ mod tests {
         assert!(!r.return_token_ids);
         let r = GenRequest::parse(br#"{"prompt": "a", "return_token_ids": true}"#, false);
         assert!(r.unwrap().return_token_ids);
+    }
+
+    // Of the fields read in messages.rs: through the whole request.
+
+    fn chat(messages: &str) -> Result<GenRequest, ApiError> {
+        GenRequest::parse(format!(r#"{{"messages": {messages}}}"#).as_bytes(), true)
+    }
+
+    /// Text parts are joined with a newline (as vLLM joins them); a part with another key is
+    /// a 400 naming it (issue 44, defect 14).
+    #[test]
+    fn text_parts_are_lines_and_unknown_keys_are_named() {
+        let r = chat(
+            r#"[{"role": "user", "content": [{"type": "text", "text": "one"},
+                {"type": "text", "text": "two"}]}]"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages.unwrap()[0].content, "one\ntwo");
+        let e = chat(
+            r#"[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": 1}]}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.status, 400);
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].content[0].cache_control"),
+            "{e:?}"
+        );
+        let e = chat(r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]"#)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[0]"), "{e:?}");
+    }
+
+    /// `tool_choice` objects take `type` and `function.name` only; `chat_template_kwargs` is
+    /// an object whose keys are not the server's own variables.
+    #[test]
+    fn tool_choice_and_template_kwargs_are_checked() {
+        let tools = r#""tools": [{"type": "function", "function": {"name": "f",
+            "parameters": {"type": "object"}}}]"#;
+        let body = |extra: &str| {
+            format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], {tools}, {extra}}}"#)
+        };
+        let ok = body(r#""tool_choice": {"type": "function", "function": {"name": "f"}}"#);
+        assert!(GenRequest::parse(ok.as_bytes(), true).is_ok());
+        for (extra, param) in [
+            (
+                r#""tool_choice": {"type": "function", "function": {"name": "f"}, "x": 1}"#,
+                "tool_choice.x",
+            ),
+            (
+                r#""tool_choice": {"type": "function", "function": {"name": "f", "arguments": "{}"}}"#,
+                "tool_choice.function.arguments",
+            ),
+            (r#""chat_template_kwargs": [1]"#, "chat_template_kwargs"),
+            (
+                r#""chat_template_kwargs": {"messages": []}"#,
+                "chat_template_kwargs.messages",
+            ),
+        ] {
+            let e = GenRequest::parse(body(extra).as_bytes(), true).unwrap_err();
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (400, Some(param)),
+                "{extra}: {e:?}"
+            );
+        }
+        let r = GenRequest::parse(
+            body(r#""chat_template_kwargs": {"enable_thinking": false}"#).as_bytes(),
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            r.template_kwargs,
+            vec![("enable_thinking".to_string(), serde_json::json!(false))]
+        );
+    }
+
+    // Of the fields read in options.rs: through the whole request.
+
+    #[test]
+    fn logprobs_and_penalties() {
+        let parse = |b: &str, chat| GenRequest::parse(b.as_bytes(), chat);
+        let chat = |extra: &str| {
+            parse(
+                &format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#),
+                true,
+            )
+        };
+        assert_eq!(chat("").unwrap().logprobs, None);
+        assert_eq!(chat(r#", "logprobs": true"#).unwrap().logprobs, Some(0));
+        assert_eq!(
+            chat(r#", "logprobs": true, "top_logprobs": 20"#)
+                .unwrap()
+                .logprobs,
+            Some(20)
+        );
+        assert_eq!(chat(r#", "logprobs": false"#).unwrap().logprobs, None);
+        for (extra, param, says) in [
+            (
+                r#", "logprobs": true, "top_logprobs": 21"#,
+                "top_logprobs",
+                "21",
+            ),
+            (r#", "top_logprobs": 2"#, "top_logprobs", "logprobs"),
+            (r#", "logprobs": 3"#, "logprobs", "boolean"),
+            (r#", "presence_penalty": 2.5"#, "presence_penalty", "2.5"),
+            (
+                r#", "frequency_penalty": "x""#,
+                "frequency_penalty",
+                "number",
+            ),
+            (r#", "repetition_penalty": 0"#, "repetition_penalty", "0"),
+            // Above 0, but 0 once in f32 (issue 44: it failed in the queue, a 503).
+            (
+                r#", "repetition_penalty": 1e-50"#,
+                "repetition_penalty",
+                "single precision",
+            ),
+            (r#", "logit_bias": {"abc": 1}"#, "logit_bias", "abc"),
+            (r#", "logit_bias": {"5": 101}"#, "logit_bias", "101"),
+            (
+                r#", "logit_bias": {"5": 1, "05": 2}"#,
+                "logit_bias",
+                "twice",
+            ),
+            (r#", "logit_bias": [1]"#, "logit_bias", "object"),
+            (
+                r#", "stream_options": {"foo": true}"#,
+                "stream_options",
+                "foo",
+            ),
+            (r#", "tools": {"a": 1}"#, "tools", "array"),
+            (r#", "messages2": 1"#, "messages2", "unknown"),
+        ] {
+            let e = chat(extra).unwrap_err();
+            assert_eq!(e.status, 400, "{extra}");
+            assert_eq!(e.param.as_deref(), Some(param), "{extra}: {e:?}");
+            assert!(e.message.contains(says), "{extra}: {}", e.message);
+        }
+        let e = parse(
+            r#"{"messages": [{"role": "user", "content": "hi", "image": 1}]}"#,
+            true,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].image"), "{e:?}");
+        let r = parse(
+            r#"{"messages": [{"role": "user", "content": "hi", "name": "ann", "refusal": null}]}"#,
+            true,
+        )
+        .unwrap();
+        assert_eq!(r.messages.unwrap()[0].extra["name"], "ann");
+        let r = parse(
+            r#"{"prompt": "a", "logprobs": 3, "presence_penalty": -1, "frequency_penalty": 0.5,
+                "repetition_penalty": 1.2, "logit_bias": {"7": -100, "3": 2.5}}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(r.logprobs, Some(3));
+        let ps = |b: &str| parse(b, false).map(|r| (r.prompts, r.n));
+        assert_eq!(
+            ps(r#"{"prompt": [1, 2, 3], "n": 3}"#).unwrap(),
+            (vec![Prompt::Ids(vec![1, 2, 3])], 3)
+        );
+        assert_eq!(
+            ps(r#"{"prompt": ["a", [4, 5]]}"#).unwrap(),
+            (vec![Prompt::Text("a".into()), Prompt::Ids(vec![4, 5])], 1)
+        );
+        for b in [
+            r#"{"prompt": []}"#,
+            r#"{"prompt": [1, -2]}"#,
+            r#"{"prompt": [1, "a"]}"#,
+            r#"{"prompt": [[1], {}]}"#,
+            r#"{"prompt": [1.5]}"#,
+        ] {
+            let e = ps(b).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("prompt"), "{b}: {e:?}");
+        }
+        assert_eq!(
+            ps(r#"{"prompt": "a", "n": 65}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            r.penalties,
+            Penalties {
+                presence: -1.0,
+                frequency: 0.5,
+                repetition: 1.2,
+                logit_bias: vec![(3, 2.5), (7, -100.0)],
+            }
+        );
+        assert_eq!(
+            parse(r#"{"prompt": "a", "logprobs": -1}"#, false)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("logprobs")
+        );
     }
 }

@@ -27,15 +27,16 @@ use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
 use crate::models::bert::BertModel;
-use crate::serve::api::ApiError;
 use crate::serve::endpoints::key_refusal;
-use crate::serve::http::{json_response, json_text_response, unix_now};
+use crate::serve::error::ApiError;
 use crate::serve::limits::{read_body, RequestLimits};
+use crate::serve::reply::{json_response, json_text_response, method_not_allowed};
+use crate::serve::stamp::unix_now;
 use crate::ProcessGroup;
 
 mod request;
 
-use request::{parse, tokenize};
+use request::{parse, tokenize, Encoder};
 pub use request::{EMBEDDING_FIELDS, MAX_INPUTS};
 
 /// Inputs per [`BertModel::embed`] call at most (a batch is padded to its longest input).
@@ -251,7 +252,7 @@ pub fn run_embed_leader(
                         queue.shutting_down.store(true, Ordering::SeqCst);
                         let why = format!(
                             "the model step failed: {}",
-                            crate::serve::api::client_message(&e)
+                            crate::serve::error::client_message(&e)
                         );
                         let _ = job.reply.send(Err(why.clone()));
                         fail_waiting(&rx, queue, &why);
@@ -329,7 +330,7 @@ pub fn router(state: EmbedState) -> Router {
             require_key,
         ))
         .fallback(not_found)
-        .method_not_allowed_fallback(crate::serve::http::method_not_allowed)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -457,7 +458,15 @@ async fn answer(
         let s = s.clone();
         let inputs = req.inputs.clone();
         let jobs = s.limits.text_jobs.clone();
-        jobs.run(move || tokenize(&s, &inputs)).await??
+        jobs.run(move || {
+            let encoder = Encoder {
+                tokenizer: &s.tokenizer,
+                max_tokens: s.max_tokens,
+                vocab_size: s.vocab_size,
+            };
+            tokenize(&encoder, &inputs)
+        })
+        .await??
     };
     let tokens: usize = ids.iter().map(Vec::len).sum();
     let (tx, rx) = tokio::sync::oneshot::channel();

@@ -10,10 +10,12 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
-use crate::serve::api::{client_message, ApiError};
+use crate::serve::error::{client_message, ApiError};
 use crate::serve::fields::{boolean, kind_of};
-use crate::serve::http::{json_response, unix_now, AppState};
 use crate::serve::limits::read_body;
+use crate::serve::reply::json_response;
+use crate::serve::stamp::unix_now;
+use crate::serve::state::AppState;
 
 /// 401 unless the request carries `Authorization: Bearer <the key>` (when the server has
 /// one). `/health` and `/metrics` stay open, as vLLM's; the router runs this on its routes

@@ -14,7 +14,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::serve::api::ApiError;
+use crate::serve::error::ApiError;
 
 /// What the server does with a field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,62 +2,39 @@
 //! /v1/completions` (answers as JSON or, with `stream: true`, as server-sent events), and
 //! those of [`endpoints`] (`/v1/models`, `/health`, `/metrics`,
 //! `/tokenize`, `/detokenize`, the API key); every error in OpenAI's shape.
+//!
+//! The top of the text server: it imports the request ([`api`](super::api)), the other
+//! endpoints, the answers ([`job`], `reply`) and the shared [`AppState`] (defined in
+//! [`state`](super::state), re-exported here so that `serve::http::AppState` stays); no file
+//! of the crate imports this one (`serve` re-exports its public items).
 
-use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use serde_json::Value;
 use tokio::sync::mpsc::unbounded_channel;
 
 use crate::generate::{SamplingParams, SeqOptions, SeqRequest};
-use crate::serve::api::{client_message, ApiError, GenRequest, Prompt};
+use crate::serve::api::{GenRequest, Prompt};
 use crate::serve::endpoints;
+use crate::serve::error::{client_message, ApiError};
 use crate::serve::grammar::{GrammarFilter, GrammarSpec, Grammars};
 use crate::serve::job::{self, server_error, Head, Job};
-use crate::serve::limits::{read_body, RequestLimits};
+use crate::serve::limits::read_body;
 use crate::serve::logprobs::LogprobsOut;
-use crate::serve::scheduler::{Queue, Submission, SubmitError};
+use crate::serve::reply::method_not_allowed;
+use crate::serve::scheduler::{Submission, SubmitError};
+use crate::serve::stamp::{unique_id, unix_now};
+pub use crate::serve::state::AppState;
 use crate::serve::tool_calls::ToolStream;
 use crate::serve::tools::ToolFormat;
 use crate::text::{ModelText, TextStream};
-
-/// What the handlers share.
-#[derive(Debug, Clone)]
-pub struct AppState {
-    /// The served model's name (`/v1/models`, the `model` field).
-    pub model_name: String,
-    /// Tokenizer and chat template.
-    pub text: Arc<ModelText>,
-    /// End-of-sequence ids.
-    pub eos: Vec<u32>,
-    /// The longest sequence (prompt and generated tokens).
-    pub max_seq_len: usize,
-    /// The model's vocabulary size: a prompt id at or above it is refused (400).
-    pub vocab_size: usize,
-    /// The scheduler's queue.
-    pub queue: Queue,
-    /// The key clients must send as `Authorization: Bearer KEY` (`None`: no check).
-    pub api_key: Option<String>,
-    /// The largest request body read, in bytes (`--max-body-bytes`); a larger one is a 400
-    /// before any of it is parsed or tokenized.
-    pub max_body_bytes: usize,
-    /// The grammar compiler (structured outputs, forced tool calls), or why there is none
-    /// (a tokenizer whose vocabulary llguidance cannot read: such requests get a 400).
-    pub grammars: Result<Grammars, String>,
-    /// How the model writes tool calls (from its chat template).
-    pub tool_format: ToolFormat,
-    /// The body deadline, the text work off the async thread and the streams' keep-alives.
-    pub limits: RequestLimits,
-}
 
 /// `--max-body-bytes`'s default: 2 MiB (axum's own default limit).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 2 << 20;
@@ -85,44 +62,6 @@ pub fn default_model_name(path: &Path) -> String {
 /// A completion id (`chatcmpl-...`, `cmpl-...`): [`unique_id`].
 fn completion_id(chat: bool) -> String {
     unique_id(if chat { "chatcmpl" } else { "cmpl" })
-}
-
-/// An id (`<kind>-...`) unique in this process and unlikely to repeat across processes: a
-/// random 64-bit prefix drawn once and a counter (`seed` and time play no part, so equal
-/// seeds in the same second still get different ids).
-pub(crate) fn unique_id(kind: &str) -> String {
-    static PREFIX: OnceLock<u64> = OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let prefix = *PREFIX.get_or_init(|| {
-        // std's hash keys are random per process; mix in the time and pid for good measure.
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u128(
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos()),
-        );
-        h.write_u32(std::process::id());
-        h.finish()
-    });
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{kind}-{prefix:016x}{n:08x}")
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        json_response(status, &self.body())
-    }
-}
-
-/// A JSON answer.
-pub(crate) fn json_response(status: StatusCode, v: &Value) -> Response {
-    json_text_response(status, v.to_string())
-}
-
-/// A JSON answer already serialised.
-pub(crate) fn json_text_response(status: StatusCode, json: String) -> Response {
-    (status, [(header::CONTENT_TYPE, "application/json")], json).into_response()
 }
 
 /// The router over `state`.
@@ -153,23 +92,6 @@ pub fn router(state: AppState) -> Router {
 
 async fn not_found() -> ApiError {
     ApiError::new(404, "invalid_request_error", Some("not_found"), "no such endpoint: the server has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /health, GET /metrics")
-}
-
-/// 405 `method_not_allowed` (both servers' routers).
-pub(crate) async fn method_not_allowed() -> ApiError {
-    ApiError::new(
-        405,
-        "invalid_request_error",
-        Some("method_not_allowed"),
-        "method not allowed on this endpoint",
-    )
-}
-
-/// Seconds since the Unix epoch.
-pub(crate) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {

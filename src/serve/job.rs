@@ -17,12 +17,13 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::generate::FinishReason;
-use crate::serve::api::{client_message, ApiError};
-use crate::serve::http::json_text_response;
+use crate::serve::error::{client_message, ApiError};
 use crate::serve::limits::TextJobs;
 use crate::serve::logprobs::LogprobsOut;
 use crate::serve::metrics::Metrics;
+use crate::serve::reply::json_text_response;
 use crate::serve::scheduler::Event;
+use crate::serve::stamp::unique_id;
 use crate::serve::tool_calls::{ToolCall, ToolStream};
 use crate::text::{ModelText, TextStream};
 
@@ -128,10 +129,7 @@ impl Job {
         if !calls.is_empty() {
             finish = "tool_calls";
         }
-        self.calls = calls
-            .into_iter()
-            .map(|c| (crate::serve::http::unique_id("call"), c))
-            .collect();
+        self.calls = calls.into_iter().map(|c| (unique_id("call"), c)).collect();
         Ok((piece, Some(finish)))
     }
 

@@ -38,7 +38,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 
-use crate::serve::api::ApiError;
+use crate::serve::error::ApiError;
 
 /// `--max-connections`'s default: connections served at once (below the usual 1024 open
 /// files of a process).

@@ -3,7 +3,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::serve::api::ApiError;
+use crate::serve::error::ApiError;
 use crate::serve::fields::{kind_of, short};
 use crate::text::ChatMessage;
 
@@ -156,82 +156,4 @@ fn message_extra(m: &Value, i: usize) -> Result<Map<String, Value>, ApiError> {
         extra.insert(k.clone(), v.clone());
     }
     Ok(extra)
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::serve::api::GenRequest;
-
-    fn chat(messages: &str) -> Result<GenRequest, crate::serve::api::ApiError> {
-        GenRequest::parse(format!(r#"{{"messages": {messages}}}"#).as_bytes(), true)
-    }
-
-    /// Text parts are joined with a newline (as vLLM joins them); a part with another key is
-    /// a 400 naming it (issue 44, defect 14).
-    #[test]
-    fn text_parts_are_lines_and_unknown_keys_are_named() {
-        let r = chat(
-            r#"[{"role": "user", "content": [{"type": "text", "text": "one"},
-                {"type": "text", "text": "two"}]}]"#,
-        )
-        .unwrap();
-        assert_eq!(r.messages.unwrap()[0].content, "one\ntwo");
-        let e = chat(
-            r#"[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": 1}]}]"#,
-        )
-        .unwrap_err();
-        assert_eq!(e.status, 400);
-        assert_eq!(
-            e.param.as_deref(),
-            Some("messages[0].content[0].cache_control"),
-            "{e:?}"
-        );
-        let e = chat(r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]"#)
-            .unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("messages[0].content[0]"), "{e:?}");
-    }
-
-    /// `tool_choice` objects take `type` and `function.name` only; `chat_template_kwargs` is
-    /// an object whose keys are not the server's own variables.
-    #[test]
-    fn tool_choice_and_template_kwargs_are_checked() {
-        let tools = r#""tools": [{"type": "function", "function": {"name": "f",
-            "parameters": {"type": "object"}}}]"#;
-        let body = |extra: &str| {
-            format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], {tools}, {extra}}}"#)
-        };
-        let ok = body(r#""tool_choice": {"type": "function", "function": {"name": "f"}}"#);
-        assert!(GenRequest::parse(ok.as_bytes(), true).is_ok());
-        for (extra, param) in [
-            (
-                r#""tool_choice": {"type": "function", "function": {"name": "f"}, "x": 1}"#,
-                "tool_choice.x",
-            ),
-            (
-                r#""tool_choice": {"type": "function", "function": {"name": "f", "arguments": "{}"}}"#,
-                "tool_choice.function.arguments",
-            ),
-            (r#""chat_template_kwargs": [1]"#, "chat_template_kwargs"),
-            (
-                r#""chat_template_kwargs": {"messages": []}"#,
-                "chat_template_kwargs.messages",
-            ),
-        ] {
-            let e = GenRequest::parse(body(extra).as_bytes(), true).unwrap_err();
-            assert_eq!(
-                (e.status, e.param.as_deref()),
-                (400, Some(param)),
-                "{extra}: {e:?}"
-            );
-        }
-        let r = GenRequest::parse(
-            body(r#""chat_template_kwargs": {"enable_thinking": false}"#).as_bytes(),
-            true,
-        )
-        .unwrap();
-        assert_eq!(
-            r.template_kwargs,
-            vec![("enable_thinking".to_string(), serde_json::json!(false))]
-        );
-    }
 }

@@ -6,8 +6,8 @@
 //!   [`BatchDecoder`](crate::generate::BatchDecoder) (rank 0 plans, every rank steps).
 //! - [`embeddings`]: `POST /v1/embeddings` over the tensor-parallel BERT encoder (a server
 //!   started on a sentence-embedding checkpoint).
-//! - [`api`], [`fields`] and [`http`]: the OpenAI request fields (each one honoured or
-//!   refused) and errors, and the axum routes (rank 0).
+//! - [`error`], [`fields`], [`api`] and [`http`]: OpenAI's error answer, the request fields
+//!   (each one honoured or refused), the request read from them, and the axum routes (rank 0).
 //! - [`limits`]: connections, request and answer deadlines, and the text work off the async
 //!   thread, bounded.
 //! - [`grammar`]: llguidance grammars (structured outputs, forced tool calls) as the batch
@@ -16,6 +16,7 @@
 pub mod api;
 pub mod embeddings;
 pub mod endpoints;
+pub mod error;
 pub mod fields;
 pub mod grammar;
 pub mod http;
@@ -25,8 +26,11 @@ pub mod logprobs;
 mod messages;
 pub mod metrics;
 mod options;
+mod reply;
 mod response_format;
 pub mod scheduler;
+mod stamp;
+pub mod state;
 pub mod step;
 pub mod tool_calls;
 pub mod tools;
@@ -34,11 +38,12 @@ pub mod tools;
 pub use crate::text::{ChatMessage, ModelText, TextStream};
 pub use api::{ApiError, GenRequest, Prompt};
 pub use http::{
-    default_model_name, router, AppState, COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
+    default_model_name, router, COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
 };
 pub use limits::{ConnLimits, RequestLimits, TextJobs};
 pub use scheduler::{
     idle_heartbeat, longest_step, queue, run_follower, run_leader, Event, Inbox, Queue, Submission,
     SubmitError,
 };
+pub use state::AppState;
 pub use step::StepPlan;

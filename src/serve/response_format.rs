@@ -5,7 +5,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::serve::api::ApiError;
+use crate::serve::error::ApiError;
 use crate::serve::fields::{kind_of, short};
 use crate::serve::grammar::GrammarSpec;
 
@@ -172,7 +172,7 @@ mod tests {
                 "unknown",
             ),
         ] {
-            crate::serve::api::assert_refused(&read(v.clone()).unwrap_err(), param, says, &v);
+            crate::serve::error::assert_refused(&read(v.clone()).unwrap_err(), param, says, &v);
         }
     }
 }

@@ -334,7 +334,7 @@ impl Leader {
             if let Err(e) = dec.check_for(model, &req) {
                 let _ = s
                     .events
-                    .send(Event::Error(crate::serve::api::client_message(&e)));
+                    .send(Event::Error(crate::serve::error::client_message(&e)));
                 continue;
             }
             self.active.insert(req.id, s.events);
@@ -397,7 +397,7 @@ pub fn run_leader(
             Ok(ev) => ev,
             Err(e) => {
                 inbox.shutdown.store(true, Ordering::SeqCst);
-                let why = crate::serve::api::client_message(&e);
+                let why = crate::serve::error::client_message(&e);
                 leader.fail_all(&inbox, &format!("the model step failed: {why}"));
                 dec.clear();
                 return Err(e);

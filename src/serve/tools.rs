@@ -12,7 +12,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::serve::api::ApiError;
+use crate::serve::error::ApiError;
 use crate::serve::fields::{boolean, kind_of, short};
 use crate::serve::grammar::{with_json_options, GrammarSpec};
 
@@ -399,7 +399,7 @@ mod tests {
                 "boolean",
             ),
         ] {
-            crate::serve::api::assert_refused(&read(v.clone()).unwrap_err(), param, says, &v);
+            crate::serve::error::assert_refused(&read(v.clone()).unwrap_err(), param, says, &v);
         }
     }
 

@@ -3,9 +3,10 @@
 //! token ids.
 
 use serde_json::{Map, Value};
+use tokenizers::Tokenizer;
 
-use super::EmbedState;
-use crate::serve::api::{json_object, ApiError};
+use crate::serve::api::json_object;
+use crate::serve::error::ApiError;
 use crate::serve::fields::{kind_of, short};
 
 /// Inputs of one request at most (OpenAI's limit).
@@ -154,11 +155,23 @@ pub(super) fn parse(
     })
 }
 
+/// What [`tokenize`] reads of the server: its tokenizer and limits (the embeddings server's
+/// state, [`EmbedState`](super::EmbedState), holds them; it is not imported here, so that this
+/// file does not import the file that declares it).
+pub(super) struct Encoder<'a> {
+    /// The checkpoint's tokenizer (no padding, no truncation).
+    pub tokenizer: &'a Tokenizer,
+    /// Tokens per input at most.
+    pub max_tokens: usize,
+    /// The model's vocabulary size (token ids must be below it).
+    pub vocab_size: usize,
+}
+
 /// The token ids of every input (text with the tokenizer's special tokens, as
 /// sentence-transformers encodes; ids as given), each checked: not empty, at most
 /// `max_tokens`, inside the vocabulary.
 pub(super) fn tokenize(
-    s: &EmbedState,
+    s: &Encoder<'_>,
     inputs: &[Input],
 ) -> std::result::Result<Vec<Vec<u32>>, ApiError> {
     let many = inputs.len() > 1;
