@@ -278,7 +278,7 @@ const REFUSAL_GRACE: Duration = Duration::from_secs(1);
 
 /// A TCP listener that serves at most [`ConnLimits::max_connections`] connections at once.
 /// Beyond, a connection gets a 503 `too_many_connections` (OpenAI's error shape, after its
-/// request head is read, at most [`REFUSAL_GRACE`]) and is closed.
+/// request head is read, for at most 1 s) and is closed.
 #[derive(Debug)]
 pub struct LimitedListener {
     inner: TcpListener,
@@ -422,7 +422,7 @@ struct ConnState {
     active_us: AtomicU64,
 }
 
-/// The handle of one served connection (axum's connect info: the [`track`] middleware finds
+/// The handle of one served connection (axum's connect info: the `track` middleware finds
 /// it in each request's extensions).
 #[derive(Debug, Clone)]
 pub struct Conn(Arc<ConnState>);
