@@ -572,25 +572,42 @@ fn an_argument_error_on_one_rank_fails_its_peers_at_once() {
 /// A /dev/shm too small for the group's region (Docker's default is 64 MiB) is an error at
 /// rendezvous naming /dev/shm, the bytes needed and the `--shm-size` fix, not a SIGBUS on
 /// first touch. The test re-runs itself in a private mount namespace (`unshare -m`, root)
-/// with a 1 MiB tmpfs on /dev/shm; rank 0 of a 2-rank shm job then creates the 16 MiB region.
+/// with a 1 MiB tmpfs on /dev/shm; rank 0 of a 2-rank shm job then creates the 16 MiB region,
+/// and rank 1 fails at once with rank 0's reason (it waited for the deadline before).
 #[test]
 fn a_full_dev_shm_is_a_clear_error_not_a_sigbus() {
     if std::env::var_os("CANDLE_TP_TEST_SMALL_SHM").is_some() {
-        let rv = candle_tp::comm::Rendezvous {
-            rank: 0,
-            world_size: 2,
-            master_addr: "127.0.0.1".into(),
-            master_port: 0,
-            token: String::new(),
-        };
-        let opts = GroupOptions {
-            timeout: Duration::from_secs(5),
-            slot_bytes: 4 << 20,
-        };
-        let e = candle_tp::comm::init_shm(&rv, opts)
-            .unwrap_err()
-            .to_string();
-        println!("ERROR: {e}");
+        // Both ranks: rank 1 hears rank 0's reason (issue 44, defect 9) instead of waiting.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    s.spawn(move || {
+                        let rv = candle_tp::comm::Rendezvous {
+                            rank,
+                            world_size: 2,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            token: String::new(),
+                        };
+                        let opts = GroupOptions {
+                            timeout: Duration::from_secs(30),
+                            slot_bytes: 4 << 20,
+                        };
+                        candle_tp::comm::init_shm(&rv, opts)
+                            .unwrap_err()
+                            .to_string()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        println!("ERROR: {}", errs[0]);
+        println!("RANK1: {}", errs[1]);
         return;
     }
     let exe = std::env::current_exe().unwrap();
@@ -616,6 +633,15 @@ fn a_full_dev_shm_is_a_clear_error_not_a_sigbus() {
     for want in ["/dev/shm", "16781312 bytes", "--shm-size"] {
         assert!(line.contains(want), "missing '{want}': {line}");
     }
+    let rank1 = stdout
+        .lines()
+        .find(|l| l.contains("RANK1: "))
+        .unwrap_or_else(|| panic!("no line of rank 1: {stdout}\n{stderr}"));
+    assert!(
+        rank1.contains("rank 0 could not create the group's shared memory")
+            && rank1.contains("--shm-size"),
+        "{rank1}"
+    );
 }
 
 /// A slot size out of range (`CANDLE_TP_SLOT_BYTES`) fails every rank at once: each checks it
@@ -638,5 +664,54 @@ fn a_bad_slot_size_fails_every_rank_before_the_rendezvous() {
         err.to_string()
             .contains("slot size 512 bytes: it must be a multiple of 64 and at least 1024"),
         "{err}"
+    );
+}
+
+/// Issue 44, defect 9: a rank that cannot map the group's region tells the others, which
+/// stop at once naming it, instead of waiting for it until the deadline. Two ranks of one shm
+/// job (threads calling `init_shm` over a real TCP store and /dev/shm) disagree on the slot
+/// size: rank 1 cannot open rank 0's region.
+#[test]
+fn a_rank_that_cannot_map_the_region_fails_the_others_at_once() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let start = Instant::now();
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || {
+                    let rv = candle_tp::comm::Rendezvous {
+                        rank,
+                        world_size: 2,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        token: "defect9".into(),
+                    };
+                    let opts = GroupOptions {
+                        timeout: Duration::from_secs(60),
+                        slot_bytes: (1 + rank) << 20,
+                    };
+                    match candle_tp::comm::init_shm(&rv, opts) {
+                        Ok(_) => "joined".to_string(),
+                        Err(e) => e.to_string(),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "waited {:?}: {errs:?}",
+        start.elapsed()
+    );
+    assert!(errs.iter().all(|e| e != "joined"), "{errs:?}");
+    assert!(
+        errs[0].contains("rank 1"),
+        "rank 0 names rank 1: {}",
+        errs[0]
     );
 }

@@ -219,6 +219,10 @@ impl Drop for Unlink {
 ///
 /// `parent` (the group this one is made from: its name and abort handle) is watched while
 /// waiting: a peer that failed before reaching this rendezvous aborted only the parent.
+/// What a rank writes in the store, before the reason, where a peer waits for its region's
+/// name or for its word that it mapped the region.
+const FAILED: &str = "\0failed: ";
+
 pub(crate) fn rendezvous(
     ctx: &Arc<Context>,
     name: String,
@@ -233,24 +237,65 @@ pub(crate) fn rendezvous(
     let key = format!("{name}/region");
     check_slot_bytes(&name, ctx.slot_bytes)?;
     let (_, len) = region_layout(size, ctx.slot_bytes)?;
+    let attached = |r: usize| format!("{name}/attached/{r}");
     let mut engine = if rank == 0 {
-        let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
-        let map = region::create(ctx.region, &seg, len)?;
-        let _unlink = Unlink(ctx.region, seg.clone());
-        let mut engine = Engine::attach(
-            map,
-            name.clone(),
-            0,
-            size,
-            ctx.slot_bytes,
-            ctx.timeout,
-            true,
-            ctx.local_ranks,
-        )?;
-        if let Some((pname, h)) = parent {
-            engine.set_parent(pname.to_string(), h.clone());
-        }
+        let created = (|| {
+            let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
+            let map = region::create(ctx.region, &seg, len)?;
+            let unlink = Unlink(ctx.region, seg.clone());
+            let mut engine = Engine::attach(
+                map,
+                name.clone(),
+                0,
+                size,
+                ctx.slot_bytes,
+                ctx.timeout,
+                true,
+                ctx.local_ranks,
+            )?;
+            if let Some((pname, h)) = parent {
+                engine.set_parent(pname.to_string(), h.clone());
+            }
+            Ok((engine, seg, unlink))
+        })();
+        let (mut engine, seg, _unlink) = match created {
+            Ok(c) => c,
+            Err(e) => {
+                // The others wait for the region's name: give them the reason instead.
+                let _ = ctx.store.set(&key, format!("{FAILED}{e}").as_bytes());
+                return Err(e);
+            }
+        };
         ctx.store.set(&key, seg.as_bytes())?;
+        // Every other rank says whether it mapped the region; one that could not (a
+        // different slot size, no memory) fails the group at once, naming it.
+        for r in 1..size {
+            let word = wait_for_key(ctx, &attached(r), parent).map_err(|e| match e {
+                e @ CommError::Aborted { .. } => e,
+                _ => CommError::Timeout {
+                    group: name.clone(),
+                    op: "rendezvous (waiting for every rank to map the group's shared memory)"
+                        .into(),
+                    missing: (r..size)
+                        .filter(|&q| !matches!(ctx.store.try_get(&attached(q)), Ok(Some(_))))
+                        .collect(),
+                    waited: ctx.timeout,
+                },
+            })?;
+            if let Some(reason) = word.strip_prefix(FAILED.as_bytes()) {
+                let reason = format!(
+                    "rank {r} could not map the group's shared memory: {}",
+                    String::from_utf8_lossy(reason)
+                );
+                engine.abort(&reason);
+                return Err(CommError::Aborted {
+                    group: name,
+                    op: "rendezvous".into(),
+                    rank: r,
+                    reason,
+                });
+            }
+        }
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
         engine
     } else {
@@ -265,21 +310,47 @@ pub(crate) fn rendezvous(
                 waited: ctx.timeout,
             },
         })?;
-        let seg = String::from_utf8_lossy(&seg).into_owned();
-        let map = region::open(ctx.region, &seg, len)?;
-        let mut engine = Engine::attach(
-            map,
-            name.clone(),
-            rank,
-            size,
-            ctx.slot_bytes,
-            ctx.timeout,
-            false,
-            ctx.local_ranks,
-        )?;
-        if let Some((pname, h)) = parent {
-            engine.set_parent(pname.to_string(), h.clone());
+        if let Some(reason) = seg.strip_prefix(FAILED.as_bytes()) {
+            return Err(CommError::Aborted {
+                group: name,
+                op: "rendezvous".into(),
+                rank: 0,
+                reason: format!(
+                    "rank 0 could not create the group's shared memory: {}",
+                    String::from_utf8_lossy(reason)
+                ),
+            });
         }
+        let seg = String::from_utf8_lossy(&seg).into_owned();
+        let mapped = (|| {
+            let map = region::open(ctx.region, &seg, len)?;
+            let mut engine = Engine::attach(
+                map,
+                name.clone(),
+                rank,
+                size,
+                ctx.slot_bytes,
+                ctx.timeout,
+                false,
+                ctx.local_ranks,
+            )?;
+            if let Some((pname, h)) = parent {
+                engine.set_parent(pname.to_string(), h.clone());
+            }
+            Ok(engine)
+        })();
+        let mut engine = match mapped {
+            Ok(engine) => {
+                ctx.store.set(&attached(rank), b"ok")?;
+                engine
+            }
+            Err(e) => {
+                let _ = ctx
+                    .store
+                    .set(&attached(rank), format!("{FAILED}{e}").as_bytes());
+                return Err(e);
+            }
+        };
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
         engine
     };
