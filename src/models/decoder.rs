@@ -20,7 +20,7 @@ use crate::nn::{
     load_rms_norm, AttentionConfig, GatedMlp, MoeConfig, ParallelAttention, ParallelLmHead,
     RmsNormSpec, RotaryEmbedding, SparseMoe, VocabParallelEmbedding,
 };
-use crate::pipeline::{PipelineStage, StagePart};
+use crate::stage::{PipelineStage, StagePart};
 
 /// The feed-forward block of a decoder layer.
 #[derive(Debug, Clone, PartialEq)]
