@@ -86,6 +86,7 @@ pub mod quant;
 pub mod rng;
 #[cfg(feature = "server")]
 pub mod serve;
+mod stage;
 pub mod text;
 pub mod train;
 

@@ -582,6 +582,10 @@ pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 
+/// The f64 step of the AVX-512 VNNI kernels (two groups and four).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod f64_step;
+
 #[doc(hidden)]
 pub mod panel;
 

@@ -13,6 +13,7 @@
 //! out-of-bounds read or a huge allocation.
 
 mod header;
+mod mapped;
 
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
@@ -20,33 +21,16 @@ use std::ops::Range;
 use std::path::{Component, Path, PathBuf};
 
 use candle_core::{bail, DType, Device, Result, Shape, Tensor, WithDType};
-use memmap2::Mmap;
 use serde_json::Value;
 
 use self::header::open_file;
+use self::mapped::{Entry, MappedFile};
 use super::source::{RangeRequest, TensorSource};
 
 /// The single-file checkpoint name.
 const SINGLE_FILE: &str = "model.safetensors";
 /// The index of a sharded checkpoint.
 const INDEX_FILE: &str = "model.safetensors.index.json";
-
-/// One memory-mapped safetensors file.
-struct MappedFile {
-    path: PathBuf,
-    mmap: Mmap,
-}
-
-/// Where one tensor lives and how it is stored.
-struct Entry {
-    /// Index into `SafetensorsSource::files`.
-    file: usize,
-    /// The stored dtype, or the safetensors name of a dtype this source cannot load.
-    dtype: std::result::Result<DType, String>,
-    shape: Vec<usize>,
-    /// Absolute byte range in the file (header included), already validated.
-    bytes: Range<usize>,
-}
 
 /// A safetensors checkpoint (one file or an index plus shards), memory-mapped, that reads only
 /// the byte ranges of the slices asked for.

@@ -12,7 +12,7 @@ use super::progress::{LoadProgress, ProgressSource};
 use super::safetensors::SafetensorsSource;
 use super::source::{RangeRequest, TensorMapSource, TensorSource, VarBuilderSource, WeightShard};
 use crate::comm::ProcessGroup;
-use crate::pipeline::PipelineStage;
+use crate::stage::PipelineStage;
 use crate::Partition;
 
 /// Loads weights for parallel layers: whole (replicated) or the rank's slice along one

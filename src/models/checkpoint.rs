@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Result};
 
 use crate::comm::ProcessGroup;
 use crate::loader::{LoadProgress, ShardedVarBuilder};
-use crate::pipeline::PipelineStage;
+use crate::stage::PipelineStage;
 
 /// A model built from a checkpoint's configuration and weights: it says how
 /// ([`FromCheckpoint::from_config_json`]); the loaders come with the trait.

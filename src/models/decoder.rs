@@ -20,7 +20,7 @@ use crate::nn::{
     load_rms_norm, AttentionConfig, GatedMlp, MoeConfig, ParallelAttention, ParallelLmHead,
     RmsNormSpec, RotaryEmbedding, SparseMoe, VocabParallelEmbedding,
 };
-use crate::pipeline::{PipelineStage, StagePart};
+use crate::stage::{PipelineStage, StagePart};
 
 /// The feed-forward block of a decoder layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,11 +109,6 @@ impl DecoderConfig {
             bos_token_id: None,
             eos_token_ids: Vec::new(),
         }
-    }
-
-    /// Reads `path` (a `config.json`) with the family its `architectures` names.
-    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        crate::models::family::config_from_file(path)
     }
 }
 
@@ -534,11 +529,5 @@ impl CausalLm {
     /// The group the model is split over.
     pub fn pg(&self) -> &ProcessGroup {
         &self.pg
-    }
-}
-
-impl FromCheckpoint for CausalLm {
-    fn from_config_json(text: &str, origin: &str, vb: ShardedVarBuilder) -> Result<Self> {
-        Self::load(&crate::models::family::config_from_json(text, origin)?, vb)
     }
 }

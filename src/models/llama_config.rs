@@ -1,16 +1,18 @@
 //! The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): its `config.json` read through the
-//! shared parser of every family (`family::Base`) by Llama's rules (`Rules::LLAMA`: `rope_theta` also in
-//! `rope_parameters`, Llama 3 RoPE scaling), then Llama's own hooks: silu only, no MLP bias,
-//! Qwen2's q/k/v bias, Mistral's sliding window. Unknown architectures, a missing
-//! `rope_theta` and unsupported options are errors that name the file and the key, never
-//! silent defaults. [`LlamaConfig`] is the typed result ([`crate::models::Llama`] keeps it).
+//! shared parser of every family (`config_fields::Base`) by Llama's rules (`Rules::LLAMA`:
+//! `rope_theta` also in `rope_parameters`, Llama 3 RoPE scaling), then Llama's own hooks:
+//! silu only, no MLP bias, Qwen2's q/k/v bias, Mistral's sliding window. Unknown
+//! architectures, a missing `rope_theta` and unsupported options are errors that name the
+//! file and the key, never silent defaults. [`LlamaConfig`] is the typed result
+//! ([`crate::models::Llama`] keeps it).
 
 use std::path::Path;
 
 use candle_core::Result;
 use serde::Deserialize;
 
-use crate::models::family::{read_config, Architectures, Base, Rules};
+use crate::models::architectures::{Architectures, SUPPORTED_ARCHITECTURES};
+use crate::models::config_fields::{read_config, Base, Rules};
 use crate::models::{DecoderConfig, FeedForward, LayerConfig};
 use crate::nn::{AttentionConfig, Llama3RopeScaling, RmsNormSpec};
 
@@ -95,7 +97,7 @@ impl LlamaConfig {
                 "{origin}: architecture '{architecture}' is not of the Llama family ({}); every \
                  family loads with CausalLm, which supports {}",
                 LLAMA_ARCHITECTURES.join(", "),
-                crate::models::SUPPORTED_ARCHITECTURES.join(", ")
+                SUPPORTED_ARCHITECTURES.join(", ")
             )));
         }
         Self::parse(text, origin, &architecture)

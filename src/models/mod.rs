@@ -2,8 +2,10 @@
 //!
 //! Decoder-only families share one decoder ([`CausalLm`]); a family is a config parser that
 //! sets the decoder's hooks, picked by `config.json` `architectures` ([`family`]).
+mod architectures;
 pub mod bert;
 pub mod checkpoint;
+mod config_fields;
 pub mod decoder;
 pub mod family;
 pub mod gemma;
@@ -13,9 +15,9 @@ pub mod mixtral;
 pub mod phi3;
 pub mod qwen3;
 
+pub use architectures::SUPPORTED_ARCHITECTURES;
 pub use checkpoint::{FromCheckpoint, LoadOptions};
 pub use decoder::{CausalLm, DecoderConfig, FeedForward, LayerConfig, SeqStep};
-pub use family::SUPPORTED_ARCHITECTURES;
 pub use llama::Llama;
 pub use llama_config::{LlamaConfig, LLAMA_ARCHITECTURES};
 

@@ -6,7 +6,7 @@
 use candle_core::Result;
 use serde::Deserialize;
 
-use crate::models::family::Base;
+use crate::models::config_fields::Base;
 use crate::models::{DecoderConfig, FeedForward, LayerConfig};
 use crate::nn::RmsNormSpec;
 

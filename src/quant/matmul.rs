@@ -2,6 +2,7 @@
 //! it has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K on CPU) and candle's [`QMatMul`] everywhere
 //! else.
 
+use super::input_rows::input_rows;
 use super::types::{CpuProduct, QuantType};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
@@ -189,32 +190,6 @@ impl CustomOp1 for RepackedOp {
         };
         Ok((storage, out))
     }
-}
-
-/// The f32 rows of a quantized matmul's input (`[.., k]`, contiguous), their count and the
-/// output's shape `[.., n]`; errors name the weight `[n, k]` of type `dtype`.
-pub(super) fn input_rows<'a>(
-    dtype: &str,
-    (n, k): (usize, usize),
-    storage: &'a CpuStorage,
-    layout: &Layout,
-) -> Result<(&'a [f32], usize, Shape)> {
-    let shape = layout.shape();
-    let Some(&last) = shape.dims().last() else {
-        candle_core::bail!("QuantMatMul: input is a scalar, expected [.., {k}]")
-    };
-    if last != k {
-        candle_core::bail!(
-            "QuantMatMul: input {shape:?} has last dim {last}, the {dtype} weight [n, k] = [{n}, {k}] needs k = {k}"
-        )
-    }
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!("QuantMatMul: input {shape:?} is not contiguous")
-    };
-    let x = &storage.as_slice::<f32>()?[start..end];
-    let mut out = shape.dims().to_vec();
-    *out.last_mut().expect("rank checked above") = n;
-    Ok((x, shape.elem_count() / k.max(1), Shape::from(out)))
 }
 
 #[derive(Clone)]

@@ -29,6 +29,7 @@
 //!
 //! See "Quantized kernels" in `docs/PERFORMANCE.md` for which types are fast on which CPUs.
 
+mod input_rows;
 mod matmul;
 mod shared;
 mod small_m;

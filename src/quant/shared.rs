@@ -104,7 +104,7 @@ pub(super) fn prepared(
         let Storage::Cpu(cpu) = &*storage else {
             return Ok(None);
         };
-        let (x, m, _) = super::matmul::input_rows(w.type_name(), (n, k), cpu, layout)?;
+        let (x, m, _) = super::input_rows::input_rows(w.type_name(), (n, k), cpu, layout)?;
         Arc::new(w.prepare(kernel, m, x)?)
     };
     SHARED.with(|s| {

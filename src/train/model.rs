@@ -21,7 +21,7 @@ use super::init::{Init, TrainInit};
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::ops::{copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp};
-use crate::pipeline::{PipelineStage, StagePart};
+use crate::stage::{PipelineStage, StagePart};
 use crate::{ColumnParallelLinear, Partition, RowParallelLinear};
 
 /// Shape of the model (the fields of a Llama `config.json`).

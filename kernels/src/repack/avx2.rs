@@ -1,5 +1,6 @@
 //! The AVX2 and AVX-512 VNNI kernels and helpers the repacked block types share.
 
+use super::f64_step::f64_step8;
 use super::Act8;
 use std::arch::x86_64::*;
 
@@ -237,31 +238,6 @@ pub unsafe fn pair_dot_words<
         _mm512_storeu_pd(out[i].as_mut_ptr(), acc[i]);
     }
     out
-}
-
-/// One block's f64 step for eight rows: `acc + Σ·d'·d`, or `acc + (Σ·d'·d + m·s')` with
-/// `HAS_M` (`sums`: the rows' integer sums, `xd`: `d'` in every lane, `xs`: `s'`). `Σ·d'` and
-/// then times `d` are exact in f64 (|Σ| < 2^20, `d` and `d'` f16), as is `m·s'`, so the FMA
-/// rounds once, as the scalar `Σ · (d·d')` added to the sum does.
-///
-/// # Safety
-/// The CPU must support avx512f (inline this into a function that enables it).
-#[inline(always)]
-pub unsafe fn f64_step8<const HAS_M: bool>(
-    acc: __m512d,
-    sums: __m512d,
-    xd: __m512d,
-    wd: __m512d,
-    wm: __m512d,
-    xs: f64,
-) -> __m512d {
-    let s = _mm512_mul_pd(sums, xd);
-    if HAS_M {
-        let ms = _mm512_mul_pd(wm, _mm512_set1_pd(xs));
-        _mm512_add_pd(acc, _mm512_fmadd_pd(s, wd, ms))
-    } else {
-        _mm512_fmadd_pd(s, wd, acc)
-    }
 }
 
 /// Eight weight rows' integer sums against one activation block, in f64 lanes: `w[j]`

@@ -26,7 +26,7 @@
 //! in i32, minus `o·Σ q'`, times `d'`, then an FMA with `d` into the row's sum, or with `m·s'`
 //! first), so every value is bit for bit the scalar sum (tested with each type).
 
-use super::avx2::f64_step8;
+use super::f64_step::f64_step8;
 use super::{Act8, ActRow};
 use std::arch::x86_64::*;
 

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::BatchDecoder;
+use super::sequences::BatchDecoder;
 
 /// The token of a row whose draw failed (no model has `u32::MAX` ids): it crosses pipeline
 /// stages with the others, and every stage fails that row alone.

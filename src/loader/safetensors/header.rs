@@ -27,7 +27,7 @@ use safetensors::tensor::TensorInfo;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-use super::{Entry, MappedFile};
+use super::mapped::{Entry, MappedFile};
 
 /// Largest header accepted: the `safetensors` crate's limit (its `MAX_HEADER_SIZE`), checked
 /// first here so that the error can say so. Real headers are a few hundred KiB at most.

@@ -8,7 +8,7 @@ use candle_core::{Module, Result, Tensor};
 
 use super::{CausalLm, DecoderLayer};
 use crate::nn::ParallelLmHead;
-use crate::pipeline::PipelineStage;
+use crate::stage::PipelineStage;
 
 impl CausalLm {
     /// The pipeline stage this model was loaded for (`None`: the whole model).

@@ -2,7 +2,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 
-use super::Grid2d;
+use super::grid::Grid2d;
 use crate::comm::ProcessGroup;
 use crate::ops::collective::{CollectiveOp, Kind};
 
