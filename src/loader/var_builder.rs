@@ -321,3 +321,46 @@ impl std::fmt::Debug for ShardedVarBuilder {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use std::sync::Mutex;
+
+    use crate::loader::TensorMapSource;
+
+    #[test]
+    fn every_tensor_read_is_reported_once_against_the_source_total() -> Result<()> {
+        let cpu = Device::Cpu;
+        let tensors = HashMap::from([
+            ("a".to_string(), Tensor::zeros((4, 2), DType::F32, &cpu)?),
+            ("b".to_string(), Tensor::zeros(3, DType::F32, &cpu)?),
+            ("unused".to_string(), Tensor::zeros(1, DType::F32, &cpu)?),
+        ]);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let progress: LoadProgress = Arc::new(move |done, total, name: &str| {
+            log.lock().unwrap().push((done, total, name.to_string()));
+        });
+        let vb = ShardedVarBuilder::new(
+            Arc::new(TensorMapSource::new(tensors)),
+            DType::F32,
+            &cpu,
+            ProcessGroup::single(),
+        )
+        .with_progress(progress);
+        vb.get((4, 2), "a")?;
+        vb.get_sharded((4, 2), "a", 0, &crate::Partition::new(4, 1)?)?;
+        vb.get(3, "b")?;
+        assert!(vb.get(7, "missing").is_err());
+        let seen = seen.lock().unwrap().clone();
+        let want = [(1, 3, "a"), (1, 3, "a"), (2, 3, "b")];
+        assert_eq!(seen.len(), want.len(), "{seen:?}");
+        for ((done, total, name), (d, t, n)) in seen.iter().zip(want) {
+            assert_eq!((*done, *total, name.as_str()), (d, t, n), "{seen:?}");
+        }
+        Ok(())
+    }
+}

@@ -58,3 +58,27 @@ impl FromCheckpoint for CausalLm {
         Self::load(&config_from_json(text, origin)?, vb)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::llama_config::tests::{cfg, BASE};
+    use candle_core::Result;
+
+    /// The family dispatch (`CausalLm`'s path) gives Llama's own decoder settings.
+    #[test]
+    fn family_dispatch_gives_the_same_decoder() -> Result<()> {
+        for extra in [
+            r#", "architectures": ["LlamaForCausalLM"], "rope_theta": 1e4, "attention_bias": true"#,
+            r#", "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 2.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}"#,
+            r#", "architectures": ["MistralForCausalLM"], "rope_theta": 1e6, "sliding_window": 32"#,
+            r#", "model_type": "qwen2", "rope_theta": 1e6, "tie_word_embeddings": true, "eos_token_id": 7"#,
+        ] {
+            let text = format!("{{{BASE}{extra}}}");
+            let via_family = config_from_json(&text, "config.json")?;
+            assert_eq!(via_family, cfg(extra)?.decoder(), "{extra}");
+        }
+        Ok(())
+    }
+}
