@@ -88,6 +88,11 @@ struct Args {
     /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
     #[arg(long, value_delimiter = ',')]
     pp_layers: Option<Vec<usize>>,
+    /// Mixture-of-experts layers expert-parallel over the tensor-parallel ranks: each rank
+    /// holds whole experts (a share of them) and tokens go to their experts' ranks by
+    /// all-to-all, instead of every expert split across the ranks. Dense models ignore it.
+    #[arg(long)]
+    ep: bool,
     /// `cpu`, or `cuda` (the GPU of LOCAL_RANK; needs the `cuda` feature), for candle-tp and
     /// candle-transformers alike.
     #[arg(long, default_value = "cpu")]
@@ -184,6 +189,7 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     let options = LoadOptions {
         progress: None,
         pipeline: stage,
+        expert_parallel: args.ep,
     };
     let mut model = CausalLm::from_path_with(&args.model, args.dtype, &device, tp, options)?;
     let vocab = model.config().vocab_size;

@@ -88,6 +88,11 @@ struct Args {
     /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
     #[arg(long, value_delimiter = ',')]
     pp_layers: Option<Vec<usize>>,
+    /// Mixture-of-experts layers expert-parallel over the tensor-parallel ranks: each rank
+    /// holds whole experts (a share of them) and tokens go to their experts' ranks by
+    /// all-to-all, instead of every expert split across the ranks. Dense models ignore it.
+    #[arg(long)]
+    ep: bool,
 }
 
 fn default_model_dir() -> Result<PathBuf> {
@@ -218,6 +223,7 @@ fn main() -> Result<()> {
     let options = LoadOptions {
         progress: Some(progress),
         pipeline: stage,
+        expert_parallel: args.ep,
     };
     let mut model = CausalLm::from_path_with(&dir, dtype, &device, tp.clone(), options)
         .with_context(|| {

@@ -11,7 +11,8 @@ mod common;
 use anyhow::Result;
 use candle_transformers::models::{qwen3 as reference, qwen3_moe};
 use common::families::{
-    compare_family, ids_tensor, load_err, write_checkpoint, Shape, Weights, MLP, NORMS,
+    compare_family, compare_family_with, ids_tensor, load_err, write_checkpoint, Shape, Weights,
+    MLP, NORMS,
 };
 
 const HIDDEN: usize = 40;
@@ -127,6 +128,19 @@ fn qwen3_moe_matches_candle_transformers_at_worlds_1_to_4() -> Result<()> {
     compare_family(moe_config(), &weights_of(true)?, 1e-5, |c, vb, ids| {
         qwen3_moe::ModelForCausalLM::new(c, vb)?.forward(&ids_tensor(ids)?, 0)
     })?;
+    Ok(())
+}
+
+/// Issue 45: Qwen3-MoE with whole experts per rank (`LoadOptions::expert_parallel`).
+#[test]
+fn qwen3_moe_expert_parallel_matches_candle_transformers_at_worlds_1_to_4() -> Result<()> {
+    compare_family_with(
+        moe_config(),
+        &weights_of(true)?,
+        1e-5,
+        true,
+        |c, vb, ids| qwen3_moe::ModelForCausalLM::new(c, vb)?.forward(&ids_tensor(ids)?, 0),
+    )?;
     Ok(())
 }
 

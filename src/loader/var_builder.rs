@@ -36,6 +36,7 @@ pub struct ShardedVarBuilder {
     device: Device,
     pg: ProcessGroup,
     pipeline: Option<PipelineStage>,
+    expert_parallel: bool,
 }
 
 impl ShardedVarBuilder {
@@ -53,6 +54,7 @@ impl ShardedVarBuilder {
             device: device.clone(),
             pg,
             pipeline: None,
+            expert_parallel: false,
         }
     }
 
@@ -141,6 +143,21 @@ impl ShardedVarBuilder {
         let mut out = self.clone();
         out.pipeline = Some(stage);
         out
+    }
+
+    /// This builder for a model whose mixture-of-experts layers are expert-parallel over
+    /// [`pg`](Self::pg): each rank loads whole experts, and tokens go to them by all-to-all
+    /// ([`SparseMoe::load_expert_parallel`](crate::nn::SparseMoe::load_expert_parallel)).
+    /// Other layers stay tensor-parallel.
+    pub fn with_expert_parallel(&self, on: bool) -> Self {
+        let mut out = self.clone();
+        out.expert_parallel = on;
+        out
+    }
+
+    /// Whether mixture-of-experts layers are loaded expert-parallel.
+    pub fn expert_parallel(&self) -> bool {
+        self.expert_parallel
     }
 
     /// The pipeline stage the model is loaded for, if any.

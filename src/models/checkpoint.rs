@@ -105,6 +105,9 @@ pub struct LoadOptions {
     /// Load only this pipeline stage's part of the model (models that know stages:
     /// [`CausalLm`](crate::models::CausalLm)).
     pub pipeline: Option<PipelineStage>,
+    /// Mixture-of-experts layers expert-parallel over the model's group: whole experts per
+    /// rank, tokens dispatched by all-to-all (`false`: every expert split across the ranks).
+    pub expert_parallel: bool,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -112,6 +115,7 @@ impl std::fmt::Debug for LoadOptions {
         f.debug_struct("LoadOptions")
             .field("progress", &self.progress.is_some())
             .field("pipeline", &self.pipeline)
+            .field("expert_parallel", &self.expert_parallel)
             .finish()
     }
 }
@@ -141,6 +145,7 @@ fn load<M: FromCheckpoint>(
 }
 
 fn with(vb: ShardedVarBuilder, options: LoadOptions) -> ShardedVarBuilder {
+    let vb = vb.with_expert_parallel(options.expert_parallel);
     let vb = match options.progress {
         Some(p) => vb.with_progress(p),
         None => vb,

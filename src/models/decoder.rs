@@ -154,6 +154,10 @@ impl FeedForwardLayer {
                 *act,
                 vb,
             )?)),
+            FeedForward::Moe(m) if vb.expert_parallel() => {
+                let ep = vb.pg().clone();
+                Self::Moe(SparseMoe::load_expert_parallel(m, vb, ep)?)
+            }
             FeedForward::Moe(m) => Self::Moe(SparseMoe::load(m, vb)?),
         })
     }

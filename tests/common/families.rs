@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
-use candle_tp::models::CausalLm;
+use candle_tp::models::{CausalLm, FromCheckpoint};
 use candle_tp::run_threads;
 
 use super::{max_abs_diff, seeded};
@@ -152,11 +152,23 @@ pub fn compare_family<C: serde::de::DeserializeOwned>(
     tol: f32,
     last: impl Fn(&C, VarBuilder<'static>, &[u32]) -> candle_core::Result<Tensor>,
 ) -> Result<f32> {
+    compare_family_with(config, weights, tol, false, last)
+}
+
+/// [`compare_family`], with the mixture-of-experts layers expert-parallel when
+/// `expert_parallel` (`LoadOptions::expert_parallel`).
+pub fn compare_family_with<C: serde::de::DeserializeOwned>(
+    config: serde_json::Value,
+    weights: &Weights,
+    tol: f32,
+    expert_parallel: bool,
+    last: impl Fn(&C, VarBuilder<'static>, &[u32]) -> candle_core::Result<Tensor>,
+) -> Result<f32> {
     let dir = write_checkpoint(&config, weights)?;
     let ref_cfg: C = serde_json::from_value(config)?;
     let expected =
         reference(|ids| Ok(last(&ref_cfg, reference_vb(dir.path())?, ids)?.flatten_all()?))?;
-    check_worlds(dir.path(), &expected, &[1, 2, 3, 4], tol)
+    check_worlds_with(dir.path(), &expected, &[1, 2, 3, 4], tol, expert_parallel)
 }
 
 /// Writes `config.json` and `model.safetensors` into a new temporary directory.
@@ -232,9 +244,30 @@ pub struct RankRun {
 /// The tensor-parallel model loaded by `CausalLm::from_dir` (dispatch on `architectures`)
 /// on `world` threads.
 pub fn parallel_run(dir: &Path, world: usize) -> Result<Vec<RankRun>> {
+    parallel_run_with(dir, world, false)
+}
+
+/// [`parallel_run`], with the mixture-of-experts layers expert-parallel when
+/// `expert_parallel`.
+pub fn parallel_run_with(dir: &Path, world: usize, expert_parallel: bool) -> Result<Vec<RankRun>> {
     let dir: PathBuf = dir.to_path_buf();
     Ok(run_threads(world, move |pg| {
-        let mut m = CausalLm::from_dir(&dir, DType::F32, &Device::Cpu, pg)?;
+        let options = candle_tp::models::LoadOptions {
+            expert_parallel,
+            ..Default::default()
+        };
+        let mut m = CausalLm::from_path_with(&dir, DType::F32, &Device::Cpu, pg, options)?;
+        if expert_parallel {
+            // The path under test is the expert-parallel one.
+            let layers: Vec<_> = (0..m.config().layers.len())
+                .filter_map(|i| m.moe(i))
+                .collect();
+            assert!(!layers.is_empty(), "a mixture-of-experts model");
+            assert!(
+                layers.iter().all(|l| l.expert_owners().is_some()),
+                "every MoE layer is expert-parallel"
+            );
+        }
         let x = Tensor::new(&PROMPT[..], &Device::Cpu)?.unsqueeze(0)?;
         let all = m.forward_all_gathered(&x, 0)?.squeeze(0)?;
         m.clear_kv_cache();
@@ -262,11 +295,23 @@ pub fn parallel_run(dir: &Path, world: usize) -> Result<Vec<RankRun>> {
 /// prompt position's logits and the last position's (gathered, and the ranks' local slices
 /// joined) within `tol`, and the 16 greedy tokens exactly. Returns the largest error seen.
 pub fn check_worlds(dir: &Path, expected: &Expected, worlds: &[usize], tol: f32) -> Result<f32> {
+    check_worlds_with(dir, expected, worlds, tol, false)
+}
+
+/// [`check_worlds`], with the mixture-of-experts layers expert-parallel when
+/// `expert_parallel`.
+pub fn check_worlds_with(
+    dir: &Path,
+    expected: &Expected,
+    worlds: &[usize],
+    tol: f32,
+    expert_parallel: bool,
+) -> Result<f32> {
     let n = PROMPT.len();
     let ref_last = expected.logits.get(n - 1)?;
     let mut worst = 0f32;
     for &world in worlds {
-        let ranks = parallel_run(dir, world)?;
+        let ranks = parallel_run_with(dir, world, expert_parallel)?;
         let locals: Vec<Tensor> = ranks.iter().map(|r| r.last_local.clone()).collect();
         let joined = Tensor::cat(&locals, 0)?;
         for (rank, r) in ranks.iter().enumerate() {

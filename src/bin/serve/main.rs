@@ -109,6 +109,11 @@ struct Args {
     /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
     #[arg(long, value_delimiter = ',')]
     pp_layers: Option<Vec<usize>>,
+    /// Mixture-of-experts layers expert-parallel over the tensor-parallel ranks: each rank
+    /// holds whole experts (a share of them) and tokens go to their experts' ranks by
+    /// all-to-all, instead of every expert split across the ranks. Dense models ignore it.
+    #[arg(long)]
+    ep: bool,
 }
 
 /// A count of 1 or more.
@@ -283,6 +288,7 @@ fn main() -> Result<()> {
     let (stage, tp) = PipelineStage::from_option(&pg, args.pp, args.pp_layers.clone())?;
     let options = LoadOptions {
         pipeline: stage,
+        expert_parallel: args.ep,
         ..LoadOptions::default()
     };
     let mut model =
