@@ -10,6 +10,9 @@
 //!     --heads 32 --kv-heads 8 --intermediate 8192 --layers 16
 //! ```
 //!
+//! `--experts 8 --experts-per-tok 2` writes a Mixtral instead (every MLP a sparse mixture of 8
+//! experts of width `--intermediate`), for the expert-parallel benchmarks (`--ep`).
+//!
 //! The GGUF form is written tensor by tensor (each drawn in f32 and stored as f16, so memory
 //! peaks at the f16 file's size), in llama.cpp's names (`blk.N.attn_q.weight`, ...), with tied
 //! embeddings; `llama-quantize` makes the other block types from it
@@ -57,6 +60,13 @@ struct Args {
     /// without it, from candle's unseeded generator.
     #[arg(long)]
     seed: Option<u64>,
+    /// A Mixtral instead (`--out` only): every layer's MLP a sparse mixture of this many
+    /// experts of width `--intermediate`, `--experts-per-tok` of them per token.
+    #[arg(long, conflicts_with = "gguf_out")]
+    experts: Option<usize>,
+    /// Experts each token is routed to (with `--experts`).
+    #[arg(long, default_value_t = 2)]
+    experts_per_tok: usize,
 }
 
 /// The weights' generator: N(0, 0.02²) values from candle's unseeded `randn`, or with a seed
@@ -241,18 +251,30 @@ fn main() -> Result<()> {
             format!("{p}.self_attn.o_proj.weight"),
             rand(&[a.hidden, a.heads * hd])?,
         );
-        t.insert(
-            format!("{p}.mlp.gate_proj.weight"),
-            rand(&[a.intermediate, a.hidden])?,
-        );
-        t.insert(
-            format!("{p}.mlp.up_proj.weight"),
-            rand(&[a.intermediate, a.hidden])?,
-        );
-        t.insert(
-            format!("{p}.mlp.down_proj.weight"),
-            rand(&[a.hidden, a.intermediate])?,
-        );
+        if let Some(experts) = a.experts {
+            // Mixtral's names: the router `gate`, each expert's w1 (gate), w3 (up), w2 (down).
+            let moe = format!("{p}.block_sparse_moe");
+            t.insert(format!("{moe}.gate.weight"), rand(&[experts, a.hidden])?);
+            for e in 0..experts {
+                let x = format!("{moe}.experts.{e}");
+                t.insert(format!("{x}.w1.weight"), rand(&[a.intermediate, a.hidden])?);
+                t.insert(format!("{x}.w3.weight"), rand(&[a.intermediate, a.hidden])?);
+                t.insert(format!("{x}.w2.weight"), rand(&[a.hidden, a.intermediate])?);
+            }
+        } else {
+            t.insert(
+                format!("{p}.mlp.gate_proj.weight"),
+                rand(&[a.intermediate, a.hidden])?,
+            );
+            t.insert(
+                format!("{p}.mlp.up_proj.weight"),
+                rand(&[a.intermediate, a.hidden])?,
+            );
+            t.insert(
+                format!("{p}.mlp.down_proj.weight"),
+                rand(&[a.hidden, a.intermediate])?,
+            );
+        }
         t.insert(
             format!("{p}.input_layernorm.weight"),
             Tensor::ones(a.hidden, DType::F32, &dev)?,
@@ -262,7 +284,7 @@ fn main() -> Result<()> {
             Tensor::ones(a.hidden, DType::F32, &dev)?,
         );
     }
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": a.hidden,
@@ -281,6 +303,14 @@ fn main() -> Result<()> {
         "eos_token_id": 2,
         "torch_dtype": "float32",
     });
+    if let Some(experts) = a.experts {
+        config["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
+        config["model_type"] = serde_json::json!("mixtral");
+        config["num_local_experts"] = serde_json::json!(experts);
+        config["num_experts_per_tok"] = serde_json::json!(a.experts_per_tok);
+        config["tie_word_embeddings"] = serde_json::json!(false);
+        t.insert("lm_head.weight".into(), rand(&[a.vocab, a.hidden])?);
+    }
     let tmp = out.with_extension("partial");
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     candle_core::safetensors::save(&t, tmp.join("model.safetensors"))?;
