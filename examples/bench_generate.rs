@@ -360,6 +360,7 @@ fn main() -> Result<()> {
                 "impl": args.implementation,
                 "model": args.model.file_name().map(|s| s.to_string_lossy().into_owned()),
                 "world_size": world,
+                "expert_parallel": args.ep,
                 "dtype": format!("{:?}", args.dtype).to_lowercase(),
                 "device": args.device,
                 "threads_per_rank": candle_core::utils::get_num_threads(),

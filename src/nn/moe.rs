@@ -4,9 +4,11 @@
 //!   expert's gated MLP is split column/row across the ranks like a dense [`GatedMlp`], and
 //!   the layer all-reduces once, not once per expert;
 //! - expert-parallel ([`SparseMoe::load_expert_parallel`]): each rank holds whole experts
-//!   (a [`Partition`] of the expert index) and reads only their tensors; each rank routes a
-//!   share of the tokens, sends them to their experts' ranks and gets the outputs back by
-//!   all-to-all (`expert_parallel.rs`), and the shares are gathered again.
+//!   (a [`Partition`] of the expert index) and reads only their tensors. Hidden states that
+//!   are the same on every rank (a tensor-parallel attention) go through this rank's experts
+//!   and one all-reduce sums the ranks' parts, as above; each rank's own tokens (a
+//!   data-parallel attention, [`SparseMoe::forward_local`]) go to their experts' ranks and
+//!   come back by all-to-all (`expert_parallel.rs`).
 //!
 //! Routing must pick the same experts on every rank, or the ranks would compute partial sums
 //! of different experts: it is computed from the replicated hidden state with the replicated
@@ -22,7 +24,6 @@ use super::expert_parallel::forward_local;
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::nn::{GatedMlp, ReplicatedLinear};
-use crate::ops::collective::{CollectiveOp, Kind};
 use crate::ops::{copy_to_tp, reduce_from_tp};
 use crate::Partition;
 
@@ -89,11 +90,12 @@ impl SparseMoe {
     /// expert's tensor is read. `vb`'s own group is not used.
     ///
     /// The forward takes the hidden states replicated on `ep` (as a tensor-parallel attention
-    /// leaves them) and returns them replicated: each rank routes a share of the tokens,
-    /// exchanges them with the experts' ranks by all-to-all, and the shares are all-gathered.
+    /// leaves them): every rank routes every token, runs its own experts on the tokens routed
+    /// to them, and one all-reduce sums the parts (the tensor-parallel layout's one
+    /// collective, with whole experts instead of every expert's slice).
     /// [`forward_local`](Self::forward_local) takes each rank's own tokens instead (a
-    /// data-parallel attention). Either equals the layer on one rank with every expert, up to
-    /// the order of floating-point sums.
+    /// data-parallel attention) and moves them by all-to-all. Either equals the layer on one
+    /// rank with every expert, up to the order of floating-point sums.
     pub fn load_expert_parallel(
         cfg: &MoeConfig,
         vb: ShardedVarBuilder,
@@ -222,32 +224,6 @@ impl SparseMoe {
         let routes = self.route(x)?;
         forward_local(&self.pg, owners, &self.experts, x, &routes)
     }
-
-    /// `x` `[tokens, hidden]`, the same on every rank: rank `r` takes the `r`-th share of the
-    /// tokens through [`forward_local`](Self::forward_local), and the shares are all-gathered
-    /// (the gradient: each rank's share of it, and the input's all-reduced).
-    fn forward_expert_parallel(&self, x: &Tensor) -> Result<Tensor> {
-        let (p, me) = (self.pg.size(), self.pg.rank());
-        let tokens = x.dim(0)?;
-        let sizes: Vec<usize> = (0..p)
-            .map(|r| tokens / p + usize::from(r < tokens % p))
-            .collect();
-        let start: usize = sizes[..me].iter().sum();
-        let x = copy_to_tp(x, &self.pg)?.narrow(0, start, sizes[me])?;
-        let y = self.forward_local(&x.contiguous()?)?;
-        if p == 1 {
-            return Ok(y);
-        }
-        CollectiveOp::apply(
-            &self.pg,
-            &y,
-            Kind::AllGather {
-                dim: 0,
-                sizes: sizes.clone(),
-            },
-            Some(Kind::Split { dim: 0, sizes }),
-        )
-    }
 }
 
 impl Module for SparseMoe {
@@ -256,16 +232,21 @@ impl Module for SparseMoe {
         let dims = x.dims().to_vec();
         let hidden = *dims.last().unwrap_or(&0);
         let flat = x.reshape(((), hidden))?;
-        if self.owners.is_some() {
-            return self.forward_expert_parallel(&flat)?.reshape(dims);
-        }
         let routes = self.route(&flat)?;
         let xp = copy_to_tp(&flat, &self.pg)?;
+        // Expert-parallel: this rank's whole experts; tensor-parallel: every expert's slice.
+        let mine = match &self.owners {
+            Some(owners) => owners.range(self.pg.rank()),
+            None => 0..routes.len(),
+        };
         // Summed in the experts' partial dtype (f64 for quantized experts: see
         // `RowParallelLinear::forward_partial`), reduced, then back to the input's.
         let mut ys: Option<Tensor> = None;
-        for (expert, (rows, weights)) in self.experts.iter().zip(routes) {
-            // The same experts are skipped on every rank: the routing is replicated.
+        for (expert, (rows, weights)) in
+            self.experts.iter().zip(routes.into_iter().skip(mine.start))
+        {
+            // Tensor-parallel: the same experts are skipped on every rank (the routing is
+            // replicated).
             if rows.is_empty() {
                 continue;
             }
@@ -281,6 +262,14 @@ impl Module for SparseMoe {
         }
         let ys = match ys {
             Some(ys) => ys,
+            // Expert-parallel, no token for this rank's experts: zeros in the dtype the other
+            // ranks' partial sums have (f64 for quantized experts), from an expert on no rows.
+            None if self.owners.is_some() => {
+                let dtype = self.experts[0]
+                    .forward_partial(&xp.narrow(0, 0, 0)?)?
+                    .dtype();
+                Tensor::zeros(xp.dims(), dtype, x.device())?
+            }
             None => xp.zeros_like()?,
         };
         reduce_from_tp(&ys, &self.pg)?
