@@ -578,33 +578,9 @@ fn an_argument_error_on_one_rank_fails_its_peers_at_once() {
 fn a_full_dev_shm_is_a_clear_error_not_a_sigbus() {
     if std::env::var_os("CANDLE_TP_TEST_SMALL_SHM").is_some() {
         // Both ranks: rank 1 hears rank 0's reason (issue 44, defect 9) instead of waiting.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let errs: Vec<String> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..2)
-                .map(|rank| {
-                    s.spawn(move || {
-                        let rv = candle_tp::comm::Rendezvous {
-                            rank,
-                            world_size: 2,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                            token: String::new(),
-                        };
-                        let opts = GroupOptions {
-                            timeout: Duration::from_secs(30),
-                            slot_bytes: 4 << 20,
-                        };
-                        candle_tp::comm::init_shm(&rv, opts)
-                            .unwrap_err()
-                            .to_string()
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let errs = init_shm_ranks(|_| GroupOptions {
+            timeout: Duration::from_secs(30),
+            slot_bytes: 4 << 20,
         });
         println!("ERROR: {}", errs[0]);
         println!("RANK1: {}", errs[1]);
@@ -673,35 +649,10 @@ fn a_bad_slot_size_fails_every_rank_before_the_rendezvous() {
 /// size: rank 1 cannot open rank 0's region.
 #[test]
 fn a_rank_that_cannot_map_the_region_fails_the_others_at_once() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
     let start = Instant::now();
-    let errs: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                s.spawn(move || {
-                    let rv = candle_tp::comm::Rendezvous {
-                        rank,
-                        world_size: 2,
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        token: "defect9".into(),
-                    };
-                    let opts = GroupOptions {
-                        timeout: Duration::from_secs(60),
-                        slot_bytes: (1 + rank) << 20,
-                    };
-                    match candle_tp::comm::init_shm(&rv, opts) {
-                        Ok(_) => "joined".to_string(),
-                        Err(e) => e.to_string(),
-                    }
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let errs = init_shm_ranks(|rank| GroupOptions {
+        timeout: Duration::from_secs(60),
+        slot_bytes: (1 + rank) << 20,
     });
     assert!(
         start.elapsed() < Duration::from_secs(20),
@@ -714,4 +665,36 @@ fn a_rank_that_cannot_map_the_region_fails_the_others_at_once() {
         "rank 0 names rank 1: {}",
         errs[0]
     );
+}
+
+/// Two ranks of one shm job as threads of this process, each calling `init_shm` with
+/// `options(rank)` over a real TCP store (a free port of loopback) and /dev/shm: what each got
+/// (`joined`, or its error).
+fn init_shm_ranks(options: impl Fn(usize) -> GroupOptions + Sync) -> Vec<String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let options = &options;
+                s.spawn(move || {
+                    let rv = candle_tp::comm::Rendezvous {
+                        rank,
+                        world_size: 2,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        token: "test".into(),
+                    };
+                    match candle_tp::comm::init_shm(&rv, options(rank)) {
+                        Ok(_) => "joined".to_string(),
+                        Err(e) => e.to_string(),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }

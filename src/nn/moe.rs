@@ -68,20 +68,8 @@ impl SparseMoe {
     /// Loads the router (replicated) and this rank's slice of every expert from `vb` (the
     /// layer's prefix, e.g. `model.layers.0.block_sparse_moe`).
     pub fn load(cfg: &MoeConfig, vb: ShardedVarBuilder) -> Result<Self> {
-        Self::check(cfg, &vb)?;
-        let router =
-            ReplicatedLinear::load(cfg.hidden_size, cfg.num_experts, false, vb.pp(&cfg.router))?;
-        let experts = (0..cfg.num_experts)
-            .map(|e| Self::load_expert(cfg, &vb, e))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            router,
-            experts,
-            top_k: cfg.num_experts_per_tok,
-            norm_topk_prob: cfg.norm_topk_prob,
-            pg: vb.pg().clone(),
-            owners: None,
-        })
+        let pg = vb.pg().clone();
+        Self::load_experts(cfg, &vb, &vb, 0..cfg.num_experts, pg, None)
     }
 
     /// Loads the layer expert-parallel over `ep`: the router replicated, and this rank's
@@ -110,20 +98,33 @@ impl SparseMoe {
                 ep.size()
             ))
         })?;
+        let whole = vb.with_pg(ProcessGroup::single());
+        let mine = owners.range(ep.rank());
+        Self::load_experts(cfg, &vb, &whole, mine, ep, Some(owners))
+    }
+
+    /// The router (replicated, from `vb`) and the experts `which` (from `experts_vb`).
+    fn load_experts(
+        cfg: &MoeConfig,
+        vb: &ShardedVarBuilder,
+        experts_vb: &ShardedVarBuilder,
+        which: std::ops::Range<usize>,
+        pg: ProcessGroup,
+        owners: Option<Partition>,
+    ) -> Result<Self> {
+        Self::check(cfg, vb)?;
         let router =
             ReplicatedLinear::load(cfg.hidden_size, cfg.num_experts, false, vb.pp(&cfg.router))?;
-        let whole = vb.with_pg(ProcessGroup::single());
-        let experts = owners
-            .range(ep.rank())
-            .map(|e| Self::load_expert(cfg, &whole, e))
+        let experts = which
+            .map(|e| Self::load_expert(cfg, experts_vb, e))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             router,
             experts,
             top_k: cfg.num_experts_per_tok,
             norm_topk_prob: cfg.norm_topk_prob,
-            pg: ep,
-            owners: Some(owners),
+            pg,
+            owners,
         })
     }
 
