@@ -11,21 +11,10 @@
 //! backend's own (`MPI_Alltoallv`, a pairwise exchange on the shm engine) where prompts make
 //! it large.
 
+use super::backend::offsets;
 use super::element::Element;
 use super::error::{CommError, CommResult};
 use super::group::ProcessGroup;
-
-/// Offsets of consecutive blocks of `counts` elements (`counts.len() + 1` values).
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    let mut o = Vec::with_capacity(counts.len() + 1);
-    let mut at = 0;
-    o.push(0);
-    for c in counts {
-        at += c;
-        o.push(at);
-    }
-    o
-}
 
 impl ProcessGroup {
     /// All-to-all with per-rank sizes (`MPI_Alltoallv`): `src` holds one block per rank in
@@ -118,7 +107,8 @@ impl ProcessGroup {
         let (starts, out) = (offsets(&totals), offsets(recv_counts));
         for s in 0..p {
             let at = starts[s] + (0..me).map(|d| sends(s, d)).sum::<usize>();
-            dst[out[s]..out[s + 1]].copy_from_slice(&gathered[at..at + recv_counts[s]]);
+            dst[out[s]..out[s] + recv_counts[s]]
+                .copy_from_slice(&gathered[at..at + recv_counts[s]]);
         }
         Ok(())
     }

@@ -449,3 +449,15 @@ pub(crate) fn check_counts(
     }
     Ok(())
 }
+
+/// Offsets of consecutive blocks of `counts` elements (where each block starts).
+pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let o = *at;
+            *at += c;
+            Some(o)
+        })
+        .collect()
+}

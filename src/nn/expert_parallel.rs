@@ -49,19 +49,12 @@ pub(crate) fn forward_local(
     // Every rank's counts for this rank's experts: recv_counts[s * mine.len() + j].
     let per_rank: Vec<usize> = (0..p).map(|d| owners.size(d)).collect();
     let mut recv_counts = vec![0i64; p * mine.len()];
-    let to_candle = |e: crate::comm::CommError| candle_core::Error::Msg(e.to_string());
-    pg.all_to_all_v_slice(&counts, &per_rank, &mut recv_counts, &vec![mine.len(); p])
-        .map_err(to_candle)?;
+    pg.all_to_all_v_slice(&counts, &per_rank, &mut recv_counts, &vec![mine.len(); p])?;
+    // Every rank holds at least one expert (a Partition gives every part one).
     let recv_rows: Vec<usize> = recv_counts
-        .chunks(mine.len().max(1))
-        .take(p)
+        .chunks(mine.len())
         .map(|c| c.iter().map(|&n| n as usize).sum())
         .collect();
-    let recv_rows = if mine.is_empty() {
-        vec![0; p]
-    } else {
-        recv_rows
-    };
     let device = x.device();
     let n_sent = rows.len();
     let idx = Tensor::from_vec(rows, n_sent, device)?;

@@ -2,7 +2,7 @@
 //!
 //! `cross` accumulates the payload this rank handed to the across-host stage.
 
-use crate::comm::backend::{HostBuf, HostBufMut};
+use crate::comm::backend::{offsets, HostBuf, HostBufMut};
 use crate::comm::element::{Element, ReduceOp};
 use crate::comm::error::CommResult;
 
@@ -18,18 +18,6 @@ pub(crate) const LEADER_ALL_REDUCE_BYTES: usize = 16 << 10;
 fn split_even(n: usize, parts: usize) -> Vec<usize> {
     (0..parts)
         .map(|p| n / parts + usize::from(p < n % parts))
-        .collect()
-}
-
-/// Offsets of the blocks of `counts`.
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts
-        .iter()
-        .scan(0, |at, &c| {
-            let o = *at;
-            *at += c;
-            Some(o)
-        })
         .collect()
 }
 
