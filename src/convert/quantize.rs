@@ -20,7 +20,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Error, Result};
 
 /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_*`) for a whole-model type.
-fn file_type(dtype: GgmlDType) -> Option<u32> {
+pub(crate) fn file_type(dtype: GgmlDType) -> Option<u32> {
     Some(match dtype {
         GgmlDType::F32 => 0,
         GgmlDType::F16 => 1,
@@ -83,13 +83,9 @@ pub fn requantize_gguf(
     for name in names {
         let q = content.tensor(&mut reader, name, &Device::Cpu)?;
         let w = q.dequantize(&Device::Cpu)?;
-        let target = match w.dims() {
-            [_, cols] if cols % dtype.block_size() == 0 => dtype,
-            [_, cols] if cols % GgmlDType::Q8_0.block_size() == 0 => GgmlDType::Q8_0,
-            _ => GgmlDType::F32,
-        };
-        let q = QTensor::quantize(&w, target)
+        let q = quantize_as(&w, dtype)
             .map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", src.display())))?;
+        let target = q.dtype();
         *counts.entry(format!("{target:?}")).or_insert(0) += 1;
         tensors.push((name.clone(), q));
     }
@@ -100,6 +96,31 @@ pub fn requantize_gguf(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     metadata.push(("general.file_type".to_string(), Value::U32(ftype)));
+    write_gguf_file(out, metadata, &tensors)?;
+    Ok(counts)
+}
+
+/// `w` as `dtype`, or as Q8_0 when its rows are not whole blocks of `dtype` (the fallback
+/// llama.cpp's quantizer also takes), or f32 when they are not whole Q8_0 blocks either;
+/// vectors (norms, biases) stay f32. A 3-D tensor of experts is quantized row by row like a
+/// matrix.
+pub(crate) fn quantize_as(w: &candle_core::Tensor, dtype: GgmlDType) -> Result<QTensor> {
+    let target = match w.dims() {
+        [_] => GgmlDType::F32,
+        [.., cols] if cols % dtype.block_size() == 0 => dtype,
+        [.., cols] if cols % GgmlDType::Q8_0.block_size() == 0 => GgmlDType::Q8_0,
+        _ => GgmlDType::F32,
+    };
+    QTensor::quantize(w, target)
+}
+
+/// Writes a GGUF file (metadata sorted by key, tensors in the order given) to a temporary
+/// name next to `out`, then renames it, so that a reader never sees half a file.
+pub(crate) fn write_gguf_file(
+    out: &Path,
+    mut metadata: Vec<(String, Value)>,
+    tensors: &[(String, QTensor)],
+) -> Result<()> {
     metadata.sort_by(|a, b| a.0.cmp(&b.0));
     let tmp = out.with_extension(format!("gguf.{}.partial", std::process::id()));
     {
@@ -118,6 +139,5 @@ pub fn requantize_gguf(
             tmp.display(),
             out.display()
         ))
-    })?;
-    Ok(counts)
+    })
 }

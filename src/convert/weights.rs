@@ -1,6 +1,7 @@
-//! Llama GGUF → Hugging Face: the weights.
+//! GGUF → Hugging Face: the weights.
 //!
-//! Tensor names are mapped by [`crate::gguf::hf_tensor_name`]. llama.cpp's converter permutes the rows
+//! Tensor names are mapped by [`crate::gguf::checked_hf_target`] (a 3-D tensor of experts
+//! becomes one matrix per expert). llama.cpp's converter permutes the rows
 //! of `q_proj` and `k_proj` (`LlamaModel.permute`) so that its interleaved rotary kernel sees
 //! each (x, y) rotation pair side by side; [`unpermute_rotary`] undoes it so that the
 //! half-split rotary embedding of Hugging Face (and candle-transformers' `llama`) applies.
@@ -11,7 +12,7 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::{Content, TensorInfo};
 use candle_core::{Device, Error, Result, Tensor};
 
-use crate::gguf::{checked_hf_name, layer_index, rotary_heads, LlamaGgufConfig};
+use crate::gguf::{checked_hf_target, layer_index, rotary_heads, HfTarget, LlamaGgufConfig};
 
 /// Undoes llama.cpp's rotary row permutation of a q or k projection (weight `[n_head *
 /// head_dim, in]` or bias `[n_head * head_dim]`).
@@ -51,14 +52,26 @@ pub fn convert_weights<R: Read + Seek>(
 ) -> Result<HashMap<String, Tensor>> {
     let file = path.display().to_string();
     let by_name: BTreeMap<&String, &TensorInfo> = content.tensor_infos.iter().collect();
-    let total = by_name.len();
+    // Hugging Face tensors: a 3-D tensor of experts is one per expert.
+    let total = by_name
+        .values()
+        .map(|i| match i.shape.dims() {
+            [experts, _, _] => *experts,
+            _ => 1,
+        })
+        .sum();
     let mut out = HashMap::with_capacity(by_name.len());
     for (name, info) in by_name {
-        let hf = checked_hf_name(cfg, &file, name, info.shape.dims())?;
-        if let Some(layer) = layer_index(&hf) {
+        let target = checked_hf_target(cfg, &file, name, info.shape.dims())?;
+        let first = match &target {
+            HfTarget::One(hf) => hf,
+            HfTarget::Experts(names) => &names[0],
+        };
+        if let Some(layer) = layer_index(first) {
             if layer >= cfg.num_hidden_layers {
                 candle_core::bail!(
-                    "{file}: tensor {name} belongs to layer {layer} but llama.block_count is {}",
+                    "{file}: tensor {name} belongs to layer {layer} but {}.block_count is {}",
+                    cfg.family.arch(),
                     cfg.num_hidden_layers
                 );
             }
@@ -71,17 +84,29 @@ pub fn convert_weights<R: Read + Seek>(
             ))
         };
         let qt = content.tensor(reader, name, &Device::Cpu).map_err(ctx)?;
-        let mut t = qt
+        let t = qt
             .dequantize(&Device::Cpu)
             .and_then(|t| t.to_dtype(candle_core::DType::F32))
             .map_err(ctx)?;
-        if let Some(heads) = rotary_heads(cfg, &hf) {
-            t = unpermute_rotary(&t, heads).map_err(ctx)?;
+        // Stacked experts become one matrix per expert.
+        let parts = match target {
+            HfTarget::One(hf) => vec![(hf, t)],
+            HfTarget::Experts(names) => names
+                .into_iter()
+                .enumerate()
+                .map(|(e, hf)| Ok((hf, t.get(e)?)))
+                .collect::<Result<Vec<_>>>()
+                .map_err(ctx)?,
+        };
+        for (hf, mut t) in parts {
+            if let Some(heads) = rotary_heads(cfg, &hf) {
+                t = unpermute_rotary(&t, heads).map_err(ctx)?;
+            }
+            if out.insert(hf.clone(), t).is_some() {
+                candle_core::bail!("{file}: two tensors map to {hf}");
+            }
+            progress(out.len(), total, &hf);
         }
-        if out.insert(hf.clone(), t).is_some() {
-            candle_core::bail!("{file}: two tensors map to {hf}");
-        }
-        progress(out.len(), total, &hf);
     }
     cfg.check_required(&file, |hf| out.contains_key(hf))?;
     Ok(out)

@@ -2,7 +2,9 @@
 //!
 //! Tensors are served under their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`)
 //! with the Hugging Face row order, so the same model code loads a GGUF file or a safetensors
-//! checkpoint. Each rank copies only the blocks of its shard out of the mapping
+//! checkpoint. A layer's experts, stacked in one 3-D tensor (`ffn_gate_exps`), are served as
+//! one matrix per expert (`block_sparse_moe.experts.N.w1.weight`): a byte range of the
+//! tensor, so an expert-parallel rank maps only its own experts' blocks. Each rank copies only the blocks of its shard out of the mapping
 //! ([`super::quant_shard`]): whole rows for a column-parallel split, a range of blocks of every
 //! row for a row-parallel split. The q/k rows that llama.cpp stores in its rotary order are put
 //! back by copying rows, never by dequantizing.
@@ -17,7 +19,7 @@ use memmap2::Mmap;
 
 use super::quant_shard::{self, RowOrder};
 use super::source::{RangeRequest, TensorSource, WeightShard};
-use crate::gguf::{checked_hf_name, rotary_heads, scan, GgufTensorEntry};
+use crate::gguf::{checked_hf_target, rotary_heads, scan, GgufTensorEntry, HfTarget};
 use crate::gguf::{GgufTokenizer, LlamaGgufConfig, Metadata};
 use crate::quant::QuantType;
 
@@ -39,8 +41,8 @@ pub struct GgufSource {
 }
 
 impl GgufSource {
-    /// Maps `path`, checks its header and tensor table, and reads the Llama configuration and
-    /// tokenizer from its metadata. Errors name the file and the tensor or key at fault.
+    /// Maps `path`, checks its header and tensor table, and reads the model configuration
+    /// (Llama, Mixtral, Qwen3 or Qwen3-MoE) and tokenizer from its metadata. Errors name the file and the tensor or key at fault.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let file_name = path.display().to_string();
@@ -60,15 +62,42 @@ impl GgufSource {
         let tokenizer = GgufTokenizer::from_metadata(&meta)?;
         let mut entries = HashMap::new();
         for t in header.tensors {
-            let hf = checked_hf_name(&config, &file_name, &t.name, &t.dims)?;
-            let rotary_heads = rotary_heads(&config, &hf);
-            entries.insert(
-                hf,
-                Entry {
-                    tensor: t,
+            // A 3-D tensor of experts is one matrix per expert, each a contiguous run of its
+            // blocks: expert `e`'s bytes follow expert `e - 1`'s.
+            let parts = match checked_hf_target(&config, &file_name, &t.name, &t.dims)? {
+                HfTarget::One(hf) => vec![(hf, t)],
+                HfTarget::Experts(names) => {
+                    let each = t.len / names.len();
+                    names
+                        .into_iter()
+                        .enumerate()
+                        .map(|(e, hf)| {
+                            let part = GgufTensorEntry {
+                                name: format!("{}[expert {e}]", t.name),
+                                dims: t.dims[1..].to_vec(),
+                                dtype: t.dtype,
+                                start: t.start + e * each,
+                                len: each,
+                            };
+                            (hf, part)
+                        })
+                        .collect()
+                }
+            };
+            for (hf, tensor) in parts {
+                let rotary_heads = rotary_heads(&config, &hf);
+                let entry = Entry {
+                    tensor,
                     rotary_heads,
-                },
-            );
+                };
+                if let Some(prev) = entries.insert(hf.clone(), entry) {
+                    candle_core::bail!(
+                        "{file_name}: tensors {} and {} both map to {hf}",
+                        prev.tensor.name,
+                        entries[&hf].tensor.name
+                    );
+                }
+            }
         }
         config.check_required(&file_name, |hf| entries.contains_key(hf))?;
         Ok(Self {
@@ -85,7 +114,7 @@ impl GgufSource {
         &self.path
     }
 
-    /// The Llama configuration of the metadata.
+    /// The model configuration of the metadata.
     pub fn config(&self) -> &LlamaGgufConfig {
         &self.config
     }

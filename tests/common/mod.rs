@@ -5,6 +5,7 @@ pub mod dense;
 pub mod families;
 pub mod hosts;
 pub mod json_schema;
+pub mod moe_gguf;
 pub mod quantized;
 #[cfg(feature = "server")]
 pub mod serve;
