@@ -96,6 +96,27 @@ fn qwen3_matches_candle_transformers_at_worlds_1_to_4() -> Result<()> {
     Ok(())
 }
 
+/// Issue 45, item 3: the same checkpoint written as a `qwen3` GGUF (f32; q/k rows not
+/// permuted, `attn_q_norm` / `attn_k_norm`) and read back at worlds 1-2.
+#[test]
+fn qwen3_gguf_matches_candle_transformers() -> Result<()> {
+    let dir = write_checkpoint(&config(), &weights()?)?;
+    let gguf = common::moe_gguf::write_gguf(
+        dir.path(),
+        "q.gguf",
+        candle_core::quantized::GgmlDType::F32,
+        candle_tp::convert::ExpertLayout::Stacked,
+    )?;
+    let cfg: reference::Config = serde_json::from_value(config())?;
+    let expected = common::families::reference(|ids| {
+        let vb = common::families::reference_vb(dir.path())?;
+        let mut m = reference::ModelForCausalLM::new(&cfg, vb)?;
+        Ok(m.forward(&ids_tensor(ids)?, 0)?.flatten_all()?)
+    })?;
+    common::families::check_worlds(&gguf, &expected, &[1, 2], 1e-4)?;
+    Ok(())
+}
+
 #[test]
 fn qwen3_bad_input_gives_clear_errors() -> Result<()> {
     let mut w = weights()?;

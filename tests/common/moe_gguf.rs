@@ -131,11 +131,11 @@ pub fn dequantized(w: &Weights, dtype: GgmlDType) -> Result<Weights> {
     Ok(out)
 }
 
-/// A byte-level vocabulary of `VOCAB` tokens with one merge: the smallest `tokenizer.*`
+/// A byte-level vocabulary of `vocab` tokens with one merge: the smallest `tokenizer.*`
 /// metadata the GGUF reader takes.
-pub fn tokenizer() -> Vec<(String, Value)> {
+pub fn tokenizer(vocab: usize) -> Vec<(String, Value)> {
     let mut tokens: Vec<String> = ["Ġ", "a", "b", "ab"].map(String::from).to_vec();
-    while tokens.len() < VOCAB {
+    while tokens.len() < vocab {
         tokens.push(format!("t{}", tokens.len()));
     }
     let s = |v: &str| Value::String(v.to_string());
@@ -158,10 +158,13 @@ pub fn write_gguf(
     experts: ExpertLayout,
 ) -> Result<PathBuf> {
     let out = dir.join(name);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)?;
+    let vocab = config["vocab_size"].as_u64().unwrap_or(0) as usize;
     let options = GgufWriteOptions {
         dtype,
         experts,
-        tokenizer: tokenizer(),
+        tokenizer: tokenizer(vocab),
     };
     hf_to_gguf(dir, &options, &out)?;
     Ok(out)
