@@ -88,11 +88,12 @@ struct Args {
     /// Layers per pipeline stage (`10,10,10`), instead of as even as possible.
     #[arg(long, value_delimiter = ',')]
     pp_layers: Option<Vec<usize>>,
-    /// Mixture-of-experts layers expert-parallel over the tensor-parallel ranks: each rank
-    /// holds whole experts (a share of them) and tokens go to their experts' ranks by
-    /// all-to-all, instead of every expert split across the ranks. Dense models ignore it.
-    #[arg(long)]
-    ep: bool,
+    /// Mixture-of-experts layers expert-parallel in N groups of the tensor-parallel ranks
+    /// (`--ep` alone: one group per rank): each group holds whole experts (a share of them),
+    /// split over its ranks, instead of every expert split across every rank; with one rank
+    /// per group, tokens can go to their experts' ranks by all-to-all. Dense models ignore it.
+    #[arg(long, num_args = 0..=1, default_missing_value = "0", value_name = "N")]
+    ep: Option<usize>,
 }
 
 fn default_model_dir() -> Result<PathBuf> {

@@ -33,8 +33,10 @@ fn mixtral_f32_gguf_matches_candle_transformers() -> Result<()> {
     let dir = write_checkpoint(&mixtral_config(), &mixtral_weights()?)?;
     let gguf = write_gguf(dir.path(), "m.gguf", GgmlDType::F32, ExpertLayout::Stacked)?;
     let expected = mixtral_reference(dir.path())?;
-    common::families::check_worlds_with(&gguf, &expected, &[1, 2], 1e-4, false)?;
-    common::families::check_worlds_with(&gguf, &expected, &[2, 4], 1e-4, true)?;
+    common::families::check_worlds_with(&gguf, &expected, &[1, 2], 1e-4, None)?;
+    common::families::check_worlds_with(&gguf, &expected, &[2, 4], 1e-4, Some(0))?;
+    // ep 2 x tp 2: two groups of two ranks, each expert split over its group's two.
+    common::families::check_worlds_with(&gguf, &expected, &[4], 1e-4, Some(2))?;
     Ok(())
 }
 
@@ -43,8 +45,10 @@ fn qwen3_moe_f32_gguf_matches_candle_transformers() -> Result<()> {
     let dir = write_checkpoint(&qwen_config(), &qwen_weights()?)?;
     let gguf = write_gguf(dir.path(), "q.gguf", GgmlDType::F32, ExpertLayout::Stacked)?;
     let expected = qwen_reference(dir.path())?;
-    common::families::check_worlds_with(&gguf, &expected, &[1, 2], 1e-4, false)?;
-    common::families::check_worlds_with(&gguf, &expected, &[2, 4], 1e-4, true)?;
+    common::families::check_worlds_with(&gguf, &expected, &[1, 2], 1e-4, None)?;
+    common::families::check_worlds_with(&gguf, &expected, &[2, 4], 1e-4, Some(0))?;
+    // ep 2 x tp 2: two groups of two ranks, each expert split over its group's two.
+    common::families::check_worlds_with(&gguf, &expected, &[4], 1e-4, Some(2))?;
     Ok(())
 }
 
@@ -64,7 +68,7 @@ fn qwen3_moe_q8_0_gguf_in_parallel_matches_world_1() -> Result<()> {
         GgmlDType::Q8_0,
         ExpertLayout::Stacked,
     )?;
-    let one = run(&gguf, 1, false)?;
+    let one = run(&gguf, 1, None)?;
     common::families::assert_finite(&one.all, "qwen3moe Q8_0 world 1")?;
     parallel_against_world1(&gguf, &one, "qwen3moe Q8_0")
 }
@@ -79,10 +83,10 @@ fn mixtral_q8_0_gguf_matches_quantized_llama_in_both_layouts() -> Result<()> {
         GgmlDType::Q8_0,
         ExpertLayout::PerExpert,
     )?;
-    let one = run(&stacked, 1, false)?;
+    let one = run(&stacked, 1, None)?;
     common::families::assert_finite(&one.all, "Mixtral Q8_0 world 1")?;
     // The two layouts hold the same blocks: the same logits, bit for bit.
-    let per_expert = run(&split, 1, false)?;
+    let per_expert = run(&split, 1, None)?;
     let diff = max_abs_diff(&per_expert.all, &one.all)?;
     if diff != 0.0 {
         bail!("one matrix per expert against stacked experts: logits differ by {diff}");
@@ -114,7 +118,7 @@ fn expert_parallel_ranks_hold_only_their_experts() -> Result<()> {
     let gguf = write_gguf(dir.path(), "s.gguf", GgmlDType::Q8_0, ExpertLayout::Stacked)?;
     let held = candle_tp::run_threads(2, move |pg| {
         let options = candle_tp::models::LoadOptions {
-            expert_parallel: true,
+            expert_parallel: Some(0),
             ..Default::default()
         };
         let m = candle_tp::models::CausalLm::from_path_with(
@@ -181,5 +185,52 @@ fn bad_expert_metadata_gives_clear_errors() -> Result<()> {
         ),
         "{e}"
     );
+    Ok(())
+}
+
+/// The command line: `examples/generate --model FILE.gguf --ep 2` on 4 ranks under tprun
+/// (ep 2 x tp 2) and `--ep` on 2 ranks give world 1's greedy tokens and prompt logits.
+#[test]
+fn generate_cli_with_ep_gives_world_1_tokens() -> Result<()> {
+    let dir = write_checkpoint(&mixtral_config(), &mixtral_weights()?)?;
+    let gguf = write_gguf(dir.path(), "m.gguf", GgmlDType::Q8_0, ExpertLayout::Stacked)?;
+    let run = |nproc: usize, ep: &[&str], logits: &str| {
+        let mut args: Vec<String> = [
+            "--model",
+            &gguf.display().to_string(),
+            "--max-new-tokens",
+            "8",
+            "--prompt",
+            "ab a b ab",
+            "--logits-out",
+            &dir.path().join(logits).display().to_string(),
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(ep.iter().map(|s| s.to_string()));
+        let v = common::run_generate(nproc, &args);
+        let l: Vec<f32> = serde_json::from_slice(&std::fs::read(dir.path().join(logits))?)?;
+        anyhow::Ok((v, l))
+    };
+    let (one, l1) = run(1, &[], "l1.json")?;
+    assert_eq!(one["generated_tokens"], 8, "{one}");
+    assert!(l1.len() == VOCAB && l1.iter().all(|v| v.is_finite()));
+    for (nproc, ep) in [(4, &["--ep", "2"][..]), (2, &["--ep"][..])] {
+        let (v, l) = run(nproc, ep, "l.json")?;
+        assert_eq!(v["world_size"], nproc, "{v}");
+        assert_eq!(
+            v["token_ids"], one["token_ids"],
+            "{nproc} ranks {ep:?}: {v}"
+        );
+        let d = l
+            .iter()
+            .zip(&l1)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            d <= 1e-4,
+            "{nproc} ranks {ep:?}: prompt logits differ by {d}"
+        );
+    }
     Ok(())
 }

@@ -174,6 +174,21 @@ fn gradients(
     expert_parallel: bool,
     x: &Tensor,
 ) -> Result<(Tensor, HashMap<String, Tensor>)> {
+    let ep = if expert_parallel {
+        Some(ProcessGroup::single())
+    } else {
+        None
+    };
+    gradients_of(pg, ep, x)
+}
+
+/// [`gradients`] of the layer loaded tensor-parallel (`expert_tp` `None`) or expert-parallel
+/// with each expert split over `expert_tp` (this rank's run of consecutive ranks).
+fn gradients_of(
+    pg: &ProcessGroup,
+    expert_tp: Option<ProcessGroup>,
+    x: &Tensor,
+) -> Result<(Tensor, HashMap<String, Tensor>)> {
     // The weights as variables, read through the loader: its reads of them are differentiable.
     let mut vars = HashMap::new();
     for (name, t) in weights() {
@@ -184,10 +199,9 @@ fn gradients(
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
     let vb = ShardedVarBuilder::from_tensors(map, DType::F64, &Device::Cpu, pg.clone());
-    let moe = if expert_parallel {
-        SparseMoe::load_expert_parallel(&config(), vb, pg.clone())?
-    } else {
-        SparseMoe::load(&config(), vb)?
+    let moe = match expert_tp {
+        Some(etp) => SparseMoe::load_expert_tensor_parallel(&config(), vb, pg.clone(), etp)?,
+        None => SparseMoe::load(&config(), vb)?,
     };
     let xv = Var::from_tensor(x)?;
     let y = moe.forward(xv.as_tensor())?;
@@ -263,8 +277,75 @@ fn more_ranks_than_experts_is_an_error_naming_both() {
     })
     .unwrap();
     assert!(
-        errs[0].contains("1 experts over an expert-parallel group of 2 ranks"),
+        errs[0].contains("1 experts over 2 expert-parallel groups (1 ranks each)"),
         "{}",
         errs[0]
     );
+}
+
+/// Expert-tensor parallelism (ep groups of consecutive ranks, each expert split column/row
+/// over its group): the forward equals the MoE by hand, every rank's input gradient equals
+/// the one-rank layer's, and each expert weight's gradient slices, summed over the ranks,
+/// give the one-rank gradient (the slices are disjoint).
+#[test]
+fn expert_tensor_parallel_matches_the_layer_on_one_rank() {
+    let x = tokens(5, 3).to_dtype(DType::F64).unwrap();
+    let want = by_hand(&weights(), &tokens(5, 3));
+    let (gx, gw) = gradients(&ProcessGroup::single(), false, &x).unwrap();
+    for (p, tp) in [(4usize, 2usize), (6, 2), (6, 3)] {
+        let got = run_threads(p, |pg| {
+            let r = pg.rank();
+            let run: Vec<usize> = (r - r % tp..r - r % tp + tp).collect();
+            let etp = pg.new_group(&run)?.expect("a member of its run");
+            let vb =
+                ShardedVarBuilder::from_tensors(weights(), DType::F32, &Device::Cpu, pg.clone());
+            let moe =
+                SparseMoe::load_expert_tensor_parallel(&config(), vb, pg.clone(), etp.clone())?;
+            assert_eq!(moe.expert_tp(), tp);
+            assert_eq!(moe.ep_rank(), r / tp);
+            let y = moe.forward(&tokens(5, 3))?;
+            let (gx, gw) = gradients_of(&pg, Some(etp), &x)?;
+            // Each weight's gradient summed over the ranks (zeros where a rank holds none), in
+            // the same order on every rank.
+            let mut summed = HashMap::new();
+            let mut names: Vec<String> = weights().into_keys().collect();
+            names.sort();
+            for name in names.iter().filter(|n| n.starts_with("experts")) {
+                let g = match gw.get(name) {
+                    Some(g) => g.clone(),
+                    None => weights()[name.as_str()]
+                        .to_dtype(DType::F64)?
+                        .zeros_like()?,
+                };
+                summed.insert(name.clone(), pg.all_reduce(&g, ReduceOp::Sum)?);
+            }
+            Ok((y, gx, summed))
+        })
+        .unwrap();
+        for (r, (y, gx_r, summed)) in got.iter().enumerate() {
+            let at = format!("{p} ranks in runs of {tp}, rank {r}");
+            assert_close(y, &want, &at);
+            let d = (gx_r - &gx).unwrap().abs().unwrap().max_all().unwrap();
+            let d = d.to_scalar::<f64>().unwrap();
+            assert!(
+                d.is_finite() && d <= 1e-10,
+                "{at}: input gradient differs by {d}"
+            );
+            assert_eq!(summed.len(), 3 * EXPERTS, "{at}");
+            for (name, g) in summed {
+                let v = (g - &gw[name])
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap();
+                let v = v.to_vec1::<f64>().unwrap();
+                assert!(
+                    v.iter().all(|d| d.is_finite() && *d <= 1e-10),
+                    "{at}: {name} gradient differs by up to {:?}",
+                    v.iter().cloned().fold(0.0, f64::max)
+                );
+            }
+        }
+    }
 }

@@ -159,7 +159,7 @@ fn qwen3_moe_expert_parallel_matches_candle_transformers_at_worlds_1_to_4() -> R
         moe_config(),
         &weights_of(true)?,
         1e-5,
-        true,
+        Some(0),
         |c, vb, ids| qwen3_moe::ModelForCausalLM::new(c, vb)?.forward(&ids_tensor(ids)?, 0),
     )?;
     Ok(())

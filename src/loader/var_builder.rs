@@ -36,7 +36,19 @@ pub struct ShardedVarBuilder {
     device: Device,
     pg: ProcessGroup,
     pipeline: Option<PipelineStage>,
-    expert_parallel: bool,
+    expert_parallel: Option<ExpertParallel>,
+}
+
+/// How a model's mixture-of-experts layers are laid out over the builder's group: in `ep`
+/// expert groups of consecutive ranks, each holding whole experts split over its ranks
+/// ([`SparseMoe::load_expert_tensor_parallel`](crate::nn::SparseMoe::load_expert_tensor_parallel)).
+#[derive(Debug, Clone)]
+pub struct ExpertParallel {
+    /// Expert groups.
+    pub ep: usize,
+    /// This rank's expert group: the ranks its experts are split over (one rank: whole
+    /// experts).
+    pub expert_tp: ProcessGroup,
 }
 
 impl ShardedVarBuilder {
@@ -54,7 +66,7 @@ impl ShardedVarBuilder {
             device: device.clone(),
             pg,
             pipeline: None,
-            expert_parallel: false,
+            expert_parallel: None,
         }
     }
 
@@ -146,18 +158,47 @@ impl ShardedVarBuilder {
     }
 
     /// This builder for a model whose mixture-of-experts layers are expert-parallel over
-    /// [`pg`](Self::pg): each rank loads whole experts, and tokens go to them by all-to-all
-    /// ([`SparseMoe::load_expert_parallel`](crate::nn::SparseMoe::load_expert_parallel)).
-    /// Other layers stay tensor-parallel.
-    pub fn with_expert_parallel(&self, on: bool) -> Self {
+    /// [`pg`](Self::pg) in `ep` groups of `pg.size() / ep` consecutive ranks: each group holds
+    /// whole experts, split over its ranks (`ep = pg.size()`: whole experts on each rank,
+    /// tokens moved by all-to-all in [`SparseMoe::forward_local`](crate::nn::SparseMoe::forward_local)).
+    /// `Some(0)` means one group per rank. Other layers stay tensor-parallel over `pg`.
+    /// Every rank of `pg` calls it (it creates the groups' process groups); `None` turns it
+    /// off.
+    pub fn with_expert_parallel(&self, ep: Option<usize>) -> Result<Self> {
         let mut out = self.clone();
-        out.expert_parallel = on;
-        out
+        out.expert_parallel = match ep {
+            None => None,
+            Some(ep) => {
+                let (p, r) = (self.pg.size(), self.pg.rank());
+                let ep = if ep == 0 { p } else { ep };
+                if !p.is_multiple_of(ep) {
+                    candle_core::bail!(
+                        "expert parallelism: {ep} expert groups do not divide the {p} ranks of \
+                         group '{}'",
+                        self.pg.name()
+                    );
+                }
+                let tp = p / ep;
+                let expert_tp = if tp == 1 {
+                    ProcessGroup::single()
+                } else {
+                    let run: Vec<usize> = (r - r % tp..r - r % tp + tp).collect();
+                    self.pg
+                        .new_group_named(&run, "etp")
+                        .map_err(candle_core::Error::wrap)?
+                        .ok_or_else(|| {
+                            candle_core::Error::Msg(format!("rank {r} is not in its run {run:?}"))
+                        })?
+                };
+                Some(ExpertParallel { ep, expert_tp })
+            }
+        };
+        Ok(out)
     }
 
-    /// Whether mixture-of-experts layers are loaded expert-parallel.
-    pub fn expert_parallel(&self) -> bool {
-        self.expert_parallel
+    /// How mixture-of-experts layers are loaded expert-parallel, if they are.
+    pub fn expert_parallel(&self) -> Option<&ExpertParallel> {
+        self.expert_parallel.as_ref()
     }
 
     /// The pipeline stage the model is loaded for, if any.

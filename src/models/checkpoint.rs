@@ -105,9 +105,11 @@ pub struct LoadOptions {
     /// Load only this pipeline stage's part of the model (models that know stages:
     /// [`CausalLm`](crate::models::CausalLm)).
     pub pipeline: Option<PipelineStage>,
-    /// Mixture-of-experts layers expert-parallel over the model's group: whole experts per
-    /// rank, tokens dispatched by all-to-all (`false`: every expert split across the ranks).
-    pub expert_parallel: bool,
+    /// Mixture-of-experts layers expert-parallel over the model's group, in this many expert
+    /// groups of consecutive ranks: each group holds whole experts, split over its ranks
+    /// (`Some(group size)` or `Some(0)`: whole experts on each rank). `None`: every expert
+    /// split across every rank.
+    pub expert_parallel: Option<usize>,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -132,7 +134,7 @@ fn load<M: FromCheckpoint>(
 ) -> Result<M> {
     if gguf {
         let (config, vb) = open_gguf(path, device, pg)?;
-        return M::from_config_json(&config, &path.display().to_string(), with(vb, options));
+        return M::from_config_json(&config, &path.display().to_string(), with(vb, options)?);
     }
     let (config, vb) = open_dir(path, dtype, device, pg)?;
     let text = std::fs::read_to_string(&config).map_err(|e| {
@@ -141,19 +143,19 @@ fn load<M: FromCheckpoint>(
             config.display()
         ))
     })?;
-    M::from_config_json(&text, &config.display().to_string(), with(vb, options))
+    M::from_config_json(&text, &config.display().to_string(), with(vb, options)?)
 }
 
-fn with(vb: ShardedVarBuilder, options: LoadOptions) -> ShardedVarBuilder {
-    let vb = vb.with_expert_parallel(options.expert_parallel);
+fn with(vb: ShardedVarBuilder, options: LoadOptions) -> Result<ShardedVarBuilder> {
+    let vb = vb.with_expert_parallel(options.expert_parallel)?;
     let vb = match options.progress {
         Some(p) => vb.with_progress(p),
         None => vb,
     };
-    match options.pipeline {
+    Ok(match options.pipeline {
         Some(stage) => vb.with_pipeline(stage),
         None => vb,
-    }
+    })
 }
 
 /// A model directory's `config.json` path (an error naming the directory when it is

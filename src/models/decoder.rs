@@ -154,9 +154,15 @@ impl FeedForwardLayer {
                 *act,
                 vb,
             )?)),
-            FeedForward::Moe(m) if vb.expert_parallel() => {
-                let ep = vb.pg().clone();
-                Self::Moe(SparseMoe::load_expert_parallel(m, vb, ep)?)
+            FeedForward::Moe(m) if vb.expert_parallel().is_some() => {
+                let (group, expert_tp) = (
+                    vb.pg().clone(),
+                    vb.expert_parallel().map(|e| e.expert_tp.clone()),
+                );
+                let expert_tp = expert_tp.unwrap_or_else(ProcessGroup::single);
+                Self::Moe(SparseMoe::load_expert_tensor_parallel(
+                    m, vb, group, expert_tp,
+                )?)
             }
             FeedForward::Moe(m) => Self::Moe(SparseMoe::load(m, vb)?),
         })

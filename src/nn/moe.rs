@@ -8,7 +8,11 @@
 //!   are the same on every rank (a tensor-parallel attention) go through this rank's experts
 //!   and one all-reduce sums the ranks' parts, as above; each rank's own tokens (a
 //!   data-parallel attention, [`SparseMoe::forward_local`]) go to their experts' ranks and
-//!   come back by all-to-all (`expert_parallel.rs`).
+//!   come back by all-to-all (`expert_parallel.rs`);
+//! - both ([`SparseMoe::load_expert_tensor_parallel`], Megatron-core's expert-tensor
+//!   parallelism): the ranks form `ep` runs of `tp` consecutive ranks; each run holds whole
+//!   experts, and each expert is split column/row over its run's ranks. The one all-reduce
+//!   over every rank sums both the runs' experts and the slices.
 //!
 //! Routing must pick the same experts on every rank, or the ranks would compute partial sums
 //! of different experts: it is computed from the replicated hidden state with the replicated
@@ -60,8 +64,12 @@ pub struct SparseMoe {
     top_k: usize,
     norm_topk_prob: bool,
     pg: ProcessGroup,
-    /// Expert-parallel: the experts of each rank of `pg`.
+    /// Expert-parallel: the experts of each expert group (each rank of `pg` when the experts
+    /// are whole, each run of `expert_tp` ranks when they are split).
     owners: Option<Partition>,
+    /// Expert-parallel: this rank's expert group, and its ranks (1 when experts are whole).
+    ep_rank: usize,
+    expert_tp: usize,
 }
 
 impl SparseMoe {
@@ -70,6 +78,47 @@ impl SparseMoe {
     pub fn load(cfg: &MoeConfig, vb: ShardedVarBuilder) -> Result<Self> {
         let pg = vb.pg().clone();
         Self::load_experts(cfg, &vb, &vb, 0..cfg.num_experts, pg, None)
+    }
+
+    /// Loads the layer expert- and tensor-parallel over `group`: its ranks form
+    /// `group.size() / expert_tp.size()` runs of consecutive ranks (`expert_tp` is this
+    /// rank's run, e.g. ranks 0-1 and 2-3 of 4 for runs of 2); run `g` holds experts
+    /// `Partition::new(num_experts, runs).range(g)`, each split column/row over the run's
+    /// ranks like a dense [`GatedMlp`]. The forward takes hidden states replicated on `group`
+    /// and all-reduces once over it. `expert_tp` of one rank is
+    /// [`load_expert_parallel`](Self::load_expert_parallel).
+    pub fn load_expert_tensor_parallel(
+        cfg: &MoeConfig,
+        vb: ShardedVarBuilder,
+        group: ProcessGroup,
+        expert_tp: ProcessGroup,
+    ) -> Result<Self> {
+        Self::check(cfg, &vb)?;
+        let (p, tp) = (group.size(), expert_tp.size());
+        if tp == 0 || !p.is_multiple_of(tp) || expert_tp.rank() != group.rank() % tp {
+            candle_core::bail!(
+                "'{}': rank {} of {p}: expert tensor-parallel runs of {tp} ranks (this rank {} \
+                 of its run) do not tile the group into consecutive runs",
+                vb.prefix(),
+                group.rank(),
+                expert_tp.rank()
+            );
+        }
+        let runs = p / tp;
+        let owners = Partition::new(cfg.num_experts, runs).map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "'{}': {} experts over {runs} expert-parallel groups ({tp} ranks each): {e}",
+                vb.prefix(),
+                cfg.num_experts,
+            ))
+        })?;
+        let ep_rank = group.rank() / tp;
+        let sliced = vb.with_pg(expert_tp);
+        let mine = owners.range(ep_rank);
+        let mut moe = Self::load_experts(cfg, &vb, &sliced, mine, group, Some(owners))?;
+        moe.ep_rank = ep_rank;
+        moe.expert_tp = tp;
+        Ok(moe)
     }
 
     /// Loads the layer expert-parallel over `ep`: the router replicated, and this rank's
@@ -89,18 +138,7 @@ impl SparseMoe {
         vb: ShardedVarBuilder,
         ep: ProcessGroup,
     ) -> Result<Self> {
-        Self::check(cfg, &vb)?;
-        let owners = Partition::new(cfg.num_experts, ep.size()).map_err(|e| {
-            candle_core::Error::Msg(format!(
-                "'{}': {} experts over an expert-parallel group of {} ranks: {e}",
-                vb.prefix(),
-                cfg.num_experts,
-                ep.size()
-            ))
-        })?;
-        let whole = vb.with_pg(ProcessGroup::single());
-        let mine = owners.range(ep.rank());
-        Self::load_experts(cfg, &vb, &whole, mine, ep, Some(owners))
+        Self::load_expert_tensor_parallel(cfg, vb, ep, ProcessGroup::single())
     }
 
     /// The router (replicated, from `vb`) and the experts `which` (from `experts_vb`).
@@ -125,6 +163,8 @@ impl SparseMoe {
             norm_topk_prob: cfg.norm_topk_prob,
             pg,
             owners,
+            ep_rank: 0,
+            expert_tp: 1,
         })
     }
 
@@ -165,9 +205,26 @@ impl SparseMoe {
         &self.experts
     }
 
-    /// The experts of each rank of [`pg`](Self::pg), when the layer is expert-parallel.
+    /// The experts of each expert group, when the layer is expert-parallel: of each rank of
+    /// [`pg`](Self::pg), or of each run of [`expert_tp`](Self::expert_tp) ranks.
     pub fn expert_owners(&self) -> Option<Partition> {
         self.owners
+    }
+
+    /// This rank's expert group (its index in [`expert_owners`](Self::expert_owners)); 0
+    /// when the layer is tensor-parallel.
+    pub fn ep_rank(&self) -> usize {
+        self.ep_rank
+    }
+
+    /// The ranks each expert is split over: 1 when experts are whole on a rank, the group
+    /// size when the layer is tensor-parallel.
+    pub fn expert_tp(&self) -> usize {
+        if self.owners.is_some() {
+            self.expert_tp
+        } else {
+            self.pg.size()
+        }
     }
 
     /// The group the experts are split over.
@@ -222,6 +279,14 @@ impl SparseMoe {
                 self.pg.rank()
             );
         };
+        if self.expert_tp != 1 {
+            candle_core::bail!(
+                "SparseMoe::forward_local on rank {}: experts split over {} ranks take replicated \
+                 hidden states (forward); each rank's own tokens need whole experts",
+                self.pg.rank(),
+                self.expert_tp
+            );
+        }
         let routes = self.route(x)?;
         forward_local(&self.pg, owners, &self.experts, x, &routes)
     }
@@ -237,7 +302,7 @@ impl Module for SparseMoe {
         let xp = copy_to_tp(&flat, &self.pg)?;
         // Expert-parallel: this rank's whole experts; tensor-parallel: every expert's slice.
         let mine = match &self.owners {
-            Some(owners) => owners.range(self.pg.rank()),
+            Some(owners) => owners.range(self.ep_rank),
             None => 0..routes.len(),
         };
         // Summed in the experts' partial dtype (f64 for quantized experts: see

@@ -152,7 +152,7 @@ pub fn compare_family<C: serde::de::DeserializeOwned>(
     tol: f32,
     last: impl Fn(&C, VarBuilder<'static>, &[u32]) -> candle_core::Result<Tensor>,
 ) -> Result<f32> {
-    compare_family_with(config, weights, tol, false, last)
+    compare_family_with(config, weights, tol, None, last)
 }
 
 /// [`compare_family`], with the mixture-of-experts layers expert-parallel when
@@ -161,7 +161,7 @@ pub fn compare_family_with<C: serde::de::DeserializeOwned>(
     config: serde_json::Value,
     weights: &Weights,
     tol: f32,
-    expert_parallel: bool,
+    expert_parallel: Option<usize>,
     last: impl Fn(&C, VarBuilder<'static>, &[u32]) -> candle_core::Result<Tensor>,
 ) -> Result<f32> {
     let dir = write_checkpoint(&config, weights)?;
@@ -244,12 +244,16 @@ pub struct RankRun {
 /// The tensor-parallel model loaded by `CausalLm::from_dir` (dispatch on `architectures`)
 /// on `world` threads.
 pub fn parallel_run(dir: &Path, world: usize) -> Result<Vec<RankRun>> {
-    parallel_run_with(dir, world, false)
+    parallel_run_with(dir, world, None)
 }
 
-/// [`parallel_run`], with the mixture-of-experts layers expert-parallel when
-/// `expert_parallel`.
-pub fn parallel_run_with(dir: &Path, world: usize, expert_parallel: bool) -> Result<Vec<RankRun>> {
+/// [`parallel_run`], with the mixture-of-experts layers expert-parallel in `expert_parallel`
+/// groups (`Some(0)`: one per rank; `LoadOptions::expert_parallel`).
+pub fn parallel_run_with(
+    dir: &Path,
+    world: usize,
+    expert_parallel: Option<usize>,
+) -> Result<Vec<RankRun>> {
     let dir: PathBuf = dir.to_path_buf();
     Ok(run_threads(world, move |pg| {
         let options = candle_tp::models::LoadOptions {
@@ -257,15 +261,20 @@ pub fn parallel_run_with(dir: &Path, world: usize, expert_parallel: bool) -> Res
             ..Default::default()
         };
         let mut m = CausalLm::from_path_with(&dir, DType::F32, &Device::Cpu, pg, options)?;
-        if expert_parallel {
-            // The path under test is the expert-parallel one.
+        if let Some(ep) = expert_parallel {
+            // The path under test is the expert-parallel one, in the groups asked for.
+            let groups = if ep == 0 { world } else { ep };
             let layers: Vec<_> = (0..m.config().layers.len())
                 .filter_map(|i| m.moe(i))
                 .collect();
             assert!(!layers.is_empty(), "a mixture-of-experts model");
             assert!(
-                layers.iter().all(|l| l.expert_owners().is_some()),
-                "every MoE layer is expert-parallel"
+                layers
+                    .iter()
+                    .all(|l| l.expert_owners().map(|o| o.parts()) == Some(groups)
+                        && l.expert_tp() == world / groups),
+                "every MoE layer is expert-parallel in {groups} groups of {} ranks",
+                world / groups
             );
         }
         let x = Tensor::new(&PROMPT[..], &Device::Cpu)?.unsqueeze(0)?;
@@ -295,7 +304,7 @@ pub fn parallel_run_with(dir: &Path, world: usize, expert_parallel: bool) -> Res
 /// prompt position's logits and the last position's (gathered, and the ranks' local slices
 /// joined) within `tol`, and the 16 greedy tokens exactly. Returns the largest error seen.
 pub fn check_worlds(dir: &Path, expected: &Expected, worlds: &[usize], tol: f32) -> Result<f32> {
-    check_worlds_with(dir, expected, worlds, tol, false)
+    check_worlds_with(dir, expected, worlds, tol, None)
 }
 
 /// [`check_worlds`], with the mixture-of-experts layers expert-parallel when
@@ -305,7 +314,7 @@ pub fn check_worlds_with(
     expected: &Expected,
     worlds: &[usize],
     tol: f32,
-    expert_parallel: bool,
+    expert_parallel: Option<usize>,
 ) -> Result<f32> {
     let n = PROMPT.len();
     let ref_last = expected.logits.get(n - 1)?;
