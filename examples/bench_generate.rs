@@ -53,6 +53,8 @@ use clap::Parser;
 
 #[path = "common/progress.rs"]
 mod progress;
+#[path = "common/rss.rs"]
+mod rss;
 
 #[derive(Parser, Debug)]
 #[command(about = "Decode tokens/s: candle-tp's TP Llama vs candle-transformers' llama")]
@@ -177,7 +179,8 @@ type Measured = (usize, f64, f64, Vec<u32>, bool, Profile, Prefills, Comm);
 
 /// What rank 0's world group moved per decode token (candle-tp): `backend`,
 /// `collectives_per_token`, `bytes_per_token` (payload), `cross_host_bytes_per_token` (payload
-/// handed to the network, zero on one host).
+/// handed to the network, zero on one host), and `rss_bytes` (every rank's anonymous memory
+/// once loaded, which `main` moves to the report's top level).
 type Comm = Option<serde_json::Value>;
 
 fn run_candle_tp(args: &Args) -> Result<Measured> {
@@ -193,6 +196,9 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
         expert_parallel: args.ep,
     };
     let mut model = CausalLm::from_path_with(&args.model, args.dtype, &device, tp, options)?;
+    // Every rank's memory once loaded (before the KV cache grows).
+    let mut rss = vec![0i64; pg.size()];
+    pg.all_gather_slice(&[rss::rss_anon_bytes()?], &mut rss)?;
     let vocab = model.config().vocab_size;
     let ids = prompt(args.prompt_len, vocab);
     let mut sampler = DistributedSampler::new(SamplingParams::greedy());
@@ -236,6 +242,8 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
         "bytes_per_token": moved.payload_bytes as f64 / steps,
         "cross_host_bytes_per_token": moved.cross_host_bytes as f64 / steps,
         "job_cross_host_bytes_per_token": each.iter().sum::<i64>() as f64 / steps,
+        // Hoisted to the report's top level by `main`.
+        "rss_bytes": rss,
     });
     Ok((
         pg.size(),
@@ -390,7 +398,10 @@ fn main() -> Result<()> {
                 "total": total,
             });
         }
-        if let Some(c) = comm {
+        if let Some(mut c) = comm {
+            if let Some(rss) = c.as_object_mut().and_then(|o| o.remove("rss_bytes")) {
+                report["rss_bytes"] = rss;
+            }
             report["comm"] = c;
         }
         if let Some(bytes) = weight_bytes_per_token(&args.model)? {

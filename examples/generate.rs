@@ -33,6 +33,10 @@ use candle_tp::generate::{DistributedSampler, SamplingParams};
 use candle_tp::models::{CausalLm, FromCheckpoint, LoadOptions};
 use candle_tp::ops::gather_from_tp;
 use candle_tp::pipeline::PipelineStage;
+
+#[path = "common/rss.rs"]
+mod rss;
+use rss::rss_anon_bytes;
 use candle_tp::text::{ChatMessage, ModelText, TextStream};
 use candle_tp::ProcessGroup;
 use clap::Parser;
@@ -104,22 +108,6 @@ fn parse_device(s: &str) -> Result<Device> {
     // "cpu", or "cuda" (the GPU of LOCAL_RANK; a build without the cuda feature says how to
     // rebuild).
     Ok(candle_tp::device_from_arg(s)?)
-}
-
-/// This process's anonymous resident memory (`RssAnon` of /proc/self/status), in bytes.
-fn rss_anon_bytes() -> Result<i64> {
-    let status =
-        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("RssAnon:"))
-        .context("no RssAnon line in /proc/self/status")?;
-    let kb: i64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .with_context(|| format!("cannot parse {line:?}"))?;
-    Ok(kb * 1024)
 }
 
 /// Rank 0's text side (tokenizer, chat template: `candle_tp::text`, as the server's), prompt

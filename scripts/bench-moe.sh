@@ -1,42 +1,78 @@
 #!/usr/bin/env bash
 # Expert parallelism against tensor parallelism on a mixture-of-experts model (issue 45):
-# decode tokens/s of a synthetic Mixtral (random weights, `make_synthetic_llama --experts`)
-# at world 1, and at world 2 with every expert split across the ranks (TP) and with whole
-# experts per rank (`--ep`), in one run, the three alternating over rounds; then the medians,
-# the ratios, and the collectives and bytes per decoded token each layout moved.
+# decode tokens/s at world 1, and at world 2 with every expert split across the ranks (TP) and
+# with whole experts per rank (`--ep`), in one run, the three alternating over rounds; then the
+# medians, the ratios, each layout's memory per rank once loaded, and the collectives and bytes
+# per decoded token each layout moved.
 #
-# usage: scripts/bench-moe.sh [--rounds N] [--new-tokens N] [--experts N] [--hidden N]
+# usage: scripts/bench-moe.sh [--family mixtral|qwen3-moe] [--gguf TYPE] [--rounds N]
+#                             [--new-tokens N] [--experts N] [--top-k N] [--hidden N]
 #                             [--intermediate N] [--layers N]
+#   --family mixtral    (default) a synthetic Mixtral, f32 safetensors (8 experts, top-2,
+#                       hidden 1024, expert width 1024, 4 layers)
+#   --family qwen3-moe  a synthetic Qwen3-MoE in Qwen3-30B-A3B's proportions at ~1.8 B
+#                       parameters (hidden 1024, 16 heads of 128, 4 KV heads, 64 experts of
+#                       width 512, top-8, 16 layers, SmolLM2's vocabulary)
+#   --gguf TYPE         the model as a GGUF of that type (Q8_0, Q4_K, ...; SmolLM2's tokenizer,
+#                       scripts/fetch-models.sh), written from the checkpoint by
+#                       make_synthetic_llama (convert::hf_to_gguf)
 # The model is written once under $CANDLE_TP_HOME/models (default ~/.cache/candle-tp).
-# Not yet here (issue 45): GGUF MoE files, llama-bench, serving, emulated hosts.
+# Not yet here (issue 45): llama-bench, serving, emulated hosts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-rounds=3 new_tokens=32 experts=8 hidden=1024 intermediate=1024 layers=4
+family=mixtral gguf="" rounds=3 new_tokens=32 experts="" top_k="" hidden="" intermediate="" layers=""
 while [ $# -gt 0 ]; do
   case "$1" in
+    --family) family="$2"; shift 2 ;;
+    --gguf) gguf="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --new-tokens) new_tokens="$2"; shift 2 ;;
     --experts) experts="$2"; shift 2 ;;
+    --top-k) top_k="$2"; shift 2 ;;
     --hidden) hidden="$2"; shift 2 ;;
     --intermediate) intermediate="$2"; shift 2 ;;
     --layers) layers="$2"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
+case "$family" in
+  mixtral)
+    experts=${experts:-8} top_k=${top_k:-2} hidden=${hidden:-1024}
+    intermediate=${intermediate:-1024} layers=${layers:-4}
+    shape=(--family mixtral --heads 16 --kv-heads 8 --intermediate "$intermediate") ;;
+  qwen3-moe)
+    experts=${experts:-64} top_k=${top_k:-8} hidden=${hidden:-1024}
+    intermediate=${intermediate:-512} layers=${layers:-16}
+    shape=(--family qwen3-moe --heads 16 --kv-heads 4 --head-dim 128
+      --moe-intermediate "$intermediate") ;;
+  *) echo "--family $family: expected mixtral or qwen3-moe" >&2; exit 2 ;;
+esac
 
 home="${CANDLE_TP_HOME:-$HOME/.cache/candle-tp}"
 target_dir="${CARGO_TARGET_DIR:-target}"
 echo "==> building (release)" >&2
 cargo build --release --quiet --bin tprun --example bench_generate --example make_synthetic_llama
 bin="$target_dir/release"
-model="$home/models/mixtral-syn-h${hidden}-i${intermediate}-e${experts}-l${layers}"
-if [ ! -f "$model/model.safetensors" ]; then
-  echo "==> writing $model" >&2
-  "$bin/examples/make_synthetic_llama" --out "$model" --hidden "$hidden" --heads 16 \
-    --kv-heads 8 --intermediate "$intermediate" --layers "$layers" --experts "$experts" \
-    --experts-per-tok 2 --vocab 32000 --seed 7 >&2
+name="$family-syn-h${hidden}-i${intermediate}-e${experts}-k${top_k}-l${layers}"
+# The same shape always gets the same weights (--seed 7).
+make=("$bin/examples/make_synthetic_llama" "${shape[@]}" --hidden "$hidden" --layers "$layers"
+  --experts "$experts" --experts-per-tok "$top_k" --seed 7)
+if [ -n "$gguf" ]; then
+  tok="$home/models/smollm2-135m-instruct.Q4_1.gguf"
+  [ -f "$tok" ] || { echo "$tok is missing: run scripts/fetch-models.sh" >&2; exit 1; }
+  model="$home/models/$name.$gguf.gguf"
+  if [ ! -f "$model" ]; then
+    echo "==> writing $model" >&2
+    "${make[@]}" --gguf-out "$model" --gguf-type "$gguf" --tokenizer-gguf "$tok" >&2
+  fi
+else
+  model="$home/models/$name"
+  if [ ! -f "$model/config.json" ]; then
+    echo "==> writing $model" >&2
+    "${make[@]}" --out "$model" --vocab 32000 >&2
+  fi
 fi
 out="$target_dir/bench-moe.jsonl"
 : > "$out"
@@ -68,14 +104,16 @@ med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in by.items()
 ids = {k: {tuple(x["token_ids"]) for x in v} for k, v in by.items()}
 print(f"CPU: {sys.argv[2]} ({sys.argv[3]} cores); model {rows[0]['model']}; "
       f"{len(by.get('tp2', []))} rounds")
-print("| layout | decode tok/s (median) | vs world 1 | collectives/token | bytes/token (rank 0) |")
-print("|---|---|---|---|---|")
+print("| layout | decode tok/s (median) | vs world 1 | memory per rank (max) | vs world 1 | collectives/token | bytes/token (rank 0) |")
+print("|---|---|---|---|---|---|---|")
+mem = {k: max(v[-1].get("rss_bytes") or [0]) for k, v in by.items()}
 for k, name in [("world1", "world 1"), ("tp2", "2 ranks, experts split (TP)"),
                 ("ep2", "2 ranks, whole experts (EP)")]:
     if k not in by:
         continue
     c = by[k][-1].get("comm") or {}
     print(f"| {name} | {med[k]:.1f} | {med[k] / med['world1']:.2f}x | "
+          f"{mem[k] / 2**20:.0f} MiB | {mem[k] / max(mem['world1'], 1):.2f}x | "
           f"{c.get('collectives_per_token', 0):.0f} | {c.get('bytes_per_token', 0):.0f} |")
 print(f"EP / TP at 2 ranks: {med['ep2'] / med['tp2']:.2f}x")
 same = ids["world1"] == ids["tp2"] == ids["ep2"] and len(ids["world1"]) == 1
