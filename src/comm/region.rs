@@ -2,7 +2,8 @@
 //!
 //! Two kinds share one code path: POSIX shared memory between processes (`shm_open` with
 //! `O_EXCL`, mode 0600, a random job id in the name, unlinked as soon as every rank has mapped
-//! it, so a crash leaks nothing) and anonymous shared mappings between threads of one process,
+//! it, and by any rank stopped by SIGTERM or failing before then ([`pending`]), so a crash
+//! leaks nothing) and anonymous shared mappings between threads of one process,
 //! handed out through an in-process registry under the same kind of name.
 
 use std::collections::HashMap;
@@ -224,6 +225,99 @@ pub(crate) fn unlink(kind: RegionKind, name: &str) {
                     libc::shm_unlink(cname.as_ptr());
                 }
             }
+        }
+    }
+}
+
+/// Segment names a rendezvous of this process may leave in `/dev/shm` (its region not yet
+/// unlinked), as `/dev/shm/<name>` C strings, for [`on_sigterm`]: slots that a signal handler
+/// reads with atomics only. A name is never freed once placed (a few dozen bytes per
+/// rendezvous), so the handler never reads freed memory.
+static PENDING: [std::sync::atomic::AtomicPtr<libc::c_char>; 64] =
+    [const { std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()) }; 64];
+
+/// While alive, the segment `name` is removed if this process gets SIGTERM (see
+/// [`pending`]).
+pub(crate) struct Pending(Option<usize>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(i) = self.0 {
+            // Leaked on purpose (see PENDING): the handler may be reading it right now.
+            PENDING[i].store(std::ptr::null_mut(), std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// Marks the `/dev/shm` segment `name` as one this process's rendezvous may leave behind, until
+/// the returned guard drops: a SIGTERM meanwhile (what every launcher sends the ranks that
+/// survive a failed one: tprun, mpirun's daemons, srun) unlinks it before the process ends, so a
+/// job whose rank was killed in the middle of a rendezvous leaves nothing in any host's
+/// `/dev/shm`, under any launcher. The handler is installed once, only where SIGTERM has its
+/// default action (a program with its own handler keeps it, and keeps SIGTERM's meaning).
+pub(crate) fn pending(name: &str) -> Pending {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(install_sigterm);
+    let Ok(path) = CString::new(format!("/dev/shm/{name}")) else {
+        return Pending(None);
+    };
+    let ptr = path.into_raw();
+    for (i, slot) in PENDING.iter().enumerate() {
+        if slot
+            .compare_exchange(
+                std::ptr::null_mut(),
+                ptr,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            )
+            .is_ok()
+        {
+            return Pending(Some(i));
+        }
+    }
+    // Every slot taken (64 rendezvous at once): this one is not swept.
+    // SAFETY: `ptr` came from `into_raw` above and was placed nowhere.
+    drop(unsafe { CString::from_raw(ptr) });
+    Pending(None)
+}
+
+/// Installs [`on_sigterm`] for SIGTERM if its action is the default one.
+fn install_sigterm() {
+    // SAFETY: sigaction with zeroed, then filled, structures; the results are checked.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGTERM, std::ptr::null(), &mut old) != 0
+            || old.sa_sigaction != libc::SIG_DFL
+        {
+            return;
+        }
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = on_sigterm as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        act.sa_flags = libc::SA_RESETHAND;
+        libc::sigemptyset(&mut act.sa_mask);
+        libc::sigaction(libc::SIGTERM, &act, std::ptr::null_mut());
+    }
+}
+
+/// SIGTERM: unlinks every pending segment (async-signal-safe: atomic loads, `unlink`), then
+/// ends the process as SIGTERM's default action would (`SA_RESETHAND` restored it; the signal,
+/// raised again, is delivered once the handler returns). Called by another handler that chains
+/// to it, it only unlinks.
+extern "C" fn on_sigterm(_: libc::c_int) {
+    for slot in &PENDING {
+        let p = slot.load(std::sync::atomic::Ordering::SeqCst);
+        if !p.is_null() {
+            // SAFETY: a NUL-terminated path that is never freed (see PENDING).
+            unsafe { libc::unlink(p) };
+        }
+    }
+    // SAFETY: sigaction and raise are async-signal-safe.
+    unsafe {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGTERM, std::ptr::null(), &mut cur) == 0
+            && cur.sa_sigaction == libc::SIG_DFL
+        {
+            libc::raise(libc::SIGTERM);
         }
     }
 }

@@ -230,17 +230,39 @@ pub(crate) fn rendezvous(
     members: &[usize],
     parent: Option<(&str, &AbortHandle)>,
 ) -> CommResult<Arc<dyn Backend>> {
-    let size = members.len();
-    if size == 1 {
+    if members.len() == 1 {
         return Ok(Arc::new(Single::new(name)));
     }
+    // Every member knows the segment's name (the job id and the group's): until the region is
+    // unlinked, each removes it if stopped by SIGTERM (a launcher stopping the job because a
+    // rank died, perhaps the one that made it), and on any error here (the group failed; no
+    // one maps it any more). So nothing is left in /dev/shm under any launcher.
+    let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
+    let shm = ctx.region == RegionKind::Shm;
+    let _pending = shm.then(|| region::pending(&seg));
+    let met = meet(ctx, name, rank, members, parent, seg.clone());
+    if met.is_err() && shm {
+        region::unlink(ctx.region, &seg);
+    }
+    met
+}
+
+/// [`rendezvous`] of a group of two or more, whose region is named `seg`.
+fn meet(
+    ctx: &Arc<Context>,
+    name: String,
+    rank: usize,
+    members: &[usize],
+    parent: Option<(&str, &AbortHandle)>,
+    seg: String,
+) -> CommResult<Arc<dyn Backend>> {
+    let size = members.len();
     let key = format!("{name}/region");
     check_slot_bytes(&name, ctx.slot_bytes)?;
     let (_, len) = region_layout(size, ctx.slot_bytes)?;
     let attached = |r: usize| format!("{name}/attached/{r}");
     let mut engine = if rank == 0 {
         let created = (|| {
-            let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
             let map = region::create(ctx.region, &seg, len)?;
             let unlink = Unlink(ctx.region, seg.clone());
             let mut engine = Engine::attach(
@@ -299,7 +321,7 @@ pub(crate) fn rendezvous(
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
         engine
     } else {
-        let seg = wait_for_key(ctx, &key, parent).map_err(|e| match e {
+        let published = wait_for_key(ctx, &key, parent).map_err(|e| match e {
             e @ CommError::Aborted { .. } => e,
             e => CommError::Timeout {
                 group: name.clone(),
@@ -310,7 +332,7 @@ pub(crate) fn rendezvous(
                 waited: ctx.timeout,
             },
         })?;
-        if let Some(reason) = seg.strip_prefix(FAILED.as_bytes()) {
+        if let Some(reason) = published.strip_prefix(FAILED.as_bytes()) {
             return Err(CommError::Aborted {
                 group: name,
                 op: "rendezvous".into(),
@@ -321,7 +343,7 @@ pub(crate) fn rendezvous(
                 ),
             });
         }
-        let seg = String::from_utf8_lossy(&seg).into_owned();
+        let seg = String::from_utf8_lossy(&published).into_owned();
         let mapped = (|| {
             let map = region::open(ctx.region, &seg, len)?;
             let mut engine = Engine::attach(
