@@ -2,8 +2,8 @@
 //!
 //! Two kinds share one code path: POSIX shared memory between processes (`shm_open` with
 //! `O_EXCL`, mode 0600, a random job id in the name, unlinked as soon as every rank has mapped
-//! it, and by any rank stopped by SIGTERM or failing before then ([`pending`]), so a crash
-//! leaks nothing) and anonymous shared mappings between threads of one process,
+//! it, and by any rank of the job stopped by SIGTERM before then ([`sweep_on_sigterm`]), so a
+//! crash leaks nothing) and anonymous shared mappings between threads of one process,
 //! handed out through an in-process registry under the same kind of name.
 
 use std::collections::HashMap;
@@ -229,56 +229,46 @@ pub(crate) fn unlink(kind: RegionKind, name: &str) {
     }
 }
 
-/// Segment names a rendezvous of this process may leave in `/dev/shm` (its region not yet
-/// unlinked), as `/dev/shm/<name>` C strings, for [`on_sigterm`]: slots that a signal handler
-/// reads with atomics only. A name is never freed once placed (a few dozen bytes per
-/// rendezvous), so the handler never reads freed memory.
-static PENDING: [std::sync::atomic::AtomicPtr<libc::c_char>; 64] =
-    [const { std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()) }; 64];
+/// The jobs whose segments this process removes from `/dev/shm` if it gets SIGTERM, as
+/// `candle-tp-<job>-` C strings, for [`on_sigterm`]: slots that a signal handler reads with
+/// atomics only. A prefix is never freed once placed, so the handler never reads freed memory;
+/// a process that runs more than eight jobs sweeps only the first eight's.
+static JOBS: [std::sync::atomic::AtomicPtr<libc::c_char>; 8] =
+    [const { std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()) }; 8];
 
-/// While alive, the segment `name` is removed if this process gets SIGTERM (see
-/// [`pending`]).
-pub(crate) struct Pending(Option<usize>);
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        if let Some(i) = self.0 {
-            // Leaked on purpose (see PENDING): the handler may be reading it right now.
-            PENDING[i].store(std::ptr::null_mut(), std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-}
-
-/// Marks the `/dev/shm` segment `name` as one this process's rendezvous may leave behind, until
-/// the returned guard drops: a SIGTERM meanwhile (what every launcher sends the ranks that
-/// survive a failed one: tprun, mpirun's daemons, srun) unlinks it before the process ends, so a
-/// job whose rank was killed in the middle of a rendezvous leaves nothing in any host's
-/// `/dev/shm`, under any launcher. The handler is installed once, only where SIGTERM has its
-/// default action (a program with its own handler keeps it, and keeps SIGTERM's meaning).
-pub(crate) fn pending(name: &str) -> Pending {
+/// From now on, a SIGTERM of this process removes every `/dev/shm/candle-tp-<job>-*` segment
+/// before the process ends. Every launcher stops the ranks that survive a failed one with
+/// SIGTERM (tprun, mpirun's daemons, srun), so a rank killed in the middle of a rendezvous,
+/// even the one that made the segment before any other rank of its host had come to map it,
+/// leaves nothing in any host's `/dev/shm` as long as one rank of the job on that host
+/// survives it; segments are unlinked once mapped, so this touches no running group. The
+/// handler is installed once, only where SIGTERM has its default action (a program with its
+/// own handler keeps it and its meaning). Idempotent for one job.
+pub(crate) fn sweep_on_sigterm(job: &str) {
+    use std::sync::atomic::Ordering::SeqCst;
     static INSTALL: std::sync::Once = std::sync::Once::new();
     INSTALL.call_once(install_sigterm);
-    let Ok(path) = CString::new(format!("/dev/shm/{name}")) else {
-        return Pending(None);
+    let Ok(prefix) = CString::new(format!("candle-tp-{job}-")) else {
+        return;
     };
-    let ptr = path.into_raw();
-    for (i, slot) in PENDING.iter().enumerate() {
-        if slot
-            .compare_exchange(
-                std::ptr::null_mut(),
-                ptr,
-                std::sync::atomic::Ordering::SeqCst,
-                std::sync::atomic::Ordering::SeqCst,
-            )
-            .is_ok()
-        {
-            return Pending(Some(i));
+    for slot in &JOBS {
+        let p = slot.load(SeqCst);
+        // SAFETY: a non-null slot holds a leaked, NUL-terminated prefix.
+        if !p.is_null() && unsafe { std::ffi::CStr::from_ptr(p) } == prefix.as_c_str() {
+            return;
         }
     }
-    // Every slot taken (64 rendezvous at once): this one is not swept.
+    let ptr = prefix.into_raw();
+    for slot in &JOBS {
+        if slot
+            .compare_exchange(std::ptr::null_mut(), ptr, SeqCst, SeqCst)
+            .is_ok()
+        {
+            return;
+        }
+    }
     // SAFETY: `ptr` came from `into_raw` above and was placed nowhere.
     drop(unsafe { CString::from_raw(ptr) });
-    Pending(None)
 }
 
 /// Installs [`on_sigterm`] for SIGTERM if its action is the default one.
@@ -299,16 +289,17 @@ fn install_sigterm() {
     }
 }
 
-/// SIGTERM: unlinks every pending segment (async-signal-safe: atomic loads, `unlink`), then
-/// ends the process as SIGTERM's default action would (`SA_RESETHAND` restored it; the signal,
-/// raised again, is delivered once the handler returns). Called by another handler that chains
-/// to it, it only unlinks.
+/// SIGTERM: removes the registered jobs' segments ([`sweep_on_sigterm`]), then ends the
+/// process as SIGTERM's default action would (`SA_RESETHAND` restored it; the signal, raised
+/// again, is delivered once the handler returns). Called by another handler that chains to it,
+/// it only removes them.
 extern "C" fn on_sigterm(_: libc::c_int) {
-    for slot in &PENDING {
-        let p = slot.load(std::sync::atomic::Ordering::SeqCst);
+    use std::sync::atomic::Ordering::SeqCst;
+    for slot in &JOBS {
+        let p = slot.load(SeqCst);
         if !p.is_null() {
-            // SAFETY: a NUL-terminated path that is never freed (see PENDING).
-            unsafe { libc::unlink(p) };
+            // SAFETY: a NUL-terminated prefix that is never freed (see JOBS).
+            unsafe { unlink_prefixed(std::ffi::CStr::from_ptr(p).to_bytes()) };
         }
     }
     // SAFETY: sigaction and raise are async-signal-safe.
@@ -318,6 +309,54 @@ extern "C" fn on_sigterm(_: libc::c_int) {
             && cur.sa_sigaction == libc::SIG_DFL
         {
             libc::raise(libc::SIGTERM);
+        }
+    }
+}
+
+/// Unlinks every file of `/dev/shm` whose name starts with `prefix`, with system calls only
+/// (`open`, `getdents64`, `unlinkat`: no allocation, safe in a signal handler). Scans again
+/// while a scan removed something, as removing entries may shift those not yet read.
+///
+/// # Safety
+/// Only plain system calls on a buffer of this frame; callable from a signal handler.
+unsafe fn unlink_prefixed(prefix: &[u8]) {
+    // SAFETY (whole body): the path is NUL-terminated; getdents64 writes at most `buf.len()`
+    // bytes of records, each read within the `n` bytes it returned, by its own length.
+    unsafe {
+        for _ in 0..4 {
+            let fd = libc::open(
+                c"/dev/shm".as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            );
+            if fd < 0 {
+                return;
+            }
+            let mut removed = false;
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = libc::syscall(libc::SYS_getdents64, fd, buf.as_mut_ptr(), buf.len());
+                if n <= 0 {
+                    break;
+                }
+                let mut off = 0usize;
+                while off + 19 < n as usize {
+                    // linux_dirent64: d_ino u64, d_off i64, d_reclen u16, d_type u8, d_name.
+                    let reclen = u16::from_ne_bytes([buf[off + 16], buf[off + 17]]) as usize;
+                    if reclen == 0 {
+                        break;
+                    }
+                    let name = &buf[off + 19..(off + reclen).min(n as usize)];
+                    if name.len() > prefix.len() && name.starts_with(prefix) {
+                        libc::unlinkat(fd, name.as_ptr().cast(), 0);
+                        removed = true;
+                    }
+                    off += reclen;
+                }
+            }
+            libc::close(fd);
+            if !removed {
+                return;
+            }
         }
     }
 }

@@ -233,13 +233,16 @@ pub(crate) fn rendezvous(
     if members.len() == 1 {
         return Ok(Arc::new(Single::new(name)));
     }
-    // Every member knows the segment's name (the job id and the group's): until the region is
-    // unlinked, each removes it if stopped by SIGTERM (a launcher stopping the job because a
-    // rank died, perhaps the one that made it), and on any error here (the group failed; no
-    // one maps it any more). So nothing is left in /dev/shm under any launcher.
+    // Every member knows the segment's name (the job id and the group's): each removes it on
+    // any error here (the group failed; no one maps it any more), and every rank of the job
+    // removes the job's segments on its host if stopped by SIGTERM (a launcher stopping the
+    // job because a rank died, perhaps the one that made a segment). So nothing is left in
+    // /dev/shm under any launcher while one rank of the job on a host survives.
     let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
     let shm = ctx.region == RegionKind::Shm;
-    let _pending = shm.then(|| region::pending(&seg));
+    if shm {
+        region::sweep_on_sigterm(&ctx.job);
+    }
     let met = meet(ctx, name, rank, members, parent, seg.clone());
     if met.is_err() && shm {
         region::unlink(ctx.region, &seg);
