@@ -387,3 +387,23 @@ pub(crate) fn random_hex() -> String {
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Issue 44, defect 4: a segment is mode 0600 (its owner only), whatever the umask.
+    #[test]
+    fn segments_are_mode_0600() {
+        let name = format!("candle-tp-test-mode-{}", super::random_hex());
+        // SAFETY: umask only sets this process's file creation mask.
+        let old = unsafe { libc::umask(0) };
+        let map = super::create(super::RegionKind::Shm, &name, 4096);
+        // SAFETY: as above, restoring it.
+        unsafe { libc::umask(old) };
+        let _map = map.expect("create");
+        let mode = std::fs::metadata(format!("/dev/shm/{name}")).map(|m| m.permissions().mode());
+        super::unlink(super::RegionKind::Shm, &name);
+        assert_eq!(mode.expect("stat") & 0o777, 0o600);
+    }
+}

@@ -17,7 +17,7 @@ use super::region::{self, random_hex, RegionKind};
 use super::rendezvous::{rendezvous_from_env, Rendezvous};
 use super::single::Single;
 use super::stats::CommStats;
-use super::store::connect_job_store;
+use super::store::{connect_job_store, Keep, Store};
 
 /// Environment variable with a tag that `tprun` puts at the start of the job id (so of every
 /// segment name, `/dev/shm/candle-tp-<tag>…`): after the job, tprun removes what a rank killed
@@ -91,21 +91,26 @@ pub(crate) fn join(rv: &Rendezvous, options: GroupOptions) -> CommResult<World> 
         return Ok(Single::world());
     }
     let (store, keep) = connect_job_store(rv, options.timeout)?;
-    if rv.rank == 0 {
+    join_on(Arc::from(store), keep, rv.rank, rv.world_size, options)
+}
+
+/// Joins a job of `size` processes of one host as rank `rank` of the `shm` backend, meeting at
+/// `store` (`keep`: what must live as long as the job, rank 0's server).
+pub(crate) fn join_on(
+    store: Arc<dyn Store>,
+    keep: Keep,
+    rank: usize,
+    size: usize,
+    options: GroupOptions,
+) -> CommResult<World> {
+    if rank == 0 {
         store.set("job", job_id()?.as_bytes())?;
     }
     let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
-    let ctx = Context::new(
-        Arc::from(store),
-        RegionKind::Shm,
-        job,
-        &options,
-        rv.world_size,
-        keep,
-    );
-    let members: Vec<usize> = (0..rv.world_size).collect();
-    let backend = rendezvous(&ctx, "world".into(), rv.rank, &members, None)?;
-    Ok(World::new(rv.rank, rv.world_size, backend, Some(ctx)))
+    let ctx = Context::new(store, RegionKind::Shm, job, &options, size, keep);
+    let members: Vec<usize> = (0..size).collect();
+    let backend = rendezvous(&ctx, "world".into(), rank, &members, None)?;
+    Ok(World::new(rank, size, backend, Some(ctx)))
 }
 
 /// The shared-memory engine of one group on this rank: a mapped region and the protocol on it
