@@ -8,8 +8,9 @@
 #
 # Cases (each run --runs times, default 5; --quick: 1), the victim a random rank unless said:
 #   error-init       the victim returns an error before it joins (before MPI starts)
-#   error-join       the victim fails inside the join: its shm slots twice its peers' size
-#   wrong-token      the victim presents a wrong token to its host's rendezvous store
+#   error-join       the victim (rank 2 or 3) fails inside the join: its shm slots twice its
+#                    peers' size
+#   wrong-token      the victim (rank 2 or 3) presents a wrong token to its host's store
 #   error-collective the victim returns an error after 1 s of the all-reduce loop, its peers
 #                    inside an all-reduce
 #   error-handoff    the victim (not rank 0) receives its buffer in a ring of p2p hand-offs
@@ -41,7 +42,7 @@ CASES=$ALL_CASES
 BOUND=10
 NP=4
 
-usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --hosts) ;;
@@ -127,8 +128,12 @@ one_run() {
     victim=$((RANDOM % NP))
     case $case in
         error-init) args=(error --phase init --victim "$victim") ;;
-        error-join) args=(error --phase join --victim "$victim") ;;
-        wrong-token) args=(error --phase token --victim "$victim") ;;
+        # A host's first rank makes its region: with larger slots it is its peer that finds the
+        # region does not match (an error naming the group, not the rank), so the victim is
+        # a host's second rank.
+        error-join) victim=$((2 + RANDOM % 2)); args=(error --phase join --victim "$victim") ;;
+        # A client of a host's store (the host's second rank): the first serves it.
+        wrong-token) victim=$((2 + RANDOM % 2)); args=(error --phase token --victim "$victim") ;;
         error-collective) args=(error --phase loop --after 1 --victim "$victim" --seconds 60) ;;
         error-handoff) victim=$((1 + RANDOM % (NP - 1)))
             args=(error --phase handoff --after 1 --victim "$victim" --seconds 60) ;;
@@ -191,7 +196,7 @@ one_run() {
     local text; text=$(untagged "$out")
     if [ "$case" = link-cut ]; then
         grep -q "ctp-h2" <<< "$text" && grep -Eqi "lost communication|unable to|lost connection|not reachable" <<< "$text" && R_NAMED=1
-    elif grep -Eq "MPI rank $victim of $NP is exiting|process rank $victim with PID|Process name: \[\[[0-9]+,[0-9]+\],$victim\]" <<< "$text"; then
+    elif grep -Eq "MPI rank $victim of $NP is exiting|MPI_ABORT was invoked on rank $victim |process rank $victim with PID|Process name: \[\[[0-9]+,[0-9]+\],$victim\]" <<< "$text"; then
         R_NAMED=1
     fi
     if [ -z "$R_WHY" ]; then
