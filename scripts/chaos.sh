@@ -2,6 +2,8 @@
 # Fault injection for candle-tp jobs launched by tprun.
 #
 #   scripts/chaos.sh [--quick] [--runs N] [--debug] [--no-build] [--cases a,b,...] [--verbose]
+#   scripts/chaos.sh --hosts [...]   # the faults across 2 emulated hosts x 2 ranks under
+#                                    # mpirun instead: scripts/chaos-hosts.sh (its own cases)
 #
 # Each case starts a job under tprun, injects one fault into a random rank at a chosen phase,
 # and checks that:
@@ -38,6 +40,9 @@
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+for a in "$@"; do
+    [ "$a" = --hosts ] && exec "$ROOT/scripts/chaos-hosts.sh" "$@"
+done
 RUNS=20
 PROFILE=release
 BUILD=1
@@ -48,7 +53,7 @@ STOP_TIMEOUT=2
 SERVE_CLIENTS=4
 SERVE_MAX_TOKENS=200
 
-usage() { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) RUNS=3 ;;

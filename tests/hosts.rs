@@ -11,9 +11,10 @@
 //!   parallelism) gives the loss curve of one process;
 //! - a rank killed on the second host ends the whole job within 10 s, mpirun naming it; a rank
 //!   that stops answering (SIGSTOP) fails its peers at the deadline, naming the collective; a
-//!   host whose link goes down ends the job within 15 s, naming the host. Nothing is left
-//!   running in any host (a host's /dev/shm is a tmpfs of its own mount namespace, gone with
-//!   its last process).
+//!   host whose link goes down ends the job within 15 s, naming the host; a rank killed while
+//!   its peers sit in a group's rendezvous leaves no shared-memory segment. Nothing is left
+//!   running, and nothing in /dev/shm, in any host (a host's /dev/shm is a tmpfs of its own
+//!   mount namespace, kept until the hosts go down, as a real host's outlives a job).
 //!
 //! Needs root, iproute2 and the `mpi` feature; elsewhere it prints `SKIPPED: ...` and passes
 //! (under CI, which runs as root with the feature, a missing piece fails).
@@ -22,7 +23,7 @@
 
 mod common;
 
-use common::hosts::{netns_pids, Hosts};
+use common::hosts::{netns_pids, netns_shm, Hosts};
 
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -212,6 +213,7 @@ fn nothing_left() {
     std::thread::sleep(Duration::from_millis(500));
     for ns in ["ctp-h1", "ctp-h2"] {
         assert_eq!(netns_pids(ns), "", "processes left in {ns}");
+        assert_eq!(netns_shm(ns), "", "segments left in {ns}'s /dev/shm");
     }
 }
 
@@ -347,4 +349,70 @@ fn a_rank_that_returns_an_error_ends_the_job() {
         assert!(named, "{phase}: the output does not name rank 3:\n{t}");
         nothing_left();
     }
+}
+
+/// Issue 44, defect 5: a rank killed (SIGKILL) while the others sit in the rendezvous of a
+/// sub-group, each host's first member having made the host's segment and waiting for the
+/// others to map it, leaves no segment in either host's /dev/shm: the survivors remove what
+/// the job made when mpirun stops them. Before, the segments of both hosts stayed (invisible
+/// to the tests then, each host's /dev/shm going with its last process).
+#[test]
+fn a_rank_killed_in_a_rendezvous_leaves_no_segment() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let job = hosts
+        .mpirun(4)
+        .args(["-x", "CANDLE_TP_TIMEOUT=60"])
+        .arg(common::example("chaos_worker"))
+        .args([
+            "group",
+            "--stagger",
+            "1",
+            "--seconds",
+            "2",
+            "--elems",
+            "4096",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun");
+    // Rank 3 (the second host's second rank, 3 s late) sleeps; the others are in the
+    // rendezvous once rank 2 (2 s late) has been in it a moment.
+    let victim = rank_on("ctp-h2", "examples/chaos_worker");
+    let victim = {
+        let t0 = Instant::now();
+        loop {
+            let pids = netns_pids("ctp-h2");
+            let three = pids.split_whitespace().find(|p| {
+                std::fs::read(format!("/proc/{p}/environ"))
+                    .is_ok_and(|e| e.split(|&b| b == 0).any(|v| v == b"OMPI_COMM_WORLD_RANK=3"))
+            });
+            if let Some(p) = three {
+                break p.to_string();
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "no rank 3 ({victim})"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    std::thread::sleep(Duration::from_millis(2500));
+    Command::new("kill")
+        .args(["-9", &victim])
+        .status()
+        .expect("kill");
+    let killed = Instant::now();
+    let out = ended_within(job, killed, Duration::from_secs(10), "a rank was killed");
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        !t.contains("group joined"),
+        "the kill missed the rendezvous:\n{t}"
+    );
+    assert!(
+        t.contains(&format!("PID {victim}")) && t.contains("ctp-h2"),
+        "mpirun does not name the killed rank (pid {victim} on ctp-h2):\n{t}"
+    );
+    nothing_left();
 }

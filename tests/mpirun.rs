@@ -539,3 +539,101 @@ fn mpi_exit_worker() {
     let r = pg.all_reduce_slice(&mut v, ReduceOp::Sum);
     println!("rank 0 got past the all-reduce: {r:?}");
 }
+
+/// The TCP ports the processes `pids` listen on (`ss -ltnpH`).
+#[cfg(feature = "mpi")]
+fn listening_ports(pids: &[String]) -> Vec<u16> {
+    let out = Command::new("ss").args(["-ltnpH"]).output().expect("ss");
+    let mut ports: Vec<u16> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| pids.iter().any(|p| l.contains(&format!("pid={p},"))))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .nth(3)?
+                .rsplit(':')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    ports.sort();
+    ports.dedup();
+    ports
+}
+
+/// Issue 44, defect 4: under mpirun (no `CANDLE_TP_TOKEN`, no `MASTER_PORT`) the shm job's
+/// rendezvous store takes no empty or wrong token. Rank 0's store is found among the ports
+/// its ranks listen on; a client with an empty token and one with a wrong token are refused
+/// (the store's own test, `wrong_token_rejected_good_client_unaffected`, on a job's store),
+/// and the store listens on loopback only. Before, the token was empty (and the port a hash of
+/// the job id), so any local user could join and point the ranks at a segment of theirs.
+#[cfg(feature = "mpi")]
+#[test]
+fn the_store_of_a_job_under_mpirun_refuses_a_wrong_token() {
+    use std::time::{Duration, Instant};
+    let Some(mut c) = mpirun(2) else { return };
+    let mut job = c
+        .arg(common::example("chaos_worker"))
+        .args(["allreduce", "--seconds", "8", "--elems", "4096"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("mpirun");
+    let t0 = Instant::now();
+    let mut store = None;
+    while store.is_none() && t0.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(300));
+        let ranks: Vec<String> = {
+            let out = Command::new("pgrep")
+                .args(["-P", &job.id().to_string()])
+                .output()
+                .expect("pgrep");
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .map(str::to_string)
+                .collect()
+        };
+        let out = Command::new("ss").args(["-ltnpH"]).output().expect("ss");
+        let listing = String::from_utf8_lossy(&out.stdout).into_owned();
+        for port in listening_ports(&ranks) {
+            // A candle-tp store answers the hello; Open MPI's own sockets do not.
+            match candle_tp::comm::store::TcpStore::connect(
+                "127.0.0.1",
+                port,
+                "",
+                Duration::from_secs(2),
+            ) {
+                Ok(_) => {
+                    let _ = job.kill();
+                    panic!("the job's store on port {port} accepted an empty token")
+                }
+                Err(e) if e.to_string().contains("refused the job token") => {
+                    let bound: Vec<&str> = listing
+                        .lines()
+                        .filter(|l| l.contains(&format!(":{port} ")))
+                        .collect();
+                    store = Some((port, bound.join("\n")));
+                }
+                Err(_) => {}
+            }
+        }
+    }
+    let (port, bound) = store.unwrap_or_else(|| {
+        let _ = job.kill();
+        panic!("no rank of the job served a candle-tp store within 30 s")
+    });
+    let wrong = candle_tp::comm::store::TcpStore::connect(
+        "127.0.0.1",
+        port,
+        "0123456789abcdef0123456789abcdef",
+        Duration::from_secs(2),
+    );
+    let _ = job.kill();
+    let _ = job.wait();
+    let e = wrong.err().expect("a wrong token must be refused");
+    assert!(e.to_string().contains("refused the job token"), "{e}");
+    assert!(
+        bound.contains("127.0.0.1:"),
+        "the store listens beyond loopback:\n{bound}"
+    );
+}

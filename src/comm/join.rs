@@ -29,8 +29,41 @@ pub(crate) const BACKENDS: &[Registration] = &[
     #[cfg(not(feature = "mpi"))]
     missing("mpi", "CPUs", Device::is_cpu, MPI_HINT),
     NCCL,
+    #[cfg(feature = "mpi")]
+    SHM_MEETING_OVER_MPI,
+    #[cfg(not(feature = "mpi"))]
     shm::REGISTRATION,
 ];
+
+/// The shm backend; under an MPI launcher (without `CANDLE_TP_TOKEN`) its ranks meet at a
+/// store found through MPI (`store_over_mpi`: loopback, a port the kernel picks, a random token
+/// sent by `MPI_Bcast`) instead of one at a port derived from the launcher's job id that takes
+/// an empty token, which any local user could join (issue 44, defect 4).
+#[cfg(feature = "mpi")]
+const SHM_MEETING_OVER_MPI: Registration = Registration {
+    join: Ok(shm_from_env),
+    ..shm::REGISTRATION
+};
+
+#[cfg(feature = "mpi")]
+fn shm_from_env(
+    device: &Device,
+    launch: &super::launcher::Launch,
+    options: GroupOptions,
+) -> CommResult<World> {
+    let token_set = std::env::var("CANDLE_TP_TOKEN").is_ok_and(|t| !t.trim().is_empty());
+    if launch.launcher.is_mpi() && launch.world_size > 1 && launch.is_single_host() && !token_set {
+        let world = mpi::mpi_world(options)?;
+        let (rank, size) = (world.rank(), world.size());
+        mpi::check_launch(&World::new(rank, size, world.clone(), None), launch)?;
+        let (store, keep) = mpi::store_over_mpi(&world, options.timeout)?;
+        return shm::join_on(store, keep, rank, size, options);
+    }
+    match shm::REGISTRATION.join {
+        Ok(join) => join(device, launch, options),
+        Err(hint) => unreachable!("the shm backend is always built ({hint})"),
+    }
+}
 
 /// What builds the MPI backends.
 #[cfg(not(feature = "mpi"))]

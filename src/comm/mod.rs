@@ -60,5 +60,6 @@ pub use launcher::{detect_launch, launch_from_env, Launch, Launcher};
 pub use mesh::DeviceMesh;
 pub use rendezvous::{rendezvous_from_env, Rendezvous};
 pub use stats::{CollectiveKind, CommStats, OpStats};
+pub use store::FAULT_WRONG_TOKEN_VAR;
 pub use threads::{run_threads, run_threads_with};
 pub use wait::{default_timeout, parse_timeout, timeout_from_env, DEFAULT_TIMEOUT, TIMEOUT_VAR};

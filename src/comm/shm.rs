@@ -17,7 +17,7 @@ use super::region::{self, random_hex, RegionKind};
 use super::rendezvous::{rendezvous_from_env, Rendezvous};
 use super::single::Single;
 use super::stats::CommStats;
-use super::store::connect_job_store;
+use super::store::{connect_job_store, Keep, Store};
 
 /// Environment variable with a tag that `tprun` puts at the start of the job id (so of every
 /// segment name, `/dev/shm/candle-tp-<tag>…`): after the job, tprun removes what a rank killed
@@ -91,21 +91,26 @@ pub(crate) fn join(rv: &Rendezvous, options: GroupOptions) -> CommResult<World> 
         return Ok(Single::world());
     }
     let (store, keep) = connect_job_store(rv, options.timeout)?;
-    if rv.rank == 0 {
+    join_on(Arc::from(store), keep, rv.rank, rv.world_size, options)
+}
+
+/// Joins a job of `size` processes of one host as rank `rank` of the `shm` backend, meeting at
+/// `store` (`keep`: what must live as long as the job, rank 0's server).
+pub(crate) fn join_on(
+    store: Arc<dyn Store>,
+    keep: Keep,
+    rank: usize,
+    size: usize,
+    options: GroupOptions,
+) -> CommResult<World> {
+    if rank == 0 {
         store.set("job", job_id()?.as_bytes())?;
     }
     let job = String::from_utf8_lossy(&store.get("job", options.timeout)?).into_owned();
-    let ctx = Context::new(
-        Arc::from(store),
-        RegionKind::Shm,
-        job,
-        &options,
-        rv.world_size,
-        keep,
-    );
-    let members: Vec<usize> = (0..rv.world_size).collect();
-    let backend = rendezvous(&ctx, "world".into(), rv.rank, &members, None)?;
-    Ok(World::new(rv.rank, rv.world_size, backend, Some(ctx)))
+    let ctx = Context::new(store, RegionKind::Shm, job, &options, size, keep);
+    let members: Vec<usize> = (0..size).collect();
+    let backend = rendezvous(&ctx, "world".into(), rank, &members, None)?;
+    Ok(World::new(rank, size, backend, Some(ctx)))
 }
 
 /// The shared-memory engine of one group on this rank: a mapped region and the protocol on it
@@ -230,17 +235,42 @@ pub(crate) fn rendezvous(
     members: &[usize],
     parent: Option<(&str, &AbortHandle)>,
 ) -> CommResult<Arc<dyn Backend>> {
-    let size = members.len();
-    if size == 1 {
+    if members.len() == 1 {
         return Ok(Arc::new(Single::new(name)));
     }
+    // Every member knows the segment's name (the job id and the group's): each removes it on
+    // any error here (the group failed; no one maps it any more), and every rank of the job
+    // removes the job's segments on its host if stopped by SIGTERM (a launcher stopping the
+    // job because a rank died, perhaps the one that made a segment). So nothing is left in
+    // /dev/shm under any launcher while one rank of the job on a host survives.
+    let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
+    let shm = ctx.region == RegionKind::Shm;
+    if shm {
+        region::sweep_on_sigterm(&ctx.job);
+    }
+    let met = meet(ctx, name, rank, members, parent, seg.clone());
+    if met.is_err() && shm {
+        region::unlink(ctx.region, &seg);
+    }
+    met
+}
+
+/// [`rendezvous`] of a group of two or more, whose region is named `seg`.
+fn meet(
+    ctx: &Arc<Context>,
+    name: String,
+    rank: usize,
+    members: &[usize],
+    parent: Option<(&str, &AbortHandle)>,
+    seg: String,
+) -> CommResult<Arc<dyn Backend>> {
+    let size = members.len();
     let key = format!("{name}/region");
     check_slot_bytes(&name, ctx.slot_bytes)?;
     let (_, len) = region_layout(size, ctx.slot_bytes)?;
     let attached = |r: usize| format!("{name}/attached/{r}");
     let mut engine = if rank == 0 {
         let created = (|| {
-            let seg = format!("candle-tp-{}-{:016x}", ctx.job, fnv(&name));
             let map = region::create(ctx.region, &seg, len)?;
             let unlink = Unlink(ctx.region, seg.clone());
             let mut engine = Engine::attach(
@@ -299,7 +329,7 @@ pub(crate) fn rendezvous(
         engine.barrier("rendezvous (waiting for every rank to map the group's shared memory)")?;
         engine
     } else {
-        let seg = wait_for_key(ctx, &key, parent).map_err(|e| match e {
+        let published = wait_for_key(ctx, &key, parent).map_err(|e| match e {
             e @ CommError::Aborted { .. } => e,
             e => CommError::Timeout {
                 group: name.clone(),
@@ -310,7 +340,7 @@ pub(crate) fn rendezvous(
                 waited: ctx.timeout,
             },
         })?;
-        if let Some(reason) = seg.strip_prefix(FAILED.as_bytes()) {
+        if let Some(reason) = published.strip_prefix(FAILED.as_bytes()) {
             return Err(CommError::Aborted {
                 group: name,
                 op: "rendezvous".into(),
@@ -321,7 +351,7 @@ pub(crate) fn rendezvous(
                 ),
             });
         }
-        let seg = String::from_utf8_lossy(&seg).into_owned();
+        let seg = String::from_utf8_lossy(&published).into_owned();
         let mapped = (|| {
             let map = region::open(ctx.region, &seg, len)?;
             let mut engine = Engine::attach(

@@ -102,3 +102,21 @@ pub fn netns_pids(ns: &str) -> String {
         .expect("ip netns pids");
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
+
+/// The files in host `ns`'s /dev/shm (`hosts.sh shm`: the host's kept mount namespace),
+/// space-separated.
+pub fn netns_shm(ns: &str) -> String {
+    let out = Command::new(hosts_sh())
+        .args(["shm", ns])
+        .output()
+        .expect("hosts.sh shm");
+    assert!(
+        out.status.success(),
+        "hosts.sh shm {ns}: {}",
+        super::output_text(&out)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}

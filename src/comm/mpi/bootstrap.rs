@@ -1,15 +1,15 @@
-//! A job's rendezvous store found through MPI: rank 0 serves it on every interface and hands
-//! its addresses, port and a fresh token to the other ranks with one `MPI_Bcast`, so that a job
-//! launched by `mpirun` or `srun` needs no `MASTER_ADDR`/`MASTER_PORT` (as TensorRT-LLM hands out
-//! NCCL's unique id through MPI). The NCCL backend meets there when launched that way.
-
-#![cfg_attr(not(feature = "nccl"), allow(dead_code))] // the nccl backend's, tested here
+//! A job's rendezvous store found through MPI: rank 0 serves it on one address (loopback when
+//! the job is on one host, else an interface every host shares) and hands that address, its
+//! port and a fresh random token to the other ranks with `MPI_Bcast`, so that a job launched by
+//! `mpirun` or `srun` needs no `MASTER_ADDR`/`MASTER_PORT` and no other process can join (as
+//! TensorRT-LLM hands out NCCL's unique id through MPI). The NCCL backend, and the shm backend
+//! under an MPI launcher, meet there when launched that way.
 
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::comm::backend::{Backend, HostBufMut};
+use crate::comm::backend::{Backend, HostBuf, HostBufMut};
 use crate::comm::error::{CommError, CommResult};
 use crate::comm::region::random_hex;
 use crate::comm::store::{Keep, Store, TcpStore, TcpStoreServer};
@@ -19,57 +19,162 @@ use super::MpiBackend;
 /// The longest message rank 0 may announce (port, token and every address as text).
 const MAX_MESSAGE: usize = 1 << 20;
 
-/// The IPv4 addresses of this host's interfaces that are up, loopback last.
-fn addresses() -> Vec<Ipv4Addr> {
+/// The IPv4 addresses of this host's interfaces that are up, with their netmasks, loopback
+/// last.
+fn interfaces() -> Vec<(Ipv4Addr, Ipv4Addr)> {
     let mut out = Vec::new();
     let mut ifs: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `ifs` with a list we only read and then free with freeifaddrs.
     if unsafe { libc::getifaddrs(&mut ifs) } != 0 {
-        return vec![Ipv4Addr::LOCALHOST];
+        return vec![(Ipv4Addr::LOCALHOST, Ipv4Addr::new(255, 0, 0, 0))];
     }
+    let v4 = |sa: *const libc::sockaddr| -> Option<Ipv4Addr> {
+        // SAFETY: `sa` is null or a sockaddr of the list, whose family says how to read it;
+        // an AF_INET address is a sockaddr_in.
+        unsafe {
+            if sa.is_null() || (*sa).sa_family as i32 != libc::AF_INET {
+                return None;
+            }
+            let sin = &*(sa as *const libc::sockaddr_in);
+            Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
+        }
+    };
     let mut p = ifs;
     while !p.is_null() {
         // SAFETY: `p` is a node of the list getifaddrs returned.
         let ifa = unsafe { &*p };
-        let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
-        if up && !ifa.ifa_addr.is_null() {
-            // SAFETY: ifa_addr points to a sockaddr whose family says how to read it.
-            let family = unsafe { (*ifa.ifa_addr).sa_family } as i32;
-            if family == libc::AF_INET {
-                // SAFETY: an AF_INET address is a sockaddr_in.
-                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-                out.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+        if ifa.ifa_flags & libc::IFF_UP as u32 != 0 {
+            if let Some(addr) = v4(ifa.ifa_addr) {
+                let mask = v4(ifa.ifa_netmask).unwrap_or(Ipv4Addr::BROADCAST);
+                out.push((addr, mask));
             }
         }
         p = ifa.ifa_next;
     }
     // SAFETY: `ifs` came from getifaddrs.
     unsafe { libc::freeifaddrs(ifs) };
-    out.sort_by_key(|a| a.is_loopback());
-    out.dedup();
+    out.sort_by_key(|(a, _)| a.is_loopback());
+    out.dedup_by_key(|(a, _)| *a);
     if out.is_empty() {
-        out.push(Ipv4Addr::LOCALHOST);
+        out.push((Ipv4Addr::LOCALHOST, Ipv4Addr::new(255, 0, 0, 0)));
     }
     out
 }
 
+/// The IPv4 addresses of this host's interfaces that are up, loopback last.
+#[cfg(test)]
+fn addresses() -> Vec<Ipv4Addr> {
+    interfaces().into_iter().map(|(a, _)| a).collect()
+}
+
+/// This host, as the other ranks compare it: its name and its interfaces other than loopback
+/// (`NAME ADDR/MASK,...`).
+fn this_host() -> String {
+    let mut name = [0u8; 256];
+    // SAFETY: gethostname writes at most `name.len()` bytes.
+    let got = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len() - 1) };
+    let name = if got == 0 {
+        let end = name.iter().position(|&b| b == 0).unwrap_or(0);
+        String::from_utf8_lossy(&name[..end]).into_owned()
+    } else {
+        String::new()
+    };
+    let ifs: Vec<String> = interfaces()
+        .into_iter()
+        .filter(|(a, _)| !a.is_loopback())
+        .map(|(a, m)| format!("{a}/{m}"))
+        .collect();
+    format!("{name} {}", ifs.join(","))
+}
+
+/// The address rank 0's store listens on, chosen from every rank's [`this_host`]: loopback
+/// when every rank is on rank 0's host; else `MASTER_ADDR` when set (the interface the user
+/// chose); else the first of rank 0's interfaces whose subnet holds an address of every other
+/// host (the network they share), or its first interface other than loopback.
+fn choose_address(hosts: &[String]) -> String {
+    let mine = &hosts[0];
+    if hosts.iter().all(|h| h == mine) {
+        return Ipv4Addr::LOCALHOST.to_string();
+    }
+    if let Some(addr) = std::env::var("MASTER_ADDR")
+        .ok()
+        .filter(|a| !a.trim().is_empty())
+    {
+        return addr.trim().to_string();
+    }
+    let parse = |h: &str| -> Vec<(Ipv4Addr, Ipv4Addr)> {
+        h.split_once(' ')
+            .map_or("", |(_, l)| l)
+            .split(',')
+            .filter_map(|am| {
+                let (a, m) = am.split_once('/')?;
+                Some((a.parse().ok()?, m.parse().ok()?))
+            })
+            .collect()
+    };
+    let ours = parse(mine);
+    let others: Vec<Vec<(Ipv4Addr, Ipv4Addr)>> = hosts
+        .iter()
+        .filter(|h| *h != mine)
+        .map(|h| parse(h))
+        .collect();
+    let net = |a: Ipv4Addr, m: Ipv4Addr| u32::from(a) & u32::from(m);
+    ours.iter()
+        .find(|&&(a, m)| {
+            others
+                .iter()
+                .all(|theirs| theirs.iter().any(|&(b, _)| net(b, m) == net(a, m)))
+        })
+        .or(ours.first())
+        .map_or(Ipv4Addr::LOCALHOST.to_string(), |(a, _)| a.to_string())
+}
+
+/// Every rank's `text`, gathered over `world`.
+fn gather_text(world: &MpiBackend, text: &str) -> CommResult<Vec<String>> {
+    let n = world.size();
+    let mut lens = vec![0i64; n];
+    world.all_gather_v(
+        HostBuf::new(&[text.len() as i64]),
+        HostBufMut::new(&mut lens),
+        &vec![1; n],
+    )?;
+    let counts: Vec<usize> = lens.iter().map(|&l| l.max(0) as usize).collect();
+    let mut all = vec![0u8; counts.iter().sum()];
+    world.all_gather_v(
+        HostBuf::new(text.as_bytes()),
+        HostBufMut::new(&mut all),
+        &counts,
+    )?;
+    let mut out = Vec::with_capacity(n);
+    let mut at = 0;
+    for c in counts {
+        out.push(String::from_utf8_lossy(&all[at..at + c]).into_owned());
+        at += c;
+    }
+    Ok(out)
+}
+
 /// Rank 0 of `world` serves the store; every rank returns a client of it (rank 0 also the
 /// server, to keep alive). Collective over `world`.
+///
+/// The store listens on one address only ([`choose_address`]: loopback for a job on one host),
+/// at a port the kernel picks, and takes only the token rank 0 draws (128 random bits), which
+/// reaches the other ranks in MPI's broadcast, never through a file or the environment.
 pub(crate) fn store_over_mpi(
     world: &MpiBackend,
     timeout: Duration,
 ) -> CommResult<(Arc<dyn Store>, Keep)> {
     let mut keep: Keep = Vec::new();
+    let hosts = gather_text(world, &this_host())?;
     let mut text = String::new();
     if world.rank() == 0 {
-        let token = random_hex();
-        let server = TcpStoreServer::bind("0.0.0.0", 0, &token)?;
-        let addrs: Vec<String> = addresses().iter().map(|a| a.to_string()).collect();
-        text = format!("{} {} {}", server.port(), token, addrs.join(","));
+        let token = format!("{}{}", random_hex(), random_hex());
+        let addr = choose_address(&hosts);
+        let server = TcpStoreServer::bind(&addr, 0, &token)?;
+        text = format!("{} {} {}", server.port(), token, addr);
         keep.push(Box::new(server));
     }
-    // Its length first, then the message: a host with many interfaces has a long list (a
-    // fixed message of 1024 bytes cut it).
+    // Its length first, then the message.
     let mut len = [text.len() as i64];
     world.broadcast(HostBufMut::new(&mut len), 0)?;
     let len = usize::try_from(len[0])
@@ -89,32 +194,22 @@ pub(crate) fn store_over_mpi(
     let bad = || {
         CommError::invalid(
             "the rendezvous store over MPI",
-            format!("rank 0 sent {text:?}, not 'PORT TOKEN ADDRESSES'"),
+            format!("rank 0 sent a message that is not 'PORT TOKEN ADDRESS' ({len} bytes)"),
         )
     };
     let port: u16 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
     let token = parts.next().ok_or_else(bad)?.to_string();
-    let addrs: Vec<&str> = parts.next().ok_or_else(bad)?.split(',').collect();
-    // Rank 0 listens on all its addresses: the first that answers is one this rank can reach.
-    let mut tried = Vec::new();
-    for (i, addr) in addrs.iter().enumerate() {
-        let wait = if i + 1 == addrs.len() {
-            timeout
-        } else {
-            Duration::from_secs(2).min(timeout)
-        };
-        match TcpStore::connect(addr, port, &token, wait) {
-            Ok(store) => return Ok((Arc::new(store), keep)),
-            Err(e) => tried.push(format!("{addr}: {e}")),
-        }
-    }
-    Err(CommError::invalid(
-        format!(
-            "rank {} reaching rank 0's rendezvous store over MPI",
-            world.rank()
-        ),
-        format!("no address of rank 0 answered: {}", tried.join("; ")),
-    ))
+    let addr = parts.next().ok_or_else(bad)?;
+    let store = TcpStore::connect(addr, port, &token, timeout).map_err(|e| {
+        CommError::invalid(
+            format!(
+                "rank {} reaching rank 0's rendezvous store over MPI",
+                world.rank()
+            ),
+            format!("{addr}:{port} did not answer (set MASTER_ADDR to an address of rank 0 every rank reaches): {e}"),
+        )
+    })?;
+    Ok((Arc::new(store), keep))
 }
 
 #[cfg(test)]
@@ -134,6 +229,47 @@ mod tests {
             store.get("k", std::time::Duration::from_secs(1)).unwrap(),
             b"v"
         );
+        // Issue 44, defect 4: a client with a wrong token is refused, and nothing listens on
+        // this host's other addresses (a job on one host: loopback only; it was 0.0.0.0).
+        let port = keep[0]
+            .downcast_ref::<crate::comm::store::TcpStoreServer>()
+            .expect("the server")
+            .port();
+        let short = std::time::Duration::from_millis(300);
+        let wrong = crate::comm::store::TcpStore::connect("127.0.0.1", port, "wrong", short);
+        let e = wrong
+            .err()
+            .expect("a wrong token must be refused")
+            .to_string();
+        assert!(e.contains("refused the job token"), "{e}");
+        for a in super::addresses().iter().filter(|a| !a.is_loopback()) {
+            let e = crate::comm::store::TcpStore::connect(&a.to_string(), port, "x", short)
+                .err()
+                .unwrap_or_else(|| panic!("the store answers on {a}"))
+                .to_string();
+            assert!(
+                !e.contains("refused the job token"),
+                "the store listens on {a}: {e}"
+            );
+        }
+    }
+
+    /// The store's address: loopback for ranks on one host; else `MASTER_ADDR`, or rank 0's
+    /// interface whose subnet every other host shares (not its first one).
+    #[test]
+    fn the_store_listens_on_the_network_the_hosts_share() {
+        let one = "h1 192.168.1.5/255.255.255.0,10.77.0.11/255.255.255.0".to_string();
+        assert_eq!(
+            super::choose_address(&[one.clone(), one.clone()]),
+            "127.0.0.1"
+        );
+        let two = "h2 172.16.0.9/255.255.0.0,10.77.0.12/255.255.255.0".to_string();
+        let hosts = [one.clone(), two.clone(), one.clone(), two];
+        if std::env::var_os("MASTER_ADDR").is_none() {
+            assert_eq!(super::choose_address(&hosts), "10.77.0.11");
+            let apart = "h3 172.16.0.9/255.255.0.0".to_string();
+            assert_eq!(super::choose_address(&[one, apart]), "192.168.1.5");
+        }
     }
 
     /// `addresses()` against the kernel's routing table: every address that

@@ -124,12 +124,25 @@ fn connect_retrying(addr: &str, port: u16, timeout: Duration, hint: &str) -> Com
     }
 }
 
+/// Fault injection (`examples/chaos_worker.rs`, `scripts/chaos.sh --hosts`): when this
+/// variable is set in a process, every [`TcpStore::connect`] of it presents a token that is
+/// not the job's, as a rank with a wrong `CANDLE_TP_TOKEN` would. It can only make a join
+/// fail.
+pub const FAULT_WRONG_TOKEN_VAR: &str = "CANDLE_TP_FAULT_WRONG_TOKEN";
+
 impl TcpStore {
     /// Connects to the store at `addr:port` and presents `token`. Retries with a short backoff
     /// while nothing listens yet (rank 0 may not have started), until `timeout`. `timeout` also
     /// bounds every later reply (besides `get`, which waits its own timeout).
     pub fn connect(addr: &str, port: u16, token: &str, timeout: Duration) -> CommResult<Self> {
         let desc = host_port(addr, port);
+        let wrong;
+        let token = if std::env::var_os(FAULT_WRONG_TOKEN_VAR).is_some() {
+            wrong = format!("{token}-wrong");
+            wrong.as_str()
+        } else {
+            token
+        };
         if token.len() > MAX_TOKEN_BYTES {
             return Err(CommError::invalid(
                 format!("connecting to the rendezvous store at {desc}"),

@@ -33,7 +33,7 @@ mod torch;
 mod torch_tests;
 mod wire;
 
-pub use client::TcpStore;
+pub use client::{TcpStore, FAULT_WRONG_TOKEN_VAR};
 pub use mem::MemStore;
 pub use server::TcpStoreServer;
 pub use torch::TorchTcpStore;
