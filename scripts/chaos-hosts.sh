@@ -87,23 +87,7 @@ trap cleanup EXIT
 "$HOSTS_SH" up 2 >&2 || { echo "chaos.sh --hosts: hosts.sh up 2 failed" >&2; exit 2; }
 HOSTS=(ctp-h1 ctp-h2)
 
-now() { date +%s.%N; }
-fsub() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a - b }'; }
-fle() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a <= b) }'; }
-fmax() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", (a > b ? a : b) }'; }
-rand_between() { awk -v lo="$1" -v hi="$2" -v r="$RANDOM" 'BEGIN { printf "%.3f", lo + (hi - lo) * r / 32767 }'; }
-log() { [ "$VERBOSE" = 1 ] && echo "  $*" >&2; return 0; }
-
-# Waits (up to $2 s) until "$1" succeeds; fails if mpirun ($JOB) ends first.
-wait_for() {
-    local cond=$1 limit=$2 start
-    start=$(now)
-    while ! eval "$cond"; do
-        kill -0 "$JOB" 2>/dev/null || return 1
-        fle "$(fsub "$(now)" "$start")" "$limit" || return 1
-        sleep 0.02
-    done
-}
+. "$ROOT/scripts/lib/chaos-common.sh"
 
 # The pid of world rank $1 (a chaos_worker in one of the hosts), or nothing.
 rank_pid() {
@@ -142,7 +126,7 @@ one_run() {
     esac
     "$HOSTS_SH" mpirun -np "$NP" --map-by node --tag-output -x RAYON_NUM_THREADS=1 \
         -x CANDLE_TP_TIMEOUT=60 "$WORKER" "${args[@]}" --elems 4096 > "$out" 2>&1 &
-    JOB=$!
+    JOB=$!; WATCH_PID=$JOB
     # A watchdog: 90 s for the whole run.
     ( sleep 90 & s=$!; trap 'kill $s 2>/dev/null; exit 0' TERM; wait $s; kill -KILL "$JOB" 2>/dev/null ) \
         < /dev/null > /dev/null 2>&1 &

@@ -271,25 +271,7 @@ with lock:
 os._exit(0)
 PY
 
-now() { date +%s.%N; }
-# Floating-point helpers (awk).
-fsub() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a - b }'; }
-fle() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a <= b) }'; }
-fmax() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", (a > b ? a : b) }'; }
-rand_between() { awk -v lo="$1" -v hi="$2" -v r="$RANDOM" 'BEGIN { printf "%.3f", lo + (hi - lo) * r / 32767 }'; }
-
-log() { [ "$VERBOSE" = 1 ] && echo "  $*" >&2; return 0; }
-
-# Waits (up to $2 s) until the command "$1" succeeds; fails if tprun ($TP) ends first.
-wait_for() {
-    local cond=$1 limit=$2 start
-    start=$(now)
-    while ! eval "$cond"; do
-        kill -0 "$TP" 2>/dev/null || return 1
-        fle "$(fsub "$(now)" "$start")" "$limit" || return 1
-        sleep 0.005
-    done
-}
+. "$ROOT/scripts/lib/chaos-common.sh"
 
 # Fills PIDS[rank] and TAG from tprun's children (the workers), waiting up to 30 s for them.
 find_workers() {
@@ -332,7 +314,7 @@ one_run() {
     [ "$case" = exit0-early ] && cmd=("$WORKER" exit0 --victim "$victim" --after "$(rand_between 0.3 1.0)" --seconds 60)
     env "${env[@]}" "$TPRUN" --standalone --nproc-per-node "$nproc" --log-dir "$dir/logs" -- "${cmd[@]}" \
         > "$dir/out" 2>&1 &
-    TP=$!
+    TP=$!; WATCH_PID=$TP
     # A watchdog, so that a hung job cannot hang the script: 120 s for the whole run.
     # Its sleep is killed with it, so that no stray process holds our output open.
     ( sleep 120 & s=$!; trap 'kill $s 2>/dev/null; exit 0' TERM; wait $s; kill -KILL "$TP" 2>/dev/null ) \
