@@ -36,11 +36,11 @@ use candle_tp::pipeline::PipelineStage;
 
 #[path = "common/rss.rs"]
 mod rss;
-use rss::rss_anon_bytes;
 use candle_tp::text::{ChatMessage, ModelText, TextStream};
 use candle_tp::ProcessGroup;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rss::rss_anon_bytes;
 
 #[derive(Parser, Debug)]
 #[command(

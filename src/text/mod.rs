@@ -131,9 +131,14 @@ impl ModelText {
 
     /// The text of one token alone, special tokens kept (for log-probabilities).
     pub fn token_text(&self, id: u32) -> Result<String> {
+        self.token_texts(&[id])
+    }
+
+    /// The text of `ids`, special tokens kept (for log-probabilities).
+    pub fn token_texts(&self, ids: &[u32]) -> Result<String> {
         self.tokenizer
-            .decode(&[id], false)
-            .map_err(|e| err(format!("decoding token {id}: {e}")))
+            .decode(ids, false)
+            .map_err(|e| err(format!("decoding tokens {ids:?}: {e}")))
     }
 
     /// End-of-sequence ids: the model's (`config_eos`) and the tokenizer config's
