@@ -303,50 +303,110 @@ fn a_stage_holds_its_share_of_the_weights() {
 /// Every event of a continuous batch: (sequence, token, finish, log-probabilities).
 type Events = Vec<(u64, u32, Option<FinishReason>, Option<TokenLogprobs>)>;
 
-/// Four sequences through a `BatchDecoder` (sequence `i` joins at step `i`, prompts read 4
-/// tokens per step): temperature sampling with seeds, top-k, greedy with penalties, a
-/// `min_tokens` mask, log-probabilities with top entries.
-fn batch_events(model: &mut CausalLm) -> candle_core::Result<Events> {
-    let mut dec = BatchDecoder::new(4, 256, 4)?;
-    let requests: Vec<SeqRequest> = (0..4u64)
-        .map(|i| SeqRequest {
-            id: i,
-            prompt: PROMPTS[i as usize % 2][..3 + i as usize].to_vec(),
-            max_tokens: 6 + i as usize,
-            min_tokens: if i == 3 { 4 } else { 0 },
-            params: SamplingParams {
-                temperature: if i == 2 { 0.0 } else { 0.8 },
-                top_k: (i == 1).then_some(20),
-                top_p: None,
-                seed: 7 + i,
+/// The request of sequence `i` of a batch: temperature sampling with seeds, top-k, top-p,
+/// greedy with presence, frequency and repetition penalties, a `min_tokens` mask,
+/// log-probabilities with top entries, by `i`.
+fn request(i: u64, prompt_len: usize, max_tokens: usize) -> SeqRequest {
+    SeqRequest {
+        id: i,
+        prompt: PROMPTS[i as usize % 2][..prompt_len].to_vec(),
+        max_tokens,
+        min_tokens: if i % 4 == 3 { 4 } else { 0 },
+        params: SamplingParams {
+            temperature: if i % 4 == 2 { 0.0 } else { 0.8 },
+            top_k: (i % 4 == 1).then_some(20),
+            top_p: (i >= 4 && i % 4 == 0).then_some(0.9),
+            seed: 7 + i,
+        },
+        stop_ids: vec![2],
+        options: SeqOptions {
+            logprobs: (i % 4 != 1).then_some(3),
+            penalties: Penalties {
+                presence: if i % 4 == 2 { 0.5 } else { 0.0 },
+                frequency: if i % 4 == 2 { 0.3 } else { 0.0 },
+                repetition: if i == 6 { 1.3 } else { 1.0 },
+                logit_bias: if i == 5 { vec![(13, 2.0)] } else { Vec::new() },
             },
-            stop_ids: vec![2],
-            options: SeqOptions {
-                logprobs: (i != 1).then_some(3),
-                penalties: Penalties {
-                    presence: if i == 2 { 0.5 } else { 0.0 },
-                    frequency: if i == 2 { 0.3 } else { 0.0 },
-                    ..Penalties::default()
-                },
-                constrained: false,
-            },
-        })
-        .collect();
+            constrained: false,
+        },
+    }
+}
+
+/// The events of `requests` through a `BatchDecoder` of `capacity` sequences reading 4 prompt
+/// tokens per step, request `i` joining at step `join(i)`.
+fn run_batch(
+    model: &mut CausalLm,
+    capacity: usize,
+    requests: &[SeqRequest],
+    join: impl Fn(usize) -> usize,
+) -> candle_core::Result<Events> {
+    let mut dec = BatchDecoder::new(capacity, 256, 4)?;
     let mut events = Events::new();
     let mut step = 0;
     while step < 200 {
-        if let Some(r) = requests.get(step) {
-            dec.add(model, r.clone())?;
+        for (i, r) in requests.iter().enumerate() {
+            if join(i) == step {
+                dec.add(model, r.clone())?;
+            }
         }
         for e in dec.step(model)? {
             events.push((e.id, e.token, e.finish, e.logprobs));
         }
         step += 1;
-        if step >= requests.len() && dec.is_empty() {
+        if step > (0..requests.len()).map(&join).max().unwrap_or(0) && dec.is_empty() {
             break;
         }
     }
     Ok(events)
+}
+
+/// Four sequences, sequence `i` joining at step `i`.
+fn batch_events(model: &mut CausalLm) -> candle_core::Result<Events> {
+    let requests: Vec<SeqRequest> = (0..4u64)
+        .map(|i| request(i, 3 + i as usize, 6 + i as usize))
+        .collect();
+    run_batch(model, 4, &requests, |i| i)
+}
+
+/// Eight sequences joining at once, so that 8 rows decode together for several steps: at
+/// 2 and 3 stages that is `n >= 2p`, the micro-batched pass (issue 44, defect 18).
+fn micro_batch_events(model: &mut CausalLm) -> candle_core::Result<Events> {
+    let requests: Vec<SeqRequest> = (0..8u64)
+        .map(|i| request(i, 3 + (i as usize % 3), 10 + i as usize % 3))
+        .collect();
+    run_batch(model, 8, &requests, |_| 0)
+}
+
+/// Every rank's events against world 1's: the same sequences, tokens and finishes in the same
+/// order, and the log-probabilities within 1e-6.
+fn assert_events_equal(want: &Events, runs: &[Events], what: &str) {
+    for (rank, got) in runs.iter().enumerate() {
+        let what = format!("{what} rank {rank}");
+        assert_eq!(got.len(), want.len(), "{what}: events");
+        for (k, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!((g.0, g.1, g.2), (w.0, w.1, w.2), "{what}: event {k}");
+            match (&g.3, &w.3) {
+                (Some(a), Some(b)) => {
+                    assert!(
+                        a.logprob.is_finite() && (a.logprob - b.logprob).abs() <= 1e-6,
+                        "{what}: event {k}: {a:?} vs {b:?}"
+                    );
+                    assert_eq!(a.top.len(), b.top.len(), "{what}: event {k}");
+                    for (x, y) in a.top.iter().zip(&b.top) {
+                        assert!(
+                            x.0 == y.0 && (x.1 - y.1).abs() <= 1e-6,
+                            "{what}: event {k}: {a:?} vs {b:?}"
+                        );
+                    }
+                }
+                (None, None) => {}
+                _ => panic!(
+                    "{what}: event {k}: log-probabilities {:?} vs {:?}",
+                    g.3, w.3
+                ),
+            }
+        }
+    }
 }
 
 #[test]
@@ -357,37 +417,28 @@ fn a_continuous_batch_on_stages_equals_world_one() -> anyhow::Result<()> {
     assert!(want.iter().any(|e| e.3.is_some()), "no log-probabilities");
     for (pp, tp) in [(2, 1), (3, 1), (2, 2)] {
         let runs = run_threads(pp * tp, |pg| batch_events(&mut load(&path, &pg, pp, None)?))?;
-        for (rank, got) in runs.iter().enumerate() {
-            let what = format!("pp {pp} x tp {tp} rank {rank}");
-            assert_eq!(got.len(), want.len(), "{what}: events");
-            for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!((g.0, g.1, g.2), (w.0, w.1, w.2), "{what}: event {k}");
-                match (&g.3, &w.3) {
-                    (Some(a), Some(b)) => {
-                        assert!(
-                            a.logprob.is_finite() && (a.logprob - b.logprob).abs() <= 1e-6,
-                            "{what}: event {k}: {a:?} vs {b:?}"
-                        );
-                        assert_eq!(a.top.len(), b.top.len(), "{what}: event {k}");
-                        for (x, y) in a.top.iter().zip(&b.top) {
-                            assert!(
-                                x.0 == y.0 && (x.1 - y.1).abs() <= 1e-6,
-                                "{what}: event {k}: {a:?} vs {b:?}"
-                            );
-                        }
-                    }
-                    (None, None) => {}
-                    _ => panic!(
-                        "{what}: event {k}: log-probabilities {:?} vs {:?}",
-                        g.3, w.3
-                    ),
-                }
-            }
-        }
+        assert_events_equal(&want, &runs, &format!("pp {pp} x tp {tp}"));
         eprintln!(
             "pp {pp} x tp {tp}: {} events equal world 1's on every rank",
             want.len()
         );
+    }
+    Ok(())
+}
+
+/// Issue 44, defect 18: the micro-batched decode (8 rows at 2 and 3 stages, `n >= 2p`) with
+/// sampling, penalties and log-probabilities gives world 1's events on every rank.
+#[test]
+fn micro_batched_decode_with_sampling_equals_world_one() -> anyhow::Result<()> {
+    let path = common::smollm2_gguf(GgmlDType::Q4_1)?;
+    let want = micro_batch_events(&mut load(&path, &ProcessGroup::single(), 1, None)?)?;
+    // Eight sequences of at least 10 tokens each (unless one stops at id 2).
+    assert!(want.len() >= 40, "only {} events", want.len());
+    for (pp, tp) in [(2, 1), (3, 1)] {
+        let runs = run_threads(pp * tp, |pg| {
+            micro_batch_events(&mut load(&path, &pg, pp, None)?)
+        })?;
+        assert_events_equal(&want, &runs, &format!("pp {pp} x tp {tp}, 8 rows"));
     }
     Ok(())
 }
