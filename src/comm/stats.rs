@@ -59,7 +59,7 @@ pub struct OpStats {
     /// Number of calls.
     pub calls: u64,
     /// Logical size: the buffer reduced or broadcast, the gathered output, the input that was
-    /// reduce-scattered, the larger of an all-to-all's input and output.
+    /// reduce-scattered, the larger of what an all-to-all sends to and receives from other ranks.
     pub payload_bytes: u64,
     /// Bytes this rank made available to peers (written into its shared slots for them to
     /// read): what it sent. An all-to-all counts the blocks for other ranks (its own block

@@ -403,7 +403,7 @@ impl Engine {
         }
         self.stats.record(
             CollectiveKind::AllToAll,
-            std::mem::size_of_val(src).max(std::mem::size_of_val(dst)),
+            sent.max(recv),
             sent,
             recv,
             t0.elapsed(),
