@@ -183,7 +183,7 @@ fn the_native_exchange_moves_each_off_rank_block_once() {
         };
         for p in [3, 4] {
             for layout in [1, 2] {
-                let got = run_threads_with(p, options.clone(), |pg| {
+                let got = run_threads_with(p, options, |pg| {
                     let before = pg.stats();
                     let v = exchange(&pg, layout, |v| v as f32)?;
                     Ok((v, pg.stats().since(&before)))
