@@ -87,6 +87,33 @@ impl ProcessGroup {
         recv_counts: &[usize],
         native: bool,
     ) -> CommResult<()> {
+        let matrix = self.agree_all_to_all(send_counts, recv_counts, src.len(), dst.len())?;
+        let who = || format!("all_to_all on group '{}'", self.name());
+        let sizes = BlockSizes::new(&who(), self.rank(), self.size(), &matrix)?;
+        let backend = self.host_backend();
+        let (src, dst) = (HostBuf::new(src), HostBufMut::new(dst));
+        let r = if native {
+            backend.all_to_all_v(src, dst, &sizes)
+        } else {
+            all_to_all_by_all_gather(backend, src, dst, &sizes)
+        };
+        self.abort_if_invalid(r)
+    }
+
+    /// The size agreement of an all-to-all whose input has `src_len` elements and output
+    /// `dst_len`: this rank's sizes checked against its buffers (an error here aborts the
+    /// group, so that the peers stop at once), then every rank's gathered and the whole matrix
+    /// checked on every rank (a pair that disagrees is the same error on every rank, and the
+    /// group stays usable). Gives the matrix, row-major: row `s` is what rank `s` sends each
+    /// rank (for [`BlockSizes`]). What every backend's all-to-all runs first, on the host or
+    /// on the device (`ops/cuda.rs`).
+    pub(crate) fn agree_all_to_all(
+        &self,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        src_len: usize,
+        dst_len: usize,
+    ) -> CommResult<Vec<usize>> {
         let (p, me) = (self.size(), self.rank());
         let who = || format!("all_to_all on group '{}' (rank {me} of {p})", self.name());
         let local = if send_counts.len() != p || recv_counts.len() != p {
@@ -98,16 +125,14 @@ impl ProcessGroup {
                     recv_counts.len()
                 ),
             ))
-        } else if send_counts.iter().sum::<usize>() != src.len()
-            || recv_counts.iter().sum::<usize>() != dst.len()
+        } else if send_counts.iter().sum::<usize>() != src_len
+            || recv_counts.iter().sum::<usize>() != dst_len
         {
             Err(CommError::invalid(
                 who(),
                 format!(
-                    "send sizes {send_counts:?} for an input of {} elements, receive sizes \
-                     {recv_counts:?} for an output of {}",
-                    src.len(),
-                    dst.len()
+                    "send sizes {send_counts:?} for an input of {src_len} elements, receive \
+                     sizes {recv_counts:?} for an output of {dst_len}"
                 ),
             ))
         } else {
@@ -140,18 +165,9 @@ impl ProcessGroup {
             }
         }
         // The agreed matrix, row s what rank s sends each rank: the same on every rank.
-        let matrix: Vec<usize> = (0..p)
+        Ok((0..p)
             .flat_map(|s| (0..p).map(move |d| (s, d)))
             .map(|(s, d)| sends(s, d))
-            .collect();
-        let sizes = BlockSizes::new(&who(), me, p, &matrix)?;
-        let backend = self.host_backend();
-        let (src, dst) = (HostBuf::new(src), HostBufMut::new(dst));
-        let r = if native {
-            backend.all_to_all_v(src, dst, &sizes)
-        } else {
-            all_to_all_by_all_gather(backend, src, dst, &sizes)
-        };
-        self.abort_if_invalid(r)
+            .collect())
     }
 }
