@@ -505,6 +505,16 @@ pub(crate) trait DeviceCollectives {
         counts: &[usize],
         op: ReduceOp,
     ) -> candle_core::Result<()>;
+
+    /// All-to-all with the agreed block sizes `sizes` (see [`Backend::all_to_all_v`]): `src`
+    /// holds this rank's block for every rank, `dst` receives every rank's block for it.
+    fn all_to_all_v(
+        &self,
+        name: &str,
+        src: DeviceSrc<'_>,
+        dst: &mut DeviceDst,
+        sizes: &BlockSizes<'_>,
+    ) -> candle_core::Result<()>;
 }
 
 /// The input of a [`DeviceCollectives`] call: elements `range` of a CUDA storage.
