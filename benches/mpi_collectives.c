@@ -1,4 +1,4 @@
-/* Times MPI_Allreduce, MPI_Allgather and MPI_Reduce_scatter_block exactly as
+/* Times MPI_Allreduce, MPI_Allgather, MPI_Reduce_scatter_block and MPI_Alltoall exactly as
  * examples/bench_collectives.rs times candle-tp: iterations = clamp(budget / bytes, 5, 1000),
  * warm-up = max(2, iterations / 10), one barrier, every iteration timed on every rank, the
  * per-iteration maximum over ranks, then median / min / max on rank 0, one JSON line each.
@@ -29,10 +29,10 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     long defaults[] = {4L << 10, 16L << 10, 64L << 10, 256L << 10, 1L << 20, 4L << 20, 16L << 20, 64L << 20};
     int nsizes = argc > 2 ? argc - 2 : 8;
-    const char *ops = argc > 1 ? argv[1] : "all_reduce,all_gather,reduce_scatter";
+    const char *ops = argc > 1 ? argv[1] : "all_reduce,all_gather,reduce_scatter,all_to_all";
     long budget = 256L << 20;
-    const char *names[] = {"all_reduce", "all_gather", "reduce_scatter"};
-    for (int o = 0; o < 3; o++) {
+    const char *names[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"};
+    for (int o = 0; o < 4; o++) {
         if (!strstr(ops, names[o])) continue;
         for (int si = 0; si < nsizes; si++) {
             long bytes = argc > 2 ? parse_size(argv[2 + si]) : defaults[si];
@@ -49,7 +49,8 @@ int main(int argc, char **argv) {
                 double t0 = MPI_Wtime();
                 if (o == 0) MPI_Allreduce(MPI_IN_PLACE, a, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
                 else if (o == 1) MPI_Allgather(a, n / world, MPI_FLOAT, b, n / world, MPI_FLOAT, MPI_COMM_WORLD);
-                else MPI_Reduce_scatter_block(a, b, n / world, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                else if (o == 2) MPI_Reduce_scatter_block(a, b, n / world, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                else MPI_Alltoall(a, n / world, MPI_FLOAT, b, n / world, MPI_FLOAT, MPI_COMM_WORLD);
                 if (i >= warm) t[i - warm] = (MPI_Wtime() - t0) * 1e6;
             }
             MPI_Allreduce(t, tmax, iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);

@@ -14,9 +14,12 @@
 //! `op`, `dtype`, `world_size`, `bytes`, `iters`, `median_us`, `min_us`, `max_us`,
 //! `algbw_gbps`, `busbw_gbps`, and `backend` (shm, hierarchical, mpi) with `cross_host_bytes`
 //! (rank 0's payload handed to the across-host stage per iteration). `bytes` follows nccl-tests: the buffer of all-reduce, the
-//! gathered output of all-gather, the input of reduce-scatter. busbw = algbw · 2(n−1)/n for
-//! all-reduce and algbw · (n−1)/n for the other two. `scripts/bench-collectives.sh` runs the
-//! same procedure with Open MPI and prints the ratios.
+//! gathered output of all-gather, the input of reduce-scatter, each rank's send buffer of
+//! all-to-all (equal blocks, one per rank). busbw = algbw · 2(n−1)/n for all-reduce and
+//! algbw · (n−1)/n for the others. `all_to_all_fallback` times the all-to-all through the
+//! all-gather that backends without their own run (every send buffer to every rank), printed
+//! as op `all_to_all` with `impl` `candle-tp, all-gather fallback`, beside the native one.
+//! `scripts/bench-collectives.sh` runs the same procedure with Open MPI and prints the ratios.
 
 use std::time::Instant;
 
@@ -29,7 +32,7 @@ mod progress;
 use half::bf16;
 
 #[derive(Parser, Debug)]
-#[command(about = "Benchmark all_reduce, all_gather and reduce_scatter")]
+#[command(about = "Benchmark all_reduce, all_gather, reduce_scatter and all_to_all")]
 struct Args {
     /// Sizes in bytes (suffixes K, M): default 4K to 64M in steps of 4x.
     #[arg(
@@ -38,7 +41,8 @@ struct Args {
         default_value = "4K,16K,64K,256K,1M,4M,16M,64M"
     )]
     sizes: Vec<String>,
-    /// Collectives: all_reduce, all_gather, reduce_scatter.
+    /// Collectives: all_reduce, all_gather, reduce_scatter, all_to_all, all_to_all_fallback
+    /// (the all-to-all through an all-gather of every send buffer: what it replaced).
     #[arg(
         long,
         value_delimiter = ',',
@@ -79,7 +83,8 @@ type Timed = Option<(Vec<f64>, f64)>;
 fn time_op<T: Element>(pg: &ProcessGroup, op: &str, bytes: usize, budget: usize) -> Result<Timed> {
     let world = pg.size();
     let esz = std::mem::size_of::<T>();
-    // Element counts: all_reduce buffer, all_gather output and reduce_scatter input are `bytes`.
+    // Element counts: all_reduce buffer, all_gather output, reduce_scatter input and each
+    // rank's all_to_all input are `bytes`.
     let n = bytes / esz;
     if !n.is_multiple_of(world) && op != "all_reduce" {
         return Ok(None);
@@ -90,8 +95,13 @@ fn time_op<T: Element>(pg: &ProcessGroup, op: &str, bytes: usize, budget: usize)
     let iters = iterations(bytes, budget);
     let warmup = (iters / 10).max(2);
     let mut times = vec![0f64; iters];
+    let blocks = vec![n / world; world];
     let run = |a: &mut Vec<T>, b: &mut Vec<T>| -> Result<()> {
         match op {
+            "all_to_all" => pg.all_to_all_v_slice(a, &blocks, b, &blocks)?,
+            "all_to_all_fallback" => {
+                pg.all_to_all_v_slice_via_all_gather(a, &blocks, b, &blocks)?
+            }
             "all_reduce" => pg.all_reduce_slice(a, ReduceOp::Sum)?,
             "all_gather" => pg.all_gather_slice(&a[..n / world], b)?,
             "reduce_scatter" => pg.reduce_scatter_slice(a, &mut b[..n / world], ReduceOp::Sum)?,
@@ -149,8 +159,12 @@ fn main() -> Result<()> {
                 let algbw = bytes as f64 / (median * 1e-6) / 1e9;
                 let factor = if op == "all_reduce" { 2.0 } else { 1.0 } * (world as f64 - 1.0)
                     / world as f64;
+                let (implementation, op) = match op.as_str() {
+                    "all_to_all_fallback" => ("candle-tp, all-gather fallback", "all_to_all"),
+                    op => ("candle-tp", op),
+                };
                 bar.println(serde_json::json!({
-                        "impl": "candle-tp",
+                        "impl": implementation,
                         "backend": pg.backend(),
                         "cross_host_bytes": cross,
                         "op": op,

@@ -5,6 +5,11 @@
 #   scripts/bench-collectives.sh --ranks "2" --sizes 4K,1M --ops all_reduce,all_gather
 #   scripts/bench-collectives.sh --gloo              # also PyTorch gloo (installs torch: GBs)
 #   scripts/bench-collectives.sh --load --ranks 2 --sizes 4K,64K   # on a busy machine
+#   scripts/bench-collectives.sh --ops all_to_all,all_to_all_fallback --ranks "2 3 4"
+#
+# all_to_all_fallback is candle-tp's all-to-all through an all-gather of every send buffer
+# (what backends without their own run): shown as its own column beside the native one and
+# MPI_Alltoall.
 #
 # --load starts one busy process per core for the whole run (a stand-in for a compile on the
 # same cores) and runs --rounds rounds (default 5 with --load, else 1), MPI and candle-tp
@@ -32,7 +37,7 @@ while [ $# -gt 0 ]; do
     --gloo) gloo=1; shift ;;
     --load) load=1; shift ;;
     --rounds) rounds="$2"; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -102,7 +107,7 @@ print()
 print(f"{'with' if sys.argv[2] == '1' else 'without'} background load; median of {sys.argv[3]} round(s)")
 def size(b):
     return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
-impls = [i for i in ("candle-tp", "candle-tp, yielding", "candle-tp, no patience", "mpi", "gloo") if any(i in v for v in by.values())]
+impls = [i for i in ("candle-tp", "candle-tp, all-gather fallback", "candle-tp, yielding", "candle-tp, no patience", "mpi", "gloo") if any(i in v for v in by.values())]
 print()
 print(f"| op | ranks | size | " + " | ".join(f"{i} median" for i in impls) + " | candle-tp / MPI | candle-tp busbw GB/s |")
 print("|---|---|---|" + "---|" * len(impls) + "---|---|")

@@ -1,11 +1,16 @@
 //! All-to-all (issue 45, item 1): `ProcessGroup::all_to_all_v_slice` and the differentiable
 //! `ops::all_to_all`, against references built here from every rank's inputs (not by the code
-//! under test), on the threads backend (the shm engine that processes run); across processes
-//! and hosts, `tests/hosts_collectives.rs` runs the same check on shm, MPI and hierarchical
-//! groups.
+//! under test), on the threads backend (the shm engine that processes run: its native
+//! exchange, which moves each block once, checked by the group's counters against the
+//! off-rank blocks), and the all-gather fallback that backends without their own all-to-all
+//! (the hierarchical one) run. Across processes, `tests/mpirun.rs` runs MPI's
+//! (`MPI_Alltoallv`); across hosts, `tests/hosts_collectives.rs` runs the same check on shm,
+//! MPI and hierarchical groups.
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_tp::comm::{run_threads, run_threads_with, CommError, GroupOptions, ProcessGroup};
+use candle_tp::comm::{
+    run_threads, run_threads_with, CollectiveKind, CommError, GroupOptions, ProcessGroup,
+};
 
 /// Elements rank `s` sends rank `d` in layout `layout` (zeros included).
 fn count(layout: usize, p: usize, s: usize, d: usize) -> usize {
@@ -38,48 +43,270 @@ fn exchange<T: candle_tp::comm::Element>(
     layout: usize,
     from: impl Fn(f64) -> T,
 ) -> candle_tp::comm::CommResult<Vec<T>> {
+    exchange_by(pg, layout, from, false)
+}
+
+/// [`exchange`] through the backend's own all-to-all, or (`fallback`) through the all-gather
+/// of every rank's whole buffer that backends without one run.
+fn exchange_by<T: candle_tp::comm::Element>(
+    pg: &ProcessGroup,
+    layout: usize,
+    from: impl Fn(f64) -> T,
+    fallback: bool,
+) -> candle_tp::comm::CommResult<Vec<T>> {
     let (p, me) = (pg.size(), pg.rank());
     let send: Vec<usize> = (0..p).map(|d| count(layout, p, me, d)).collect();
     let recv: Vec<usize> = (0..p).map(|s| count(layout, p, s, me)).collect();
     let src: Vec<T> = (0..send.iter().sum()).map(|i| from(value(me, i))).collect();
     let mut dst = vec![T::default(); recv.iter().sum()];
-    pg.all_to_all_v_slice(&src, &send, &mut dst, &recv)?;
+    if fallback {
+        pg.all_to_all_v_slice_via_all_gather(&src, &send, &mut dst, &recv)?;
+    } else {
+        pg.all_to_all_v_slice(&src, &send, &mut dst, &recv)?;
+    }
     Ok(dst)
+}
+
+/// Every element type a collective carries, exchanged in `layout`, as f64 for comparison
+/// (all values are small integers, exact in each).
+fn every_dtype(
+    pg: &ProcessGroup,
+    layout: usize,
+    fallback: bool,
+) -> candle_tp::comm::CommResult<Vec<(&'static str, Vec<f64>)>> {
+    use half::{bf16, f16};
+    let back = |v: Vec<f64>| v;
+    Ok(vec![
+        (
+            "f32",
+            exchange_by(pg, layout, |v| v as f32, fallback)?
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+        ),
+        ("f64", back(exchange_by(pg, layout, |v| v, fallback)?)),
+        (
+            "f16",
+            exchange_by(pg, layout, f16::from_f64, fallback)?
+                .iter()
+                .map(|v| v.to_f64())
+                .collect(),
+        ),
+        (
+            "bf16",
+            exchange_by(pg, layout, bf16::from_f64, fallback)?
+                .iter()
+                .map(|v| v.to_f64())
+                .collect(),
+        ),
+        (
+            "u8",
+            exchange_by(pg, layout, |v| v as u8, fallback)?
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+        ),
+        (
+            "u32",
+            exchange_by(pg, layout, |v| v as u32, fallback)?
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+        ),
+        (
+            "i16",
+            exchange_by(pg, layout, |v| v as i16 - 40, fallback)?
+                .into_iter()
+                .map(|v| f64::from(v) + 40.0)
+                .collect(),
+        ),
+        (
+            "i32",
+            exchange_by(pg, layout, |v| v as i32 - 40, fallback)?
+                .into_iter()
+                .map(|v| f64::from(v) + 40.0)
+                .collect(),
+        ),
+        (
+            "i64",
+            exchange_by(pg, layout, |v| v as i64 - 40, fallback)?
+                .into_iter()
+                .map(|v| v as f64 + 40.0)
+                .collect(),
+        ),
+    ])
 }
 
 #[test]
 fn every_rank_receives_its_blocks_in_every_dtype_and_layout() {
-    for p in 1..=4 {
-        for layout in 0..4 {
-            let got = run_threads(p, |pg| {
-                let f32s = exchange(&pg, layout, |v| v as f32)?;
-                let f64s = exchange(&pg, layout, |v| v)?;
-                let bf16s = exchange(&pg, layout, half::bf16::from_f64)?;
-                let u32s = exchange(&pg, layout, |v| v as u32)?;
-                let i64s = exchange(&pg, layout, |v| v as i64 - 40)?;
-                Ok((f32s, f64s, bf16s, u32s, i64s))
-            })
-            .unwrap();
-            for (r, (f32s, f64s, bf16s, u32s, i64s)) in got.into_iter().enumerate() {
-                let want = expected(layout, p, r);
-                let what = format!("{p} ranks, layout {layout}, rank {r}");
-                assert_eq!(f64s, want, "f64, {what}");
-                assert_eq!(
-                    f32s,
-                    want.iter().map(|&v| v as f32).collect::<Vec<_>>(),
-                    "f32, {what}"
-                );
-                let bf: Vec<f64> = bf16s.iter().map(|v| v.to_f64()).collect();
-                assert_eq!(bf, want, "bf16, {what}");
-                assert_eq!(
-                    u32s,
-                    want.iter().map(|&v| v as u32).collect::<Vec<_>>(),
-                    "u32, {what}"
-                );
-                let i: Vec<i64> = want.iter().map(|&v| v as i64 - 40).collect();
-                assert_eq!(i64s, i, "i64, {what}");
+    for fallback in [false, true] {
+        for p in 1..=4 {
+            for layout in 0..4 {
+                let got = run_threads(p, |pg| Ok(every_dtype(&pg, layout, fallback)?)).unwrap();
+                for (r, dtypes) in got.into_iter().enumerate() {
+                    let want = expected(layout, p, r);
+                    assert_eq!(dtypes.len(), 9, "every Element type");
+                    for (dtype, v) in dtypes {
+                        assert_eq!(
+                            v, want,
+                            "{dtype}, {p} ranks, layout {layout}, rank {r}, fallback {fallback}"
+                        );
+                    }
+                }
             }
         }
+    }
+}
+
+/// Bytes of every block rank `me` sends to another rank, and receives from one, in `layout`.
+fn off_rank_bytes(layout: usize, p: usize, me: usize, esz: usize) -> (u64, u64) {
+    let sent: usize = (0..p)
+        .filter(|&d| d != me)
+        .map(|d| count(layout, p, me, d))
+        .sum();
+    let recv: usize = (0..p)
+        .filter(|&s| s != me)
+        .map(|s| count(layout, p, s, me))
+        .sum();
+    ((sent * esz) as u64, (recv * esz) as u64)
+}
+
+#[test]
+fn the_native_exchange_moves_each_off_rank_block_once() {
+    // Layout 2 (thousands of elements per pair) and 1 (zeros included), at 3 and 4 ranks, with
+    // the default slots and with 1 KiB slots (many phases): what the all-to-all counted is the
+    // off-rank blocks, and the only all-gather is the size agreement (2p sizes per rank).
+    for slot_bytes in [4 << 20, 1024] {
+        let options = GroupOptions {
+            slot_bytes,
+            ..GroupOptions::default()
+        };
+        for p in [3, 4] {
+            for layout in [1, 2] {
+                let got = run_threads_with(p, options, |pg| {
+                    let before = pg.stats();
+                    let v = exchange(&pg, layout, |v| v as f32)?;
+                    Ok((v, pg.stats().since(&before)))
+                })
+                .unwrap();
+                for (r, (v, stats)) in got.into_iter().enumerate() {
+                    let what =
+                        format!("{p} ranks, layout {layout}, {slot_bytes}-byte slots, rank {r}");
+                    let want: Vec<f32> = expected(layout, p, r).iter().map(|&v| v as f32).collect();
+                    assert_eq!(v, want, "{what}");
+                    let a2a = stats.get(CollectiveKind::AllToAll);
+                    let (sent, recv) = off_rank_bytes(layout, p, r, 4);
+                    assert_eq!(a2a.calls, 1, "{what}");
+                    assert_eq!(a2a.sent_bytes, sent, "bytes sent, {what}");
+                    assert_eq!(a2a.received_bytes, recv, "bytes received, {what}");
+                    let sizes = stats.get(CollectiveKind::AllGather);
+                    assert_eq!(sizes.calls, 1, "{what}");
+                    assert_eq!(
+                        sizes.sent_bytes,
+                        (2 * p * 8) as u64,
+                        "size agreement, {what}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_fallback_moves_every_send_buffer_to_every_rank() {
+    // What the native exchange replaces (and what backends without one still run): each
+    // rank's whole send buffer reaches every peer, p - 1 times the native volume in all.
+    let p = 4;
+    let got = run_threads(p, |pg| {
+        let before = pg.stats();
+        let v = exchange_by(&pg, 2, |v| v as f32, true)?;
+        Ok((v, pg.stats().since(&before)))
+    })
+    .unwrap();
+    let moved: u64 = (0..p)
+        .map(|s| (0..p).map(|d| count(2, p, s, d) * 4).sum::<usize>() as u64)
+        .sum();
+    for (r, (v, stats)) in got.into_iter().enumerate() {
+        let want: Vec<f32> = expected(2, p, r).iter().map(|&v| v as f32).collect();
+        assert_eq!(v, want, "rank {r}");
+        assert_eq!(stats.get(CollectiveKind::AllToAll).calls, 0);
+        let mine: usize = (0..p).map(|d| count(2, p, r, d) * 4).sum();
+        let gathered = stats.get(CollectiveKind::AllGather).received_bytes;
+        // The size agreement, then every peer's whole buffer.
+        assert_eq!(
+            gathered,
+            (3 * 2 * p * 8) as u64 + moved - mine as u64,
+            "rank {r}"
+        );
+    }
+}
+
+#[test]
+fn one_rank_with_more_than_a_slot_to_send_while_the_others_send_nothing() {
+    // Rank 0 sends 3000 f64 to each peer (24 KB, 23 slots of 1 KiB), the others send nothing
+    // but a block to themselves: every rank runs the same phases, the receivers read only.
+    let options = GroupOptions {
+        slot_bytes: 1024,
+        ..GroupOptions::default()
+    };
+    let p = 3;
+    let n = |s: usize, d: usize| {
+        if s == 0 {
+            3000 + d
+        } else {
+            usize::from(s == d) * 5
+        }
+    };
+    let got = run_threads_with(p, options, |pg| {
+        let me = pg.rank();
+        let send: Vec<usize> = (0..p).map(|d| n(me, d)).collect();
+        let recv: Vec<usize> = (0..p).map(|s| n(s, me)).collect();
+        let src: Vec<f64> = (0..send.iter().sum()).map(|i| value(me, i)).collect();
+        let mut dst = vec![0f64; recv.iter().sum()];
+        pg.all_to_all_v_slice(&src, &send, &mut dst, &recv)?;
+        Ok(dst)
+    })
+    .unwrap();
+    for (r, v) in got.into_iter().enumerate() {
+        let mut want = Vec::new();
+        for s in 0..p {
+            let at: usize = (0..r).map(|d| n(s, d)).sum();
+            want.extend((at..at + n(s, r)).map(|i| value(s, i)));
+        }
+        assert_eq!(v, want, "rank {r}");
+    }
+}
+
+#[test]
+fn element_types_that_differ_are_an_error_on_every_rank_and_the_group_goes_on() {
+    // The sizes agree, the element types do not: the exchange's first phase compares them.
+    let got = run_threads(3, |pg| {
+        let me = pg.rank();
+        let e = if me == 1 {
+            let mut dst = vec![0f64; 3];
+            pg.all_to_all_v_slice(&[1f64; 3], &[1, 1, 1], &mut dst, &[1, 1, 1])
+        } else {
+            let mut dst = vec![0f32; 3];
+            pg.all_to_all_v_slice(&[1f32; 3], &[1, 1, 1], &mut dst, &[1, 1, 1])
+        }
+        .expect_err("dtypes differ");
+        let again = exchange(&pg, 3, |v| v as i32)?;
+        Ok((e, again))
+    })
+    .unwrap();
+    for (r, (e, again)) in got.into_iter().enumerate() {
+        match &e {
+            CommError::Mismatch { op, detail, .. } => {
+                assert_eq!(op, "all_to_all", "rank {r}");
+                assert!(
+                    detail.contains("rank 1 called all_to_all") && detail.contains("f64"),
+                    "rank {r}: {detail}"
+                );
+            }
+            other => panic!("rank {r}: {other}"),
+        }
+        let want: Vec<i32> = expected(3, 3, r).iter().map(|&v| v as i32).collect();
+        assert_eq!(again, want, "rank {r} after the error");
     }
 }
 

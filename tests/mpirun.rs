@@ -197,7 +197,8 @@ fn tprun_across_nodes_on_cpu_says_how_to_launch_with_mpirun_or_srun() {
 /// none, one and one folded pair and two steps): every collective and element type against the
 /// values computed here, f16/bf16 reduced in f32, NaN through `Max`, small f32 sums equal in
 /// every bit on every rank, sizes or collectives that disagree (an error on every rank, then
-/// the group still works), sub-groups and point-to-point.
+/// the group still works), all-to-all with uneven blocks (`MPI_Alltoallv`, its counters the
+/// off-rank blocks alone), sub-groups and point-to-point.
 #[cfg(feature = "mpi")]
 #[test]
 fn mpi_backend_collectives() {
@@ -323,6 +324,72 @@ fn mpi_worker() {
             "rank {r}'s small sum differs in bits from rank {rank}'s"
         );
     }
+    // all_to_all (MPI_Alltoallv) with uneven blocks, some empty, in three element types:
+    // rank s sends n(s, d) values to rank d, value(s, i) at index i of its send buffer; what
+    // each rank receives is rebuilt here from those formulas. The counters see the off-rank
+    // blocks alone (not every send buffer, as the all-gather fallback moves).
+    let n = |s: usize, d: usize| (s * 5 + d * 3 + 1) % 4 + usize::from(s == 0) * 700 * d;
+    let value = |s: usize, i: usize| ((s * 31 + i * 7) % 89) as f64;
+    let send: Vec<usize> = (0..world).map(|d| n(rank, d)).collect();
+    let recv: Vec<usize> = (0..world).map(|s| n(s, rank)).collect();
+    let mut want = Vec::new();
+    for s in 0..world {
+        let at: usize = (0..rank).map(|d| n(s, d)).sum();
+        want.extend((at..at + n(s, rank)).map(|i| value(s, i)));
+    }
+    let src: Vec<f64> = (0..send.iter().sum()).map(|i| value(rank, i)).collect();
+    let before = pg.stats();
+    let mut got = vec![0f64; want.len()];
+    pg.all_to_all_v_slice(&src, &send, &mut got, &recv).unwrap();
+    assert_eq!(got, want, "f64 all_to_all on rank {rank}");
+    let a2a = pg
+        .stats()
+        .since(&before)
+        .get(candle_tp::comm::CollectiveKind::AllToAll);
+    let off = |c: &[usize]| 8 * (c.iter().sum::<usize>() - c[rank]) as u64;
+    assert_eq!(
+        (a2a.calls, a2a.sent_bytes, a2a.received_bytes),
+        (1, off(&send), off(&recv)),
+        "all_to_all counters on rank {rank}"
+    );
+    let src16: Vec<half::bf16> = src.iter().map(|&v| half::bf16::from_f64(v)).collect();
+    let mut got16 = vec![half::bf16::ZERO; want.len()];
+    pg.all_to_all_v_slice(&src16, &send, &mut got16, &recv)
+        .unwrap();
+    assert!(
+        got16.iter().map(|v| v.to_f64()).eq(want.iter().copied()),
+        "bf16 all_to_all on rank {rank}"
+    );
+    let src8: Vec<u8> = src.iter().map(|&v| v as u8).collect();
+    let mut got8 = vec![0u8; want.len()];
+    pg.all_to_all_v_slice(&src8, &send, &mut got8, &recv)
+        .unwrap();
+    assert!(
+        got8.iter().map(|&v| v as f64).eq(want.iter().copied()),
+        "u8 all_to_all on rank {rank}"
+    );
+    // Sizes that disagree (the last rank expects one more from rank 0): the same error on every
+    // rank, naming the pair, and the group goes on.
+    let mut recv_bad = recv.clone();
+    if rank == world - 1 {
+        recv_bad[0] += 1;
+    }
+    let mut bad = vec![0f64; recv_bad.iter().sum()];
+    let e = pg
+        .all_to_all_v_slice(&src, &send, &mut bad, &recv_bad)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!(
+            "rank 0 sends {} elements to rank {}, which expects {}",
+            n(0, world - 1),
+            world - 1,
+            n(0, world - 1) + 1
+        )),
+        "{e}"
+    );
+    pg.all_to_all_v_slice(&src, &send, &mut got, &recv).unwrap();
+    assert_eq!(got, want, "all_to_all after the error on rank {rank}");
     // Sizes that disagree: an error on every rank, naming two ranks that disagree and their
     // sizes, and the group goes on.
     let mut bad = vec![1f32; 3 + rank];

@@ -2,16 +2,28 @@
 //! rank, blocks of any size (zero included), the sizes agreed by every rank before any data
 //! moves. What expert parallelism dispatches tokens with, and brings them back with.
 //!
-//! It runs on every backend through the group's own collectives: an all-gather of the
-//! `2·p` sizes of every rank (each rank then checks the whole matrix, so a disagreement is the
-//! same error on every rank, naming the pair, and the group stays usable), then an
-//! all-gather of each rank's whole send buffer, from which each rank keeps its blocks. The
-//! data step moves every rank's send buffer to every rank, `p − 1` times what a native
-//! all-to-all moves: right for decode's few tokens, and the first thing to replace with a
-//! backend's own (`MPI_Alltoallv`, a pairwise exchange on the shm engine) where prompts make
-//! it large.
+//! Two steps. The size agreement, on every backend: an all-gather of the `2·p` sizes of every
+//! rank, after which each rank checks the whole matrix, so a disagreement is the same error on
+//! every rank, naming the pair, and the group stays usable. Then the data, through the
+//! backend's own all-to-all ([`Backend::all_to_all_v`](super::backend::Backend), given the
+//! agreed matrix), which moves each block once:
+//!
+//! - shm and threads (the shared-memory engine, `engine/algorithms.rs`): each rank writes its
+//!   blocks for the other ranks into its slot, and after one wait each rank reads its block
+//!   from every peer's slot; send buffers larger than a slot go in slot-sized phases;
+//! - MPI: `MPI_Alltoallv` (counts are 32-bit: blocks and offsets up to 2^31 − 1 elements);
+//! - NCCL: grouped `ncclSend` / `ncclRecv`, one pair per peer;
+//! - hierarchical (shm inside hosts, MPI between them): no composed exchange yet, so the
+//!   fallback below, over its hierarchical all-gather;
+//! - one rank: a copy.
+//!
+//! The fallback, [`Backend::all_to_all_v`](super::backend::Backend)'s default, is an
+//! all-gather of every rank's whole send buffer from which each rank keeps its blocks: it moves
+//! `p − 1` times what a native all-to-all moves. It stays callable
+//! ([`ProcessGroup::all_to_all_v_slice_via_all_gather`]) for the benchmark
+//! (`examples/bench_collectives.rs`) and the tests that compare the two.
 
-use super::backend::offsets;
+use super::backend::{all_to_all_by_all_gather, BlockSizes, HostBuf, HostBufMut};
 use super::element::Element;
 use super::error::{CommError, CommResult};
 use super::group::ProcessGroup;
@@ -48,6 +60,60 @@ impl ProcessGroup {
         dst: &mut [T],
         recv_counts: &[usize],
     ) -> CommResult<()> {
+        self.all_to_all_v_by(src, send_counts, dst, recv_counts, true)
+    }
+
+    /// [`all_to_all_v_slice`](Self::all_to_all_v_slice) through the all-gather fallback
+    /// (every rank's whole send buffer to every rank, `p − 1` times the data of the native
+    /// all-to-all), whatever the backend: what backends without their own all-to-all run, kept
+    /// for the benchmark that compares the two. Same arguments, checks and result.
+    #[doc(hidden)]
+    pub fn all_to_all_v_slice_via_all_gather<T: Element>(
+        &self,
+        src: &[T],
+        send_counts: &[usize],
+        dst: &mut [T],
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        self.all_to_all_v_by(src, send_counts, dst, recv_counts, false)
+    }
+
+    /// The size agreement, then the backend's own all-to-all (`native`) or the fallback.
+    fn all_to_all_v_by<T: Element>(
+        &self,
+        src: &[T],
+        send_counts: &[usize],
+        dst: &mut [T],
+        recv_counts: &[usize],
+        native: bool,
+    ) -> CommResult<()> {
+        let matrix = self.agree_all_to_all(send_counts, recv_counts, src.len(), dst.len())?;
+        let who = || format!("all_to_all on group '{}'", self.name());
+        let sizes = BlockSizes::new(&who(), self.rank(), self.size(), &matrix)?;
+        let backend = self.host_backend();
+        let (src, dst) = (HostBuf::new(src), HostBufMut::new(dst));
+        let r = if native {
+            backend.all_to_all_v(src, dst, &sizes)
+        } else {
+            all_to_all_by_all_gather(backend, src, dst, &sizes)
+        };
+        self.abort_if_invalid(r)
+    }
+
+    /// The size agreement of an all-to-all whose input has `src_len` elements and output
+    /// `dst_len`: this rank's sizes checked against its buffers (an error here aborts the
+    /// group, so that the peers stop at once), then every rank's gathered and the whole matrix
+    /// checked on every rank (a pair that disagrees is the same error on every rank, and the
+    /// group stays usable). Gives the matrix, row-major: row `s` is what rank `s` sends each
+    /// rank (for [`BlockSizes`]). What every backend's all-to-all runs first, on the host or
+    /// on the device (`ops/cuda.rs`).
+    pub(crate) fn agree_all_to_all(
+        &self,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        src_len: usize,
+        dst_len: usize,
+    ) -> CommResult<Vec<usize>> {
         let (p, me) = (self.size(), self.rank());
         let who = || format!("all_to_all on group '{}' (rank {me} of {p})", self.name());
         let local = if send_counts.len() != p || recv_counts.len() != p {
@@ -59,16 +125,14 @@ impl ProcessGroup {
                     recv_counts.len()
                 ),
             ))
-        } else if send_counts.iter().sum::<usize>() != src.len()
-            || recv_counts.iter().sum::<usize>() != dst.len()
+        } else if send_counts.iter().sum::<usize>() != src_len
+            || recv_counts.iter().sum::<usize>() != dst_len
         {
             Err(CommError::invalid(
                 who(),
                 format!(
-                    "send sizes {send_counts:?} for an input of {} elements, receive sizes \
-                     {recv_counts:?} for an output of {}",
-                    src.len(),
-                    dst.len()
+                    "send sizes {send_counts:?} for an input of {src_len} elements, receive \
+                     sizes {recv_counts:?} for an output of {dst_len}"
                 ),
             ))
         } else {
@@ -100,16 +164,10 @@ impl ProcessGroup {
                 }
             }
         }
-        // Every rank's whole send buffer, then this rank's block of each.
-        let totals: Vec<usize> = (0..p).map(|s| (0..p).map(|d| sends(s, d)).sum()).collect();
-        let mut gathered = vec![T::default(); totals.iter().sum()];
-        self.all_gather_v_slice(src, &mut gathered, &totals)?;
-        let (starts, out) = (offsets(&totals), offsets(recv_counts));
-        for s in 0..p {
-            let at = starts[s] + (0..me).map(|d| sends(s, d)).sum::<usize>();
-            dst[out[s]..out[s] + recv_counts[s]]
-                .copy_from_slice(&gathered[at..at + recv_counts[s]]);
-        }
-        Ok(())
+        // The agreed matrix, row s what rank s sends each rank: the same on every rank.
+        Ok((0..p)
+            .flat_map(|s| (0..p).map(move |d| (s, d)))
+            .map(|(s, d)| sends(s, d))
+            .collect())
     }
 }

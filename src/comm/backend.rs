@@ -218,6 +218,145 @@ macro_rules! erased_collectives {
 }
 pub(crate) use erased_collectives;
 
+/// [`Backend::all_to_all_v`] on erased buffers, for a backend with its own all-to-all: inside
+/// its `impl Backend` block (beside [`erased_collectives!`]), it calls the backend's inherent
+/// `typed_all_to_all(src: &[T], dst: &mut [T], sizes: &BlockSizes)`.
+macro_rules! erased_all_to_all {
+    () => {
+        fn all_to_all_v(
+            &self,
+            src: $crate::comm::backend::HostBuf<'_>,
+            dst: $crate::comm::backend::HostBufMut<'_>,
+            sizes: &$crate::comm::backend::BlockSizes<'_>,
+        ) -> $crate::comm::error::CommResult<()> {
+            use $crate::comm::backend::{for_element, typed, typed_mut};
+            let who = || self.who("all_to_all");
+            for_element!(dst.dtype(), who(), |T| self.typed_all_to_all(
+                typed::<T>(src, who)?,
+                typed_mut::<T>(dst, who)?,
+                sizes
+            ))
+        }
+    };
+}
+pub(crate) use erased_all_to_all;
+
+/// The block sizes of an all-to-all that every rank of the group agreed on: `count(s, d)`
+/// elements go from rank `s` to rank `d`, for every pair (what each rank checked before any
+/// data moves, so a backend may rely on every rank holding the same matrix), and this rank's
+/// place in it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockSizes<'a> {
+    rank: usize,
+    size: usize,
+    /// Row-major `size × size`: row `s` is what rank `s` sends each rank.
+    counts: &'a [usize],
+}
+
+impl<'a> BlockSizes<'a> {
+    /// The matrix `counts` (row-major, `size × size`) seen from rank `rank`; an error naming
+    /// `who` when it is not square for `size` ranks or `rank` is not one of them.
+    pub(crate) fn new(
+        who: &str,
+        rank: usize,
+        size: usize,
+        counts: &'a [usize],
+    ) -> CommResult<Self> {
+        if rank >= size || size.checked_mul(size) != Some(counts.len()) {
+            return Err(CommError::invalid(
+                who,
+                format!(
+                    "{} block sizes for rank {rank} of {size} ranks ({size} x {size} expected)",
+                    counts.len()
+                ),
+            ));
+        }
+        Ok(Self { rank, size, counts })
+    }
+
+    /// This rank's index.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Elements rank `s` sends rank `d`.
+    pub(crate) fn count(&self, s: usize, d: usize) -> usize {
+        self.counts[s * self.size + d]
+    }
+
+    /// What rank `s` sends each rank, in rank order (its send buffer's blocks).
+    pub(crate) fn sends(&self, s: usize) -> &'a [usize] {
+        &self.counts[s * self.size..(s + 1) * self.size]
+    }
+
+    /// What this rank receives from each rank, in rank order (its receive buffer's blocks).
+    pub(crate) fn recv_counts(&self) -> Vec<usize> {
+        (0..self.size).map(|s| self.count(s, self.rank)).collect()
+    }
+
+    /// Where rank `s`'s block for rank `d` starts in its send buffer.
+    pub(crate) fn offset(&self, s: usize, d: usize) -> usize {
+        self.sends(s)[..d].iter().sum()
+    }
+
+    /// The whole matrix, row-major.
+    pub(crate) fn counts(&self) -> &'a [usize] {
+        self.counts
+    }
+
+    /// Checks this rank's buffers against the matrix: `src` of `src_len` elements holds its
+    /// row, `dst` of `dst_len` its column. The error names `who`.
+    pub(crate) fn check(&self, who: &str, src_len: usize, dst_len: usize) -> CommResult<()> {
+        let send = self.sends(self.rank);
+        let recv: usize = (0..self.size).map(|s| self.count(s, self.rank)).sum();
+        if send.iter().sum::<usize>() != src_len || recv != dst_len {
+            return Err(CommError::invalid(
+                who,
+                format!(
+                    "send sizes {send:?} for an input of {src_len} elements, receive sizes \
+                     {:?} for an output of {dst_len}",
+                    self.recv_counts()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The all-to-all of a backend without its own ([`Backend::all_to_all_v`]'s default): an
+/// all-gather of every rank's whole send buffer, from which each rank keeps its blocks. It
+/// moves every send buffer to every rank, `p − 1` times what a native all-to-all moves; kept
+/// callable (`ProcessGroup::all_to_all_v_slice_via_all_gather`) so that the benchmark and the
+/// tests compare the two.
+pub(crate) fn all_to_all_by_all_gather<B: Backend + ?Sized>(
+    backend: &B,
+    src: HostBuf<'_>,
+    dst: HostBufMut<'_>,
+    sizes: &BlockSizes<'_>,
+) -> CommResult<()> {
+    let (p, me) = (sizes.size(), sizes.rank());
+    let who = || format!("all_to_all (through an all-gather; rank {me} of {p})");
+    for_element!(dst.dtype(), who(), |T| {
+        let src = typed::<T>(src, who)?;
+        let dst = typed_mut::<T>(dst, who)?;
+        sizes.check(&who(), src.len(), dst.len())?;
+        let totals: Vec<usize> = (0..p).map(|s| sizes.sends(s).iter().sum()).collect();
+        let mut gathered = vec![T::default(); totals.iter().sum()];
+        backend.all_gather_v(HostBuf::new(src), HostBufMut::new(&mut gathered), &totals)?;
+        let (starts, out) = (offsets(&totals), offsets(&sizes.recv_counts()));
+        for s in 0..p {
+            let (at, n) = (starts[s] + sizes.offset(s, me), sizes.count(s, me));
+            dst[out[s]..out[s] + n].copy_from_slice(&gathered[at..at + n]);
+        }
+        Ok(())
+    })
+}
+
 /// A communication backend: the collectives of one group of ranks on host buffers, its abort,
 /// its statistics and how it makes sub-groups.
 ///
@@ -254,6 +393,21 @@ pub(crate) trait Backend: Send + Sync + 'static {
 
     /// Copies `root`'s `buf` into every rank's `buf`.
     fn broadcast(&self, buf: HostBufMut<'_>, root: usize) -> CommResult<()>;
+
+    /// All-to-all (`MPI_Alltoallv`): `src` holds this rank's blocks for every rank in rank
+    /// order, `dst` receives every rank's block for this one, in rank order; `sizes` is the
+    /// matrix of block sizes every rank agreed on (the group checked it, and the buffers
+    /// against it). The default is [`all_to_all_by_all_gather`] (every send buffer to every
+    /// rank, `p − 1` times the data a native all-to-all moves): a backend with its own
+    /// exchange overrides it ([`erased_all_to_all!`]).
+    fn all_to_all_v(
+        &self,
+        src: HostBuf<'_>,
+        dst: HostBufMut<'_>,
+        sizes: &BlockSizes<'_>,
+    ) -> CommResult<()> {
+        all_to_all_by_all_gather(self, src, dst, sizes)
+    }
 
     /// Waits until every rank of the group has called it.
     fn barrier(&self) -> CommResult<()>;
@@ -350,6 +504,16 @@ pub(crate) trait DeviceCollectives {
         dst: &mut DeviceDst,
         counts: &[usize],
         op: ReduceOp,
+    ) -> candle_core::Result<()>;
+
+    /// All-to-all with the agreed block sizes `sizes` (see [`Backend::all_to_all_v`]): `src`
+    /// holds this rank's block for every rank, `dst` receives every rank's block for it.
+    fn all_to_all_v(
+        &self,
+        name: &str,
+        src: DeviceSrc<'_>,
+        dst: &mut DeviceDst,
+        sizes: &BlockSizes<'_>,
     ) -> candle_core::Result<()>;
 }
 

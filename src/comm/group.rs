@@ -85,6 +85,12 @@ impl ProcessGroup {
         Self::new(w.name, w.rank, w.members, w.backend, w.ctx)
     }
 
+    /// The backend the group hands its collectives to (for the collectives written in files of
+    /// their own beside this one, `all_to_all.rs`).
+    pub(super) fn host_backend(&self) -> &dyn Backend {
+        self.inner.backend.as_ref()
+    }
+
     /// The group's collectives on device memory, when its backend has them (NCCL), for the
     /// CUDA tensor paths of `ops`.
     #[cfg(feature = "nccl")]

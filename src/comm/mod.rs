@@ -47,7 +47,7 @@ pub use self::join::{init_hierarchical, init_mpi};
 #[cfg(feature = "mpi")]
 pub use self::mpi::CHECK_SIZES_VAR;
 #[cfg(feature = "nccl")]
-pub(crate) use backend::{DeviceCollectives, DeviceSrc};
+pub(crate) use backend::{BlockSizes, DeviceCollectives, DeviceSrc};
 pub use context::GroupOptions;
 pub use element::{Element, ReduceOp};
 pub use env::init_from_env;

@@ -28,7 +28,9 @@ use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr};
 use cudarc::nccl::result::{group_end, group_start, NcclError};
 use cudarc::nccl::safe::{Comm, NcclType, ReduceOp as NcclOp};
 
-use super::backend::{erased_collectives, Backend, DeviceCollectives};
+use super::backend::{
+    erased_all_to_all, erased_collectives, Backend, BlockSizes, DeviceCollectives,
+};
 use super::context::Context;
 use super::element::ReduceOp;
 use super::error::{CommError, CommResult};
@@ -118,6 +120,7 @@ pub(crate) fn ordinal(device: &CudaDevice) -> usize {
 /// [`ProcessGroup::device_collectives`](crate::ProcessGroup::device_collectives)).
 impl Backend for NcclGroup {
     erased_collectives!();
+    erased_all_to_all!();
 
     fn barrier(&self) -> CommResult<()> {
         NcclGroup::barrier(self)
@@ -413,6 +416,78 @@ impl NcclGroup {
             CollectiveKind::ReduceScatter,
             total * std::mem::size_of::<T>(),
             t,
+        );
+        Ok(())
+    }
+}
+
+impl NcclGroup {
+    /// All-to-all with the agreed block sizes `sizes`, asynchronously: one `ncclSend` and one
+    /// `ncclRecv` per rank with a non-empty block (this rank's own included: NCCL copies it),
+    /// in one NCCL group. Counted: the blocks for and from other ranks.
+    pub(crate) fn all_to_all_v<T: NcclType + DeviceRepr>(
+        &self,
+        src: &CudaView<'_, T>,
+        dst: &mut CudaViewMut<'_, T>,
+        sizes: &BlockSizes<'_>,
+    ) -> CommResult<()> {
+        let name = "all_to_all";
+        if sizes.size() != self.size || sizes.rank() != self.rank {
+            return Err(CommError::invalid(
+                self.who(name),
+                format!(
+                    "block sizes for rank {} of {} ranks",
+                    sizes.rank(),
+                    sizes.size()
+                ),
+            ));
+        }
+        sizes.check(&self.who(name), src.len(), dst.len())?;
+        let t = Instant::now();
+        let guard = self.lock(name)?;
+        let Some(c) = guard.as_ref() else {
+            return Ok(());
+        };
+        let me = self.rank;
+        let recv = sizes.recv_counts();
+        grouped(&self.who("ncclGroupStart/End (all_to_all)"), || {
+            let mut at = 0;
+            for (r, &n) in recv.iter().enumerate() {
+                let (from, to) = (sizes.offset(me, r), sizes.count(me, r));
+                if to > 0 {
+                    let part = src.try_slice(from..from + to).ok_or_else(|| {
+                        CommError::invalid(
+                            self.who(name),
+                            format!("block for rank {r} out of range"),
+                        )
+                    })?;
+                    c.0.send(&part, r as i32)
+                        .map_err(nccl_err(self.who("ncclSend (all_to_all)")))?;
+                }
+                if n > 0 {
+                    let mut part = dst.try_slice_mut(at..at + n).ok_or_else(|| {
+                        CommError::invalid(
+                            self.who(name),
+                            format!("block from rank {r} out of range"),
+                        )
+                    })?;
+                    c.0.recv(&mut part, r as i32)
+                        .map_err(nccl_err(self.who("ncclRecv (all_to_all)")))?;
+                }
+                at += n;
+            }
+            Ok(())
+        })?;
+        drop(guard);
+        let esz = std::mem::size_of::<T>();
+        let own = sizes.count(me, me);
+        let (sent, got) = ((src.len() - own) * esz, (dst.len() - own) * esz);
+        self.stats.lock().record(
+            CollectiveKind::AllToAll,
+            sent.max(got),
+            sent,
+            got,
+            t.elapsed(),
         );
         Ok(())
     }

@@ -7,7 +7,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::backend::{erased_collectives, Backend, Registration, World};
+use super::backend::{
+    erased_all_to_all, erased_collectives, Backend, BlockSizes, Registration, World,
+};
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::engine::{check_slot_bytes, region_layout, AbortHandle, Engine};
@@ -167,10 +169,20 @@ impl ShmBackend {
     fn typed_broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
         self.engine().broadcast(buf, root)
     }
+
+    fn typed_all_to_all<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        sizes: &BlockSizes<'_>,
+    ) -> CommResult<()> {
+        self.engine().all_to_all(src, dst, sizes)
+    }
 }
 
 impl Backend for ShmBackend {
     erased_collectives!();
+    erased_all_to_all!();
 
     fn barrier(&self) -> CommResult<()> {
         self.engine().barrier("barrier")

@@ -17,16 +17,19 @@ pub enum CollectiveKind {
     Broadcast,
     /// `barrier`.
     Barrier,
+    /// `all_to_all` (per-rank block sizes; its size agreement is counted as an all-gather).
+    AllToAll,
 }
 
 impl CollectiveKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [CollectiveKind; 5] = [
+    pub const ALL: [CollectiveKind; 6] = [
         CollectiveKind::AllReduce,
         CollectiveKind::AllGather,
         CollectiveKind::ReduceScatter,
         CollectiveKind::Broadcast,
         CollectiveKind::Barrier,
+        CollectiveKind::AllToAll,
     ];
 
     /// The collective's name as in PyTorch and NCCL (`all_reduce`, …).
@@ -37,6 +40,7 @@ impl CollectiveKind {
             CollectiveKind::ReduceScatter => "reduce_scatter",
             CollectiveKind::Broadcast => "broadcast",
             CollectiveKind::Barrier => "barrier",
+            CollectiveKind::AllToAll => "all_to_all",
         }
     }
 
@@ -55,10 +59,11 @@ pub struct OpStats {
     /// Number of calls.
     pub calls: u64,
     /// Logical size: the buffer reduced or broadcast, the gathered output, the input that was
-    /// reduce-scattered.
+    /// reduce-scattered, the larger of what an all-to-all sends to and receives from other ranks.
     pub payload_bytes: u64,
     /// Bytes this rank made available to peers (written into its shared slots for them to
-    /// read): what it sent.
+    /// read): what it sent. An all-to-all counts the blocks for other ranks (its own block
+    /// is a local copy).
     pub sent_bytes: u64,
     /// Bytes this rank copied or reduced out of peers' slots: what it received.
     pub received_bytes: u64,
@@ -110,7 +115,7 @@ impl OpStats {
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct CommStats {
-    ops: [OpStats; 5],
+    ops: [OpStats; CollectiveKind::ALL.len()],
 }
 
 impl CommStats {

@@ -112,11 +112,7 @@ pub(crate) fn fwd(
     };
     let dims = l.dims();
     #[cfg(feature = "nccl")]
-    // The all-to-all has no device form yet: it goes through host memory on every backend.
-    if let (Some(n), false) = (
-        pg.device_collectives(),
-        matches!(kind, Kind::AllToAll { .. }),
-    ) {
+    if let Some(n) = pg.device_collectives() {
         return nccl_fwd(pg, kind, n, s, start, end, dims);
     }
     let len = end - start;
@@ -244,8 +240,26 @@ fn nccl_fwd(
             }
             Ok((out, same))
         }
-        Kind::AllToAll { .. } => {
-            candle_core::bail!("{name}: the all-to-all runs through host memory (ops/cuda.rs fwd)")
+        Kind::AllToAll { send, recv } => {
+            // Rows to elements; the sizes agreed on the host (a few values), the blocks moved
+            // on the device by grouped ncclSend / ncclRecv.
+            let rows: usize = send.iter().sum();
+            if dims.is_empty() || dims[0] != rows {
+                return Err(pg.refuse(format!(
+                    "{name}: tensor has shape {dims:?}, the rows sent {send:?} add up to {rows}"
+                )));
+            }
+            let inner: usize = dims[1..].iter().product();
+            let sends: Vec<usize> = send.iter().map(|r| r * inner).collect();
+            let recvs: Vec<usize> = recv.iter().map(|r| r * inner).collect();
+            let total: usize = recvs.iter().sum();
+            let matrix = pg.agree_all_to_all(&sends, &recvs, len, total)?;
+            let sizes = crate::comm::BlockSizes::new(&name, pg.rank(), pg.size(), &matrix)?;
+            let mut out = alloc(s, total)?;
+            n.all_to_all_v(&name, src(s, start, end), &mut out, &sizes)?;
+            let mut out_dims = dims.to_vec();
+            out_dims[0] = recv.iter().sum();
+            Ok((out, Shape::from(out_dims)))
         }
         Kind::AllGather { dim, sizes } => {
             let g = geometry(pg, kind, dims, *dim, sizes, true)?;

@@ -1,10 +1,11 @@
 //! The collectives on top of the phase protocol: all-reduce (one-shot and
 //! reduce-scatter + all-gather), all-gather and reduce-scatter with per-rank sizes,
-//! broadcast.
+//! broadcast, all-to-all.
 
 use std::time::Instant;
 
 use super::{CollectiveKind, Engine, MetaValue, MAX_RANKS, PORTION_ALIGN};
+use crate::comm::backend::BlockSizes;
 use crate::comm::element::{reduce_into, Element, ReduceOp};
 use crate::comm::error::{CommError, CommResult};
 
@@ -300,6 +301,116 @@ impl Engine {
         Ok(())
     }
 
+    /// All-to-all with the agreed block sizes `sizes`: `src` holds this rank's block for
+    /// every rank in rank order, `dst` receives every rank's block for this one.
+    ///
+    /// Each block crosses once. A rank's blocks for the other ranks, in rank order, form its
+    /// *stream*; phase `k` carries elements `[k·cap, (k+1)·cap)` of every rank's stream (`cap`
+    /// a slot's elements): each rank writes that window of its stream into its slot, waits for
+    /// every peer, and copies out of each peer's slot the part of the window that is its
+    /// block. Every rank runs the same number of phases (the longest stream's, at least one,
+    /// which carries the element type for the agreement check), known from the matrix alone;
+    /// most exchanges fit one slot and take one phase. Its own block is a local copy.
+    pub(crate) fn all_to_all<T: Element>(
+        &mut self,
+        src: &[T],
+        dst: &mut [T],
+        sizes: &BlockSizes<'_>,
+    ) -> CommResult<()> {
+        let name = "all_to_all";
+        let t0 = Instant::now();
+        self.check_abort(name)?;
+        let (p, me) = (self.size, self.rank);
+        let who = || format!("{name} on group '{}' (rank {me} of {p})", self.group);
+        if sizes.size() != p || sizes.rank() != me {
+            return Err(CommError::invalid(
+                who(),
+                format!(
+                    "block sizes for rank {} of {} ranks",
+                    sizes.rank(),
+                    sizes.size()
+                ),
+            ));
+        }
+        sizes.check(&who(), src.len(), dst.len())?;
+        let esz = std::mem::size_of::<T>();
+        let cap = self.slot_bytes / esz;
+        // Where rank s's block for rank d starts in s's stream (its own block left out).
+        let stream_at = |s: usize, d: usize| -> usize {
+            (0..d).filter(|&q| q != s).map(|q| sizes.count(s, q)).sum()
+        };
+        // Per peer, on the stack: where this rank's block for it lies in this rank's stream
+        // and send buffer, where its block for this rank lies in its stream, and where that
+        // block goes in `dst`.
+        let (mut mine_at, mut theirs_at) = ([0usize; MAX_RANKS], [0usize; MAX_RANKS]);
+        let (mut src_at, mut dst_at) = ([0usize; MAX_RANKS], [0usize; MAX_RANKS]);
+        let mut longest = 0;
+        for r in 0..p {
+            mine_at[r] = stream_at(me, r);
+            theirs_at[r] = stream_at(r, me);
+            src_at[r] = sizes.offset(me, r);
+            dst_at[r] = (0..r).map(|q| sizes.count(q, me)).sum();
+            longest = longest.max(stream_at(r, p));
+        }
+        let own = sizes.count(me, me);
+        dst[dst_at[me]..dst_at[me] + own].copy_from_slice(&src[src_at[me]..src_at[me] + own]);
+        let meta = MetaValue {
+            kind: CollectiveKind::AllToAll.code(),
+            dtype: T::CODE,
+            count: sizes.counts().iter().sum::<usize>() as u64,
+            aux: hash_sizes(sizes.counts(), 0),
+        };
+        let (mut sent, mut recv) = (0usize, 0usize);
+        let phases = longest.div_ceil(cap).max(1);
+        for k in 0..phases {
+            let window = (k * cap, (k + 1) * cap);
+            let (phase, parity) = self.next_phase();
+            let slot = self.slot::<T>(me, parity);
+            for d in (0..p).filter(|&d| d != me) {
+                let (a, b) = overlap(mine_at[d], sizes.count(me, d), window);
+                if a < b {
+                    // SAFETY: [a, b) lies in this rank's block for d (so in src) and in the
+                    // window, whose cap elements the slot holds.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src.as_ptr().add(src_at[d] + (a - mine_at[d])),
+                            slot.add(a - window.0),
+                            b - a,
+                        )
+                    };
+                    sent += (b - a) * esz;
+                }
+            }
+            let describe: &dyn Fn(u64) -> String =
+                &|_| " (block sizes differ between ranks)".into();
+            self.exchange(phase, parity, name, (k == 0).then_some((meta, describe)))?;
+            for s in (0..p).filter(|&s| s != me) {
+                let (a, b) = overlap(theirs_at[s], sizes.count(s, me), window);
+                if a < b {
+                    let at = dst_at[s] + (a - theirs_at[s]);
+                    let out = &mut dst[at..at + (b - a)];
+                    // SAFETY: peer s wrote its stream's window this phase, [a, b) included.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.slot::<T>(s, parity).add(a - window.0),
+                            out.as_mut_ptr(),
+                            b - a,
+                        )
+                    };
+                    recv += (b - a) * esz;
+                }
+            }
+        }
+        self.stats.record(
+            CollectiveKind::AllToAll,
+            sent.max(recv),
+            sent,
+            recv,
+            t0.elapsed(),
+        );
+        Ok(())
+    }
+
     /// The start of a collective with per-rank sizes `counts`: the abort checked, and the
     /// sizes (`mine` this rank's buffer, `whole` the concatenated one: [`Engine::check_counts`]);
     /// gives the blocks' offsets, their total and the number of phases of at most `cap`
@@ -372,6 +483,12 @@ fn hash_sizes(sizes: &[usize], salt: u64) -> u64 {
         }
     }
     h
+}
+
+/// The part of a block of `len` elements at `at` of a stream that falls in `window`, as
+/// stream positions `(start, end)` (`start >= end`: none).
+fn overlap(at: usize, len: usize, window: (usize, usize)) -> (usize, usize) {
+    (at.max(window.0), (at + len).min(window.1))
 }
 
 /// Elements of a buffer of `count` that fall in chunk `[lo, lo + cap)`.

@@ -21,6 +21,13 @@
 //!   the host; reduce-scatter: inside the host, then across; broadcast: across hosts among the
 //!   root's local index, then inside each host.
 //!
+//! - all-to-all: no composed exchange (an in-host all-to-all, the blocks for other hosts
+//!   across among the members of each local index, then in-host again) yet: the trait's
+//!   default, an all-gather of every send buffer (this backend's all-gather above) from which
+//!   each rank keeps its blocks, `p − 1` times the data of a native all-to-all, across hosts
+//!   too. Sub-groups on one host (shm) or with one member per host (MPI) have their backend's
+//!   own. `tests/hosts_collectives.rs` checks its results on the 2 × 2 and 2 + 1 layouts.
+//!
 //! Uneven layouts (3 ranks: 2 on one host, 1 on another) go through each host's first member:
 //! the collective inside the host, the same collective among those leaders, and a broadcast
 //! inside the host.

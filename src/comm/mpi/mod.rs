@@ -25,7 +25,9 @@ use ::mpi::topology::{Communicator, SimpleCommunicator};
 use ::mpi::traits::*;
 use ::mpi::Threading;
 
-use super::backend::{check_counts, erased_collectives, Backend, Registration, World};
+use super::backend::{
+    check_counts, erased_all_to_all, erased_collectives, Backend, BlockSizes, Registration, World,
+};
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
@@ -609,8 +611,58 @@ impl MpiBackend {
     }
 }
 
+impl MpiBackend {
+    /// `MPI_Alltoallv`, after the agreement on the element type and the block sizes (which
+    /// every rank already checked; this also catches element types that differ). MPI's counts
+    /// and offsets are 32-bit: a send or receive buffer past `i32::MAX` elements is an error
+    /// naming the sizes (no piecewise form: a block's pieces would need their own offsets).
+    /// Counted: the blocks for and from other ranks.
+    fn typed_all_to_all<T: Wire>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        sizes: &BlockSizes<'_>,
+    ) -> CommResult<()> {
+        let who = self.who("all_to_all");
+        if sizes.size() != self.size || sizes.rank() != self.rank {
+            return Err(CommError::invalid(
+                who,
+                format!(
+                    "block sizes for rank {} of {} ranks",
+                    sizes.rank(),
+                    sizes.size()
+                ),
+            ));
+        }
+        sizes.check(&who, src.len(), dst.len())?;
+        let (send, recv) = (sizes.sends(self.rank), sizes.recv_counts());
+        let wide = |what: &str, counts: &[usize]| {
+            CommError::invalid(
+                self.who("all_to_all"),
+                format!(
+                    "{what} sizes {counts:?}: MPI's counts and offsets are 32-bit (at most {} \
+                     elements)",
+                    i32::MAX
+                ),
+            )
+        };
+        let (sc, sd) = displacements(send).map_err(|_| wide("send", send))?;
+        let (rc, rd) = displacements(&recv).map_err(|_| wide("receive", &recv))?;
+        let total: usize = sizes.counts().iter().sum();
+        let meta = meta::<T>(CollectiveKind::AllToAll, total, hash_counts(sizes.counts()));
+        let own = sizes.count(self.rank, self.rank);
+        let esz = std::mem::size_of::<T>();
+        let bytes = ((src.len() - own) * esz, (dst.len() - own) * esz);
+        self.run(CollectiveKind::AllToAll, meta, bytes, |comm| {
+            <T as Wire>::all_to_all_v(comm, (src, &sc, &sd), (dst, &rc, &rd));
+            Ok(())
+        })
+    }
+}
+
 impl Backend for MpiBackend {
     erased_collectives!();
+    erased_all_to_all!();
 
     fn barrier(&self) -> CommResult<()> {
         let meta = [CollectiveKind::Barrier.code() as u64, 0, 0, 0];

@@ -1,7 +1,7 @@
 //! How each element type crosses MPI: natively, or widened to f32 (f16, bf16) for reductions
 //! and moved as u16 bits for gathers and broadcasts; `Max` of floats propagates NaN.
 
-use ::mpi::datatype::PartitionMut;
+use ::mpi::datatype::{Partition, PartitionMut};
 use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::*;
 use half::{bf16, f16};
@@ -30,6 +30,13 @@ pub(super) trait Wire: Element {
         d: &[i32],
     );
     fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize);
+    /// `MPI_Alltoallv` of raw values: block `d` of `src` (`sc[d]` elements at `sd[d]`) to
+    /// rank `d`, rank `s`'s block for this one into `dst` (`rc[s]` elements at `rd[s]`).
+    fn all_to_all_v(
+        comm: &SimpleCommunicator,
+        send: (&[Self], &[i32], &[i32]),
+        recv: (&mut [Self], &[i32], &[i32]),
+    );
 }
 
 macro_rules! native_wire {
@@ -79,6 +86,15 @@ macro_rules! native_wire {
             }
             fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize) {
                 comm.process_at_rank(root as i32).broadcast_into(buf);
+            }
+            fn all_to_all_v(
+                comm: &SimpleCommunicator,
+                (src, sc, sd): (&[Self], &[i32], &[i32]),
+                (dst, rc, rd): (&mut [Self], &[i32], &[i32]),
+            ) {
+                let send = Partition::new(src, sc, sd);
+                let mut recv = PartitionMut::new(dst, rc, rd);
+                comm.all_to_all_varcount_into(&send, &mut recv);
             }
         }
     };
@@ -157,6 +173,18 @@ macro_rules! half_wire {
                     *d = <$t>::from_bits(b);
                 }
             }
+            fn all_to_all_v(
+                comm: &SimpleCommunicator,
+                (src, sc, sd): (&[Self], &[i32], &[i32]),
+                (dst, rc, rd): (&mut [Self], &[i32], &[i32]),
+            ) {
+                let s: Vec<u16> = src.iter().map(|v| v.to_bits()).collect();
+                let mut out = vec![0u16; dst.len()];
+                <u16 as BitsWire>::all_to_all_v(comm, (&s, sc, sd), (&mut out, rc, rd));
+                for (d, b) in dst.iter_mut().zip(out) {
+                    *d = <$t>::from_bits(b);
+                }
+            }
             fn broadcast(comm: &SimpleCommunicator, buf: &mut [Self], root: usize) {
                 let mut bits: Vec<u16> = buf.iter().map(|v| v.to_bits()).collect();
                 comm.process_at_rank(root as i32)
@@ -167,6 +195,28 @@ macro_rules! half_wire {
             }
         }
     };
+}
+
+/// `MPI_Alltoallv` of the half types' bits (u16 is no collective's element type, so it has no
+/// [`Wire`]).
+trait BitsWire {
+    fn all_to_all_v(
+        comm: &SimpleCommunicator,
+        send: (&[u16], &[i32], &[i32]),
+        recv: (&mut [u16], &[i32], &[i32]),
+    );
+}
+
+impl BitsWire for u16 {
+    fn all_to_all_v(
+        comm: &SimpleCommunicator,
+        (src, sc, sd): (&[u16], &[i32], &[i32]),
+        (dst, rc, rd): (&mut [u16], &[i32], &[i32]),
+    ) {
+        let send = Partition::new(src, sc, sd);
+        let mut recv = PartitionMut::new(dst, rc, rd);
+        comm.all_to_all_varcount_into(&send, &mut recv);
+    }
 }
 
 half_wire!(f16);

@@ -6,7 +6,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::Result;
 
 use super::NcclGroup;
-use crate::comm::backend::{DeviceCollectives, DeviceDst, DeviceSrc};
+use crate::comm::backend::{BlockSizes, DeviceCollectives, DeviceDst, DeviceSrc};
 use crate::comm::element::ReduceOp;
 use crate::comm::error::CommResult;
 
@@ -94,6 +94,18 @@ impl DeviceCollectives for NcclGroup {
     ) -> Result<()> {
         typed!(name, src, dst, |s, d| Ok(NcclGroup::reduce_scatter_v(
             self, s, d, counts, op
+        )?))
+    }
+
+    fn all_to_all_v(
+        &self,
+        name: &str,
+        src: DeviceSrc<'_>,
+        dst: &mut DeviceDst,
+        sizes: &BlockSizes<'_>,
+    ) -> Result<()> {
+        typed!(name, src, dst, |s, d| Ok(NcclGroup::all_to_all_v(
+            self, s, d, sizes
         )?))
     }
 }

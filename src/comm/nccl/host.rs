@@ -7,6 +7,7 @@ use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 use super::{driver_err, NcclGroup};
+use crate::comm::backend::BlockSizes;
 use crate::comm::element::{Element, ReduceOp};
 use crate::comm::error::{CommError, CommResult};
 
@@ -133,6 +134,23 @@ impl NcclGroup {
         let src = as_bytes(buf).to_vec();
         self.stage::<u8>("broadcast", &src, as_bytes_mut(buf), |s, d| {
             self.broadcast(s, d, root)
+        })
+    }
+
+    /// Bytes, whatever the element type (an all-to-all does not compute): the block sizes in
+    /// bytes.
+    pub(crate) fn typed_all_to_all<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        sizes: &BlockSizes<'_>,
+    ) -> CommResult<()> {
+        let sz = std::mem::size_of::<T>();
+        let bytes: Vec<usize> = sizes.counts().iter().map(|c| c * sz).collect();
+        let who = self.who("all_to_all");
+        let bytes = BlockSizes::new(&who, sizes.rank(), sizes.size(), &bytes)?;
+        self.stage::<u8>("all_to_all", as_bytes(src), as_bytes_mut(dst), |s, d| {
+            self.all_to_all_v(s, d, &bytes)
         })
     }
 
