@@ -16,16 +16,20 @@
 #   --gguf TYPE         the model as a GGUF of that type (Q8_0, Q4_K, ...; SmolLM2's tokenizer,
 #                       scripts/fetch-models.sh), written from the checkpoint by
 #                       make_synthetic_llama (convert::hf_to_gguf)
+#   --llama-cpp         with --gguf: llama.cpp's llama-bench -t 1 and -t 2 on the same file in
+#                       every round (tg N), and llama-simple's greedy text against
+#                       examples/generate's (llama.cpp built once by scripts/lib/llama-cpp.sh)
 # The model is written once under $CANDLE_TP_HOME/models (default ~/.cache/candle-tp).
-# Not yet here (issue 45): llama-bench, serving, emulated hosts.
+# Not yet here (issue 45): serving, emulated hosts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-family=mixtral gguf="" rounds=3 new_tokens=32 experts="" top_k="" hidden="" intermediate="" layers=""
+family=mixtral gguf="" llama_cpp=0 rounds=3 new_tokens=32 experts="" top_k="" hidden="" intermediate="" layers=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --family) family="$2"; shift 2 ;;
     --gguf) gguf="$2"; shift 2 ;;
+    --llama-cpp) llama_cpp=1; shift ;;
     --rounds) rounds="$2"; shift 2 ;;
     --new-tokens) new_tokens="$2"; shift 2 ;;
     --experts) experts="$2"; shift 2 ;;
@@ -33,7 +37,7 @@ while [ $# -gt 0 ]; do
     --hidden) hidden="$2"; shift 2 ;;
     --intermediate) intermediate="$2"; shift 2 ;;
     --layers) layers="$2"; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -74,8 +78,21 @@ else
     "${make[@]}" --out "$model" --vocab 32000 >&2
   fi
 fi
+if [ "$llama_cpp" = 1 ]; then
+  [ -n "$gguf" ] || { echo "--llama-cpp needs --gguf TYPE" >&2; exit 2; }
+  # shellcheck disable=SC1091
+  lbin=$(. scripts/lib/llama-cpp.sh && install_llama_cpp_tools)
+fi
 out="$target_dir/bench-moe.jsonl"
 : > "$out"
+llama() { # LABEL THREADS: llama-bench's decode of the same number of tokens
+  "$lbin/llama-bench" -m "$model" -t "$2" -p 0 -n "$new_tokens" -r 1 -o jsonl 2>/dev/null |
+    python3 -c '
+import json, sys
+r = json.loads(sys.stdin.readline())
+print(json.dumps({"label": sys.argv[1], "tokens_per_s": r["avg_ts"], "model": sys.argv[2]}))' \
+    "$1" "$(basename "$model")" >> "$out"
+}
 run() { # LABEL WORLD [FLAGS...]
   local label=$1 world=$2; shift 2
   "$bin/tprun" --standalone --nproc-per-node "$world" "$bin/examples/bench_generate" \
@@ -89,33 +106,53 @@ for r in $(seq 1 "$rounds"); do
   # Alternate the order so that neither layout always runs first.
   if [ $((r % 2)) = 1 ]; then
     run world1 1; run tp2 2; run ep2 2 --ep
+    [ "$llama_cpp" = 0 ] || { llama llama_t1 1; llama llama_t2 2; }
   else
+    [ "$llama_cpp" = 0 ] || { llama llama_t2 2; llama llama_t1 1; }
     run ep2 2 --ep; run tp2 2; run world1 1
   fi
 done
+text_line=""
+if [ "$llama_cpp" = 1 ]; then
+  prompt="The capital of France is"
+  theirs=$("$lbin/llama-simple" -m "$model" -n 16 "$prompt" 2>/dev/null | head -1)
+  ours=$("$bin/tprun" --standalone --nproc-per-node 2 "$bin/examples/generate" --model "$model" \
+    --prompt "$prompt" --max-new-tokens 16 --ep 2>/dev/null | sed 's/^\[rank 0\] //' | grep -v '^{' | head -1)
+  if [ "$prompt$ours" = "$theirs" ]; then same_text=True; else same_text=False; fi
+  text_line="greedy text of 16 tokens, ep 2 against llama-simple: equal $same_text ($theirs | $prompt$ours)"
+fi
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
-python3 - "$out" "$cpu" "$(nproc)" <<'PY'
+python3 - "$out" "$cpu" "$(nproc)" "$text_line" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 by = {}
 for r in rows:
     by.setdefault(r["label"], []).append(r)
 med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in by.items()}
-ids = {k: {tuple(x["token_ids"]) for x in v} for k, v in by.items()}
+ids = {k: {tuple(x["token_ids"]) for x in v} for k, v in by.items() if not k.startswith("llama")}
 print(f"CPU: {sys.argv[2]} ({sys.argv[3]} cores); model {rows[0]['model']}; "
       f"{len(by.get('tp2', []))} rounds")
 print("| layout | decode tok/s (median) | vs world 1 | memory per rank (max) | vs world 1 | collectives/token | bytes/token (rank 0) |")
 print("|---|---|---|---|---|---|---|")
 mem = {k: max(v[-1].get("rss_bytes") or [0]) for k, v in by.items()}
 for k, name in [("world1", "world 1"), ("tp2", "2 ranks, experts split (TP)"),
-                ("ep2", "2 ranks, whole experts (EP)")]:
+                ("ep2", "2 ranks, whole experts (EP)"), ("llama_t1", "llama-bench -t 1"),
+                ("llama_t2", "llama-bench -t 2")]:
     if k not in by:
         continue
     c = by[k][-1].get("comm") or {}
+    if k.startswith("llama"):
+        print(f"| {name} | {med[k]:.1f} | {med[k] / med['world1']:.2f}x | | | | |")
+        continue
     print(f"| {name} | {med[k]:.1f} | {med[k] / med['world1']:.2f}x | "
           f"{mem[k] / 2**20:.0f} MiB | {mem[k] / max(mem['world1'], 1):.2f}x | "
           f"{c.get('collectives_per_token', 0):.0f} | {c.get('bytes_per_token', 0):.0f} |")
 print(f"EP / TP at 2 ranks: {med['ep2'] / med['tp2']:.2f}x")
+if "llama_t2" in med:
+    print(f"EP at 2 ranks / llama-bench -t 2: {med['ep2'] / med['llama_t2']:.2f}x; "
+          f"world 1 (2 threads) / llama-bench -t 2: {med['world1'] / med['llama_t2']:.2f}x")
 same = ids["world1"] == ids["tp2"] == ids["ep2"] and len(ids["world1"]) == 1
 print(f"greedy ids equal across layouts and rounds: {same}")
+if sys.argv[4]:
+    print(sys.argv[4])
 PY
