@@ -26,9 +26,12 @@
 #
 # With --pp-vs-tp instead: candle-tp on the same NPROC ranks twice per round, as NPROC
 # tensor-parallel ranks and as NPROC pipeline stages (`--pp NPROC`), side by side.
+# With --ep-vs-tp: the same for a mixture-of-experts MODEL, every expert split across the
+# ranks against whole experts per rank (`--ep`).
 #
 #   scripts/bench-serve.sh                   # 2 ranks, SmolLM2 f32, 64 tokens per request
 #   scripts/bench-serve.sh --pp-vs-tp        # tp 2 against pp 2 on the same 2 ranks
+#   MODEL=moe.gguf scripts/bench-serve.sh --ep-vs-tp   # experts split against whole experts
 #   scripts/bench-serve.sh --llama-cpp       # 2 ranks against llama.cpp with 2 threads, Q4_1 GGUF
 #   scripts/bench-serve.sh --llama-server --rounds 2   # against llama-server --parallel 8
 #   NPROC=1 MODEL=~/.cache/candle-tp/models/smollm2-135m-instruct.Q4_1.gguf scripts/bench-serve.sh
@@ -42,14 +45,16 @@ cd "$(dirname "$0")/.."
 llama_cpp=0
 llama_server=0
 pp_vs_tp=0
+ep_vs_tp=0
 rounds=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --llama-cpp) llama_cpp=1; shift ;;
     --llama-server) llama_cpp=1; llama_server=1; shift ;;
     --pp-vs-tp) pp_vs_tp=1; shift ;;
+    --ep-vs-tp) ep_vs_tp=1; shift ;;
     --rounds) rounds="$2"; shift 2 ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -127,6 +132,12 @@ for r in $(seq "$rounds"); do
     start_server "$PROFILE" --max-batch 16 --max-seq-len "$N_CTX" --pp "$NPROC"
     echo "==> round $r: candle-tp-serve --pp $NPROC on port $port" >&2
     bench "candle-tp pp $NPROC" "$r" "$port"
+  elif [ "$ep_vs_tp" = 1 ]; then
+    bench "candle-tp tp $NPROC" "$r" "$port"
+    stop_server
+    start_server "$PROFILE" --max-batch 16 --max-seq-len "$N_CTX" --ep
+    echo "==> round $r: candle-tp-serve --ep on port $port" >&2
+    bench "candle-tp ep $NPROC" "$r" "$port"
   else
     bench candle-tp "$r" "$port"
   fi

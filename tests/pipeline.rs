@@ -315,7 +315,7 @@ fn request(i: u64, prompt_len: usize, max_tokens: usize) -> SeqRequest {
         params: SamplingParams {
             temperature: if i % 4 == 2 { 0.0 } else { 0.8 },
             top_k: (i % 4 == 1).then_some(20),
-            top_p: (i >= 4 && i % 4 == 0).then_some(0.9),
+            top_p: (i >= 4 && i.is_multiple_of(4)).then_some(0.9),
             seed: 7 + i,
         },
         stop_ids: vec![2],
