@@ -23,7 +23,9 @@ pub(super) struct Header {
     pub(super) size: AtomicU64,
     pub(super) slot_bytes: AtomicU64,
     pub(super) abort: AtomicU32,
-    pub(super) _pad: AtomicU32,
+    /// The creator's rank in the group, plus one (0: not written), for the errors of ranks
+    /// that do not match its header.
+    pub(super) creator: AtomicU32,
     /// Largest one-shot all-reduce in bytes: a protocol choice, so the creator's value (its
     /// `CANDLE_TP_ONESHOT_BYTES`) holds for every rank.
     pub(super) one_shot_bytes: AtomicU64,

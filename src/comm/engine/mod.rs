@@ -157,6 +157,7 @@ impl Engine {
             h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
             h.one_shot_bytes
                 .store(one_shot_max as u64, Ordering::Relaxed);
+            h.creator.store(rank as u32 + 1, Ordering::Relaxed);
             h.magic.store(MAGIC, Ordering::Release);
         } else {
             let (m, s, b) = (
@@ -165,11 +166,17 @@ impl Engine {
                 h.slot_bytes.load(Ordering::Relaxed),
             );
             if m != MAGIC || s != size as u64 || b != slot_bytes as u64 {
+                let creator = match h.creator.load(Ordering::Relaxed) {
+                    0 => "its creator".to_string(),
+                    c => format!("rank {}", c - 1),
+                };
                 return Err(CommError::invalid(
-                    format!("group '{}'", engine.group),
+                    format!("group '{}' rank {rank}", engine.group),
                     format!(
-                        "shared region does not match this group (magic {m:#x}, {s} ranks, {b}-byte slots; \
-                         expected {size} ranks, {slot_bytes}-byte slots): another job or version?"
+                        "the shared region made by {creator} has {s} ranks and {b}-byte slots \
+                         (magic {m:#x}); rank {rank} expects {size} ranks and {slot_bytes}-byte \
+                         slots: CANDLE_TP_SLOT_BYTES or the world size differs between the two \
+                         ranks, or the region is another job's or another version's"
                     ),
                 ));
             }

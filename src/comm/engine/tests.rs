@@ -87,3 +87,31 @@ fn a_small_sub_group_of_an_oversubscribed_host_spins_briefly() {
         );
     }
 }
+
+/// A rank whose slot size differs from the region's creator's (`CANDLE_TP_SLOT_BYTES` set
+/// differently) fails with an error naming itself, the creator and both sizes, whichever of
+/// the two is at fault (issue 44: the suite's `error-join` fault on a host's first rank was
+/// reported by its peer without a rank).
+#[test]
+fn a_slot_size_that_differs_from_the_creators_names_both_ranks() {
+    let name = format!("engine-test-{}", region::random_hex());
+    let (big, small) = (128 << 10, 64 << 10);
+    let (_, len) = region_layout(3, big).unwrap();
+    let map = region::create(RegionKind::InProcess, &name, len).unwrap();
+    let timeout = Duration::from_secs(3);
+    // Rank 2 creates the region with the larger slots; rank 0 attaches with the smaller.
+    let creator = Engine::attach(map.clone(), "t".into(), 2, 3, big, timeout, true, 3);
+    let other = Engine::attach(map, "t".into(), 0, 3, small, timeout, false, 3);
+    region::unlink(RegionKind::InProcess, &name);
+    assert!(creator.is_ok());
+    let e = other.err().expect("a mismatch").to_string();
+    for part in [
+        "rank 0",
+        "rank 2",
+        "131072-byte",
+        "65536-byte",
+        "CANDLE_TP_SLOT_BYTES",
+    ] {
+        assert!(e.contains(part), "the error should name {part}: {e}");
+    }
+}
