@@ -17,6 +17,7 @@
 //! runner and `init_from_env` (`env.rs`). This file only declares and re-exports.
 mod all_to_all;
 mod backend;
+mod block_sizes;
 mod context;
 pub mod element;
 mod engine;

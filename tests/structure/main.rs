@@ -51,8 +51,8 @@ const ROOMS: &[&[&str]] = &[
 /// `comm`'s layers, bottom first: a file imports its own layer or those below.
 const COMM_LAYERS: &[(&str, &[&str])] = &[
     (
-        "types: errors, element types, statistics, the job's layout, the rendezvous",
-        &["error", "element", "stats", "launcher", "rendezvous"],
+        "types: errors, element types, statistics, the job's layout, the rendezvous, all-to-all block sizes",
+        &["error", "element", "stats", "launcher", "rendezvous", "block_sizes"],
     ),
     ("the store, over its own transport", &["store"]),
     (

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::{CollectiveKind, Engine, MetaValue, MAX_RANKS, PORTION_ALIGN};
-use crate::comm::backend::BlockSizes;
+use crate::comm::block_sizes::BlockSizes;
 use crate::comm::element::{reduce_into, Element, ReduceOp};
 use crate::comm::error::{CommError, CommResult};
 
