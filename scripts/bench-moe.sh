@@ -15,7 +15,8 @@
 #                       width 512, top-8, 16 layers, SmolLM2's vocabulary)
 #   --gguf TYPE         the model as a GGUF of that type (Q8_0, Q4_K, ...; SmolLM2's tokenizer,
 #                       scripts/fetch-models.sh), written from the checkpoint by
-#                       make_synthetic_llama (convert::hf_to_gguf)
+#                       make_synthetic_llama (convert::hf_to_gguf); llama.cpp's mixtures
+#                       (Q4_K_M, Q5_K_M, ...) are made from its F16 file by llama-quantize
 #   --llama-cpp         with --gguf: llama.cpp's llama-bench -t 1 and -t 2 on the same file in
 #                       every round (tg N), and llama-simple's greedy text against
 #                       examples/generate's (llama.cpp built once by scripts/lib/llama-cpp.sh)
@@ -68,8 +69,23 @@ if [ -n "$gguf" ]; then
   [ -f "$tok" ] || { echo "$tok is missing: run scripts/fetch-models.sh" >&2; exit 1; }
   model="$home/models/$name.$gguf.gguf"
   if [ ! -f "$model" ]; then
-    echo "==> writing $model" >&2
-    "${make[@]}" --gguf-out "$model" --gguf-type "$gguf" --tokenizer-gguf "$tok" >&2
+    case "$gguf" in
+      *_[SML]|*_XS|*_XXS)
+        # A llama.cpp mixture: llama-quantize picks each tensor's type from the F16 file.
+        # shellcheck disable=SC1091
+        qbin=$(. scripts/lib/llama-cpp.sh && install_llama_cpp_tools)
+        f16="$home/models/$name.F16.gguf"
+        if [ ! -f "$f16" ]; then
+          echo "==> writing $f16" >&2
+          "${make[@]}" --gguf-out "$f16" --gguf-type F16 --tokenizer-gguf "$tok" >&2
+        fi
+        echo "==> llama-quantize $f16 -> $model ($gguf)" >&2
+        "$qbin/llama-quantize" "$f16" "$model.partial" "$gguf" >/dev/null 2>&1
+        mv "$model.partial" "$model" ;;
+      *)
+        echo "==> writing $model" >&2
+        "${make[@]}" --gguf-out "$model" --gguf-type "$gguf" --tokenizer-gguf "$tok" >&2 ;;
+    esac
   fi
 else
   model="$home/models/$name"
