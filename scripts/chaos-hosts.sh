@@ -43,24 +43,9 @@ BOUND=10
 NP=4
 
 usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --hosts) ;;
-        --quick) RUNS=1 ;;
-        --runs) RUNS=${2:?--runs needs a number}; shift ;;
-        --debug) PROFILE=debug ;;
-        --no-build) BUILD=0 ;;
-        --cases) CASES=${2:?--cases needs a list}; shift ;;
-        --verbose) VERBOSE=1 ;;
-        -h|--help) usage ;;
-        *) echo "chaos.sh --hosts: unknown argument '$1'" >&2; usage ;;
-    esac
-    shift
-done
-case "$RUNS" in ''|*[!0-9]*) echo "chaos.sh --hosts: --runs '$RUNS' is not a number" >&2; exit 2 ;; esac
-for c in ${CASES//,/ }; do
-    case ",$ALL_CASES," in *",$c,"*) ;; *) echo "chaos.sh --hosts: unknown case '$c' (cases: $ALL_CASES)" >&2; exit 2 ;; esac
-done
+# shellcheck source=scripts/lib/chaos-common.sh
+. "$ROOT/scripts/lib/chaos-common.sh"
+parse_args "chaos.sh --hosts" 1 "$@"
 "$HOSTS_SH" check >&2 || { echo "chaos.sh --hosts: this machine cannot make emulated hosts" >&2; exit 2; }
 command -v mpirun > /dev/null || { echo "chaos.sh --hosts: no mpirun (scripts/setup-mpi.sh)" >&2; exit 2; }
 
@@ -87,7 +72,6 @@ trap cleanup EXIT
 "$HOSTS_SH" up 2 >&2 || { echo "chaos.sh --hosts: hosts.sh up 2 failed" >&2; exit 2; }
 HOSTS=(ctp-h1 ctp-h2)
 
-. "$ROOT/scripts/lib/chaos-common.sh"
 
 # The pid of world rank $1 (a chaos_worker in one of the hosts), or nothing.
 rank_pid() {

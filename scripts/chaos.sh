@@ -54,23 +54,9 @@ SERVE_CLIENTS=4
 SERVE_MAX_TOKENS=200
 
 usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --quick) RUNS=3 ;;
-        --runs) RUNS=${2:?--runs needs a number}; shift ;;
-        --debug) PROFILE=debug ;;
-        --no-build) BUILD=0 ;;
-        --cases) CASES=${2:?--cases needs a list}; shift ;;
-        --verbose) VERBOSE=1 ;;
-        -h|--help) usage ;;
-        *) echo "chaos.sh: unknown argument '$1'" >&2; usage ;;
-    esac
-    shift
-done
-case "$RUNS" in ''|*[!0-9]*) echo "chaos.sh: --runs '$RUNS' is not a number" >&2; exit 2 ;; esac
-for c in ${CASES//,/ }; do
-    case ",$ALL_CASES," in *",$c,"*) ;; *) echo "chaos.sh: unknown case '$c' (cases: $ALL_CASES)" >&2; exit 2 ;; esac
-done
+# shellcheck source=scripts/lib/chaos-common.sh
+. "$ROOT/scripts/lib/chaos-common.sh"
+parse_args "chaos.sh" 3 "$@"
 
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 BIN=$TARGET/$PROFILE
@@ -271,7 +257,6 @@ with lock:
 os._exit(0)
 PY
 
-. "$ROOT/scripts/lib/chaos-common.sh"
 
 # Fills PIDS[rank] and TAG from tprun's children (the workers), waiting up to 30 s for them.
 find_workers() {
