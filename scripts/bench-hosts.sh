@@ -5,6 +5,7 @@
 #   scripts/bench-hosts.sh                      # all-reduce, then decoding, then serving
 #   scripts/bench-hosts.sh --only all-reduce --rates "1gbit" --sizes 4K,1M --rounds 1
 #   scripts/bench-hosts.sh --only serve --rates "1gbit unlimited" --rounds 1
+#   scripts/bench-hosts.sh --only decode --ep --models MOE.gguf    # and expert parallelism
 #
 # all-reduce: f32, 4K..64M, 2 hosts x 2 ranks (--map-by node: a host's ranks are not
 #   consecutive), at each link rate of --rates (tc tbf on every host link; "unlimited" for
@@ -17,7 +18,9 @@
 #   Q4_0 and Q4_1 that scripts/make-gguf-models.sh makes with llama-quantize) at 1 host x 1
 #   rank, 1 host x 2 ranks, 2 hosts x 1 rank and 2 hosts x 2 ranks, 1 thread per rank, and as
 #   pipelines across the hosts (2 hosts x 1 as 2 stages; 2 hosts x 2 as 2 stages of 2
-#   tensor-parallel ranks, a stage a host), at each
+#   tensor-parallel ranks, a stage a host), with --ep also expert-parallel (2 hosts x 1 and
+#   2 hosts x 2 with whole experts per rank, `--ep`; and 2 hosts x 2 as `--ep 2`, --map-by
+#   slot: a host an expert group, each expert split over the host's 2 ranks), at each
 #   link rate: tokens/s, collectives and bytes crossing hosts per token; llama.cpp's own
 #   llama-bench on the same files, on one host (1 and 2 threads) and with its RPC backend
 #   (rpc-server on the second host), built by scripts/lib/llama-cpp.sh from the sources in
@@ -50,6 +53,7 @@ models=""
 new_tokens=48
 serve_model=""
 serve_tokens=32
+ep=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --rates) rates="$2"; shift 2 ;;
@@ -57,6 +61,7 @@ while [ $# -gt 0 ]; do
     --rounds) rounds="$2"; shift 2 ;;
     --only) only="$2"; shift 2 ;;
     --models) models="$2"; shift 2 ;;
+    --ep) ep=1; shift ;;
     --new-tokens) new_tokens="$2"; shift 2 ;;
     --serve-model) serve_model="$2"; shift 2 ;;
     --serve-tokens) serve_tokens="$2"; shift 2 ;;
@@ -170,18 +175,27 @@ if [ "$only" = "" ] || [ "$only" = decode ]; then
         # crosses). Pipeline: 2 stages, one a host (2 hosts x 1, pp 2), and 2 stages of 2
         # tensor-parallel ranks each inside its host (2 hosts x 2, pp 2 x tp 2: --map-by slot,
         # ranks 0-1 on ctp-h1, 2-3 on ctp-h2).
-        for layout in "1 ctp-h1:1 node 1" "2 ctp-h1:2 node 1" "2 - node 1" "4 - node 1" \
-          "2 - node 2" "4 ctp-h1:2,ctp-h2:2 slot 2"; do
+        layouts=("1 ctp-h1:1 node 1" "2 ctp-h1:2 node 1" "2 - node 1" "4 - node 1"
+          "2 - node 2" "4 ctp-h1:2,ctp-h2:2 slot 2")
+        # Expert parallelism (a 5th field: the --ep value, 0 for whole experts per rank).
+        [ "$ep" = 0 ] || layouts+=("2 - node 1 0" "4 - node 1 0" "4 ctp-h1:2,ctp-h2:2 slot 1 2")
+        for layout in "${layouts[@]}"; do
           set -- $layout
-          np=$1 host=$2 map=$3 pp=$4
+          np=$1 host=$2 map=$3 pp=$4 epn=${5:-}
           [ "$host" = - ] && host=""
           case "$host" in *,*|"") label="2 hosts x $((np / 2))" ;; *) label="1 host x $np" ;; esac
           if [ "$pp" != 1 ]; then
             label="$label, pp $pp"
             if [ "$np" -gt "$pp" ]; then label="$label x tp $((np / pp))"; fi
           fi
+          eparg=()
+          case "$epn" in
+            "") ;;
+            0) label="$label, ep (whole experts per rank)"; eparg=(--ep) ;;
+            *) label="$label, ep $epn x etp $((np / epn))"; eparg=(--ep "$epn") ;;
+          esac
           MAP_BY=$map on_hosts "$np" --tag-output ${host:+--host "$host"} "$bin/bench_generate" \
-            --model "$m" --pp "$pp" "${common[@]}" \
+            --model "$m" --pp "$pp" "${eparg[@]}" "${common[@]}" \
             | tag "\"round\": $r, \"rate\": \"$rate\", \"model\": \"$name\", \"layout\": \"$label\""
         done
         # llama.cpp's RPC backend on the same file and hosts: rpc-server on ctp-h2 holds part
