@@ -50,33 +50,15 @@ fn weights() -> Result<Weights> {
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
         w.attention(&p, shape)?;
-        experts(
-            &mut w,
+        w.moe(
             &format!("{p}.block_sparse_moe"),
+            (HIDDEN, INTER, EXPERTS),
+            ["w1", "w3", "w2"],
             2.0 / (HIDDEN as f64).sqrt(),
         )?;
         w.layer_norms(&p, &NORMS, HIDDEN, 1.0)?;
     }
     Ok(w)
-}
-
-/// A Mixtral MoE block under `prefix`: router `gate` (uniform of `router_scale`) and experts.
-fn experts(w: &mut Weights, prefix: &str, router_scale: f64) -> Result<()> {
-    w.add(
-        &format!("{prefix}.gate.weight"),
-        &[EXPERTS, HIDDEN],
-        router_scale,
-        0.0,
-    )?;
-    for e in 0..EXPERTS {
-        w.gated_mlp(
-            &format!("{prefix}.experts.{e}"),
-            ["w1", "w3", "w2"],
-            INTER,
-            HIDDEN,
-        )?;
-    }
-    Ok(())
 }
 
 #[test]
@@ -142,7 +124,7 @@ fn dense_moe(w: &Weights, x: &Tensor) -> Result<Tensor> {
 fn moe_layer_matches_dense_with_one_all_reduce() -> Result<()> {
     let mut w = Weights::new(800);
     // A router this large makes the top-2 choice decisive, not a near tie.
-    experts(&mut w, "moe", 1.0)?;
+    w.moe("moe", (HIDDEN, INTER, EXPERTS), ["w1", "w3", "w2"], 1.0)?;
     let tokens = 9;
     let x = seeded(&[tokens, HIDDEN], 801);
     let expected = dense_moe(&w, &x)?;

@@ -71,10 +71,13 @@ fn weights_of(moe: bool) -> Result<Weights> {
         // Norm weights far from 1, so that a norm applied to the wrong heads shows.
         w.qk_norms(&p, HEAD_DIM, 1.0)?;
         if moe && (l + 1) % 2 == 0 {
-            w.linear(&format!("{p}.mlp.gate"), EXPERTS, HIDDEN)?;
-            for e in 0..EXPERTS {
-                w.gated_mlp(&format!("{p}.mlp.experts.{e}"), MLP, MOE_INTER, HIDDEN)?;
-            }
+            let router_scale = 2.0 / (HIDDEN as f64).sqrt();
+            w.moe(
+                &format!("{p}.mlp"),
+                (HIDDEN, MOE_INTER, EXPERTS),
+                MLP,
+                router_scale,
+            )?;
         } else {
             w.gated_mlp(&format!("{p}.mlp"), MLP, INTER, HIDDEN)?;
         }

@@ -113,6 +113,28 @@ impl Weights {
         self.linear(&format!("{prefix}.{down}"), hidden, inter)
     }
 
+    /// A sparse MoE block under `prefix`: a router `gate` `[experts, hidden]` (uniform of
+    /// `router_scale`) and `experts` gated MLPs of width `inter`, named `names`, under
+    /// `experts.N`.
+    pub fn moe(
+        &mut self,
+        prefix: &str,
+        (hidden, inter, experts): (usize, usize, usize),
+        names: [&str; 3],
+        router_scale: f64,
+    ) -> Result<()> {
+        self.add(
+            &format!("{prefix}.gate.weight"),
+            &[experts, hidden],
+            router_scale,
+            0.0,
+        )?;
+        for e in 0..experts {
+            self.gated_mlp(&format!("{prefix}.experts.{e}"), names, inter, hidden)?;
+        }
+        Ok(())
+    }
+
     /// RmsNorm weights `{layer}.{name}` around `offset`.
     pub fn layer_norms(
         &mut self,

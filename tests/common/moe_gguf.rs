@@ -71,12 +71,11 @@ pub fn mixtral_weights() -> Result<Weights> {
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
         w.attention(&p, shape)?;
-        experts(
-            &mut w,
+        w.moe(
             &format!("{p}.block_sparse_moe"),
-            MIXTRAL_HIDDEN,
-            MIXTRAL_EXPERTS,
+            (MIXTRAL_HIDDEN, INTER, MIXTRAL_EXPERTS),
             ["w1", "w3", "w2"],
+            0.6,
         )?;
         w.layer_norms(&p, &NORMS, MIXTRAL_HIDDEN, 1.0)?;
     }
@@ -96,25 +95,10 @@ pub fn qwen_weights() -> Result<Weights> {
         let p = format!("model.layers.{l}");
         w.attention(&p, shape)?;
         w.qk_norms(&p, QWEN_HEAD_DIM, 1.0)?;
-        experts(&mut w, &format!("{p}.mlp"), HIDDEN, QWEN_EXPERTS, MLP)?;
+        w.moe(&format!("{p}.mlp"), (HIDDEN, INTER, QWEN_EXPERTS), MLP, 0.6)?;
         w.layer_norms(&p, &NORMS, HIDDEN, 1.0)?;
     }
     Ok(w)
-}
-
-/// A router (`gate`) whose logits spread the tokens over the experts, and the experts.
-pub fn experts(
-    w: &mut Weights,
-    prefix: &str,
-    hidden: usize,
-    n: usize,
-    names: [&str; 3],
-) -> Result<()> {
-    w.add(&format!("{prefix}.gate.weight"), &[n, hidden], 0.6, 0.0)?;
-    for e in 0..n {
-        w.gated_mlp(&format!("{prefix}.experts.{e}"), names, INTER, hidden)?;
-    }
-    Ok(())
 }
 
 /// Every matrix of `w` replaced by its `dtype` blocks dequantized: what a `dtype` file holds.
