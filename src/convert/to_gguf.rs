@@ -21,12 +21,12 @@ use std::path::Path;
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Error, Result, Tensor};
 use serde_json::Value as Json;
 
 use super::quantize::{file_type, quantize_as, write_gguf_file};
-use crate::gguf::{hf_target, GgufFamily, HfTarget};
+use crate::gguf::{hf_target, rotary_heads_of, GgufFamily, HfTarget};
+use crate::loader::{SafetensorsSource, TensorSource};
 
 /// How a mixture-of-experts layer's experts are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -263,26 +263,12 @@ impl HfConfig {
             HfTarget::Experts(_) => None,
         }
     }
-
-    /// The rows llama.cpp permutes for its rotary kernel: the heads of a q or k projection
-    /// (weight or bias) in the `llama` architecture.
-    fn rotary_heads(&self, gguf: &str) -> Option<usize> {
-        if !self.family.rotary_permuted() {
-            return None;
-        }
-        if gguf.contains(".attn_q.") {
-            Some(self.heads)
-        } else if gguf.contains(".attn_k.") {
-            Some(self.kv_heads)
-        } else {
-            None
-        }
-    }
 }
 
 /// llama.cpp's rotary permutation of a q or k projection's rows (`LlamaModel.permute`):
 /// within each head, the half-split pairs `(i, i + d/2)` become neighbours `(2i, 2i + 1)`.
-fn permute_rotary(t: &Tensor, heads: usize) -> Result<Tensor> {
+/// The inverse of [`super::unpermute_rotary`].
+pub(crate) fn permute_rotary(t: &Tensor, heads: usize) -> Result<Tensor> {
     let dims = t.dims().to_vec();
     let rows = dims[0];
     if heads == 0 || !rows.is_multiple_of(2 * heads) {
@@ -307,13 +293,11 @@ pub fn hf_to_gguf(dir: &Path, options: &GgufWriteOptions, out: &Path) -> Result<
             cfg.family.hf_architecture()
         );
     }
-    let files = safetensors_files(dir)?;
-    // SAFETY: read-only mappings of files nobody writes while the conversion runs.
-    let st = unsafe { MmapedSafetensors::multi(&files)? };
-    let has = |hf: &str| st.get(hf).is_ok();
+    // The loader's reader of a checkpoint directory (one file, or an index and its shards).
+    let st = SafetensorsSource::from_dir(dir)?;
+    let has = |hf: &str| matches!(st.shape(hf), Ok(Some(_)));
     let load = |hf: &str| -> Result<Tensor> {
-        st.load(hf, &Device::Cpu)
-            .and_then(|t| t.to_dtype(DType::F32))
+        st.load(hf, DType::F32, &Device::Cpu)
             .map_err(|e| Error::Msg(format!("{}: tensor {hf}: {e}", dir.display())))
     };
     let count = cfg.experts.map_or(0, |e| e.0);
@@ -321,7 +305,16 @@ pub fn hf_to_gguf(dir: &Path, options: &GgufWriteOptions, out: &Path) -> Result<
     let mut parameters = 0;
     for name in cfg.gguf_names(has, options.experts) {
         let w = match hf_target(cfg.family, count, &name) {
-            Some(HfTarget::One(hf)) => load(&hf)?,
+            Some(HfTarget::One(hf)) => {
+                let w = load(&hf)?;
+                // The q/k rows of the `llama` architecture, in llama.cpp's rotary order.
+                match rotary_heads_of(cfg.family, (cfg.heads, cfg.kv_heads), &hf) {
+                    Some(heads) => permute_rotary(&w, heads).map_err(|e| {
+                        Error::Msg(format!("{}: tensor {name}: {e}", dir.display()))
+                    })?,
+                    None => w,
+                }
+            }
             Some(HfTarget::Experts(names)) => {
                 let parts = names
                     .iter()
@@ -330,11 +323,6 @@ pub fn hf_to_gguf(dir: &Path, options: &GgufWriteOptions, out: &Path) -> Result<
                 Tensor::stack(&parts, 0)?
             }
             None => candle_core::bail!("internal: {name} has no Hugging Face name"),
-        };
-        let w = match cfg.rotary_heads(&name) {
-            Some(heads) => permute_rotary(&w, heads)
-                .map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", dir.display())))?,
-            None => w,
         };
         parameters += w.elem_count();
         let q = quantize_as(&w, options.dtype)
@@ -349,37 +337,4 @@ pub fn hf_to_gguf(dir: &Path, options: &GgufWriteOptions, out: &Path) -> Result<
         tensors: tensors.len(),
         parameters,
     })
-}
-
-/// The checkpoint's safetensors files: `model.safetensors`, or the shards.
-fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
-    let single = dir.join("model.safetensors");
-    if single.is_file() {
-        return Ok(vec![single]);
-    }
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .map_err(|e| Error::Msg(format!("cannot read {}: {e}", dir.display())))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        candle_core::bail!("{}: no .safetensors file", dir.display());
-    }
-    Ok(files)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn permute_inverts_unpermute() -> Result<()> {
-        let w = Tensor::arange(0f32, 24.0 * 5.0, &Device::Cpu)?.reshape((24, 5))?;
-        let p = permute_rotary(&w, 3)?;
-        assert_ne!(p.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
-        let back = super::super::unpermute_rotary(&p, 3)?;
-        assert_eq!(back.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
-        Ok(())
-    }
 }

@@ -117,20 +117,10 @@ mod tests {
     use super::*;
 
     /// llama.cpp's `LlamaModel.permute`, written the way `convert_hf_to_gguf.py` does it.
-    fn llama_cpp_permute(w: &Tensor, n_head: usize) -> Result<Tensor> {
-        let dims = w.dims().to_vec();
-        let mut split = vec![n_head, 2, dims[0] / n_head / 2];
-        split.extend_from_slice(&dims[1..]);
-        w.reshape(split)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape(dims)
-    }
-
     #[test]
     fn unpermute_inverts_llama_cpp_permute() -> Result<()> {
         let w = Tensor::arange(0f32, 3.0 * 8.0 * 5.0, &Device::Cpu)?.reshape((24, 5))?;
-        let p = llama_cpp_permute(&w, 3)?;
+        let p = crate::convert::to_gguf::permute_rotary(&w, 3)?;
         assert_ne!(p.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
         let back = unpermute_rotary(&p, 3)?;
         assert_eq!(back.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
@@ -138,7 +128,7 @@ mod tests {
         let rows: Vec<f32> = p.get_on_dim(1, 0)?.to_vec1()?;
         assert_eq!(&rows[..8], &[0., 20., 5., 25., 10., 30., 15., 35.]);
         let b = Tensor::arange(0f32, 12.0, &Device::Cpu)?;
-        let pb = llama_cpp_permute(&b, 2)?;
+        let pb = crate::convert::to_gguf::permute_rotary(&b, 2)?;
         assert_eq!(
             unpermute_rotary(&pb, 2)?.to_vec1::<f32>()?,
             b.to_vec1::<f32>()?

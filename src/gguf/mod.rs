@@ -24,6 +24,7 @@ pub use family::{GgufExperts, GgufFamily};
 pub use header::{scan, GgufHeader, GgufTensorEntry};
 pub use metadata::Metadata;
 pub use names::{
-    checked_hf_target, hf_target, hf_tensor_name, layer_index, rotary_heads, HfTarget,
+    checked_hf_target, hf_target, hf_tensor_name, layer_index, rotary_heads, rotary_heads_of,
+    HfTarget,
 };
 pub use tokenizer::GgufTokenizer;

@@ -145,12 +145,26 @@ pub fn checked_hf_target(
 /// Face tensor `hf_name`: the attention heads for `q_proj`, the KV heads for `k_proj` (in the
 /// `llama` architecture only), `None` for every other tensor.
 pub fn rotary_heads(cfg: &LlamaGgufConfig, hf_name: &str) -> Option<usize> {
-    if !cfg.family.rotary_permuted() {
+    rotary_heads_of(
+        cfg.family,
+        (cfg.num_attention_heads, cfg.num_key_value_heads),
+        hf_name,
+    )
+}
+
+/// [`rotary_heads`] from the family and its `(attention heads, KV heads)`: what the loader
+/// undoes and the writer ([`crate::convert::hf_to_gguf`]) does.
+pub fn rotary_heads_of(
+    family: GgufFamily,
+    (heads, kv_heads): (usize, usize),
+    hf_name: &str,
+) -> Option<usize> {
+    if !family.rotary_permuted() {
         None
     } else if hf_name.contains(".self_attn.q_proj.") {
-        Some(cfg.num_attention_heads)
+        Some(heads)
     } else if hf_name.contains(".self_attn.k_proj.") {
-        Some(cfg.num_key_value_heads)
+        Some(kv_heads)
     } else {
         None
     }
