@@ -51,11 +51,13 @@ fn finite(lp: f64) -> Value {
 impl LogprobsOut {
     /// Notes one generated token's log-probabilities.
     pub fn push(&mut self, text: &ModelText, lp: &TokenLogprobs) -> candle_core::Result<()> {
-        let token = self.piece(text, lp.token)?;
+        // The context's text, decoded once for the token and every alternative.
+        let before = text.token_texts(&self.context)?;
+        let token = self.piece(text, &before, lp.token)?;
         let top = lp
             .top
             .iter()
-            .map(|&(id, v)| Ok((self.piece(text, id)?, v)))
+            .map(|&(id, v)| Ok((self.piece(text, &before, id)?, v)))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let offset = self.offset;
         self.offset += token.chars().count();
@@ -72,16 +74,15 @@ impl LogprobsOut {
         Ok(())
     }
 
-    /// What `id` adds to the text after the tokens pushed so far.
-    fn piece(&self, text: &ModelText, id: u32) -> candle_core::Result<String> {
+    /// What `id` adds to the text after the tokens pushed so far, whose text is `before`.
+    fn piece(&self, text: &ModelText, before: &str, id: u32) -> candle_core::Result<String> {
         if self.context.is_empty() {
             return text.token_text(id);
         }
-        let before = text.token_texts(&self.context)?;
         let mut ids = self.context.clone();
         ids.push(id);
         let after = text.token_texts(&ids)?;
-        match after.strip_prefix(before.as_str()) {
+        match after.strip_prefix(before) {
             Some(piece) if !after.ends_with('\u{FFFD}') => Ok(piece.to_string()),
             _ => text.token_text(id),
         }
