@@ -154,17 +154,16 @@ impl FeedForwardLayer {
                 *act,
                 vb,
             )?)),
-            FeedForward::Moe(m) if vb.expert_parallel().is_some() => {
-                let (group, expert_tp) = (
-                    vb.pg().clone(),
-                    vb.expert_parallel().map(|e| e.expert_tp.clone()),
-                );
-                let expert_tp = expert_tp.unwrap_or_else(ProcessGroup::single);
-                Self::Moe(SparseMoe::load_expert_tensor_parallel(
-                    m, vb, group, expert_tp,
-                )?)
-            }
-            FeedForward::Moe(m) => Self::Moe(SparseMoe::load(m, vb)?),
+            // Expert-parallel: each expert group's experts, split over the group's ranks.
+            FeedForward::Moe(m) => match vb.expert_parallel().map(|e| e.expert_tp.clone()) {
+                Some(expert_tp) => {
+                    let group = vb.pg().clone();
+                    Self::Moe(SparseMoe::load_expert_tensor_parallel(
+                        m, vb, group, expert_tp,
+                    )?)
+                }
+                None => Self::Moe(SparseMoe::load(m, vb)?),
+            },
         })
     }
 
