@@ -4,9 +4,9 @@
 //! with the Hugging Face row order, so the same model code loads a GGUF file or a safetensors
 //! checkpoint. A layer's experts, stacked in one 3-D tensor (`ffn_gate_exps`), are served as
 //! one matrix per expert (`block_sparse_moe.experts.N.w1.weight`): a byte range of the
-//! tensor, so an expert-parallel rank maps only its own experts' blocks. Each rank copies only the blocks of its shard out of the mapping
-//! ([`super::quant_shard`]): whole rows for a column-parallel split, a range of blocks of every
-//! row for a row-parallel split. The q/k rows that llama.cpp stores in its rotary order are put
+//! tensor, so an expert-parallel rank maps only its own experts' blocks. Each rank copies only
+//! the blocks of its shard out of the mapping ([`super::quant_shard`]): whole rows for a
+//! column-parallel split, a range of blocks of every row for a row-parallel split. The q/k rows that llama.cpp stores in its rotary order are put
 //! back by copying rows, never by dequantizing.
 
 use std::collections::HashMap;
@@ -73,7 +73,8 @@ impl GgufSource {
                         .enumerate()
                         .map(|(e, hf)| {
                             let part = GgufTensorEntry {
-                                name: format!("{}[expert {e}]", t.name),
+                                // The file's name; the Hugging Face name says which expert.
+                                name: t.name.clone(),
                                 dims: t.dims[1..].to_vec(),
                                 dtype: t.dtype,
                                 start: t.start + e * each,

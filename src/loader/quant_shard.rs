@@ -227,9 +227,8 @@ pub fn shard(
     )?;
     let requantize = width.is_multiple_of(GgmlDType::Q8_0.block_size());
     if let Ok(mut set) = logged().lock() {
-        // Once per file tensor: the experts of a 3-D tensor (`name[expert E]`) share a line.
-        let tensor = name.split_once("[expert ").map_or(name, |(t, _)| t);
-        if set.insert(format!("{}:{tensor}", what.file.display())) {
+        // Once per file tensor: the experts of a 3-D tensor share its name, and one line.
+        if set.insert(format!("{}:{name}", what.file.display())) {
             eprintln!(
                 "candle-tp: {file}: tensor {name} ({dtype:?}, [{rows}, {cols}]): the columns \
                  {ranges:?} of this shard do not fall on whole blocks of {} for Candle's kernel; \
