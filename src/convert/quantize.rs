@@ -83,7 +83,7 @@ pub fn requantize_gguf(
     for name in names {
         let q = content.tensor(&mut reader, name, &Device::Cpu)?;
         let w = q.dequantize(&Device::Cpu)?;
-        let q = quantize_as(&w, dtype)
+        let q = quantize_as(name, &w, dtype)
             .map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", src.display())))?;
         let target = q.dtype();
         *counts.entry(format!("{target:?}")).or_insert(0) += 1;
@@ -100,12 +100,19 @@ pub fn requantize_gguf(
     Ok(counts)
 }
 
-/// `w` as `dtype`, or as Q8_0 when its rows are not whole blocks of `dtype` (the fallback
-/// llama.cpp's quantizer also takes), or f32 when they are not whole Q8_0 blocks either;
-/// vectors (norms, biases) stay f32. A 3-D tensor of experts is quantized row by row like a
-/// matrix.
-pub(crate) fn quantize_as(w: &candle_core::Tensor, dtype: GgmlDType) -> Result<QTensor> {
+/// The GGUF tensor `name`, `w`, as `dtype`, or as Q8_0 when its rows are not whole blocks of
+/// `dtype` (the fallback llama.cpp's quantizer also takes), or f32 when they are not whole
+/// Q8_0 blocks either. What llama.cpp's quantizer never quantizes stays f32: vectors (norms,
+/// biases) and a mixture-of-experts router (`ffn_gate_inp`, whose product picks the experts:
+/// llama.cpp reads it in f32, so a quantized router would route differently there). A 3-D
+/// tensor of experts is quantized row by row like a matrix.
+pub(crate) fn quantize_as(
+    name: &str,
+    w: &candle_core::Tensor,
+    dtype: GgmlDType,
+) -> Result<QTensor> {
     let target = match w.dims() {
+        _ if name.contains("ffn_gate_inp.weight") => GgmlDType::F32,
         [_] => GgmlDType::F32,
         [.., cols] if cols % dtype.block_size() == 0 => dtype,
         [.., cols] if cols % GgmlDType::Q8_0.block_size() == 0 => GgmlDType::Q8_0,
@@ -140,4 +147,28 @@ pub(crate) fn write_gguf_file(
             out.display()
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    /// llama.cpp's quantizer keeps the router and the vectors in f32 and falls back to Q8_0
+    /// for rows that are not whole blocks of the type.
+    #[test]
+    fn the_router_and_vectors_stay_f32() -> Result<()> {
+        let w = |shape: &[usize]| Tensor::ones(shape, candle_core::DType::F32, &Device::Cpu);
+        let q4k = GgmlDType::Q4K;
+        for (name, shape, want) in [
+            ("blk.0.ffn_gate_inp.weight", &[16, 256][..], GgmlDType::F32),
+            ("blk.0.ffn_gate_exps.weight", &[16, 128, 256], q4k),
+            ("blk.0.attn_q.weight", &[256, 256], q4k),
+            ("blk.0.ffn_down.weight", &[256, 96], GgmlDType::Q8_0),
+            ("blk.0.attn_norm.weight", &[256], GgmlDType::F32),
+        ] {
+            assert_eq!(quantize_as(name, &w(shape)?, q4k)?.dtype(), want, "{name}");
+        }
+        Ok(())
+    }
 }

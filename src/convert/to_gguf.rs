@@ -11,7 +11,8 @@
 //!   one matrix per expert (`ffn_gate.N`, the layout of older Mixtral files, which
 //!   candle-transformers' `quantized_llama` reads).
 //! - Matrices are stored as the requested type (F32, F16 or a block type, with the fallback
-//!   of [`super::requantize_gguf`] for rows that are not whole blocks); vectors stay f32.
+//!   of [`super::requantize_gguf`] for rows that are not whole blocks); vectors and the
+//!   routers (`ffn_gate_inp`) stay f32, as llama.cpp's quantizer keeps them.
 //! - The tokenizer is the `tokenizer.*` metadata of another GGUF ([`tokenizer_metadata`]), or
 //!   any the caller builds.
 //!
@@ -325,7 +326,7 @@ pub fn hf_to_gguf(dir: &Path, options: &GgufWriteOptions, out: &Path) -> Result<
             None => candle_core::bail!("internal: {name} has no Hugging Face name"),
         };
         parameters += w.elem_count();
-        let q = quantize_as(&w, options.dtype)
+        let q = quantize_as(&name, &w, options.dtype)
             .map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", dir.display())))?;
         tensors.push((name, q));
     }

@@ -102,10 +102,11 @@ pub fn qwen_weights() -> Result<Weights> {
 }
 
 /// Every matrix of `w` replaced by its `dtype` blocks dequantized: what a `dtype` file holds.
+/// The routers (`….gate.weight`) stay f32 there, as llama.cpp's quantizer keeps them.
 pub fn dequantized(w: &Weights, dtype: GgmlDType) -> Result<Weights> {
     let mut out = Weights::new(0);
     for (name, t) in &w.map {
-        let t = if t.rank() == 2 {
+        let t = if t.rank() == 2 && !name.ends_with(".gate.weight") {
             QTensor::quantize(t, dtype)?.dequantize(&Device::Cpu)?
         } else {
             t.clone()
