@@ -56,12 +56,21 @@ struct Args {
     /// The prompt (the user message with --chat).
     #[arg(long, default_value = "Tensor parallelism splits a model")]
     prompt: String,
+    /// The prompt as token ids (`504,3575,282`), instead of `--prompt`: what another
+    /// implementation is given, so that both read the same tokens whatever their tokenizers
+    /// add (a BOS, a space).
+    #[arg(long, value_delimiter = ',', conflicts_with = "chat")]
+    prompt_ids: Option<Vec<u32>>,
     /// Render the prompt with the checkpoint's chat template (tokenizer_config.json).
     #[arg(long)]
     chat: bool,
     /// Tokens to generate at most (generation also stops at an end-of-sequence token).
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
+    /// Keep generating past an end-of-sequence token, to `--max-new-tokens` (llama.cpp's
+    /// `--ignore-eos`).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Softmax temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
@@ -114,7 +123,13 @@ fn parse_device(s: &str) -> Result<Device> {
 /// ids and end-of-sequence ids.
 fn prepare(args: &Args, dir: &Path, model: &CausalLm) -> Result<(ModelText, Vec<u32>, Vec<u32>)> {
     let text = ModelText::load(dir)?;
-    let ids = if args.chat {
+    let ids = if let Some(ids) = &args.prompt_ids {
+        let vocab = model.config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!("--prompt-ids: token {bad} is not in the model's vocabulary of {vocab}");
+        }
+        ids.clone()
+    } else if args.chat {
         let user = ChatMessage {
             role: "user".into(),
             content: args.prompt.clone(),
@@ -130,7 +145,11 @@ fn prepare(args: &Args, dir: &Path, model: &CausalLm) -> Result<(ModelText, Vec<
     if ids.is_empty() {
         bail!("the prompt {:?} has no tokens", args.prompt);
     }
-    let eos = text.eos_ids(&model.config().eos_token_ids);
+    let eos = if args.ignore_eos {
+        Vec::new()
+    } else {
+        text.eos_ids(&model.config().eos_token_ids)
+    };
     Ok((text, ids, eos))
 }
 

@@ -18,8 +18,10 @@
 #                       make_synthetic_llama (convert::hf_to_gguf); llama.cpp's mixtures
 #                       (Q4_K_M, Q5_K_M, ...) are made from its F16 file by llama-quantize
 #   --llama-cpp         with --gguf: llama.cpp's llama-bench -t 1 and -t 2 on the same file in
-#                       every round (tg N), and llama-simple's greedy text against
-#                       examples/generate's (llama.cpp built once by scripts/lib/llama-cpp.sh)
+#                       every round (tg N), llama-simple's greedy text against
+#                       examples/generate's, and the first-token logits and greedy ids
+#                       against llama.cpp's server (scripts/check-llama-cpp-logits.sh; llama.cpp
+#                       built once by scripts/lib/llama-cpp.sh)
 # The model is written once under $CANDLE_TP_HOME/models (default ~/.cache/candle-tp).
 # Not yet here (issue 45): serving, emulated hosts.
 set -euo pipefail
@@ -38,7 +40,7 @@ while [ $# -gt 0 ]; do
     --hidden) hidden="$2"; shift 2 ;;
     --intermediate) intermediate="$2"; shift 2 ;;
     --layers) layers="$2"; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -67,14 +69,16 @@ make=("$bin/examples/make_synthetic_llama" "${shape[@]}" --hidden "$hidden" --la
 if [ -n "$gguf" ]; then
   tok="$home/models/smollm2-135m-instruct.Q4_1.gguf"
   [ -f "$tok" ] || { echo "$tok is missing: run scripts/fetch-models.sh" >&2; exit 1; }
-  model="$home/models/$name.$gguf.gguf"
+  # -v2: written since the router (ffn_gate_inp) stays f32 as llama.cpp's quantizer keeps it;
+  # an older file's quantized router routed differently in llama.cpp (2026-11-28).
+  model="$home/models/$name-v2.$gguf.gguf"
   if [ ! -f "$model" ]; then
     case "$gguf" in
       *_[SML]|*_XS|*_XXS)
         # A llama.cpp mixture: llama-quantize picks each tensor's type from the F16 file.
         # shellcheck disable=SC1091
         qbin=$(. scripts/lib/llama-cpp.sh && install_llama_cpp_tools)
-        f16="$home/models/$name.F16.gguf"
+        f16="$home/models/$name-v2.F16.gguf"
         if [ ! -f "$f16" ]; then
           echo "==> writing $f16" >&2
           "${make[@]}" --gguf-out "$f16" --gguf-type F16 --tokenizer-gguf "$tok" >&2
@@ -136,6 +140,9 @@ if [ "$llama_cpp" = 1 ]; then
     --prompt "$prompt" --max-new-tokens 16 --ep 2>/dev/null | sed 's/^\[rank 0\] //' | grep -v '^{' | head -1)
   if [ "$prompt$ours" = "$theirs" ]; then same_text=True; else same_text=False; fi
   text_line="greedy text of 16 tokens, ep 2 against llama-simple: equal $same_text ($theirs | $prompt$ours)"
+  # First-token logits and greedy ids against llama.cpp's server, world 1 and the EP layouts.
+  text_line="$text_line
+$(scripts/check-llama-cpp-logits.sh --model "$model" --tokens 16 2>&1 | grep -v '^  ' || true)"
 fi
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
 python3 - "$out" "$cpu" "$(nproc)" "$text_line" <<'PY'

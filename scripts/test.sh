@@ -3,7 +3,9 @@
 # its time), then a summary. The full run is the default and what CI runs: unit, integration
 # (threads backend, real processes through tprun, real checkpoints, the server with
 # --features server), doc tests, the examples under PyTorch's torchrun
-# (scripts/test-torchrun.sh) and the server driven by the openai client (scripts/test-openai.sh).
+# (scripts/test-torchrun.sh), the server driven by the openai client (scripts/test-openai.sh) and
+# small mixture-of-experts GGUFs against llama.cpp (scripts/check-llama-cpp-logits.sh; as root
+# or in CI it builds llama.cpp's tools once if they are missing, 20-30 minutes on 2 cores).
 #
 #   scripts/test.sh                # everything, default build (Candle's gemm)
 #   scripts/test.sh --quick        # day-to-day: the fast selection below (1 min 21 s measured)
@@ -184,6 +186,8 @@ if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
   extra "torchrun (mlp, generate)" scripts/test-torchrun.sh
   echo "==> the server with the openai Python client and curl (scripts/test-openai.sh)"
   extra "openai client (candle-tp-serve)" scripts/test-openai.sh
+  echo "==> MoE GGUFs against llama.cpp's server: first-token logits, greedy ids (scripts/check-llama-cpp-logits.sh)"
+  extra "llama.cpp logits (MoE GGUF)" scripts/check-llama-cpp-logits.sh --debug
 fi
 
 if [ "$release" = 1 ]; then
