@@ -188,6 +188,19 @@ if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
   extra "openai client (candle-tp-serve)" scripts/test-openai.sh
   echo "==> MoE GGUFs against llama.cpp's server: first-token logits, greedy ids (scripts/check-llama-cpp-logits.sh)"
   extra "llama.cpp logits (MoE GGUF)" scripts/check-llama-cpp-logits.sh --debug
+  if [ "$features" = server,mpi ]; then
+    # Without the mpi feature an MPI-launched shm job meets with rank 0's token file
+    # (src/comm/job_token.rs); tests/mpirun.rs holds the checks of both builds.
+    echo "==> tests/mpirun.rs again, built without the mpi feature"
+    extra "mpirun, no mpi feature" bash -c '
+      log=$0
+      { cargo build --example chaos_worker --example quickstart --example generate &&
+        cargo test --test mpirun; } >"$log" 2>&1; rc=$?
+      grep -E "^test result: " "$log"
+      [ "$rc" = 0 ] && exit 0
+      grep -E "^test .* FAILED$|panicked" "$log" || tail -n 40 "$log"
+      exit 1' "$logs/cargo-test-mpirun-no-mpi.log"
+  fi
 fi
 
 if [ "$release" = 1 ]; then

@@ -26,6 +26,7 @@ pub mod error;
 mod group;
 #[cfg(feature = "mpi")]
 mod hierarchical;
+mod job_token;
 mod join;
 pub mod launcher;
 pub mod mesh;

@@ -14,6 +14,7 @@ use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::engine::{check_slot_bytes, region_layout, AbortHandle, Engine};
 use super::error::{CommError, CommResult};
+use super::job_token::{job_token_file, token_dir};
 use super::launcher::Launch;
 use super::region::{self, random_hex, RegionKind};
 use super::rendezvous::{rendezvous_from_env, Rendezvous};
@@ -63,7 +64,7 @@ fn join_from_env(
     launch: &Launch,
     options: GroupOptions,
 ) -> CommResult<World> {
-    let rv = rendezvous_from_env()?;
+    let mut rv = rendezvous_from_env()?;
     if rv.world_size == 1 {
         return Ok(Single::world());
     }
@@ -83,6 +84,15 @@ fn join_from_env(
             ),
         ));
     }
+    // An MPI launcher gave no token (this build has no MPI to send one with): rank 0's token
+    // file, kept until the ranks have met (issue 44, defect 4).
+    let _token_file = if rv.token.is_empty() && launch.launcher.is_mpi() {
+        let file = job_token_file(launch, rv.rank, &token_dir()?, options.timeout)?;
+        rv.token = file.token.clone();
+        Some(file)
+    } else {
+        None
+    };
     join(&rv, options)
 }
 

@@ -6,10 +6,11 @@ use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::auth::{self, Side, NONCE_BYTES};
 use super::wire::{
     malformed, read_frame, write_frame, Dec, Enc, HELLO_ACCEPT, HELLO_BAD_TOKEN, MAGIC,
-    MAX_FRAME_BYTES, MAX_TOKEN_BYTES, OP_ADD, OP_DELETE, OP_GET, OP_SET, OP_TRY_GET, R_BOOL, R_ERR,
-    R_INT, R_NOT_FOUND, R_OK, R_VALUE,
+    MAX_FRAME_BYTES, MAX_HELLO_BYTES, MAX_TOKEN_BYTES, OP_ADD, OP_DELETE, OP_GET, OP_SET,
+    OP_TRY_GET, R_BOOL, R_ERR, R_INT, R_NOT_FOUND, R_OK, R_VALUE,
 };
 use super::{get_timeout_err, host_port, lock, store_err, Store, MAX_WAIT};
 use crate::comm::error::{CommError, CommResult};
@@ -158,33 +159,70 @@ impl TcpStore {
             timeout,
             "is rank 0 running and listening on this address?",
         )?;
-        let hello = Enc(Vec::new()).bytes(MAGIC).bytes(token.as_bytes()).0;
+        // The handshake of `super::auth`: this rank's nonce; the server's nonce and proof,
+        // checked before anything that depends on the token leaves this process; this rank's
+        // proof; the server's verdict.
+        let refused = |why: &str| {
+            store_err(
+                &desc,
+                format!(
+                    "{why}: the store and this rank hold different job tokens (a wrong \
+                     CANDLE_TP_TOKEN here, another job on this port: check MASTER_PORT, or use \
+                     --standalone; or another program listening there)"
+                ),
+            )
+        };
+        let handshake_err = |e: std::io::Error| {
+            store_err(
+                &desc,
+                format!(
+                    "handshake failed: {} (not a candle-tp store at this address, another \
+                     protocol version, or too many connections)",
+                    io_reason(&e, io_timeout)
+                ),
+            )
+        };
+        let cn = auth::nonce().map_err(handshake_err)?;
+        let hello = Enc(Vec::new()).bytes(MAGIC).bytes(&cn).0;
         let reply = write_frame(&mut stream, &hello)
+            .and_then(|_| read_frame(&mut stream, MAX_HELLO_BYTES))
+            .map_err(handshake_err)?;
+        let mut d = Dec(&reply);
+        let parsed = (|| -> std::io::Result<_> {
+            let (sn, proof) = (d.bytes()?, d.bytes()?);
+            d.end()?;
+            Ok((sn.to_vec(), proof.to_vec()))
+        })();
+        let (sn, server_proof) = parsed.map_err(|_| {
+            store_err(
+                &desc,
+                format!(
+                    "unexpected handshake reply of {} bytes (not a candle-tp store?)",
+                    reply.len()
+                ),
+            )
+        })?;
+        if sn.len() != NONCE_BYTES
+            || !auth::verify(token.as_bytes(), Side::Server, &cn, &sn, &server_proof)
+        {
+            return Err(refused(
+                "the store could not prove that it holds this rank's job token",
+            ));
+        }
+        let mine = auth::proof(token.as_bytes(), Side::Client, &cn, &sn);
+        let verdict = write_frame(&mut stream, &Enc(Vec::new()).bytes(&mine).0)
             .and_then(|_| read_frame(&mut stream, 16))
-            .map_err(|e| {
-                store_err(
-                    &desc,
-                    format!(
-                        "handshake failed: {} (not a candle-tp store at this address, another \
-                         protocol version, or too many connections)",
-                        io_reason(&e, io_timeout)
-                    ),
-                )
-            })?;
-        match reply.as_slice() {
+            .map_err(handshake_err)?;
+        match verdict.as_slice() {
             [HELLO_ACCEPT] => Ok(Self {
                 addr: desc,
                 io_timeout,
                 conn: Mutex::new(Conn::Ready(stream)),
             }),
-            [HELLO_BAD_TOKEN] => Err(store_err(
-                &desc,
-                "the store refused the job token (another job on this port? check \
-                 MASTER_PORT, or use --standalone)",
-            )),
+            [HELLO_BAD_TOKEN] => Err(refused("the store refused this rank's proof")),
             _ => Err(store_err(
                 &desc,
-                format!("unexpected handshake reply {reply:?} (not a candle-tp store?)"),
+                format!("unexpected handshake reply {verdict:?} (not a candle-tp store?)"),
             )),
         }
     }

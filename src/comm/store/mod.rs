@@ -9,12 +9,14 @@
 //! is set, `add` is an atomic counter stored as a decimal string.
 //!
 //! Wire format: every frame is a little-endian `u32` length then the payload, at most
-//! [`MAX_FRAME_BYTES`]. The first frame of a client is a hello carrying the protocol magic and
-//! the job token; the server answers accept, token-refused, or closes the connection. A bad
-//! client (wrong token, garbage, oversized length, silence) only loses its own connection.
+//! [`MAX_FRAME_BYTES`]. A connection starts with a handshake in which the client and the server
+//! each prove that they hold the job token without sending it (`auth`: HMAC-SHA256 over both
+//! sides' nonces); the server then answers accept or token-refused, and a client stops at a
+//! server that cannot prove it. A bad client (wrong token, garbage, oversized length, silence)
+//! only loses its own connection.
 //!
 //! Layout: [`Store`] and the helpers shared by the stores live here; `mem` holds the blocking
-//! map and [`MemStore`], `wire` the framing and message encoding, `server` the
+//! map and [`MemStore`], `wire` the framing and message encoding, `auth` the handshake's proofs, `server` the
 //! [`TcpStoreServer`], `client` the [`TcpStore`], `torch` the [`TorchTcpStore`].
 
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -23,6 +25,7 @@ use std::time::{Duration, Instant};
 use super::error::{CommError, CommResult};
 use super::rendezvous::{torch_agent_store, Rendezvous};
 
+mod auth;
 mod client;
 mod mem;
 mod server;

@@ -8,6 +8,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use super::auth::{self, Side, NONCE_BYTES};
 use super::mem::{Kv, Wait};
 use super::wire::{
     malformed, read_frame, write_frame, Dec, Enc, HELLO_ACCEPT, HELLO_BAD_TOKEN, MAGIC,
@@ -27,11 +28,6 @@ const SERVER_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 const ACCEPT_POLL_MS: i32 = 50;
 /// How long `Drop` of the server waits for its connection threads.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Compares tokens without an early exit on the first differing byte.
-fn same_token(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
 
 // ---------------------------------------------------------------------------------------------
 // Server
@@ -106,14 +102,26 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(SERVER_WRITE_TIMEOUT))?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    // The handshake of `super::auth`: the client's nonce, this server's nonce and proof, the
+    // client's proof.
     let hello = read_frame(&mut stream, MAX_HELLO_BYTES)?;
     let mut d = Dec(&hello);
-    let (magic, token) = (d.bytes()?, d.bytes()?);
+    let (magic, cn) = (d.bytes()?, d.bytes()?);
     d.end()?;
     if magic != MAGIC {
         return Err(malformed("bad magic"));
     }
-    if !same_token(token, &shared.token) {
+    if cn.len() != NONCE_BYTES {
+        return Err(malformed("bad nonce"));
+    }
+    let sn = auth::nonce()?;
+    let mine = auth::proof(&shared.token, Side::Server, cn, &sn);
+    write_frame(&mut stream, &Enc(Vec::new()).bytes(&sn).bytes(&mine).0)?;
+    let reply = read_frame(&mut stream, MAX_HELLO_BYTES)?;
+    let mut d = Dec(&reply);
+    let theirs = d.bytes()?;
+    d.end()?;
+    if !auth::verify(&shared.token, Side::Client, cn, &sn, theirs) {
         return write_frame(&mut stream, &[HELLO_BAD_TOKEN]);
     }
     write_frame(&mut stream, &[HELLO_ACCEPT])?;

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::auth::{self, Side};
 use super::server::HANDSHAKE_TIMEOUT;
-use super::wire::{read_frame, write_frame, Enc, HELLO_ACCEPT, MAGIC};
+use super::wire::{read_frame, write_frame, Dec, Enc, HELLO_ACCEPT, HELLO_BAD_TOKEN, MAGIC};
 use super::*;
 use crate::comm::error::CommError;
 
@@ -172,12 +173,84 @@ fn wrong_token_rejected_good_client_unaffected() {
         .err()
         .expect("wrong token must be refused");
     let text = err.to_string();
-    assert!(text.contains("refused the job token"), "{text}");
+    assert!(text.contains("different job tokens"), "{text}");
     assert!(
         text.contains(&format!("127.0.0.1:{}", srv.port())),
         "{text}"
     );
     assert_eq!(good.get("x", T).unwrap(), b"1");
+}
+
+/// The handshake of `auth` by hand, as a client holding `token`: the server's verdict byte,
+/// and whether its proof held.
+fn raw_handshake(stream: &mut TcpStream, token: &str) -> (u8, bool) {
+    let cn = auth::nonce().unwrap();
+    write_frame(stream, &Enc(Vec::new()).bytes(MAGIC).bytes(&cn).0).unwrap();
+    let reply = read_frame(stream, 1024).unwrap();
+    let mut d = Dec(&reply);
+    let (sn, proof) = (d.bytes().unwrap().to_vec(), d.bytes().unwrap().to_vec());
+    let held = auth::verify(token.as_bytes(), Side::Server, &cn, &sn, &proof);
+    let mine = auth::proof(token.as_bytes(), Side::Client, &cn, &sn);
+    write_frame(stream, &Enc(Vec::new()).bytes(&mine).0).unwrap();
+    (read_frame(stream, 16).unwrap()[0], held)
+}
+
+/// Issue 44, defect 4: the token never crosses the wire. A program that listens where the
+/// ranks expect the store (a port derived from a job id, bound first by another user) hears
+/// only the magic and a nonce, cannot prove it holds the token, and the rank stops there
+/// with an error naming the store. Failed before: the hello carried the token.
+#[test]
+fn an_impostor_store_learns_nothing_and_is_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let impostor = thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let hello = read_frame(&mut s, 1 << 20).unwrap();
+        // It answers as a server would, with a proof made without the token.
+        let fake = Enc(Vec::new())
+            .bytes(&auth::nonce().unwrap())
+            .bytes(&auth::proof(b"", Side::Server, b"", b""))
+            .0;
+        write_frame(&mut s, &fake).unwrap();
+        let mut rest = Vec::new();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let _ = s.read_to_end(&mut rest);
+        (hello, rest)
+    });
+    let secret = "0123456789abcdef-the-job-token";
+    let err = TcpStore::connect("127.0.0.1", port, secret, T)
+        .err()
+        .expect("an impostor must be refused");
+    let text = err.to_string();
+    for part in [
+        "could not prove",
+        "different job tokens",
+        &format!("127.0.0.1:{port}"),
+    ] {
+        assert!(text.contains(part), "{text:?} lacks {part:?}");
+    }
+    let (hello, rest) = impostor.join().unwrap();
+    let heard = [hello, rest].concat();
+    assert!(
+        !heard.windows(secret.len()).any(|w| w == secret.as_bytes()),
+        "the impostor heard the token"
+    );
+    // Magic and nonce, each length-prefixed, and nothing after the failed proof.
+    assert_eq!(heard.len(), 4 + MAGIC.len() + 4 + auth::NONCE_BYTES);
+}
+
+/// A client that cannot prove the token (it sends a proof made with another one) is refused,
+/// after the server proved it holds its own; a client that can is accepted.
+#[test]
+fn the_server_checks_the_clients_proof() {
+    let srv = server();
+    let mut wrong = TcpStream::connect(("127.0.0.1", srv.port())).unwrap();
+    assert_eq!(
+        raw_handshake(&mut wrong, "other-job"),
+        (HELLO_BAD_TOKEN, false)
+    );
+    let mut right = TcpStream::connect(("127.0.0.1", srv.port())).unwrap();
+    assert_eq!(raw_handshake(&mut right, TOKEN), (HELLO_ACCEPT, true));
 }
 
 /// Reads until EOF or error; true when the server closed the connection in time.
@@ -207,18 +280,13 @@ fn bad_clients_only_lose_their_own_connection() {
     let mut bad_magic = TcpStream::connect(addr).unwrap();
     write_frame(
         &mut bad_magic,
-        &Enc(Vec::new()).bytes(b"nope/9").bytes(TOKEN.as_bytes()).0,
+        &Enc(Vec::new()).bytes(b"nope/9").bytes(&[0; 32]).0,
     )
     .unwrap();
     let silent = TcpStream::connect(addr).unwrap();
     // An authenticated client sending an oversized request loses its connection only.
     let mut rude = TcpStream::connect(addr).unwrap();
-    write_frame(
-        &mut rude,
-        &Enc(Vec::new()).bytes(MAGIC).bytes(TOKEN.as_bytes()).0,
-    )
-    .unwrap();
-    assert_eq!(read_frame(&mut rude, 16).unwrap(), [HELLO_ACCEPT]);
+    assert_eq!(raw_handshake(&mut rude, TOKEN), (HELLO_ACCEPT, true));
     rude.write_all(&((MAX_FRAME_BYTES + 1) as u32).to_le_bytes())
         .unwrap();
 

@@ -6,10 +6,11 @@ use std::io::{self, ErrorKind, Read, Write};
 /// Bound on any frame (request or reply), in bytes; a longer length prefix closes the
 /// connection without allocating it.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
-/// Protocol identifier sent in the hello frame.
-pub(super) const MAGIC: &[u8] = b"candle-tp-store/1";
-/// Bound on the hello frame (magic + token).
-pub(super) const MAX_HELLO_BYTES: usize = 64 << 10;
+/// Protocol identifier sent in the hello frame (2: the mutual proofs of `super::auth`; 1 sent
+/// the token itself).
+pub(super) const MAGIC: &[u8] = b"candle-tp-store/2";
+/// Bound on each handshake frame (magic and nonce; nonce and proof; proof).
+pub(super) const MAX_HELLO_BYTES: usize = 1024;
 /// Bound on the job token, checked by the client before it says hello.
 pub(super) const MAX_TOKEN_BYTES: usize = 4096;
 
