@@ -241,14 +241,14 @@ mod tests {
             .err()
             .expect("a wrong token must be refused")
             .to_string();
-        assert!(e.contains("refused the job token"), "{e}");
+        assert!(e.contains("different job tokens"), "{e}");
         for a in super::addresses().iter().filter(|a| !a.is_loopback()) {
             let e = crate::comm::store::TcpStore::connect(&a.to_string(), port, "x", short)
                 .err()
                 .unwrap_or_else(|| panic!("the store answers on {a}"))
                 .to_string();
             assert!(
-                !e.contains("refused the job token"),
+                !e.contains("different job tokens"),
                 "the store listens on {a}: {e}"
             );
         }
