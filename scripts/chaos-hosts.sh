@@ -8,8 +8,9 @@
 #
 # Cases (each run --runs times, default 5; --quick: 1), the victim a random rank unless said:
 #   error-init       the victim returns an error before it joins (before MPI starts)
-#   error-join       the victim (rank 2 or 3) fails inside the join: its shm slots twice its
-#                    peers' size
+#   error-join       the victim fails inside the join: its shm slots twice its peers' size
+#                    (a host's first rank makes the host's region with them, and its peer's
+#                    error names it by its job rank)
 #   wrong-token      the victim (rank 2 or 3) presents a wrong token to its host's store
 #   error-collective the victim returns an error after 1 s of the all-reduce loop, its peers
 #                    inside an all-reduce
@@ -99,7 +100,7 @@ one_run() {
         # A host's first rank makes its region: with larger slots it is its peer that finds the
         # region does not match (an error naming the group, not the rank), so the victim is
         # a host's second rank.
-        error-join) victim=$((2 + RANDOM % 2)); args=(error --phase join --victim "$victim") ;;
+        error-join) args=(error --phase join --victim "$victim") ;;
         # A client of a host's store (the host's second rank): the first serves it.
         wrong-token) victim=$((2 + RANDOM % 2)); args=(error --phase token --victim "$victim") ;;
         error-collective) args=(error --phase loop --after 1 --victim "$victim" --seconds 60) ;;
@@ -165,6 +166,10 @@ one_run() {
     if [ "$case" = link-cut ]; then
         grep -q "ctp-h2" <<< "$text" && grep -Eqi "lost communication|unable to|lost connection|not reachable" <<< "$text" && R_NAMED=1
     elif grep -Eq "MPI rank $victim of $NP is exiting|MPI_ABORT was invoked on rank $victim |process rank $victim with PID|Process name: \[\[[0-9]+,[0-9]+\],$victim\]" <<< "$text"; then
+        R_NAMED=1
+    elif [ "$case" = error-join ] && grep -Eq "made by rank 0 .*ranks 0, 1 are ranks $victim, " <<< "$text"; then
+        # A host's first rank made the region with the wrong slots: its peer's error names it,
+        # by its rank in the host's group and in the job.
         R_NAMED=1
     fi
     if [ -z "$R_WHY" ]; then

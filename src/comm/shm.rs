@@ -397,6 +397,7 @@ fn meet(
                 engine
             }
             Err(e) => {
+                let e = with_member_ranks(e, &name, members);
                 let _ = ctx
                     .store
                     .set(&attached(rank), format!("{FAILED}{e}").as_bytes());
@@ -412,6 +413,31 @@ fn meet(
         abort: engine.abort_handle(),
         engine: Mutex::new(engine),
     }))
+}
+
+/// `e` (an argument error of group `group`, which names ranks in the group's own numbering)
+/// with the ranks those are in the group it was made from, `members`, when they differ: a
+/// host's group numbers its ranks 0, 1, ... where the job knows them as, say, 1 and 3, and a
+/// message that says "rank 0" would send the reader to the job's rank 0 (issue 44).
+fn with_member_ranks(e: CommError, group: &str, members: &[usize]) -> CommError {
+    if members.iter().enumerate().all(|(i, &m)| i == m) {
+        return e;
+    }
+    match e {
+        CommError::InvalidArgument { context, detail } => {
+            let list = |v: Vec<String>| v.join(", ");
+            CommError::InvalidArgument {
+                context,
+                detail: format!(
+                    "{detail} (group '{group}' ranks {} are ranks {} of the group it was made \
+                     from, the job's for a host's group)",
+                    list((0..members.len()).map(|i| i.to_string()).collect()),
+                    list(members.iter().map(|m| m.to_string()).collect()),
+                ),
+            }
+        }
+        e => e,
+    }
 }
 
 /// `ctx.store.get(key)` within the deadline, polled every 20 ms, checking the parent group's
@@ -442,5 +468,38 @@ fn wait_for_key(
             return ctx.store.get(key, std::time::Duration::ZERO);
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host's group (world ranks 1 and 3 of the job, ranks 0 and 1 among themselves) names
+    /// both numberings in an argument error; a group numbered as its parent is left alone, and
+    /// other errors are not touched.
+    #[test]
+    fn a_host_groups_error_names_the_jobs_ranks() {
+        let e = || CommError::invalid("group 'world/host' rank 1", "made by rank 0: 2 ranks");
+        let named = with_member_ranks(e(), "world/host", &[1, 3]).to_string();
+        for part in [
+            "made by rank 0",
+            "ranks 0, 1 are ranks 1, 3",
+            "'world/host'",
+        ] {
+            assert!(named.contains(part), "{named:?} lacks {part:?}");
+        }
+        assert_eq!(
+            with_member_ranks(e(), "world", &[0, 1]).to_string(),
+            e().to_string()
+        );
+        let t = CommError::Timeout {
+            group: "g".into(),
+            op: "x".into(),
+            missing: vec![1],
+            waited: std::time::Duration::from_secs(1),
+        };
+        let text = t.to_string();
+        assert_eq!(with_member_ranks(t, "g", &[2, 5]).to_string(), text);
     }
 }

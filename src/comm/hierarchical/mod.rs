@@ -87,8 +87,9 @@ pub(crate) struct Hierarchical {
     serial: std::sync::Mutex<()>,
 }
 
-/// The in-host backend of a host's ranks: `(context, name, rank, members)`, members numbered
-/// among the host's ranks (the shm engine's rendezvous).
+/// The in-host backend of a host's ranks: `(context, name, rank, members)`, `rank` numbered
+/// among the host's ranks and `members` their world ranks in that order (the shm engine's
+/// rendezvous, whose messages name both).
 pub(crate) type LocalJoin<'a> =
     &'a dyn Fn(&Arc<Context>, String, usize, &[usize]) -> CommResult<Arc<dyn Backend>>;
 
@@ -142,7 +143,9 @@ pub(crate) fn join(
     mpi.broadcast(HostBufMut::new(&mut job), 0)?;
     let job = String::from_utf8_lossy(&job).into_owned();
     let ctx = host_store(node.as_ref(), local_of[rank], local_size, job, &options)?;
-    let local_members: Vec<usize> = (0..local_size).collect();
+    // The world ranks of this host, in local order (what its group's messages name them as).
+    let local_members: Vec<usize> = (0..size).filter(|&r| host_of[r] == host_of[rank]).collect();
+    debug_assert_eq!(local_members.len(), local_size);
     let local = local(&ctx, "world/host".into(), local_of[rank], &local_members)?;
     let map = Arc::new(HostMap {
         across: mpi,
