@@ -7,6 +7,7 @@
 //!
 //! ```text
 //! cargo run --release -p candle-tp-kernels --example bench_repacked [ROUNDS]
+//! BT=Q8_0 BM=1 cargo run --release -p candle-tp-kernels --example bench_repacked  # one type, one m
 //! ```
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -54,6 +55,10 @@ fn main() -> candle_core::Result<()> {
             if k % dtype.block_size() != 0 {
                 continue;
             }
+            // BT=TYPE: that type only.
+            if std::env::var("BT").is_ok_and(|t| t != format!("{dtype:?}")) {
+                continue;
+            }
             let q = QTensor::quantize(&w, dtype)?;
             let bytes = q.data()?;
             let copies = (64usize << 20).div_ceil(bytes.len()).clamp(1, 64);
@@ -61,6 +66,10 @@ fn main() -> candle_core::Result<()> {
                 .map(|_| repack(&bytes, n, k))
                 .collect::<candle_core::Result<_>>()?;
             for m in [1usize, 2, 4, 8, 64] {
+                // BM=M: that number of activation rows only.
+                if std::env::var("BM").is_ok_and(|v| v != m.to_string()) {
+                    continue;
+                }
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 255) as f32 - 127.0)
                     .collect();

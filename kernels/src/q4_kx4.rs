@@ -172,7 +172,7 @@ pub(crate) use k4_panel_items;
 pub(crate) mod avx2 {
     use super::BlockQ4Kx4;
     use crate::q8_k::BlockQ8K;
-    use crate::repack::avx2::{f16x4, PREFETCH};
+    use crate::repack::avx2::{f16x4, prefetch_record};
     use crate::repack::panel::{pair, put_run, PanelBlock};
     use half::f16;
     use std::arch::x86_64::*;
@@ -349,18 +349,9 @@ pub(crate) mod avx2 {
     ) -> [[f64; 4]; M] {
         let mut acc = [_mm256_setzero_pd(); M];
         for (b, g) in group.iter().enumerate() {
-            // Hints: no fault past the end of the weight. One line `PREFETCH` bytes ahead, and
-            // for tiles of 8 activation rows every line of the record (measured on a Zen 5
-            // core, one thread, 1 B Llama's 5632 x 2048: Q4_K and Q5_K at 8 rows 1.08-1.21x;
-            // at 1, 2 and 4 rows 0.95-1.02x, so not there).
-            let at = (g as *const G as *const i8).wrapping_add(PREFETCH);
-            if M < 8 {
-                _mm_prefetch(at, _MM_HINT_T0);
-            } else {
-                for line in (0..std::mem::size_of::<G>()).step_by(64) {
-                    _mm_prefetch(at.wrapping_add(line), _MM_HINT_T0);
-                }
-            }
+            // Every line of the record, `STREAM_PREFETCH` bytes ahead (before, one line 512
+            // bytes ahead at 1-4 rows, every line at 8).
+            prefetch_record(g);
             let scales = _mm256_loadu_si256(g.sc().as_ptr() as *const __m256i);
             let mins = g.mn().as_ptr() as *const __m128i;
             let mins01 = _mm256_cvtepu8_epi16(_mm_loadu_si128(mins));

@@ -187,7 +187,7 @@ mod avx2 {
     use super::BlockQ6Kx4;
     use crate::f64_dot::avx2::hsum4;
     use crate::q8_k::{BlockQ8K, QK_K};
-    use crate::repack::avx2::{f16x4, PREFETCH};
+    use crate::repack::avx2::{f16x4, prefetch_record};
     use crate::repack::panel::{pair, put_run, PanelBlock};
     use std::arch::x86_64::*;
 
@@ -298,12 +298,7 @@ mod avx2 {
         });
         let mut acc = [_mm256_setzero_pd(); M];
         for (b, g) in group.iter().enumerate() {
-            // A hint: no fault past the end of the weight. Every cache line of the record,
-            // `PREFETCH` bytes ahead.
-            let at = (g as *const BlockQ6Kx4 as *const i8).wrapping_add(PREFETCH);
-            for line in (0..std::mem::size_of::<BlockQ6Kx4>()).step_by(64) {
-                _mm_prefetch(at.wrapping_add(line), _MM_HINT_T0);
-            }
+            prefetch_record(g);
             // The scales transposed: `t[w]` holds, for `s = 4w .. 4w + 4`, the four rows'
             // scale `s` (one word each).
             let rows: [__m128i; 4] =

@@ -122,16 +122,12 @@ mod avx2 {
     use super::BlockQ8_0x4;
     use crate::f64_dot::avx2::hsum4;
     use crate::q8_0::BlockQ8_0;
-    use crate::repack::avx2::{f16x4, pair_dot_words};
+    use crate::repack::avx2::{f16x4, pair_dot_words, prefetch_record};
     use crate::repack::avx512::{join_ps, quad_dot, QUAD_PREFETCH};
     use crate::repack::ActRow;
     use std::arch::x86_64::*;
 
-    /// Bytes ahead of the group's current block that each step prefetches (about four
-    /// groups, as for Q4_0).
-    const PREFETCH: usize = 512;
-
-    /// The same for each of the two streams of [`pair_dot_vnni`].
+    /// Bytes ahead that each of the two streams of [`pair_dot_vnni`] prefetches.
     const PAIR_PREFETCH: usize = 1024;
 
     /// The 512-bit kernel for four groups ([`quad_dot`]): per block, each group's rows 0-1
@@ -291,10 +287,7 @@ mod avx2 {
         let mut acc = [_mm256_setzero_pd(); M];
         for (b, g) in group.iter().enumerate() {
             // A hint: no fault past the end of the weight.
-            _mm_prefetch(
-                (g as *const BlockQ8_0x4 as *const i8).wrapping_add(PREFETCH),
-                _MM_HINT_T0,
-            );
+            prefetch_record(g);
             let load = |r: usize| _mm256_loadu_si256(g.qs[r].as_ptr() as *const __m256i);
             let q = [load(0), load(1), load(2), load(3)];
             // AVX2: |q| for `maddubs`; VNNI: q + 128.

@@ -16,9 +16,10 @@
 //! the four-row VNNI kernel in the same run, on SmolLM2's 1536 x 576 and a 1 B Llama's
 //! 5632 x 2048: 1.05-1.4x at one activation row (decode; not Q8_0, even there), 1.7-2.5x at 2
 //! and 1.5-2x at 4
-//! (docs/PERFORMANCE.md has the table). The four streams must be prefetched 2 KiB ahead, both
-//! lines a block crosses: 512 bytes ahead (the four-row kernel's distance) left one row slower
-//! than the four-row kernel (0.65-0.95x) and cost 1.1-1.6x at 2 and 4 rows. Tiles of 8 rows
+//! (docs/PERFORMANCE.md has the table). The four streams must be prefetched far ahead, both
+//! lines a block crosses: 512 bytes ahead left one row slower than the four-row kernel
+//! (0.65-0.95x) and cost 1.1-1.6x at 2 and 4 rows; 2 KiB did better, 8 KiB better still
+//! ([`QUAD_PREFETCH`]). Tiles of 8 rows
 //! (sixteen f64x8 accumulators beside the eight weight vectors) ran 1.2-1.7x the eight-row
 //! kernel ([`super::avx2::pair_dot_words`]) at 8 rows and 1.05-1.55x at 64.
 
@@ -31,8 +32,11 @@ use super::{Act8, ActRow};
 use std::arch::x86_64::*;
 
 /// Bytes ahead in each of the four streams that [`unsigned_quad_dot`] prefetches (see the
-/// module's documentation).
-pub const QUAD_PREFETCH: usize = 2048;
+/// module's documentation). 8 KiB since 2026-11-28 (it was 2 KiB): on a Zen 5 core, one
+/// thread, 1 B Llama's 5632 x 2048 at one activation row, Q4_0 and Q4_1 1.39x, Q5_0 1.28x,
+/// Q5_1 1.20x, at 2 rows 1.06-1.28x, at 4 and 8 rows 0.97-1.16x (`bench_repacked`); 4 KiB
+/// gained about half as much.
+pub const QUAD_PREFETCH: usize = 8192;
 
 /// Weight rows per call of [`quad_dot`] (four groups).
 pub const QUAD_ROWS: usize = 16;
