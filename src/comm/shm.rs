@@ -12,7 +12,7 @@ use super::backend::{
 };
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
-use super::engine::{check_slot_bytes, region_layout, AbortHandle, Engine};
+use super::engine::{check_slot_bytes, region_layout, sweep_dev_shm_once, AbortHandle, Engine};
 use super::error::{CommError, CommResult};
 use super::job_token::{job_token_file, token_dir};
 use super::launcher::Launch;
@@ -269,6 +269,8 @@ pub(crate) fn rendezvous(
     let shm = ctx.region == RegionKind::Shm;
     if shm {
         region::sweep_on_sigterm(&ctx.job);
+        // What jobs that ended without a survivor on this host left (engine/stale.rs).
+        sweep_dev_shm_once();
     }
     let met = meet(ctx, name, rank, members, parent, seg.clone());
     if met.is_err() && shm {

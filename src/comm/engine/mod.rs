@@ -32,11 +32,13 @@
 mod abort;
 mod algorithms;
 mod layout;
+mod stale;
 
 pub(crate) use abort::AbortHandle;
 use abort::{abort_region, process_alive, Parent};
 pub(crate) use layout::{check_slot_bytes, region_layout, MAX_RANKS};
 use layout::{Header, MetaValue, Record, HEADER_BYTES, MAGIC, PORTION_ALIGN, RECORD_BYTES};
+pub(crate) use stale::sweep_dev_shm_once;
 #[cfg(test)]
 mod tests;
 
