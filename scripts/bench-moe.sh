@@ -22,7 +22,7 @@
 #                       llama.cpp's server (scripts/check-llama-cpp-logits.sh; llama.cpp built
 #                       once by scripts/lib/llama-cpp.sh)
 # The model is written once under $CANDLE_TP_HOME/models (default ~/.cache/candle-tp).
-# Not yet here (issue 45): serving, emulated hosts.
+# Serving: scripts/bench-serve.sh --ep-vs-tp; emulated hosts: scripts/bench-hosts.sh --ep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
     --hidden) hidden="$2"; shift 2 ;;
     --intermediate) intermediate="$2"; shift 2 ;;
     --layers) layers="$2"; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
