@@ -4,6 +4,8 @@
 //! `cargo test` builds. The script checks each run (non-zero exit, time bound, the failing rank
 //! named, no process and no segment left) and its last line sums them up as JSON.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -118,11 +120,7 @@ fn the_next_job_sweeps_a_segment_that_no_rank_survived() {
         .env_remove("CANDLE_TP_TOKEN")
         .output()
         .expect("run the job");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = common::output_text(&out);
     let left = path.exists();
     let _ = std::fs::remove_file(&path);
     assert!(out.status.success(), "the job failed:\n{text}");
