@@ -19,6 +19,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use super::error::{CommError, CommResult};
 use super::launcher::Launch;
+use super::secret::{hex, random_bytes};
 
 /// How long before a rank started a token file may have been written and still be this job's:
 /// the ranks of one launch start within seconds of each other, and a file from an earlier job
@@ -104,16 +105,9 @@ fn euid() -> u32 {
 /// 32 hex characters from the kernel's random source (no predictable fallback: this is a
 /// secret).
 fn random_token() -> CommResult<String> {
-    let mut bytes = [0u8; 16];
-    // SAFETY: getrandom writes at most 16 bytes into the buffer.
-    let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if got != bytes.len() as isize {
-        return Err(CommError::io(
-            "drawing a job token from getrandom",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    let bytes =
+        random_bytes::<16>().map_err(|e| CommError::io("drawing a job token from getrandom", e))?;
+    Ok(hex(&bytes))
 }
 
 /// The token of the job `launch` describes, for rank `rank`: rank 0 writes a fresh random one
@@ -223,30 +217,11 @@ mod tests {
         }
     }
 
-    fn private_dir_for_test() -> tempdir::Dir {
-        tempdir::Dir::new()
-    }
-
     /// A scratch directory of mode 0700, removed at the end.
-    mod tempdir {
-        pub struct Dir(pub std::path::PathBuf);
-        impl Dir {
-            pub fn new() -> Self {
-                let p = std::env::temp_dir().join(format!(
-                    "candle-tp-token-test-{}",
-                    super::super::random_token().unwrap()
-                ));
-                std::fs::create_dir(&p).unwrap();
-                std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-                    .unwrap();
-                Self(p)
-            }
-        }
-        impl Drop for Dir {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
+    fn private_dir_for_test() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o700)).unwrap();
+        dir
     }
 
     /// Rank 0's token reaches rank 1 through a file of mode 0600 whatever the umask, each job
@@ -256,16 +231,17 @@ mod tests {
         let dir = private_dir_for_test();
         // SAFETY: umask only sets this process's file creation mask.
         let old = unsafe { libc::umask(0) };
-        let zero = job_token_file(&launch("ompi/77.1"), 0, &dir.0, Duration::from_secs(5));
+        let zero = job_token_file(&launch("ompi/77.1"), 0, dir.path(), Duration::from_secs(5));
         unsafe { libc::umask(old) };
         let zero = zero.unwrap();
         assert_eq!(zero.token.len(), 32, "{}", zero.token);
         let mode = fs::metadata(&zero.path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        let one = job_token_file(&launch("ompi/77.1"), 1, &dir.0, Duration::from_secs(5)).unwrap();
+        let one =
+            job_token_file(&launch("ompi/77.1"), 1, dir.path(), Duration::from_secs(5)).unwrap();
         assert_eq!(one.token, zero.token);
         let other =
-            job_token_file(&launch("ompi/78.1"), 0, &dir.0, Duration::from_secs(5)).unwrap();
+            job_token_file(&launch("ompi/78.1"), 0, dir.path(), Duration::from_secs(5)).unwrap();
         assert_ne!(other.token, zero.token);
         let path = zero.path.clone();
         drop(one);
@@ -279,11 +255,11 @@ mod tests {
     #[test]
     fn no_token_from_rank_0_is_a_timeout_naming_the_file() {
         let dir = private_dir_for_test();
-        let path = dir.0.join("job-ompi_5.token");
+        let path = dir.path().join("job-ompi_5.token");
         fs::write(&path, "readable-by-all").unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
         let start = Instant::now();
-        let err = job_token_file(&launch("ompi/5"), 1, &dir.0, Duration::from_millis(300))
+        let err = job_token_file(&launch("ompi/5"), 1, dir.path(), Duration::from_millis(300))
             .unwrap_err()
             .to_string();
         assert!(start.elapsed() >= Duration::from_millis(300));
@@ -297,14 +273,14 @@ mod tests {
     #[test]
     fn an_open_directory_is_refused() {
         let dir = private_dir_for_test();
-        let open = dir.0.join("open");
+        let open = dir.path().join("open");
         fs::create_dir(&open).unwrap();
         fs::set_permissions(&open, fs::Permissions::from_mode(0o755)).unwrap();
         let err = private_dir(open).unwrap_err().to_string();
         for part in ["open", "mode 755", "chmod 700"] {
             assert!(err.contains(part), "{err:?} lacks {part:?}");
         }
-        let made = private_dir(dir.0.join("a/b")).unwrap();
+        let made = private_dir(dir.path().join("a/b")).unwrap();
         assert_eq!(
             fs::metadata(made).unwrap().permissions().mode() & 0o777,
             0o700

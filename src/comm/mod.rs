@@ -37,6 +37,7 @@ pub(crate) mod nccl;
 mod p2p;
 mod region;
 mod rendezvous;
+mod secret;
 mod shm;
 mod single;
 pub mod stats;

@@ -51,8 +51,8 @@ const ROOMS: &[&[&str]] = &[
 /// `comm`'s layers, bottom first: a file imports its own layer or those below.
 const COMM_LAYERS: &[(&str, &[&str])] = &[
     (
-        "types: errors, element types, statistics, the job's layout, the rendezvous, all-to-all block sizes, the job token file",
-        &["error", "element", "stats", "launcher", "rendezvous", "block_sizes", "job_token"],
+        "types: errors, element types, statistics, the job's layout, the rendezvous, all-to-all block sizes, the job token file, secrets",
+        &["error", "element", "stats", "launcher", "rendezvous", "block_sizes", "job_token", "secret"],
     ),
     ("the store, over its own transport", &["store"]),
     (

@@ -67,21 +67,7 @@ pub(super) fn verify(token: &[u8], side: Side, cn: &[u8], sn: &[u8], tag: &[u8])
 /// A fresh nonce from the kernel's random source; an error if it cannot give one (no
 /// predictable fallback: a nonce that repeats lets a recorded proof be replayed).
 pub(super) fn nonce() -> std::io::Result<[u8; NONCE_BYTES]> {
-    let mut n = [0u8; NONCE_BYTES];
-    let mut filled = 0;
-    while filled < n.len() {
-        // SAFETY: getrandom writes at most `n.len() - filled` bytes into the rest of `n`.
-        let got = unsafe { libc::getrandom(n[filled..].as_mut_ptr().cast(), n.len() - filled, 0) };
-        if got < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        filled += got as usize;
-    }
-    Ok(n)
+    crate::comm::secret::random_bytes()
 }
 
 #[cfg(test)]
@@ -93,14 +79,8 @@ mod tests {
     fn hmac_sha256_is_rfc_4231s() {
         let mut m = HmacSha256::new_from_slice(b"Jefe").unwrap();
         m.update(b"what do ya want for nothing?");
-        let hex: String = m
-            .finalize()
-            .into_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
         assert_eq!(
-            hex,
+            crate::comm::secret::hex(&m.finalize().into_bytes()),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
     }
