@@ -12,12 +12,13 @@
 //! (which waits at most `CANDLE_TP_TIMEOUT`, 300 s by default) out of reach.
 
 use std::fs::File;
+use std::mem::offset_of;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use super::abort::process_alive;
-use super::layout::{HEADER_BYTES, MAGIC, MAX_RANKS, RECORD_BYTES};
+use super::layout::{Header, Record, HEADER_BYTES, MAGIC, MAX_RANKS, RECORD_BYTES};
 
 /// How long a segment must have been left untouched before a sweep considers it.
 pub(crate) const STALE_AFTER: Duration = Duration::from_secs(600);
@@ -26,22 +27,27 @@ pub(crate) const STALE_AFTER: Duration = Duration::from_secs(600);
 /// where the file holds no region of this engine (too short, another magic, a size out of
 /// range).
 fn region_pids(file: &File) -> Option<Vec<u32>> {
-    let mut header = [0u8; 16];
-    file.read_exact_at(&mut header, 0).ok()?;
-    let magic = u64::from_le_bytes(header[..8].try_into().ok()?);
-    let size = u64::from_le_bytes(header[8..].try_into().ok()?) as usize;
+    // The header's and the records' fields where `layout.rs` puts them (native byte order, as
+    // the mapped atomics hold them).
+    let read_u64 = |at: usize| {
+        let mut b = [0u8; 8];
+        file.read_exact_at(&mut b, at as u64)
+            .ok()
+            .map(|_| u64::from_ne_bytes(b))
+    };
+    let magic = read_u64(offset_of!(Header, magic))?;
+    let size = read_u64(offset_of!(Header, size))? as usize;
     if magic != MAGIC || size == 0 || size > MAX_RANKS {
         return None;
     }
-    let mut pids = Vec::with_capacity(size);
-    for r in 0..size {
-        // A record starts with its sequence word and waiter count; then the pid.
-        let mut pid = [0u8; 4];
-        let at = (HEADER_BYTES + r * RECORD_BYTES + 8) as u64;
-        file.read_exact_at(&mut pid, at).ok()?;
-        pids.push(u32::from_le_bytes(pid));
-    }
-    Some(pids)
+    (0..size)
+        .map(|r| {
+            let mut pid = [0u8; 4];
+            let at = HEADER_BYTES + r * RECORD_BYTES + offset_of!(Record, pid);
+            file.read_exact_at(&mut pid, at as u64).ok()?;
+            Some(u32::from_ne_bytes(pid))
+        })
+        .collect()
 }
 
 /// Unlinks the stale `candle-tp-*` segments of `dir` (see the module's documentation): this
@@ -109,11 +115,12 @@ mod tests {
     /// A file laid out as a region of `pids.len()` ranks whose records hold `pids`.
     fn region_file(path: &Path, pids: &[u32], magic: u64) {
         let mut bytes = vec![0u8; HEADER_BYTES + pids.len().max(1) * RECORD_BYTES];
-        bytes[..8].copy_from_slice(&magic.to_le_bytes());
-        bytes[8..16].copy_from_slice(&(pids.len() as u64).to_le_bytes());
+        let (m, n) = (offset_of!(Header, magic), offset_of!(Header, size));
+        bytes[m..m + 8].copy_from_slice(&magic.to_ne_bytes());
+        bytes[n..n + 8].copy_from_slice(&(pids.len() as u64).to_ne_bytes());
         for (r, pid) in pids.iter().enumerate() {
-            let at = HEADER_BYTES + r * RECORD_BYTES + 8;
-            bytes[at..at + 4].copy_from_slice(&pid.to_le_bytes());
+            let at = HEADER_BYTES + r * RECORD_BYTES + offset_of!(Record, pid);
+            bytes[at..at + 4].copy_from_slice(&pid.to_ne_bytes());
         }
         File::create(path).unwrap().write_all(&bytes).unwrap();
     }
@@ -136,8 +143,8 @@ mod tests {
     /// young one, not another program's file.
     #[test]
     fn a_sweep_takes_only_old_segments_of_dead_jobs() {
-        let dir = std::env::temp_dir().join(format!("candle-tp-stale-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path();
         let (dead, me) = (dead_pid(), std::process::id());
         let old = Duration::from_secs(3600);
         let cases = [
@@ -158,7 +165,7 @@ mod tests {
             region_file(&p, pids, *magic);
             age(&p, *by);
         }
-        let mut removed = sweep_stale_segments(&dir, Duration::from_secs(600));
+        let mut removed = sweep_stale_segments(dir, Duration::from_secs(600));
         removed.sort();
         let mut want: Vec<String> = cases
             .iter()
@@ -170,6 +177,5 @@ mod tests {
         for (name, _, _, _, gone) in &cases {
             assert_eq!(!dir.join(name).exists(), *gone, "{name}");
         }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
