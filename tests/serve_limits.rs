@@ -16,6 +16,9 @@
 //! - An embedding request whose client left before its turn is not run.
 //! - A non-streamed answer with many log-probabilities is built off the async thread: the
 //!   server's one async worker keeps running other tasks meanwhile.
+//! - Every refusal and closed connection above is counted in `/metrics`
+//!   (`candle_tp:requests_rejected_total{reason}`, `candle_tp:connections_closed_total{reason}`),
+//!   as many as the test saw.
 #![cfg(feature = "server")]
 
 use std::io::{ErrorKind, Read, Write};
@@ -30,8 +33,8 @@ use serde_json::{json, Value};
 mod common;
 
 use common::serve::{
-    connect_with_receive_buffer, failed_checks, health, http, made_up_words, metric, model_dir,
-    post, wait_active, Server, SERIAL,
+    closed_for, connect_with_receive_buffer, failed_checks, health, http, made_up_words, metric,
+    model_dir, post, rejected, wait_active, Server, SERIAL,
 };
 
 /// Writes a request to a new connection (kept alive) and returns the connection.
@@ -174,6 +177,7 @@ fn connections_past_the_limit_get_a_503() {
     // The server takes connections in order: the fifth is past the limit.
     let (status, text) = http(port, "GET", "/health", "");
     assert_eq!(status, 503, "the fifth connection was served: {text}");
+    let mut refused = 1.0;
     let err = error_of(&text);
     assert_eq!(err["code"], "too_many_connections", "{err}");
     assert_eq!(err["type"], "server_error", "{err}");
@@ -194,6 +198,7 @@ fn connections_past_the_limit_get_a_503() {
         if status == 200 {
             break;
         }
+        refused += 1.0;
         assert!(
             t0.elapsed() < Duration::from_secs(20),
             "still refused 20 s after the connections closed: {status} {text}"
@@ -206,6 +211,11 @@ fn connections_past_the_limit_get_a_503() {
         &json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0}),
     );
     assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        rejected(port, "too_many_connections"),
+        refused,
+        "the 503s the test got are not what /metrics counts"
+    );
 }
 
 /// A body sent a byte every 300 ms is cut off with a 408 naming `--body-timeout`, and the
@@ -305,6 +315,7 @@ fn slow_clients_are_cut_off() {
         ],
     );
     let port = server.port;
+    assert_eq!(closed_for(port, "header_timeout"), 0.0);
     let failed = failed_checks(&[
         ("a_slow_body_gets_408", &|| a_slow_body_gets_408(port)),
         ("slow_headers_are_closed", &|| slow_headers_are_closed(port)),
@@ -320,6 +331,14 @@ fn slow_clients_are_cut_off() {
     ]);
     assert!(failed.is_empty(), "failed: {failed:?}");
     assert_eq!(health(port)["status"], "ok");
+    assert_eq!(rejected(port, "request_timeout"), 1.0, "the one 408");
+    // Slow headers, a silent connection and an idle keep-alive one (and any of the test's
+    // own keep-alive connections left idle).
+    let closed = closed_for(port, "header_timeout");
+    assert!(
+        closed >= 3.0,
+        "{closed} connections closed by --header-timeout, 3 at least"
+    );
 }
 
 /// A `/tokenize` body of `bytes` made-up words (the tokenizer's word cache cannot shortcut
@@ -376,6 +395,11 @@ fn tokenizing_is_bounded() {
         }
     }
     eprintln!("{ok} tokenized, {busy} refused");
+    assert_eq!(
+        rejected(port, "tokenizer_busy"),
+        busy as f64,
+        "/metrics against the 503s"
+    );
     assert!(ok >= 1, "none of {k} was tokenized");
     assert!(
         busy >= 1,
@@ -491,6 +515,8 @@ fn gone_clients_leave_the_queue(port: u16) {
     );
     assert_eq!(status, 503, "{v}");
     assert_eq!(v["error"]["code"], "queue_full", "{v}");
+    let full = rejected(port, "queue_full");
+    assert!(full >= 1.0, "the 503 queue_full is not counted in /metrics");
     drop((b, c));
     let t0 = Instant::now();
     let e = loop {
@@ -519,6 +545,7 @@ fn gone_clients_leave_the_queue(port: u16) {
 fn a_stalled_reader_loses_its_slot(port: u16) {
     settle(port);
     let finished = metric(port, "candle_tp:request_success_total");
+    let cut = closed_for(port, "send_timeout");
     let mut s = connect_with_receive_buffer(port, 4096);
     let body = long_stream();
     write!(
@@ -549,6 +576,11 @@ fn a_stalled_reader_loses_its_slot(port: u16) {
         metric(port, "candle_tp:request_success_total"),
         finished,
         "the request finished instead of being dropped"
+    );
+    assert_eq!(
+        closed_for(port, "send_timeout"),
+        cut + 1.0,
+        "the stalled reader's connection is not counted as closed by --send-timeout"
     );
     drop(s);
 }

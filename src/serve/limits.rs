@@ -14,6 +14,13 @@
 //! - [`TextJobs`] holds the work that runs on tokio's blocking threads to `--max-tokenize-jobs`
 //!   jobs at once; a request waits for one at most `--tokenize-wait`, then gets a 503
 //!   `tokenizer_busy`.
+//!
+//! Each refusal and each closed connection is counted in the [`Rejections`] that [`serve`] is
+//! given (`candle_tp:requests_rejected_total{reason}` and
+//! `candle_tp:connections_closed_total{reason}` in `/metrics`): the listener counts the
+//! connections past the limit, a connection its own closing, and a middleware every answer
+//! whose error code is a [`Limit`]'s (a 408 of [`read_body`], a 503 of [`TextJobs`] or of
+//! the queue).
 
 use std::future::Future;
 use std::io;
@@ -39,6 +46,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 
 use crate::serve::error::ApiError;
+use crate::serve::metrics::{Limit, Rejections};
+use crate::serve::reply::ErrorCode;
 
 /// `--max-connections`'s default: connections served at once (below the usual 1024 open
 /// files of a process).
@@ -255,16 +264,21 @@ pub async fn read_body(
 }
 
 /// Serves `app` on `listener` within `limits` until `shutdown` completes (then as axum's
-/// graceful shutdown: open connections end their answers).
+/// graceful shutdown: open connections end their answers), counting what the limits refuse
+/// and close in `rejected`.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: ConnLimits,
+    rejected: Arc<Rejections>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let app = app.layer(axum::middleware::from_fn(track));
+    let app = app.layer(axum::middleware::from_fn_with_state(
+        rejected.clone(),
+        track,
+    ));
     axum::serve(
-        LimitedListener::new(listener, limits),
+        LimitedListener::new(listener, limits, rejected),
         app.into_make_service_with_connect_info::<Conn>(),
     )
     .with_graceful_shutdown(shutdown)
@@ -285,18 +299,20 @@ pub struct LimitedListener {
     limits: ConnLimits,
     open: Arc<Semaphore>,
     refusing: Arc<Semaphore>,
+    rejected: Arc<Rejections>,
     /// Whether an accept error was reported (once: a full file table repeats it).
     reported: bool,
 }
 
 impl LimitedListener {
-    /// `inner` within `limits`.
-    pub fn new(inner: TcpListener, limits: ConnLimits) -> Self {
+    /// `inner` within `limits`, counting refused and closed connections in `rejected`.
+    pub fn new(inner: TcpListener, limits: ConnLimits, rejected: Arc<Rejections>) -> Self {
         Self {
             inner,
             limits,
             open: Arc::new(Semaphore::new(limits.max_connections.max(1))),
             refusing: Arc::new(Semaphore::new(REFUSING_AT_ONCE)),
+            rejected,
             reported: false,
         }
     }
@@ -328,8 +344,15 @@ impl Listener for LimitedListener {
             };
             let _ = stream.set_nodelay(true);
             match self.open.clone().try_acquire_owned() {
-                Ok(permit) => return (LimitedStream::new(stream, permit, self.limits), addr),
+                Ok(permit) => {
+                    let stream =
+                        LimitedStream::new(stream, permit, self.limits, self.rejected.clone());
+                    return (stream, addr);
+                }
                 Err(_) => {
+                    // Counted also when it is closed without an answer (more than
+                    // `REFUSING_AT_ONCE` being refused).
+                    self.rejected.count(Limit::TooManyConnections);
                     if let Ok(refusing) = self.refusing.clone().try_acquire_owned() {
                         let max = self.limits.max_connections;
                         tokio::spawn(async move {
@@ -473,12 +496,30 @@ impl Connected<IncomingStream<'_, LimitedListener>> for Conn {
 /// Marks the connection busy while its request is handled and, for a streamed answer (no
 /// length known: server-sent events), until the answer ends; an answer of known length is
 /// written at once, and its writes count as activity.
-async fn track(req: Request, next: Next) -> Response {
+///
+/// Counts in `rejected` every answer that carries the error code of a [`Limit`].
+async fn track(
+    axum::extract::State(rejected): axum::extract::State<Arc<Rejections>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let count = |res: &Response| {
+        if let Some(limit) = res
+            .extensions()
+            .get::<ErrorCode>()
+            .and_then(|c| Limit::of_code(c.0))
+        {
+            rejected.count(limit);
+        }
+    };
     let Some(ConnectInfo(conn)) = req.extensions().get::<ConnectInfo<Conn>>().cloned() else {
-        return next.run(req).await;
+        let res = next.run(req).await;
+        count(&res);
+        return res;
     };
     let busy = conn.begin();
     let res = next.run(req).await;
+    count(&res);
     if res.body().size_hint().exact().is_some() {
         return res;
     }
@@ -524,6 +565,7 @@ pub struct LimitedStream {
     idle: Pin<Box<Sleep>>,
     stalled: Option<Pin<Box<Sleep>>>,
     acks: AckWatch,
+    rejected: Arc<Rejections>,
     _place: OwnedSemaphorePermit,
 }
 
@@ -574,7 +616,12 @@ fn tcp_progress(_stream: &TcpStream) -> Option<(u64, bool)> {
 }
 
 impl LimitedStream {
-    fn new(io: TcpStream, place: OwnedSemaphorePermit, limits: ConnLimits) -> Self {
+    fn new(
+        io: TcpStream,
+        place: OwnedSemaphorePermit,
+        limits: ConnLimits,
+        rejected: Arc<Rejections>,
+    ) -> Self {
         Self {
             io,
             conn: Conn::new(),
@@ -586,6 +633,7 @@ impl LimitedStream {
                 since: Instant::now(),
                 checked: Instant::now(),
             },
+            rejected,
             _place: place,
         }
     }
@@ -609,7 +657,9 @@ impl LimitedStream {
         now.duration_since(self.acks.since) >= self.limits.send_timeout
     }
 
+    /// The error that closes the connection of a client that stopped reading (counted).
     fn unread(&self) -> io::Error {
+        self.rejected.count(Limit::SendTimeout);
         io::Error::new(
             io::ErrorKind::TimedOut,
             format!(
@@ -646,7 +696,9 @@ impl LimitedStream {
     }
 }
 
-fn no_request(limit: Duration) -> io::Error {
+/// The error that closes a connection whose request headers did not come in time (counted).
+fn no_request(limit: Duration, rejected: &Rejections) -> io::Error {
+    rejected.count(Limit::HeaderTimeout);
     io::Error::new(
         io::ErrorKind::TimedOut,
         format!(
@@ -666,7 +718,7 @@ impl AsyncRead for LimitedStream {
         let limit = this.limits.header_timeout;
         let deadline = this.conn.waiting_since().map(|t| t + limit);
         if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Poll::Ready(Err(no_request(limit)));
+            return Poll::Ready(Err(no_request(limit, &this.rejected)));
         }
         let r = Pin::new(&mut this.io).poll_read(cx, buf);
         if let (Poll::Pending, Some(d)) = (&r, deadline) {
@@ -675,7 +727,7 @@ impl AsyncRead for LimitedStream {
                 this.idle.as_mut().reset(d);
             }
             if this.idle.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Err(no_request(limit)));
+                return Poll::Ready(Err(no_request(limit, &this.rejected)));
             }
         }
         r

@@ -15,12 +15,14 @@
 //! | `candle_tp:e2e_request_latency_seconds` | histogram | from queueing to the last token |
 //! | `candle_tp:comm_payload_bytes_total` | counter | rank 0's collective and point-to-point payload for the model ([`CausalLm::comm_stats`](crate::models::CausalLm::comm_stats)) |
 //! | `candle_tp:comm_cross_host_bytes_total` | counter | of it, what rank 0 handed to the network (0 on one host) |
+//! | `candle_tp:requests_rejected_total{reason}` | counter | requests refused by a limit of [`limits`](super::limits) or the queue ([`Limit`]) |
+//! | `candle_tp:connections_closed_total{reason}` | counter | connections closed by `--header-timeout` or `--send-timeout` |
 //!
 //! Every sample carries `model_name`. The buckets are vLLM's.
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -78,6 +80,121 @@ impl Histogram {
     }
 }
 
+/// A limit that refuses a request or closes a connection, counted in [`Rejections`]: the
+/// `reason` label, which is also the `code` of the error a refused request gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// A connection past `--max-connections`, answered 503.
+    TooManyConnections,
+    /// A body larger than `--max-body-bytes` (400).
+    RequestTooLarge,
+    /// A body that did not arrive within `--body-timeout` (408).
+    RequestTimeout,
+    /// No tokenizing job free within `--tokenize-wait` (503).
+    TokenizerBusy,
+    /// `--max-queue` requests already waiting (503).
+    QueueFull,
+    /// A connection closed because no complete request headers came within
+    /// `--header-timeout` (a slow client, or an idle keep-alive connection).
+    HeaderTimeout,
+    /// A connection closed because its client read nothing of its answer for
+    /// `--send-timeout`.
+    SendTimeout,
+}
+
+impl Limit {
+    /// Every limit, in the order they are rendered.
+    pub const ALL: [Limit; 7] = [
+        Limit::TooManyConnections,
+        Limit::RequestTooLarge,
+        Limit::RequestTimeout,
+        Limit::TokenizerBusy,
+        Limit::QueueFull,
+        Limit::HeaderTimeout,
+        Limit::SendTimeout,
+    ];
+
+    /// The `reason` label (for a refused request, its error's `code`).
+    pub fn reason(self) -> &'static str {
+        match self {
+            Limit::TooManyConnections => "too_many_connections",
+            Limit::RequestTooLarge => "request_too_large",
+            Limit::RequestTimeout => "request_timeout",
+            Limit::TokenizerBusy => "tokenizer_busy",
+            Limit::QueueFull => "queue_full",
+            Limit::HeaderTimeout => "header_timeout",
+            Limit::SendTimeout => "send_timeout",
+        }
+    }
+
+    /// The limit whose refusals carry the error code `code`, if one does.
+    pub fn of_code(code: &str) -> Option<Limit> {
+        Limit::ALL
+            .into_iter()
+            .find(|l| !l.closes_connection() && l.reason() == code)
+    }
+
+    /// Whether the limit closes a connection (rather than answering a request).
+    pub fn closes_connection(self) -> bool {
+        matches!(self, Limit::HeaderTimeout | Limit::SendTimeout)
+    }
+}
+
+/// How often each [`Limit`] acted: shared by the listener, the connections and the routes'
+/// middleware (`limits::serve`), and rendered with the other metrics.
+///
+/// ```
+/// use candle_tp::serve::metrics::{Limit, Rejections};
+/// let r = Rejections::default();
+/// r.count(Limit::QueueFull);
+/// assert_eq!(r.get(Limit::QueueFull), 1);
+/// assert_eq!(r.get(Limit::TokenizerBusy), 0);
+/// ```
+#[derive(Debug, Default)]
+pub struct Rejections {
+    counts: [AtomicU64; Limit::ALL.len()],
+}
+
+impl Rejections {
+    /// Counts one action of `limit`.
+    pub fn count(&self, limit: Limit) {
+        self.counts[limit as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How often `limit` acted.
+    pub fn get(&self, limit: Limit) -> u64 {
+        self.counts[limit as usize].load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, labels: &str) {
+        for (closes, name, help) in [
+            (
+                false,
+                "candle_tp:requests_rejected_total",
+                "Requests refused by a server limit or a full queue, by reason (the error's code).",
+            ),
+            (
+                true,
+                "candle_tp:connections_closed_total",
+                "Connections closed by --header-timeout or --send-timeout, by reason.",
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for limit in Limit::ALL
+                .into_iter()
+                .filter(|l| l.closes_connection() == closes)
+            {
+                let _ = writeln!(
+                    out,
+                    "{name}{{{labels},reason=\"{}\"}} {}",
+                    limit.reason(),
+                    self.get(limit)
+                );
+            }
+        }
+    }
+}
+
 /// The server's counters, gauges and histograms (shared by the HTTP side and the loop).
 #[derive(Debug)]
 pub struct Metrics {
@@ -107,6 +224,8 @@ pub struct Metrics {
     pub tpot: Histogram,
     /// Time from queueing to the last token.
     pub e2e: Histogram,
+    /// Requests refused and connections closed by a limit (shared with `limits::serve`).
+    pub rejected: Arc<Rejections>,
 }
 
 impl Default for Metrics {
@@ -125,6 +244,7 @@ impl Default for Metrics {
             ttft: Histogram::new(TTFT_BUCKETS),
             tpot: Histogram::new(TPOT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
+            rejected: Arc::default(),
         }
     }
 }
@@ -242,6 +362,7 @@ impl Metrics {
             "Time from queueing to the last token.",
             &labels,
         );
+        self.rejected.render(&mut out, &labels);
         out
     }
 }
@@ -274,5 +395,47 @@ mod tests {
         assert_eq!(line("0.005"), "3");
         assert_eq!(line("2560.0"), "3");
         assert_eq!(line("+Inf"), "4");
+    }
+
+    /// Every limit is rendered (0 until it acts) under the metric of its kind, with its error
+    /// code as the reason; only codes of refusals map back to a limit.
+    #[test]
+    fn rejections_are_rendered_by_reason() {
+        let m = Metrics::default();
+        m.rejected.count(Limit::QueueFull);
+        m.rejected.count(Limit::QueueFull);
+        m.rejected.count(Limit::SendTimeout);
+        let text = m.render("m");
+        for (line, n) in [
+            (
+                r#"candle_tp:requests_rejected_total{model_name="m",reason="queue_full"}"#,
+                "2",
+            ),
+            (
+                r#"candle_tp:requests_rejected_total{model_name="m",reason="tokenizer_busy"}"#,
+                "0",
+            ),
+            (
+                r#"candle_tp:connections_closed_total{model_name="m",reason="send_timeout"}"#,
+                "1",
+            ),
+            (
+                r#"candle_tp:connections_closed_total{model_name="m",reason="header_timeout"}"#,
+                "0",
+            ),
+        ] {
+            assert!(
+                text.contains(&format!("{line} {n}\n")),
+                "{line} {n}: {text}"
+            );
+        }
+        assert_eq!(text.matches(",reason=").count(), Limit::ALL.len());
+        assert_eq!(Limit::of_code("queue_full"), Some(Limit::QueueFull));
+        assert_eq!(
+            Limit::of_code("send_timeout"),
+            None,
+            "closes, is not a code"
+        );
+        assert_eq!(Limit::of_code("model_not_found"), None);
     }
 }

@@ -11,10 +11,19 @@ use serde_json::Value;
 
 use crate::serve::error::ApiError;
 
+/// The `code` of the [`ApiError`] an answer was made from, in the answer's extensions: what
+/// the connection middleware (`limits::serve`) counts refusals by.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ErrorCode(pub &'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        json_response(status, &self.body())
+        let mut res = json_response(status, &self.body());
+        if let Some(code) = self.code {
+            res.extensions_mut().insert(ErrorCode(code));
+        }
+        res
     }
 }
 

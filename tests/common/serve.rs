@@ -391,6 +391,41 @@ pub fn metric(port: u16, metric: &str) -> f64 {
         .sum()
 }
 
+/// The sample of `metric` whose labels hold `label` (`reason="queue_full"`): 0 when there is
+/// none (a counter not yet rendered by an older server is a failed comparison, not a panic).
+pub fn labelled_metric(port: u16, metric: &str, label: &str) -> f64 {
+    let (status, text) = http(port, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{text}");
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(metric).is_some_and(|rest| {
+                rest.starts_with('{') && rest.split('}').next().is_some_and(|ls| ls.contains(label))
+            })
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// How often the server refused a request with error code `reason` (its
+/// `candle_tp:requests_rejected_total`).
+pub fn rejected(port: u16, reason: &str) -> f64 {
+    labelled_metric(
+        port,
+        "candle_tp:requests_rejected_total",
+        &format!("reason=\"{reason}\""),
+    )
+}
+
+/// How often the server closed a connection for `reason` (`header_timeout`, `send_timeout`:
+/// its `candle_tp:connections_closed_total`).
+pub fn closed_for(port: u16, reason: &str) -> f64 {
+    labelled_metric(
+        port,
+        "candle_tp:connections_closed_total",
+        &format!("reason=\"{reason}\""),
+    )
+}
+
 /// `bytes` (or a few more) of made-up seven-letter words, space-separated, from a fixed
 /// generator: a prompt that the tokenizer's word cache cannot shortcut, so tokenizing it takes
 /// time in proportion to its length on any host.

@@ -354,7 +354,8 @@ fn main() -> Result<()> {
         limits: args.request_limits(),
     };
     let q = queue.clone();
-    let http = start_http(&args, serve::router(state), move || q.shutdown())?;
+    let rejected = queue.metrics().rejected.clone();
+    let http = start_http(&args, serve::router(state), rejected, move || q.shutdown())?;
     println!(
         "{}",
         serde_json::json!({
@@ -394,10 +395,12 @@ impl Http {
 
 /// Serves `app` on `--host:--port` within the connection limits (`--max-connections`,
 /// `--header-timeout`, `--send-timeout`); on SIGTERM or Ctrl-C (or when the server fails)
-/// calls `shutdown`, which makes the serving loop broadcast the end.
+/// calls `shutdown`, which makes the serving loop broadcast the end. What the limits refuse
+/// and close is counted in `rejected`.
 fn start_http(
     args: &Args,
     app: axum::Router,
+    rejected: Arc<serve::metrics::Rejections>,
     shutdown: impl Fn() + Send + Sync + 'static,
 ) -> Result<Http> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -423,7 +426,7 @@ fn start_http(
                     eprintln!("shutting down: ending in-flight requests");
                     (*on_signal)();
                 });
-                let r = limits::serve(listener, app, conn_limits, async move {
+                let r = limits::serve(listener, app, conn_limits, rejected, async move {
                     let _ = stopped.await;
                 })
                 .await;
@@ -556,7 +559,11 @@ fn serve_embeddings(
         limits: args.request_limits(),
     };
     let q = queue.clone();
-    let http = start_http(args, embeddings::router(state), move || q.shutdown())?;
+    // The embedding server has no /metrics: its refusals are counted, not shown.
+    let rejected = Default::default();
+    let http = start_http(args, embeddings::router(state), rejected, move || {
+        q.shutdown()
+    })?;
     println!(
         "{}",
         serde_json::json!({
