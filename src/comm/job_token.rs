@@ -10,6 +10,10 @@
 //! it there; the store's handshake (`store::auth`) then proves the token on both sides without
 //! sending it, so a program on the port that does not hold it is refused. Rank 0 removes the
 //! file when the [`JobTokenFile`] drops, once the ranks have met.
+//!
+//! Ranks on several hosts share no such file: [`token_for_launch`] refuses that job (GPUs
+//! under mpirun across hosts, in a build without `mpi`) with what gives every rank the same
+//! token, instead of letting it meet with an empty one.
 
 use std::fs;
 use std::io::Write;
@@ -19,7 +23,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use super::error::{CommError, CommResult};
 use super::launcher::Launch;
-use super::secret::{hex, random_bytes};
+use super::secret;
 
 /// How long before a rank started a token file may have been written and still be this job's:
 /// the ranks of one launch start within seconds of each other, and a file from an earlier job
@@ -105,9 +109,39 @@ fn euid() -> u32 {
 /// 32 hex characters from the kernel's random source (no predictable fallback: this is a
 /// secret).
 fn random_token() -> CommResult<String> {
-    let bytes =
-        random_bytes::<16>().map_err(|e| CommError::io("drawing a job token from getrandom", e))?;
-    Ok(hex(&bytes))
+    secret::random_token().map_err(|e| CommError::io("drawing a job token from getrandom", e))
+}
+
+/// The token of a job that an MPI launcher started without `CANDLE_TP_TOKEN`, for a build
+/// without the `mpi` feature (the shm and NCCL joins): when `token` is empty and `launch` is
+/// an MPI launcher's, rank `rank` takes the job's token file ([`job_token_file`] in
+/// [`token_dir`]) and puts its token in `token`; the file is removed when the returned handle
+/// of rank 0 drops (keep it until the ranks have met). A job across hosts has no file all its
+/// ranks can read: an error that says how to give every rank the same token. Nothing to do
+/// (`None`) when `token` is set or another launcher started the job.
+pub(crate) fn token_for_launch(
+    launch: &Launch,
+    rank: usize,
+    token: &mut String,
+    timeout: Duration,
+) -> CommResult<Option<JobTokenFile>> {
+    if !token.is_empty() || !launch.launcher.is_mpi() {
+        return Ok(None);
+    }
+    if !launch.is_single_host() {
+        return Err(CommError::env(
+            "CANDLE_TP_TOKEN",
+            format!(
+                "is not set, and the job spans hosts ({} processes, {} on this host, started                  by {}): a token file serves one host, and this build has no MPI to send a                  token with. Give every rank the same secret (export                  CANDLE_TP_TOKEN=$(openssl rand -hex 16), then mpirun -x CANDLE_TP_TOKEN ...),                  or build with --features mpi",
+                launch.world_size,
+                launch.local_world_size,
+                launch.launcher.name()
+            ),
+        ));
+    }
+    let file = job_token_file(launch, rank, &token_dir()?, timeout)?;
+    token.clone_from(&file.token);
+    Ok(Some(file))
 }
 
 /// The token of the job `launch` describes, for rank `rank`: rank 0 writes a fresh random one
@@ -215,6 +249,48 @@ mod tests {
             job_key: Some(key.into()),
             first_host: None,
         }
+    }
+
+    /// Issue 44: ranks of an MPI job across hosts, in a build without MPI, cannot share a
+    /// token file; they are refused with what to do instead of meeting with an empty token.
+    /// A set token or another launcher leaves the token alone.
+    #[test]
+    fn an_mpi_job_across_hosts_without_a_token_is_refused() {
+        let across = Launch {
+            world_size: 4,
+            ..launch("ompi/9.1")
+        };
+        let mut token = String::new();
+        let e = token_for_launch(&across, 0, &mut token, Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "CANDLE_TP_TOKEN",
+            "spans hosts",
+            "4 processes, 2 on this host",
+            "mpirun -x",
+            "--features mpi",
+        ] {
+            assert!(e.contains(part), "{part}: {e}");
+        }
+        assert!(token.is_empty());
+        let mut set = "secret".to_string();
+        assert!(
+            token_for_launch(&across, 0, &mut set, Duration::from_secs(1))
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(set, "secret");
+        let torchrun = Launch {
+            launcher: Launcher::Torchrun,
+            ..across
+        };
+        assert!(
+            token_for_launch(&torchrun, 0, &mut token, Duration::from_secs(1))
+                .unwrap()
+                .is_none()
+        );
+        assert!(token.is_empty());
     }
 
     /// A scratch directory of mode 0700, removed at the end.

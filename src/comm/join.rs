@@ -132,11 +132,14 @@ fn nccl_from_env(device: &Device, launch: &Launch, options: GroupOptions) -> Com
         let (store, keep) = mpi::store_over_mpi(&world, options.timeout)?;
         return super::nccl::join_on(store, keep, world.rank(), world.size(), dev, options);
     }
-    let _ = launch;
-    let rv = super::rendezvous::rendezvous_from_env()?;
+    let mut rv = super::rendezvous::rendezvous_from_env()?;
     if rv.world_size == 1 {
         return Ok(super::single::Single::world());
     }
+    // An MPI launcher gave no token, and (without `mpi`) nothing sends one: the job's token
+    // file on one host, an error across hosts (issue 44, defect 4).
+    let _token_file =
+        super::job_token::token_for_launch(launch, rv.rank, &mut rv.token, options.timeout)?;
     super::nccl::join(&rv, device, options)
 }
 

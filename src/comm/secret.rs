@@ -1,5 +1,6 @@
 //! Secrets from the kernel's random source, with no predictable fallback: what a job token
-//! (`job_token.rs`) and the store handshake's nonces (`store/auth.rs`) are drawn from. (The
+//! (`job_token.rs`), the stores' tokens under MPI (`mpi/bootstrap.rs`, the hierarchical
+//! backend) and the store handshake's nonces (`store/auth.rs`) are drawn from. (The
 //! segment names of `region::random_hex` need only be unique, and fall back to the clock.)
 
 /// `N` bytes from `getrandom`, retried through interruptions and short reads; an error if the
@@ -20,6 +21,12 @@ pub(crate) fn random_bytes<const N: usize>() -> std::io::Result<[u8; N]> {
         filled += got as usize;
     }
     Ok(n)
+}
+
+/// A fresh 128-bit token as 32 lowercase hexadecimal characters: what a rendezvous store is
+/// served with (`mpi/bootstrap.rs`, the hierarchical backend's host stores, `job_token.rs`).
+pub(crate) fn random_token() -> std::io::Result<String> {
+    Ok(hex(&random_bytes::<16>()?))
 }
 
 /// `bytes` as lowercase hexadecimal.

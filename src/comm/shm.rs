@@ -14,7 +14,7 @@ use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::engine::{check_slot_bytes, region_layout, sweep_dev_shm_once, AbortHandle, Engine};
 use super::error::{CommError, CommResult};
-use super::job_token::{job_token_file, token_dir};
+use super::job_token::token_for_launch;
 use super::launcher::Launch;
 use super::region::{self, random_hex, RegionKind};
 use super::rendezvous::{rendezvous_from_env, Rendezvous};
@@ -86,13 +86,7 @@ fn join_from_env(
     }
     // An MPI launcher gave no token (this build has no MPI to send one with): rank 0's token
     // file, kept until the ranks have met (issue 44, defect 4).
-    let _token_file = if rv.token.is_empty() && launch.launcher.is_mpi() {
-        let file = job_token_file(launch, rv.rank, &token_dir()?, options.timeout)?;
-        rv.token = file.token.clone();
-        Some(file)
-    } else {
-        None
-    };
+    let _token_file = token_for_launch(launch, rv.rank, &mut rv.token, options.timeout)?;
     join(&rv, options)
 }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::comm::backend::{Backend, HostBuf, HostBufMut};
 use crate::comm::error::{CommError, CommResult};
-use crate::comm::region::random_hex;
+use crate::comm::secret::random_token;
 use crate::comm::store::{Keep, Store, TcpStore, TcpStoreServer};
 
 use super::MpiBackend;
@@ -154,6 +154,18 @@ fn gather_text(world: &MpiBackend, text: &str) -> CommResult<Vec<String>> {
     Ok(out)
 }
 
+/// Rank 0's store: a fresh 128-bit token from the kernel (no fallback: a guessable token would
+/// let another local user into the job), the server on [`choose_address`], and the message
+/// `PORT TOKEN ADDRESS` the other ranks receive.
+fn serve_store(hosts: &[String]) -> CommResult<(TcpStoreServer, String)> {
+    let token = random_token()
+        .map_err(|e| CommError::io("drawing the store's token from getrandom (rank 0)", e))?;
+    let addr = choose_address(hosts);
+    let server = TcpStoreServer::bind(&addr, 0, &token)?;
+    let text = format!("{} {} {}", server.port(), token, addr);
+    Ok((server, text))
+}
+
 /// Rank 0 of `world` serves the store; every rank returns a client of it (rank 0 also the
 /// server, to keep alive). Collective over `world`.
 ///
@@ -167,16 +179,34 @@ pub(crate) fn store_over_mpi(
     let mut keep: Keep = Vec::new();
     let hosts = gather_text(world, &this_host())?;
     let mut text = String::new();
+    // Rank 0's own failure to draw a token or to listen, announced as a length of -1 so that
+    // the others fail at once instead of waiting for a message that will not come.
+    let mut failed = None;
     if world.rank() == 0 {
-        let token = format!("{}{}", random_hex(), random_hex());
-        let addr = choose_address(&hosts);
-        let server = TcpStoreServer::bind(&addr, 0, &token)?;
-        text = format!("{} {} {}", server.port(), token, addr);
-        keep.push(Box::new(server));
+        match serve_store(&hosts) {
+            Ok((server, announce)) => {
+                text = announce;
+                keep.push(Box::new(server));
+            }
+            Err(e) => failed = Some(e),
+        }
     }
     // Its length first, then the message.
-    let mut len = [text.len() as i64];
+    let mut len = [if failed.is_some() {
+        -1
+    } else {
+        text.len() as i64
+    }];
     world.broadcast(HostBufMut::new(&mut len), 0)?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    if len[0] == -1 {
+        return Err(CommError::invalid(
+            format!("rank {} of the rendezvous store over MPI", world.rank()),
+            "rank 0 could not serve the job's store (its own error says why)",
+        ));
+    }
     let len = usize::try_from(len[0])
         .ok()
         .filter(|&n| n <= MAX_MESSAGE)
