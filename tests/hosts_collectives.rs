@@ -10,7 +10,10 @@
 //!   (hierarchical), point-to-point across and inside hosts;
 //! - bytes that crossed hosts against the formula: a hierarchical all-reduce hands each rank's
 //!   1/l shard to MPI (l ranks per host), a flat one the whole buffer; one of 4 KB goes
-//!   through each host's first rank.
+//!   through each host's first rank;
+//! - all-to-alls of every element type, with empty blocks and one block larger than an shm
+//!   slot; on 2 x 2 the hierarchical one is the composed exchange (counted as an all-to-all,
+//!   each block across hosts once), on 2 + 1 the all-gather form (counted as all-gathers).
 //!
 //! Needs root, iproute2, Open MPI and the `mpi` feature; elsewhere it prints `SKIPPED: ...`.
 
@@ -20,7 +23,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use candle_tp::comm::{CollectiveKind, ProcessGroup, ReduceOp};
+use candle_tp::comm::{CollectiveKind, Element, ProcessGroup, ReduceOp};
 use common::hosts::Hosts;
 
 const WORKER: &str = "CANDLE_TP_HOSTS_COLLECTIVES_WORKER";
@@ -269,6 +272,106 @@ fn exercise(pg: &ProcessGroup, members: &[usize], tag: &str) {
     pg.barrier().unwrap();
 }
 
+/// An all-to-all of the world `pg` in element type `T`, block `s -> d` of `count(s, d)`
+/// elements `val(x)`, `x` mixing source, destination and index; checked against the values
+/// computed here.
+fn all_to_all_typed<T: Element + PartialEq + std::fmt::Debug>(
+    pg: &ProcessGroup,
+    count: &dyn Fn(usize, usize) -> usize,
+    val: impl Fn(usize) -> T,
+) {
+    let (rank, size) = (pg.rank(), pg.size());
+    let block = |s: usize, d: usize| -> Vec<T> {
+        (0..count(s, d))
+            .map(|k| val(s * 7919 + d * 104_729 + k))
+            .collect()
+    };
+    let src: Vec<T> = (0..size).flat_map(|d| block(rank, d)).collect();
+    let send: Vec<usize> = (0..size).map(|d| count(rank, d)).collect();
+    let recv: Vec<usize> = (0..size).map(|s| count(s, rank)).collect();
+    let mut got = vec![T::default(); recv.iter().sum()];
+    pg.all_to_all_v_slice(&src, &send, &mut got, &recv).unwrap();
+    let want: Vec<T> = (0..size).flat_map(|s| block(s, rank)).collect();
+    assert!(got == want, "all_to_all of {:?}", T::DTYPE);
+}
+
+/// All-to-alls of the world in every element type (uneven blocks, some empty), one with a
+/// block of 1.2 M f32 (larger than a 4 MiB shm slot), and what the statistics of an
+/// all-to-all say: on the hierarchical 2 x 2 layout one all-to-all call whose across-host
+/// bytes are the blocks between hosts, each once (with `--map-by node`, host `r % 2`, local
+/// index `r / 2`); on the 2 + 1 layout none (the all-gather form).
+fn all_to_all_cases(pg: &ProcessGroup, backend: &str, layout: &str) {
+    let (rank, size) = (pg.rank(), pg.size());
+    let small = |s: usize, d: usize| {
+        if (s * 2 + d) % 3 == 1 {
+            0
+        } else {
+            3 + s + 5 * d
+        }
+    };
+    all_to_all_typed(pg, &small, |x| x as f32 / 8.0);
+    all_to_all_typed(pg, &small, |x| x as f64 / 8.0);
+    all_to_all_typed(pg, &small, |x| half::f16::from_f32((x % 2048) as f32));
+    all_to_all_typed(pg, &small, |x| half::bf16::from_f32((x % 256) as f32));
+    all_to_all_typed(pg, &small, |x| (x % 251) as u8);
+    all_to_all_typed(pg, &small, |x| x as u32);
+    all_to_all_typed(pg, &small, |x| (x % 30_011) as i16 - 15_000);
+    all_to_all_typed(pg, &small, |x| x as i32 - 500_000);
+    all_to_all_typed(pg, &small, |x| x as i64 * -3);
+    // Every block empty.
+    all_to_all_typed(pg, &|_, _| 0, |x| x as f32);
+    // One block larger than an shm slot, from rank 0 to the last rank (another host on 2 x 2).
+    let large = |s: usize, d: usize| match (s, d) {
+        (0, d) if d == size - 1 => 1_200_000,
+        (s, d) if s == d => 0,
+        (s, d) => 1000 * (s + 1) + d,
+    };
+    let before = pg.stats();
+    all_to_all_typed(pg, &large, |x| x as f32);
+    let moved = pg.stats().since(&before);
+    let (a2a, gathers) = (
+        moved.get(CollectiveKind::AllToAll),
+        moved.get(CollectiveKind::AllGather),
+    );
+    let others = |mine: &dyn Fn(usize) -> usize| (0..size).filter(|&r| r != rank).map(mine).sum();
+    let sent: usize = others(&|d| large(rank, d));
+    let received: usize = others(&|s| large(s, rank));
+    let payload = 4 * sent.max(received) as u64;
+    // The size agreement is one all-gather; the all-gather form adds one.
+    let composed = !(backend == "hierarchical" && layout == "2+1");
+    assert_eq!(
+        (a2a.calls, gathers.calls),
+        if composed { (1, 1) } else { (0, 2) },
+        "{backend} {layout}: all-to-all calls and all-gathers"
+    );
+    if composed {
+        assert_eq!(a2a.payload_bytes, payload, "{backend} {layout}: payload");
+        let (host, index) = (rank % 2, rank / 2);
+        let want = match backend {
+            "shm" => 0,
+            "mpi" => payload,
+            // Across, among this local index: to the other host's member of this index what
+            // this host's members have for it, and from the other host's members.
+            _ => {
+                let peer = (1 - host) + 2 * index;
+                let out: usize = (0..size)
+                    .filter(|s| s % 2 == host)
+                    .map(|s| large(s, peer))
+                    .sum();
+                let inn: usize = (0..size)
+                    .filter(|s| s % 2 != host)
+                    .map(|s| large(s, rank))
+                    .sum();
+                4 * out.max(inn) as u64
+            }
+        };
+        assert_eq!(
+            a2a.cross_host_bytes, want,
+            "{backend} {layout}: bytes across hosts"
+        );
+    }
+}
+
 /// The worker side: run by `mpirun` on the hosts; does nothing unless started by the test.
 #[test]
 #[ignore]
@@ -284,6 +387,7 @@ fn worker() {
     assert_eq!(pg.backend(), backend, "the world's backend");
     let world_members: Vec<usize> = (0..world).collect();
     exercise(&pg, &world_members, "world");
+    all_to_all_cases(&pg, backend, layout);
 
     // Bytes across hosts for one all-reduce of n f32.
     let n = 100_000;

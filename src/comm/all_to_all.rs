@@ -13,7 +13,9 @@
 //!   from every peer's slot; send buffers larger than a slot go in slot-sized phases;
 //! - MPI: `MPI_Alltoallv` (counts are 32-bit: blocks and offsets up to 2^31 − 1 elements);
 //! - NCCL: grouped `ncclSend` / `ncclRecv`, one pair per peer;
-//! - hierarchical (shm inside hosts, MPI between them): no composed exchange yet, so the
+//! - hierarchical (shm inside hosts, MPI between them): with the same number of ranks on
+//!   every host, an in-host all-to-all, then one across hosts among the ranks of each local
+//!   index (each byte crosses hosts once; `hierarchical/all_to_all.rs`); other layouts the
 //!   fallback below, over its hierarchical all-gather;
 //! - one rank: a copy.
 //!

@@ -21,12 +21,18 @@
 //!   the host; reduce-scatter: inside the host, then across; broadcast: across hosts among the
 //!   root's local index, then inside each host.
 //!
-//! - all-to-all: no composed exchange (an in-host all-to-all, the blocks for other hosts
-//!   across among the members of each local index, then in-host again) yet: the trait's
-//!   default, an all-gather of every send buffer (this backend's all-gather above) from which
-//!   each rank keeps its blocks, `p − 1` times the data of a native all-to-all, across hosts
-//!   too. Sub-groups on one host (shm) or with one member per host (MPI) have their backend's
-//!   own. `tests/hosts_collectives.rs` checks its results on the 2 × 2 and 2 + 1 layouts.
+//! - all-to-all (`all_to_all.rs`): an all-to-all inside the host, in which each member hands
+//!   the member of local index `j'` its blocks for the ranks of local index `j'` on every
+//!   host; an all-to-all across hosts among the members of each local index, which hands each
+//!   host what it now holds for that host's member; and a reordering into the receive
+//!   buffer's order. Every stage's block sizes follow from the agreed matrix that every rank
+//!   holds, so the stages add no message. Each block crosses hosts once (a block between two
+//!   members of one host never leaves it), in `l` streams per host, as a native all-to-all
+//!   over MPI would move it; the all-gather form (`all_to_all_by_all_gather`), which uneven
+//!   layouts keep, moves every send buffer to every rank, `p − 1` times the data, across
+//!   hosts too. Sub-groups on one host (shm) or with one member per host (MPI) have their
+//!   backend's own. `tests/hosts_collectives.rs` checks its results on the 2 × 2 and 2 + 1
+//!   layouts.
 //!
 //! Uneven layouts (3 ranks: 2 on one host, 1 on another) go through each host's first member:
 //! the collective inside the host, the same collective among those leaders, and a broadcast
@@ -37,15 +43,20 @@
 //! in the next stage, fail too instead of waiting for the deadline; the group stays failed.
 
 mod algorithms;
+mod all_to_all;
 
 use std::any::Any;
 use std::sync::Arc;
 
-use super::backend::{check_counts, erased_collectives, Backend, HostBuf, HostBufMut, World};
+use super::backend::{
+    all_to_all_by_all_gather, check_counts, erased_all_to_all, erased_collectives, Backend,
+    BlockSizes, HostBuf, HostBufMut, World,
+};
 use super::context::{Context, GroupOptions};
 use super::element::{Element, ReduceOp};
 use super::error::{CommError, CommResult};
 use super::region::{random_hex, RegionKind};
+use super::secret::random_token;
 use super::single::Single;
 use super::stats::{CollectiveKind, SharedStats};
 use super::store::{Store, TcpStore, TcpStoreServer};
@@ -169,17 +180,34 @@ fn host_store(
 ) -> CommResult<Arc<Context>> {
     const ADDR: &str = "127.0.0.1";
     let mut keep: Vec<Box<dyn Any + Send + Sync>> = Vec::new();
-    // Port (2 bytes) then the token (16 hex characters).
-    let mut msg = [0u8; 18];
+    // Port (2 bytes) then the token (32 hex characters); port 0 says that the host's first
+    // rank could not serve the store, so that the others fail at once instead of connecting.
+    let mut msg = [0u8; 34];
+    let mut failed = None;
     if local_rank == 0 {
-        let token = random_hex();
-        let server = TcpStoreServer::bind(ADDR, 0, &token)?;
-        msg[..2].copy_from_slice(&server.port().to_le_bytes());
-        msg[2..].copy_from_slice(token.as_bytes());
-        keep.push(Box::new(server));
+        let served = random_token()
+            .map_err(|e| CommError::io("drawing the host store's token from getrandom", e))
+            .and_then(|token| Ok((TcpStoreServer::bind(ADDR, 0, &token)?, token)));
+        match served {
+            Ok((server, token)) => {
+                msg[..2].copy_from_slice(&server.port().to_le_bytes());
+                msg[2..].copy_from_slice(token.as_bytes());
+                keep.push(Box::new(server));
+            }
+            Err(e) => failed = Some(e),
+        }
     }
     node.broadcast(HostBufMut::new(&mut msg), 0)?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
     let port = u16::from_le_bytes([msg[0], msg[1]]);
+    if port == 0 {
+        return Err(CommError::invalid(
+            format!("local rank {local_rank} joining its host's store"),
+            "the host's first rank could not serve the store (its own error says why)",
+        ));
+    }
     let token = String::from_utf8_lossy(&msg[2..]).into_owned();
     let store: Arc<dyn Store> = Arc::new(TcpStore::connect(ADDR, port, &token, options.timeout)?);
     Ok(Context::new(
@@ -459,10 +487,42 @@ impl Hierarchical {
             self.broadcast_t(buf, root, x)
         })
     }
+
+    /// The composed all-to-all on an even layout, the all-gather form on an uneven one (which
+    /// runs this backend's all-gather, a collective of its own). Counted as the engine counts
+    /// it: the payload is the larger of what goes to and comes from other ranks.
+    fn typed_all_to_all<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        sizes: &BlockSizes<'_>,
+    ) -> CommResult<()> {
+        let who = self.who("all_to_all");
+        if sizes.size() != self.place.len() || sizes.rank() != self.rank {
+            return Err(CommError::invalid(
+                who,
+                format!(
+                    "block sizes for rank {} of {} ranks",
+                    sizes.rank(),
+                    sizes.size()
+                ),
+            ));
+        }
+        sizes.check(&who, src.len(), dst.len())?;
+        if !self.even {
+            return all_to_all_by_all_gather(self, HostBuf::new(src), HostBufMut::new(dst), sizes);
+        }
+        let own = sizes.count(self.rank, self.rank);
+        let payload = (src.len() - own).max(dst.len() - own) * std::mem::size_of::<T>();
+        self.run(CollectiveKind::AllToAll, payload, |x| {
+            self.all_to_all_t(src, dst, sizes, x)
+        })
+    }
 }
 
 impl Backend for Hierarchical {
     erased_collectives!();
+    erased_all_to_all!();
 
     fn barrier(&self) -> CommResult<()> {
         self.run(CollectiveKind::Barrier, 0, |_| {
