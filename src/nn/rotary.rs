@@ -95,4 +95,101 @@ impl RotaryEmbedding {
         let rotated = candle_nn::rotary_emb::rope(&x.narrow(3, 0, rot)?.contiguous()?, &cos, &sin)?;
         Tensor::cat(&[&rotated, &x.narrow(3, rot, hd - rot)?], 3)?.contiguous()
     }
+
+    /// Rotates the rows of `x` `[1, rows, heads, head_dim]` (rows first, as the projections
+    /// give them), row `i` for position `positions[i]`: several sequences' new tokens at their
+    /// own positions in one op (a batched decode step). The same values as [`Self::apply`] on
+    /// each row alone. Inference only (no backward).
+    pub fn apply_rows(&self, x: &Tensor, positions: &[usize]) -> Result<Tensor> {
+        let (_, rows, _, hd) = x.dims4()?;
+        if positions.len() != rows {
+            candle_core::bail!(
+                "rotary embedding: {rows} rows but {} positions",
+                positions.len()
+            );
+        }
+        if let Some(&p) = positions.iter().find(|&&p| p >= self.max_positions()) {
+            candle_core::bail!(
+                "rotary embedding: position {p} exceeds max_position_embeddings = {}",
+                self.max_positions()
+            );
+        }
+        let at: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let at = Tensor::new(at.as_slice(), self.cos.device())?;
+        let cos = self.cos.index_select(&at, 0)?;
+        let sin = self.sin.index_select(&at, 0)?;
+        let rot = 2 * self.cos.dims()[1];
+        let x = x.contiguous()?;
+        if rot == hd {
+            return candle_nn::rotary_emb::rope_thd(&x, &cos, &sin);
+        }
+        let rotated =
+            candle_nn::rotary_emb::rope_thd(&x.narrow(3, 0, rot)?.contiguous()?, &cos, &sin)?;
+        Tensor::cat(&[&rotated, &x.narrow(3, rot, hd - rot)?], 3)?.contiguous()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(head_dim: usize, rotary_dim: Option<usize>) -> AttentionConfig {
+        AttentionConfig {
+            hidden_size: 4 * head_dim,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim,
+            qkv_bias: false,
+            o_bias: false,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            max_position_embeddings: 64,
+            sliding_window: None,
+            qk_norm: None,
+            softmax_scale: None,
+            logit_softcapping: None,
+            fused_qkv: false,
+            rotary_dim,
+        }
+    }
+
+    /// Rows at their own positions in one op give, bit for bit, each row rotated alone by
+    /// `apply` (full and partial rotation); a position past the table is an error naming it.
+    #[test]
+    fn rows_at_their_positions_equal_each_row_alone() -> Result<()> {
+        let dev = Device::Cpu;
+        for rotary_dim in [None, Some(8)] {
+            let rope = RotaryEmbedding::new(&config(16, rotary_dim), DType::F32, &dev)?;
+            let positions = [5usize, 0, 63, 17];
+            let x = Tensor::randn(0f32, 1.0, (1, 4, 3, 16), &dev)?;
+            let all = rope.apply_rows(&x, &positions)?;
+            for (i, &p) in positions.iter().enumerate() {
+                // `apply` wants [batch, heads, seq, head_dim].
+                let row = x.narrow(1, i, 1)?.transpose(1, 2)?.contiguous()?;
+                let alone = rope.apply(&row, p)?.transpose(1, 2)?;
+                let got = all.narrow(1, i, 1)?;
+                let (a, b) = (
+                    alone.flatten_all()?.to_vec1::<f32>()?,
+                    got.flatten_all()?.to_vec1::<f32>()?,
+                );
+                assert!(a.iter().all(|v| v.is_finite()));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&a),
+                    bits(&b),
+                    "row {i} at {p}, rotary_dim {rotary_dim:?}"
+                );
+                // The rotation moved the row (position 0 leaves it as it is).
+                let x_row = x.narrow(1, i, 1)?.flatten_all()?.to_vec1::<f32>()?;
+                assert_eq!(p == 0, bits(&x_row) == bits(&b), "row {i} at {p}");
+            }
+        }
+        let rope = RotaryEmbedding::new(&config(16, None), DType::F32, &dev)?;
+        let x = Tensor::zeros((1, 2, 3, 16), DType::F32, &dev)?;
+        let e = rope.apply_rows(&x, &[1, 64]).unwrap_err().to_string();
+        assert!(e.contains("position 64") && e.contains("64"), "{e}");
+        let e = rope.apply_rows(&x, &[1]).unwrap_err().to_string();
+        assert!(e.contains("2 rows but 1 positions"), "{e}");
+        Ok(())
+    }
 }

@@ -129,6 +129,78 @@ pub(crate) fn causal_attention(
     Ok(Some(q.contiguous()?.apply_op3_no_bwd(k, v, &op)?))
 }
 
+/// One new row of each of several sequences against its own cache, in one pass (a batched
+/// decode step; CPU, f32, inference only): `q` `[1, rows, heads, head_dim]` (rows first, as
+/// the projections and [`RotaryEmbedding::apply_rows`](crate::nn::RotaryEmbedding::apply_rows)
+/// give them), `caches[i]` row `i`'s keys and values `[1, kv_heads, positions_i, head_dim]`
+/// (the last position its own; any strides with contiguous rows, as the KV cache's views).
+/// Returns `[1, rows, heads · head_dim]`, each row what [`causal_attention`] gives it alone
+/// (the same kernel on the same values), without a tensor op per sequence. `None` where
+/// [`causal_attention`] would not apply (another device or dtype, gradients).
+pub(crate) fn causal_attention_rows(
+    q: &Tensor,
+    caches: &[(Tensor, Tensor)],
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Option<Tensor>> {
+    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
+    if !cpu_f32(q) || !caches.iter().all(|(k, v)| cpu_f32(k) && cpu_f32(v)) {
+        return Ok(None);
+    }
+    let (one, rows, heads, head_dim) = q.dims4()?;
+    if one != 1 || rows != caches.len() {
+        candle_core::bail!(
+            "attention rows: q {:?} against {} caches (expected [1, {}, heads, head_dim])",
+            q.dims(),
+            caches.len(),
+            caches.len()
+        )
+    }
+    let q = q.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let (candle_core::Storage::Cpu(CpuStorage::F32(qd)), Some((q0, _))) =
+        (&*qs, ql.contiguous_offsets())
+    else {
+        candle_core::bail!("attention rows: q is not contiguous f32 on the CPU")
+    };
+    let op = CausalAttention {
+        scale: scale as f32,
+        window,
+    };
+    let width = heads * head_dim;
+    let mut out = vec![0f32; rows * width];
+    let kernel = Kernel::detect();
+    for (i, ((k, v), out)) in caches.iter().zip(out.chunks_exact_mut(width)).enumerate() {
+        let (kd, vd) = (k.dims(), v.dims());
+        if kd != vd || kd.len() != 4 || kd[0] != 1 || kd[3] != head_dim || kd[2] == 0 {
+            candle_core::bail!(
+                "attention rows: row {i}'s keys {kd:?} and values {vd:?} (expected [1, \
+                 kv_heads, positions, {head_dim}], the same for both)"
+            )
+        }
+        let (ks, kl) = k.storage_and_layout();
+        let (vs, vl) = v.storage_and_layout();
+        let (candle_core::Storage::Cpu(ks), candle_core::Storage::Cpu(vs)) = (&*ks, &*vs) else {
+            candle_core::bail!("attention rows: row {i}'s cache is not on the CPU")
+        };
+        let shape = AttentionShape {
+            batch: 1,
+            q_heads: heads,
+            kv_heads: kd[1],
+            queries: 1,
+            positions: kd[2],
+            head_dim,
+        };
+        let q = &qd[q0 + i * width..q0 + (i + 1) * width];
+        let (k, v) = (op.view("keys", ks, kl)?, op.view("values", vs, vl)?);
+        candle_tp_kernels::attention::causal_attention(
+            kernel, q, k, v, shape, window, op.scale, out,
+        )?;
+    }
+    drop(qs);
+    Ok(Some(Tensor::from_vec(out, (1, rows, width), q.device())?))
+}
+
 /// The causal softmax of a prompt's scores as one op (CPU, f32, inference only).
 struct CausalSoftmax {
     scale: f32,

@@ -26,6 +26,7 @@ use crate::ops::copy_to_tp;
 use crate::Partition;
 
 mod heads;
+mod rows;
 mod scores;
 
 use heads::kv_group;
@@ -319,9 +320,14 @@ impl ParallelAttention {
             q = q_norm.forward(&q)?;
             k = k_norm.forward(&k)?;
         }
+        let v = v.reshape((b, total, nkv, hd))?;
+        // A decode step of several sequences: every row in one pass.
+        if let Some(y) = self.attend_rows(&q, &k, &v, rope, seqs)? {
+            return self.o_proj.forward(&y);
+        }
         let q = q.transpose(1, 2)?.contiguous()?;
         let k = k.transpose(1, 2)?.contiguous()?;
-        let v = v.reshape((b, total, nkv, hd))?.transpose(1, 2)?;
+        let v = v.transpose(1, 2)?;
         let mut ys = Vec::with_capacity(seqs.len());
         let mut offset = 0;
         for (n, cache) in seqs.iter_mut() {
