@@ -43,6 +43,10 @@ struct Args {
     /// Add the step's split on rank 0: matmuls, collectives and the rest.
     #[arg(long)]
     profile: bool,
+    /// Precision of the KV cache: auto (the activations'), f32, f16 or bf16 (the server's
+    /// `--kv-cache-dtype`).
+    #[arg(long, default_value = "auto")]
+    kv_cache_dtype: candle_tp::nn::KvCacheDtype,
 }
 
 /// `len` token ids of sequence `s`, spread over the vocabulary (no tokenizer involved).
@@ -75,6 +79,7 @@ fn main() -> Result<()> {
     };
     let mut model =
         CausalLm::from_path_with(&args.model, candle_core::DType::F32, &device, tp, options)?;
+    model.set_kv_cache_dtype(args.kv_cache_dtype.0);
     let vocab = model.config().vocab_size;
     let max_seq_len = args.prompt_len + args.new_tokens + 1;
     let mut base = None;

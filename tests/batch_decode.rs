@@ -269,3 +269,104 @@ fn bad_batches_are_refused() -> Result<()> {
     assert!(BatchDecoder::new(0, 16, 4).is_err());
     Ok(())
 }
+
+/// Each prompt through its own decoder, one sequence at a time (the general per-sequence path
+/// of the attention), with sequence `i`'s id, tokens and sampling.
+fn one_at_a_time(model: &mut CausalLm, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
+    let mut out = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let mut dec = BatchDecoder::new(1, 2048, 7)?;
+        dec.add(
+            model,
+            SeqRequest {
+                id: i as u64,
+                prompt: prompt.clone(),
+                max_tokens: NEW_TOKENS[i],
+                min_tokens: 0,
+                params: params(i),
+                stop_ids: Vec::new(),
+                options: Default::default(),
+            },
+        )?;
+        let mut tokens = Vec::new();
+        while !dec.is_empty() {
+            tokens.extend(dec.step(model)?.into_iter().map(|e| e.token));
+        }
+        out.push(tokens);
+    }
+    Ok(out)
+}
+
+/// Issue 47, item 8: a KV cache kept in f16 (`CausalLm::set_kv_cache_dtype`, the server's
+/// `--kv-cache-dtype f16`). A batch decodes every sequence as it decodes alone (the batched
+/// rows and the per-sequence path read the same f16 cache with the same kernel), on every
+/// rank alike; and a decode step's logits after a prompt differ from the f32 cache's (the
+/// cache is f16) by at most 2 % of the largest.
+#[test]
+fn an_f16_kv_cache_decodes_batched_as_alone_and_near_f32() -> Result<()> {
+    let prompts = prompts();
+    for world in [1, 2] {
+        let path = smollm2_gguf();
+        let inputs = prompts.clone();
+        let results = run_threads(world, move |pg| {
+            let mut model = CausalLm::from_path(&path, DType::F32, &Device::Cpu, pg)?;
+            let mut step = |dtype| -> candle_core::Result<Vec<f32>> {
+                model.set_kv_cache_dtype(dtype);
+                let mut cache = model.new_kv_cache();
+                let p = &inputs[3];
+                model.forward_batch(&mut [SeqStep {
+                    tokens: p,
+                    cache: &mut cache,
+                }])?;
+                model
+                    .forward_batch(&mut [SeqStep {
+                        tokens: &p[..1],
+                        cache: &mut cache,
+                    }])?
+                    .flatten_all()?
+                    .to_vec1::<f32>()
+            };
+            let (wide, half) = (step(None)?, step(Some(DType::F16))?);
+            model.set_kv_cache_dtype(Some(DType::F16));
+            let err = candle_core::Error::msg;
+            let batch = batched(&mut model, &inputs).map_err(err)?;
+            let alone = one_at_a_time(&mut model, &inputs).map_err(err)?;
+            Ok::<_, candle_core::Error>((wide, half, batch, alone))
+        })
+        .map_err(|e| anyhow::anyhow!("world {world}: {e}"))?;
+        for (r, (wide, half, batch, alone)) in results.iter().enumerate() {
+            ensure!(
+                wide.iter().chain(half).all(|v| v.is_finite()),
+                "world {world}, rank {r}: non-finite logits"
+            );
+            let largest = wide.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = wide
+                .iter()
+                .zip(half)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            eprintln!(
+                "world {world}, rank {r}: f16 cache against f32: max |diff| {diff} of {largest}"
+            );
+            ensure!(
+                diff > 0.0,
+                "world {world}: the f16 cache gave the f32 cache's logits"
+            );
+            ensure!(
+                diff <= 0.02 * largest,
+                "world {world}, rank {r}: f16 cache logits {diff} from the f32 cache's (largest {largest})"
+            );
+            for (i, (b, a)) in batch.iter().zip(alone).enumerate() {
+                ensure!(a.len() == NEW_TOKENS[i], "world {world}, prompt {i}: {a:?}");
+                ensure!(
+                    b == a,
+                    "world {world}, rank {r}, prompt {i}: batched {b:?} vs alone {a:?}"
+                );
+            }
+            ensure!(
+                batch == &results[0].2,
+                "world {world}: rank {r}'s tokens differ from rank 0's"
+            );
+        }
+    }
+    Ok(())
+}

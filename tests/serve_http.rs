@@ -506,3 +506,55 @@ fn sigterm_ends_requests_and_ranks() {
         .collect();
     assert!(leaked.is_empty(), "left in /dev/shm: {leaked:?}");
 }
+
+/// `--kv-cache-dtype f16` (issue 47, item 8): a server keeping its KV cache in f16 answers
+/// concurrent greedy requests (batched) with the tokens each gets alone on the same server;
+/// a value it does not know stops it with the choices named.
+#[test]
+fn an_f16_kv_cache_serves_batched_as_alone() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(2, &["--max-batch", "4", "--kv-cache-dtype", "f16"]);
+    let port = server.port;
+    let request =
+        |p: &str| json!({"prompt": p, "max_tokens": 12, "min_tokens": 12, "temperature": 0});
+    let text = |v: &Value| {
+        v["choices"][0]["text"]
+            .as_str()
+            .expect("a text")
+            .to_string()
+    };
+    let alone: Vec<String> = PROMPTS[..4]
+        .iter()
+        .map(|p| {
+            let (status, v) = post(port, "/v1/completions", &request(p));
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+            text(&v)
+        })
+        .collect();
+    let together: Vec<String> = PROMPTS[..4]
+        .iter()
+        .map(|p| {
+            let body = request(p);
+            std::thread::spawn(move || post(port, "/v1/completions", &body))
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| {
+            let (status, v) = t.join().expect("client");
+            assert_eq!(status, 200, "{v}");
+            text(&v)
+        })
+        .collect();
+    assert_eq!(together, alone, "batched against alone, f16 cache");
+    drop(server);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_candle-tp-serve"))
+        .args(["--kv-cache-dtype", "fp8"])
+        .output()
+        .expect("run candle-tp-serve");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("auto, f32, f16 or bf16"),
+        "{err}"
+    );
+}

@@ -44,15 +44,23 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 mod blocks;
 mod parts;
+mod widen;
 
 use parts::{dot, softmax_in_place, Lanes, Rows, Strided};
+pub use widen::KvElement;
+use widen::WIDENED;
 
 /// A cache's keys or values as the kernel reads them: element `(b, h, t, i)` (sequence `b`, KV
 /// head `h`, position `t`, component `i`) at `data[offset + b·batch + h·head + t·pos + i]`.
+///
+/// The elements are f32, or f16 for a cache kept in half precision ([`KvElement`]): each task
+/// then widens its KV head's rows to f32 once, into a scratch buffer that stays in the core's
+/// cache, and runs the f32 kernels on them (the values are the f32 kernels' on the widened
+/// cache, bit for bit; the memory read is half).
 #[derive(Debug, Clone, Copy)]
-pub struct CacheView<'a> {
+pub struct CacheView<'a, T = f32> {
     /// The buffer.
-    pub data: &'a [f32],
+    pub data: &'a [T],
     /// Where element `(0, 0, 0, 0)` is.
     pub offset: usize,
     /// The stride of sequences.
@@ -105,11 +113,11 @@ const MIN_PER_TASK: usize = 1 << 16;
 /// # Panics
 /// If `kernel` is not available on this CPU.
 #[allow(clippy::too_many_arguments)]
-pub fn causal_attention(
+pub fn causal_attention<T: KvElement>(
     kernel: Kernel,
     q: &[f32],
-    k: CacheView<'_>,
-    v: CacheView<'_>,
+    k: CacheView<'_, T>,
+    v: CacheView<'_, T>,
     shape: AttentionShape,
     window: Option<usize>,
     scale: f32,
@@ -168,8 +176,7 @@ pub fn causal_attention(
     let task = |(i, out): (usize, &mut [f32])| {
         let (b, h) = (i / kv_heads, i % kv_heads);
         let q = &q[i * g * queries * d..(i + 1) * g * queries * d];
-        let at = |view: &CacheView<'_>| view.offset + b * view.batch + h * view.head;
-        let (k, v) = ((k.data, at(&k), k.pos), (v.data, at(&v), v.pos));
+        let at = |view: &CacheView<'_, T>| view.offset + b * view.batch + h * view.head;
         let rows = Rows {
             queries,
             positions,
@@ -177,12 +184,32 @@ pub fn causal_attention(
             d,
             scale,
         };
-        crate::kernel::by_kernel!(kernel,
-        scalar => group_rows(q, k, v, rows, out, Lanes::Scalar),
-        avx2 => if queries >= BLOCKED_MIN_QUERIES {
-            blocks::group_blocks(q, k, v, rows, out)
-        } else {
-            avx2::group_rows(q, k, v, rows, out)
+        let run = |k: Strided<'_>, v: Strided<'_>, out: &mut [f32]| {
+            crate::kernel::by_kernel!(kernel,
+            scalar => group_rows(q, k, v, rows, out, Lanes::Scalar),
+            avx2 => if queries >= BLOCKED_MIN_QUERIES {
+                blocks::group_blocks(q, k, v, rows, out)
+            } else {
+                avx2::group_rows(q, k, v, rows, out)
+            })
+        };
+        if let (Some(kd), Some(vd)) = (T::as_f32(k.data), T::as_f32(v.data)) {
+            return run((kd, at(&k), k.pos), (vd, at(&v), v.pos), out);
+        }
+        // Widened: this head's `positions` key rows, then its value rows, `d` apart.
+        WIDENED.with(|w| {
+            let mut w = w.borrow_mut();
+            w.resize(2 * positions * d, 0.0);
+            let (wk, wv) = w.split_at_mut(positions * d);
+            for (view, wide) in [(&k, wk), (&v, wv)] {
+                let first = at(view);
+                for (t, row) in wide.chunks_exact_mut(d).enumerate() {
+                    let from = first + t * view.pos;
+                    T::widen(&view.data[from..from + d], row);
+                }
+            }
+            let (wk, wv) = w.split_at(positions * d);
+            run((wk, 0, d), (wv, 0, d), out)
         })
     };
     let work = g * queries * positions * d;
@@ -509,6 +536,76 @@ mod tests {
                         assert!(err < 1e-5, "{case}: max |diff| {err}");
                     }
                 }
+            }
+        }
+    }
+
+    /// A cache of f16 gives, on every kernel, decode rows and prompts, the f32 kernel's
+    /// outputs on the same values widened to f32, bit for bit (and finite).
+    #[test]
+    fn an_f16_cache_is_the_f32_kernel_on_its_widened_values() {
+        use half::f16;
+        for kernel in Kernel::under_test() {
+            for (queries, positions) in [(1, 1), (1, 37), (9, 40)] {
+                let (q_heads, kv_heads, d, capacity) = (6, 2, 24, positions + 3);
+                let shape = AttentionShape {
+                    batch: 1,
+                    q_heads,
+                    kv_heads,
+                    queries,
+                    positions,
+                    head_dim: d,
+                };
+                let n = kv_heads * capacity * d;
+                let kh: Vec<f16> = (0..n).map(|i| f16::from_f32(2.0 * pseudo(i + 5))).collect();
+                let vh: Vec<f16> = (0..n)
+                    .map(|i| f16::from_f32(3.0 * pseudo(i + 99)))
+                    .collect();
+                let (kf, vf): (Vec<f32>, Vec<f32>) = (
+                    kh.iter().map(|x| x.to_f32()).collect(),
+                    vh.iter().map(|x| x.to_f32()).collect(),
+                );
+                let q: Vec<f32> = (0..q_heads * queries * d).map(|i| pseudo(i + 7)).collect();
+                let view = |data| CacheView {
+                    data,
+                    offset: 0,
+                    batch: n,
+                    head: capacity * d,
+                    pos: d,
+                };
+                let (mut half_out, mut f32_out) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+                causal_attention(
+                    kernel,
+                    &q,
+                    view(&kh),
+                    view(&vh),
+                    shape,
+                    None,
+                    0.2,
+                    &mut half_out,
+                )
+                .unwrap();
+                let view = |data| CacheView {
+                    data,
+                    offset: 0,
+                    batch: n,
+                    head: capacity * d,
+                    pos: d,
+                };
+                causal_attention(
+                    kernel,
+                    &q,
+                    view(&kf),
+                    view(&vf),
+                    shape,
+                    None,
+                    0.2,
+                    &mut f32_out,
+                )
+                .unwrap();
+                assert!(half_out.iter().all(|x| x.is_finite()));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&half_out), bits(&f32_out), "{kernel:?} {shape:?}");
             }
         }
     }

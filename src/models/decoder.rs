@@ -276,6 +276,9 @@ pub struct CausalLm {
     stage: Option<PipelineStage>,
     /// The activations' dtype (the builder's).
     dtype: DType,
+    /// The precision of the KV caches [`CausalLm::new_kv_cache`] makes (`None`: the
+    /// activations').
+    kv_cache_dtype: Option<DType>,
 }
 
 impl CausalLm {
@@ -352,6 +355,7 @@ impl CausalLm {
             pg,
             stage,
             dtype: vb.dtype(),
+            kv_cache_dtype: None,
         })
     }
 

@@ -5,7 +5,7 @@
 //! The caches hold this rank's KV heads only (`[1, local_kv_heads, positions, head_dim]`), so a
 //! sequence's cache lives on every rank, each with its share.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use std::sync::Arc;
 
 /// Positions a cache's buffer holds at least, and the multiple its capacity is rounded to.
@@ -21,6 +21,8 @@ const CAPACITY_STEP: usize = 64;
 #[derive(Debug, Clone, Default)]
 pub struct LayerKvCache {
     kv: Option<Buffers>,
+    /// The precision the keys and values are kept in (`None`: the keys' own).
+    dtype: Option<DType>,
 }
 
 /// The buffers, the positions they hold, and a token whose count says whether a clone shares
@@ -37,6 +39,13 @@ impl LayerKvCache {
     /// An empty cache (a sequence at position 0).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty cache that keeps keys and values in `dtype` (`Some(DType::F16)`: half the
+    /// memory and half the bytes each decode step reads, llama.cpp's default; `None`: as
+    /// they come). The attention widens them back to its own precision.
+    pub fn with_dtype(dtype: Option<DType>) -> Self {
+        Self { kv: None, dtype }
     }
 
     /// Positions held.
@@ -64,6 +73,11 @@ impl LayerKvCache {
     /// head stride is the capacity, so not contiguous when there are several heads; Candle's
     /// matmul takes them as they are).
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (k, v) = match self.dtype {
+            Some(dtype) if k.dtype() != dtype => (k.to_dtype(dtype)?, v.to_dtype(dtype)?),
+            _ => (k.clone(), v.clone()),
+        };
+        let (k, v) = (&k, &v);
         let (b, h, new, d) = k.dims4()?;
         if v.dims() != k.dims() {
             candle_core::bail!(
@@ -117,6 +131,38 @@ impl LayerKvCache {
     }
 }
 
+/// The value of a `--kv-cache-dtype` flag (vLLM's name): `auto` (the activations'
+/// precision, `KvCacheDtype(None)`), `f32`, `f16` or `bf16`; anything else is an error naming
+/// the choices. What [`CausalLm::set_kv_cache_dtype`](crate::models::CausalLm::set_kv_cache_dtype)
+/// takes is its `.0`.
+///
+/// ```
+/// use candle_tp::nn::KvCacheDtype;
+/// assert_eq!("f16".parse::<KvCacheDtype>().unwrap().0, Some(candle_core::DType::F16));
+/// assert_eq!("auto".parse::<KvCacheDtype>().unwrap().0, None);
+/// assert!("fp8".parse::<KvCacheDtype>().unwrap_err().contains("auto, f32, f16 or bf16"));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvCacheDtype(pub Option<DType>);
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Ok(Self(match s {
+            "auto" => None,
+            "f32" => Some(DType::F32),
+            "f16" => Some(DType::F16),
+            "bf16" => Some(DType::BF16),
+            _ => {
+                return Err(format!(
+                    "unknown KV cache dtype '{s}': expected auto, f32, f16 or bf16"
+                ))
+            }
+        }))
+    }
+}
+
 /// One sequence's KV caches, one per decoder layer (what
 /// [`CausalLm::forward_batch`](crate::models::CausalLm::forward_batch) extends).
 #[derive(Debug, Clone, Default)]
@@ -127,8 +173,14 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for a model of `num_layers` decoder layers.
     pub fn new(num_layers: usize) -> Self {
+        Self::with_dtype(num_layers, None)
+    }
+
+    /// An empty cache for `num_layers` decoder layers that keeps keys and values in `dtype`
+    /// ([`LayerKvCache::with_dtype`]).
+    pub fn with_dtype(num_layers: usize, dtype: Option<DType>) -> Self {
         Self {
-            layers: vec![LayerKvCache::new(); num_layers],
+            layers: vec![LayerKvCache::with_dtype(dtype); num_layers],
         }
     }
 

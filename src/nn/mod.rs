@@ -15,7 +15,7 @@ pub mod weight;
 
 pub use attention::{AttentionConfig, HeadAssignment, Llama3RopeScaling, ParallelAttention};
 pub use embedding::{ParallelLmHead, VocabParallelEmbedding};
-pub use kv_cache::{KvCache, LayerKvCache};
+pub use kv_cache::{KvCache, KvCacheDtype, LayerKvCache};
 pub use linear::{
     column_linear, column_linear_no_bias, replicated_linear, replicated_linear_no_bias, row_linear,
     row_linear_no_bias, ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,

@@ -19,10 +19,7 @@ struct CausalAttention {
 impl CausalAttention {
     /// The view of keys or values `[batch, kv_heads, positions, head_dim]` of any strides
     /// whose last is 1 (the KV cache's buffers are `[.., capacity, head_dim]`).
-    fn view<'a>(&self, name: &str, s: &'a CpuStorage, l: &Layout) -> Result<CacheView<'a>> {
-        let CpuStorage::F32(data) = s else {
-            candle_core::bail!("{}: {name} must be f32, got {:?}", self.name(), s.dtype())
-        };
+    fn view<'a, T>(&self, name: &str, data: &'a [T], l: &Layout) -> Result<CacheView<'a, T>> {
         let stride = l.stride();
         if l.dims().len() != 4 || stride[3] != 1 {
             candle_core::bail!(
@@ -39,6 +36,36 @@ impl CausalAttention {
             head: stride[1],
             pos: stride[2],
         })
+    }
+
+    /// The kernel on `q` against keys and values in f32 or f16 (the same for both: a KV
+    /// cache of either precision), into `out`.
+    fn run(
+        &self,
+        q: &[f32],
+        (s2, l2): (&CpuStorage, &Layout),
+        (s3, l3): (&CpuStorage, &Layout),
+        shape: AttentionShape,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let kernel = Kernel::detect();
+        use candle_tp_kernels::attention::causal_attention as attend;
+        match (s2, s3) {
+            (CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                let (k, v) = (self.view("keys", k, l2)?, self.view("values", v, l3)?);
+                attend(kernel, q, k, v, shape, self.window, self.scale, out)
+            }
+            (CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                let (k, v) = (self.view("keys", k, l2)?, self.view("values", v, l3)?);
+                attend(kernel, q, k, v, shape, self.window, self.scale, out)
+            }
+            _ => candle_core::bail!(
+                "{}: keys ({:?}) and values ({:?}) must both be f32 or both f16",
+                self.name(),
+                s2.dtype(),
+                s3.dtype()
+            ),
+        }
     }
 }
 
@@ -68,7 +95,6 @@ impl CustomOp3 for CausalAttention {
                 l1.dims()
             )
         };
-        let (k, v) = (self.view("keys", s2, l2)?, self.view("values", s3, l3)?);
         if l2.dims() != l3.dims() || l2.dims()[0] != *batch || l2.dims()[3] != *head_dim {
             candle_core::bail!(
                 "{}: q {:?}, keys {:?} and values {:?} disagree (expected keys and values \
@@ -88,18 +114,19 @@ impl CustomOp3 for CausalAttention {
             head_dim: *head_dim,
         };
         let mut out = vec![0f32; q1 - q0];
-        candle_tp_kernels::attention::causal_attention(
-            Kernel::detect(),
-            &q[q0..q1],
-            k,
-            v,
-            shape,
-            self.window,
-            self.scale,
-            &mut out,
-        )?;
+        self.run(&q[q0..q1], (s2, l2), (s3, l3), shape, &mut out)?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
+}
+
+/// Whether the fused op takes these inputs: on the CPU, without gradients, `q` in f32 and
+/// the keys and values both f32 or both f16 (a KV cache kept in half precision).
+fn fused_inputs(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    let plain = |t: &Tensor| t.device().is_cpu() && !t.track_op();
+    [q, k, v].into_iter().all(plain)
+        && q.dtype() == DType::F32
+        && k.dtype() == v.dtype()
+        && matches!(k.dtype(), DType::F32 | DType::F16)
 }
 
 /// Causal `softmax(scale · q · kᵀ) · v`: `q` `[batch, heads, queries, head_dim]` holds the
@@ -116,10 +143,7 @@ pub(crate) fn causal_attention(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Option<Tensor>> {
-    let cpu_f32 = [q, k, v]
-        .iter()
-        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op());
-    if !cpu_f32 || (q.dim(2)? > 1 && Kernel::detect() == Kernel::Scalar) {
+    if !fused_inputs(q, k, v) || (q.dim(2)? > 1 && Kernel::detect() == Kernel::Scalar) {
         return Ok(None);
     }
     let op = CausalAttention {
@@ -143,8 +167,7 @@ pub(crate) fn causal_attention_rows(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Option<Tensor>> {
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
-    if !cpu_f32(q) || !caches.iter().all(|(k, v)| cpu_f32(k) && cpu_f32(v)) {
+    if !caches.iter().all(|(k, v)| fused_inputs(q, k, v)) {
         return Ok(None);
     }
     let (one, rows, heads, head_dim) = q.dims4()?;
@@ -169,7 +192,6 @@ pub(crate) fn causal_attention_rows(
     };
     let width = heads * head_dim;
     let mut out = vec![0f32; rows * width];
-    let kernel = Kernel::detect();
     for (i, ((k, v), out)) in caches.iter().zip(out.chunks_exact_mut(width)).enumerate() {
         let (kd, vd) = (k.dims(), v.dims());
         if kd != vd || kd.len() != 4 || kd[0] != 1 || kd[3] != head_dim || kd[2] == 0 {
@@ -192,10 +214,7 @@ pub(crate) fn causal_attention_rows(
             head_dim,
         };
         let q = &qd[q0 + i * width..q0 + (i + 1) * width];
-        let (k, v) = (op.view("keys", ks, kl)?, op.view("values", vs, vl)?);
-        candle_tp_kernels::attention::causal_attention(
-            kernel, q, k, v, shape, window, op.scale, out,
-        )?;
+        op.run(q, (ks, kl), (vs, vl), shape, out)?;
     }
     drop(qs);
     Ok(Some(Tensor::from_vec(out, (1, rows, width), q.device())?))

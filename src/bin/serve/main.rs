@@ -115,6 +115,11 @@ struct Args {
     /// per group, tokens can go to their experts' ranks by all-to-all. Dense models ignore it.
     #[arg(long, num_args = 0..=1, default_missing_value = "0", value_name = "N")]
     ep: Option<usize>,
+    /// Precision of the KV cache: auto (the activations'), f32, f16 or bf16. f16 halves the
+    /// cache's memory and what each decode step reads from it (llama.cpp's default), at a
+    /// rounding of the cached keys and values.
+    #[arg(long, default_value = "auto")]
+    kv_cache_dtype: candle_tp::nn::KvCacheDtype,
 }
 
 /// A count of 1 or more.
@@ -301,6 +306,7 @@ fn main() -> Result<()> {
                 pg.size()
             )
         })?;
+    model.set_kv_cache_dtype(args.kv_cache_dtype.0);
     let max_seq_len = args.max_seq_len.min(model.config().max_position_embeddings);
     let mut dec = BatchDecoder::new(args.max_batch, max_seq_len, args.prefill_chunk)?;
     if pg.rank() != 0 {

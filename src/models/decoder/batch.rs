@@ -19,9 +19,33 @@ pub struct SeqStep<'a> {
 }
 
 impl CausalLm {
-    /// An empty KV cache for one sequence of this model.
+    /// An empty KV cache for one sequence of this model, in the precision
+    /// [`CausalLm::set_kv_cache_dtype`] chose.
     pub fn new_kv_cache(&self) -> KvCache {
-        KvCache::new(self.layers.len())
+        KvCache::with_dtype(self.layers.len(), self.kv_cache_dtype)
+    }
+
+    /// Keeps the keys and values of the caches [`CausalLm::new_kv_cache`] makes from now on
+    /// in `dtype` (`Some(DType::F16)`: half the memory and half the bytes a decode step reads
+    /// from the cache, as llama.cpp's default `-ctk f16 -ctv f16` and vLLM's
+    /// `--kv-cache-dtype`; `None`: the activations' precision, the default). Attention widens
+    /// them back, so only the stored keys and values are rounded. Every rank must choose the
+    /// same. The single-sequence API ([`CausalLm::forward`]) keeps its own caches as they are.
+    ///
+    /// ```no_run
+    /// # fn f(model: &mut candle_tp::models::CausalLm) {
+    /// model.set_kv_cache_dtype(Some(candle_core::DType::F16));
+    /// let cache = model.new_kv_cache();
+    /// # }
+    /// ```
+    pub fn set_kv_cache_dtype(&mut self, dtype: Option<candle_core::DType>) {
+        self.kv_cache_dtype = dtype;
+    }
+
+    /// The precision [`CausalLm::new_kv_cache`] keeps keys and values in (`None`: the
+    /// activations').
+    pub fn kv_cache_dtype(&self) -> Option<candle_core::DType> {
+        self.kv_cache_dtype
     }
 
     /// Runs every sequence's new tokens in one pass and returns, for each sequence, this

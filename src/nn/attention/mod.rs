@@ -380,6 +380,12 @@ impl ParallelAttention {
                 return y.transpose(1, 2)?.reshape((b, seq_len, nq * hd));
             }
         }
+        // A cache kept in another precision (f16) is widened for the general path.
+        let (k, v) = if k.dtype() != q.dtype() {
+            (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?)
+        } else {
+            (k, v)
+        };
         match self.kv_group {
             Some(g) if index_pos + seq_len >= GROUPED_MIN_POSITIONS => {
                 return self.attend_grouped(&q, &k, &v, g, index_pos)
