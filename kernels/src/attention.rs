@@ -540,6 +540,17 @@ mod tests {
         }
     }
 
+    /// A view of `data` with no offset and the strides of sequences, heads and positions.
+    fn strided<T>(data: &[T], batch: usize, head: usize, pos: usize) -> CacheView<'_, T> {
+        CacheView {
+            data,
+            offset: 0,
+            batch,
+            head,
+            pos,
+        }
+    }
+
     /// A cache of f16 gives, on every kernel, decode rows and prompts, the f32 kernel's
     /// outputs on the same values widened to f32, bit for bit (and finite).
     #[test]
@@ -566,37 +577,23 @@ mod tests {
                     vh.iter().map(|x| x.to_f32()).collect(),
                 );
                 let q: Vec<f32> = (0..q_heads * queries * d).map(|i| pseudo(i + 7)).collect();
-                let view = |data| CacheView {
-                    data,
-                    offset: 0,
-                    batch: n,
-                    head: capacity * d,
-                    pos: d,
-                };
                 let (mut half_out, mut f32_out) = (vec![0f32; q.len()], vec![0f32; q.len()]);
                 causal_attention(
                     kernel,
                     &q,
-                    view(&kh),
-                    view(&vh),
+                    strided(&kh, n, capacity * d, d),
+                    strided(&vh, n, capacity * d, d),
                     shape,
                     None,
                     0.2,
                     &mut half_out,
                 )
                 .unwrap();
-                let view = |data| CacheView {
-                    data,
-                    offset: 0,
-                    batch: n,
-                    head: capacity * d,
-                    pos: d,
-                };
                 causal_attention(
                     kernel,
                     &q,
-                    view(&kf),
-                    view(&vf),
+                    strided(&kf, n, capacity * d, d),
+                    strided(&vf, n, capacity * d, d),
                     shape,
                     None,
                     0.2,

@@ -89,4 +89,27 @@ impl<'a> BlockSizes<'a> {
         }
         Ok(())
     }
+
+    /// [`BlockSizes::check`] for a backend whose group has `size` ranks, this one `rank`:
+    /// also an error when the matrix was made for another rank or group size. (The MPI and
+    /// hierarchical backends', which build their own exchange from the matrix.)
+    #[cfg(feature = "mpi")]
+    pub(crate) fn check_for(
+        &self,
+        who: &str,
+        (rank, size): (usize, usize),
+        src_len: usize,
+        dst_len: usize,
+    ) -> CommResult<()> {
+        if self.size != size || self.rank != rank {
+            return Err(CommError::invalid(
+                who,
+                format!(
+                    "block sizes for rank {} of {} ranks, given to rank {rank} of {size}",
+                    self.rank, self.size
+                ),
+            ));
+        }
+        self.check(who, src_len, dst_len)
+    }
 }

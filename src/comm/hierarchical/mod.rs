@@ -497,18 +497,7 @@ impl Hierarchical {
         dst: &mut [T],
         sizes: &BlockSizes<'_>,
     ) -> CommResult<()> {
-        let who = self.who("all_to_all");
-        if sizes.size() != self.place.len() || sizes.rank() != self.rank {
-            return Err(CommError::invalid(
-                who,
-                format!(
-                    "block sizes for rank {} of {} ranks",
-                    sizes.rank(),
-                    sizes.size()
-                ),
-            ));
-        }
-        sizes.check(&who, src.len(), dst.len())?;
+        sizes.check_for(&self.who("all_to_all"), (self.rank, self.place.len()), src.len(), dst.len())?;
         if !self.even {
             return all_to_all_by_all_gather(self, HostBuf::new(src), HostBufMut::new(dst), sizes);
         }

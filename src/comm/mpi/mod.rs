@@ -623,18 +623,7 @@ impl MpiBackend {
         dst: &mut [T],
         sizes: &BlockSizes<'_>,
     ) -> CommResult<()> {
-        let who = self.who("all_to_all");
-        if sizes.size() != self.size || sizes.rank() != self.rank {
-            return Err(CommError::invalid(
-                who,
-                format!(
-                    "block sizes for rank {} of {} ranks",
-                    sizes.rank(),
-                    sizes.size()
-                ),
-            ));
-        }
-        sizes.check(&who, src.len(), dst.len())?;
+        sizes.check_for(&self.who("all_to_all"), (self.rank, self.size), src.len(), dst.len())?;
         let (send, recv) = (sizes.sends(self.rank), sizes.recv_counts());
         let wide = |what: &str, counts: &[usize]| {
             CommError::invalid(
