@@ -497,7 +497,12 @@ impl Hierarchical {
         dst: &mut [T],
         sizes: &BlockSizes<'_>,
     ) -> CommResult<()> {
-        sizes.check_for(&self.who("all_to_all"), (self.rank, self.place.len()), src.len(), dst.len())?;
+        sizes.check_for(
+            &self.who("all_to_all"),
+            (self.rank, self.place.len()),
+            src.len(),
+            dst.len(),
+        )?;
         if !self.even {
             return all_to_all_by_all_gather(self, HostBuf::new(src), HostBufMut::new(dst), sizes);
         }

@@ -623,7 +623,12 @@ impl MpiBackend {
         dst: &mut [T],
         sizes: &BlockSizes<'_>,
     ) -> CommResult<()> {
-        sizes.check_for(&self.who("all_to_all"), (self.rank, self.size), src.len(), dst.len())?;
+        sizes.check_for(
+            &self.who("all_to_all"),
+            (self.rank, self.size),
+            src.len(),
+            dst.len(),
+        )?;
         let (send, recv) = (sizes.sends(self.rank), sizes.recv_counts());
         let wide = |what: &str, counts: &[usize]| {
             CommError::invalid(
