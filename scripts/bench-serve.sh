@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Throughput and latency of candle-tp-serve under continuous batching: starts the server
 # under tprun (2 ranks by default) on the SmolLM2 checkpoint (or MODEL=path, a directory or a
-# .gguf), runs scripts/bench_serve.py at 1, 4, 8 and 16 concurrent streams (greedy, MAX_TOKENS
-# per request, REQUESTS per stream) and prints one JSON object on stdout (total generated
-# tokens/s per level, its ratio to one stream, p50/p99 time to first token and inter-token
-# latency, the load average around each run) and a Markdown table on stderr. One run; on a
-# shared machine the figures are noisy.
+# .gguf, or such a name in $CANDLE_TP_HOME/models), runs scripts/bench_serve.py at 1, 4, 8
+# and 16 concurrent streams (greedy, MAX_TOKENS per request, REQUESTS per stream) and prints
+# one JSON object on stdout (total generated tokens/s per level, its ratio to one stream,
+# p50/p99 time to first token and inter-token latency, the load average around each run) and
+# a Markdown table on stderr. One run; on a shared machine the figures are noisy.
 #
 # With --llama-cpp: the same benchmark, in the same run and on the same GGUF file (default
 # $CANDLE_TP_HOME/models/smollm2-135m-instruct.Q4_1.gguf), against llama.cpp's server
@@ -68,6 +68,14 @@ if [ "$llama_cpp" = 1 ]; then
   esac
 else
   MODEL="${MODEL:-$HOME_DIR/models/smollm2-135m-instruct}"
+fi
+# A bare name is one of the models the scripts fetch or make ($CANDLE_TP_HOME/models).
+if [ ! -e "$MODEL" ] && [ -e "$HOME_DIR/models/$MODEL" ]; then
+  MODEL="$HOME_DIR/models/$MODEL"
+fi
+if [ ! -e "$MODEL" ]; then
+  echo "bench-serve.sh: no model at $MODEL (nor in $HOME_DIR/models)" >&2
+  exit 2
 fi
 MAX_TOKENS="${MAX_TOKENS:-64}"
 LEVELS="${LEVELS:-1,4,8,16}"
