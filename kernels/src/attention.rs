@@ -203,6 +203,11 @@ pub fn causal_attention<T: KvElement>(
             let (wk, wv) = w.split_at_mut(positions * d);
             for (view, wide) in [(&k, wk), (&v, wv)] {
                 let first = at(view);
+                if view.pos == d {
+                    // The positions' rows are adjacent (the KV cache's layout): one call.
+                    T::widen(&view.data[first..first + positions * d], wide);
+                    continue;
+                }
                 for (t, row) in wide.chunks_exact_mut(d).enumerate() {
                     let from = first + t * view.pos;
                     T::widen(&view.data[from..from + d], row);

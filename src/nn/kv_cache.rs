@@ -42,8 +42,8 @@ impl LayerKvCache {
     }
 
     /// An empty cache that keeps keys and values in `dtype` (`Some(DType::F16)`: half the
-    /// memory and half the bytes each decode step reads, llama.cpp's default; `None`: as
-    /// they come). The attention widens them back to its own precision.
+    /// memory, llama.cpp's default; `None`: as they come). The attention widens them back to
+    /// its own precision.
     pub fn with_dtype(dtype: Option<DType>) -> Self {
         Self { kv: None, dtype }
     }
