@@ -300,7 +300,7 @@ fn one_at_a_time(model: &mut CausalLm, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u
 /// Issue 47, item 8: a KV cache kept in f16 (`CausalLm::set_kv_cache_dtype`, the server's
 /// `--kv-cache-dtype f16`). A batch decodes every sequence as it decodes alone (the batched
 /// rows and the per-sequence path read the same f16 cache with the same kernel), on every
-/// rank alike; and a decode step's logits after a prompt differ from the f32 cache's (the
+/// rank alike, and so does a cache in bf16 (which the general path reads); and a decode step's logits after a prompt differ from the f32 cache's (the
 /// cache is f16) by at most 2 % of the largest.
 #[test]
 fn an_f16_kv_cache_decodes_batched_as_alone_and_near_f32() -> Result<()> {
@@ -327,6 +327,17 @@ fn an_f16_kv_cache_decodes_batched_as_alone_and_near_f32() -> Result<()> {
                     .to_vec1::<f32>()
             };
             let (wide, half) = (step(None)?, step(Some(DType::F16))?);
+            // A bf16 cache takes the general path (the fused kernel reads f32 and f16): a
+            // batch still decodes as each sequence alone.
+            model.set_kv_cache_dtype(Some(DType::BF16));
+            let err = candle_core::Error::msg;
+            let bf16 = (
+                batched(&mut model, &inputs).map_err(err)?,
+                one_at_a_time(&mut model, &inputs).map_err(err)?,
+            );
+            if bf16.0 != bf16.1 {
+                candle_core::bail!("bf16 cache: batched {:?} vs alone {:?}", bf16.0, bf16.1);
+            }
             model.set_kv_cache_dtype(Some(DType::F16));
             let err = candle_core::Error::msg;
             let batch = batched(&mut model, &inputs).map_err(err)?;

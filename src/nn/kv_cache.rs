@@ -48,6 +48,11 @@ impl LayerKvCache {
         Self { kv: None, dtype }
     }
 
+    /// The precision keys and values are kept in, when it is set (`None`: as they come).
+    pub fn storage_dtype(&self) -> Option<DType> {
+        self.dtype
+    }
+
     /// Positions held.
     pub fn len(&self) -> usize {
         self.kv.as_ref().map_or(0, |b| b.len)

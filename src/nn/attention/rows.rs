@@ -23,8 +23,8 @@ impl ParallelAttention {
     /// `[1, rows, local_heads, head_dim]`, `k` and `v` `[1, rows, local_kv_heads, head_dim]`
     /// (before RoPE), row `i` the one new token of `seqs[i]`, whose cache it extends; `None`
     /// (nothing appended) where the fused path does not apply: a sequence with several new
-    /// rows (a prompt), one sequence, soft-capped scores, irregular GQA groups, or tensors
-    /// that are not f32 on the CPU or track gradients.
+    /// rows (a prompt), one sequence, soft-capped scores, irregular GQA groups, a cache kept
+    /// in bf16, or tensors that are not f32 on the CPU or track gradients.
     pub(super) fn attend_rows(
         &self,
         q: &Tensor,
@@ -35,8 +35,15 @@ impl ParallelAttention {
     ) -> Result<Option<Tensor>> {
         let groups_regular = self.kv_index.is_none() || self.kv_group.is_some();
         let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
+        // The fused kernel reads caches of f32 or f16 (a bf16 cache takes the general path).
+        let fused_cache = |c: &LayerKvCache| {
+            matches!(
+                c.storage_dtype(),
+                None | Some(DType::F32) | Some(DType::F16)
+            )
+        };
         if seqs.len() < 2
-            || seqs.iter().any(|(n, _)| *n != 1)
+            || seqs.iter().any(|(n, cache)| *n != 1 || !fused_cache(cache))
             || q.dim(0)? != 1
             || self.softcap.is_some()
             || !groups_regular
