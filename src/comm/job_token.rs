@@ -132,7 +132,11 @@ pub(crate) fn token_for_launch(
         return Err(CommError::env(
             "CANDLE_TP_TOKEN",
             format!(
-                "is not set, and the job spans hosts ({} processes, {} on this host, started                  by {}): a token file serves one host, and this build has no MPI to send a                  token with. Give every rank the same secret (export                  CANDLE_TP_TOKEN=$(openssl rand -hex 16), then mpirun -x CANDLE_TP_TOKEN ...),                  or build with --features mpi",
+                "is not set, and the job spans hosts ({} processes, {} on this host, started \
+                 by {}): a token file serves one host, and this build has no MPI to send a \
+                 token with. Give every rank the same secret (export \
+                 CANDLE_TP_TOKEN=$(openssl rand -hex 16), then mpirun -x CANDLE_TP_TOKEN ...), \
+                 or build with --features mpi",
                 launch.world_size,
                 launch.local_world_size,
                 launch.launcher.name()
@@ -264,6 +268,7 @@ mod tests {
         let e = token_for_launch(&across, 0, &mut token, Duration::from_secs(1))
             .unwrap_err()
             .to_string();
+        assert!(!e.contains("  "), "runs of spaces in the message: {e}");
         for part in [
             "CANDLE_TP_TOKEN",
             "spans hosts",

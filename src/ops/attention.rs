@@ -121,7 +121,7 @@ impl CustomOp3 for CausalAttention {
 
 /// Whether the fused op takes these inputs: on the CPU, without gradients, `q` in f32 and
 /// the keys and values both f32 or both f16 (a KV cache kept in half precision).
-fn fused_inputs(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+pub(crate) fn fused_inputs(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let plain = |t: &Tensor| t.device().is_cpu() && !t.track_op();
     [q, k, v].into_iter().all(plain)
         && q.dtype() == DType::F32

@@ -30,8 +30,8 @@ impl CausalLm {
     /// `-ctk f16 -ctv f16` and vLLM's `--kv-cache-dtype`; `None`: the activations' precision,
     /// the default). Attention widens them back, so only the stored keys and values are
     /// rounded; on the CPU the widening makes a decode step slower today (SmolLM2 at 16
-    /// streams and 260 cached positions: 20.4 against 17.8 ms), a trade of time for memory. Every rank must choose the
-    /// same. The single-sequence API ([`CausalLm::forward`]) keeps its own caches as they are.
+    /// streams and 260 cached positions: 20.4 against 17.8 ms), a trade of time for memory.
+    /// Every rank must choose the same. The single-sequence API ([`CausalLm::forward`]) keeps its own caches as they are.
     ///
     /// ```no_run
     /// # fn f(model: &mut candle_tp::models::CausalLm) {

@@ -16,7 +16,7 @@ use candle_core::{DType, Result, Tensor};
 
 use super::ParallelAttention;
 use crate::nn::{LayerKvCache, RotaryEmbedding};
-use crate::ops::attention::causal_attention_rows;
+use crate::ops::attention::{causal_attention_rows, fused_inputs};
 
 impl ParallelAttention {
     /// The attention output `[1, rows, local_heads · head_dim]` (before `o_proj`) of `q`
@@ -24,7 +24,8 @@ impl ParallelAttention {
     /// (before RoPE), row `i` the one new token of `seqs[i]`, whose cache it extends; `None`
     /// (nothing appended) where the fused path does not apply: a sequence with several new
     /// rows (a prompt), one sequence, soft-capped scores, irregular GQA groups, a cache kept
-    /// in bf16, or tensors that are not f32 on the CPU or track gradients.
+    /// in bf16, or tensors the fused kernel does not take (`ops::attention::fused_inputs`:
+    /// not on the CPU, tracking gradients, `q` not f32).
     pub(super) fn attend_rows(
         &self,
         q: &Tensor,
@@ -34,7 +35,6 @@ impl ParallelAttention {
         seqs: &mut [(usize, &mut LayerKvCache)],
     ) -> Result<Option<Tensor>> {
         let groups_regular = self.kv_index.is_none() || self.kv_group.is_some();
-        let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
         // The fused kernel reads caches of f32 or f16 (a bf16 cache takes the general path).
         let fused_cache = |c: &LayerKvCache| {
             matches!(
@@ -47,7 +47,7 @@ impl ParallelAttention {
             || q.dim(0)? != 1
             || self.softcap.is_some()
             || !groups_regular
-            || ![q, k, v].into_iter().all(cpu_f32)
+            || !fused_inputs(q, k, v)
         {
             return Ok(None);
         }
@@ -67,8 +67,7 @@ impl ParallelAttention {
             Some(y) => Ok(Some(y)),
             // The caches hold this step's rows already: no fallback may append them again.
             None => candle_core::bail!(
-                "attention: the batched decode path refused f32 CPU tensors after appending \
-                 to the caches"
+                "attention: the batched decode path refused its caches after appending to them"
             ),
         }
     }
