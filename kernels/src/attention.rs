@@ -381,14 +381,36 @@ fn group(
     // group.
     scores.clear();
     scores.resize(g * positions, 0.0);
-    for t in 0..positions {
+    #[cfg(target_arch = "x86_64")]
+    if let Lanes::Avx2 = lanes {
+        // SAFETY: `Lanes::Avx2` is only passed from a function that enables avx2 and fma.
+        unsafe { parts::scores_avx2(q, (k, k0, k_pos), positions, d, scale, scores) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    let positions_left = if let Lanes::Avx2 = lanes {
+        0
+    } else {
+        positions
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let positions_left = positions;
+    for t in 0..positions_left {
         let key = &k[k0 + t * k_pos..k0 + t * k_pos + d];
         for j in 0..g {
-            scores[j * positions + t] = dot(&q[j * d..(j + 1) * d], key) * scale;
+            scores[j * positions + t] = dot(&q[j * d..(j + 1) * d], key, lanes) * scale;
         }
     }
     for row in scores.chunks_mut(positions) {
         softmax_in_place(row, lanes);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Lanes::Avx2 = lanes {
+        for (j, o) in out.chunks_mut(d).enumerate() {
+            let p = &scores[j * positions..(j + 1) * positions];
+            // SAFETY: `Lanes::Avx2` is only passed from a function that enables avx2 and fma.
+            unsafe { parts::weighted_sum_avx2(p, (v, v0, v_pos), o) };
+        }
+        return;
     }
     out.fill(0.0);
     for t in 0..positions {
