@@ -9,11 +9,12 @@
 //! one-row micro-kernel); for a prompt it computes every score, masked ones included, then
 //! exponentiates them one at a time with libm (on a SmolLM2 prefill of 512 tokens the
 //! attention's gemm, `expf`, the mask and their copies took about a third of the time). Here
-//! each KV head's keys and values are read once per query row for all the query heads of its
-//! group: per visible position, one key row against the group's query rows (dot products in
-//! eight lanes, fused multiply-adds), then a softmax per query head (with an eight-lane
-//! exponential), then per position one value row added into the group's outputs. Masked
-//! positions are never computed. A prompt's rows go in blocks instead (`blocks`, on AVX2):
+//! one task takes a KV head with all the query heads of its group, whose keys and values stay
+//! in the core's cache while it runs: the scores of each query head against the visible key
+//! rows (dot products in eight lanes, fused multiply-adds; on AVX2 four positions at a time
+//! against one load of the query), then a softmax per query head (with an eight-lane
+//! exponential), then each head's weighted sum of the value rows (on AVX2 up to 64 components
+//! held in registers over all the positions). Masked positions are never computed. A prompt's rows go in blocks instead (`blocks`, on AVX2):
 //! the keys packed once per KV head, then per block of six query rows register tiles as a
 //! gemm's, over the key panels the block may see. Within a block, a row's weight at a
 //! position it must not see is 0, so a NaN or infinite value row there makes it NaN, as
