@@ -54,10 +54,11 @@ use widen::WIDENED;
 /// A cache's keys or values as the kernel reads them: element `(b, h, t, i)` (sequence `b`, KV
 /// head `h`, position `t`, component `i`) at `data[offset + b·batch + h·head + t·pos + i]`.
 ///
-/// The elements are f32, or f16 for a cache kept in half precision ([`KvElement`]): each task
-/// then widens its KV head's rows to f32 once, into a scratch buffer that stays in the core's
-/// cache, and runs the f32 kernels on them (the values are the f32 kernels' on the widened
-/// cache, bit for bit; the memory read is half).
+/// The elements are f32, or f16 for a cache kept in half precision ([`KvElement`]): the AVX2
+/// decode loops widen f16 in registers as they read it; otherwise each task widens its KV
+/// head's rows to f32 once, into a scratch buffer that stays in the core's cache, and runs the
+/// f32 kernels on them. Either way the values are the f32 kernels' on the widened cache, bit
+/// for bit, from half the memory.
 #[derive(Debug, Clone, Copy)]
 pub struct CacheView<'a, T = f32> {
     /// The buffer.
@@ -197,6 +198,15 @@ pub fn causal_attention<T: KvElement>(
         if let (Some(kd), Some(vd)) = (T::as_f32(k.data), T::as_f32(v.data)) {
             return run((kd, at(&k), k.pos), (vd, at(&v), v.pos), out);
         }
+        // The AVX2 decode loops read an f16 cache as it is, widening in registers (exact, so
+        // the same values as through the scratch buffer, with half the bytes).
+        #[cfg(target_arch = "x86_64")]
+        if kernel != Kernel::Scalar && queries < BLOCKED_MIN_QUERIES {
+            let (k, v) = ((k.data, at(&k), k.pos), (v.data, at(&v), v.pos));
+            return crate::kernel::by_kernel!(kernel,
+                scalar => unreachable!("the scalar kernel widens"),
+                avx2 => avx2::group_rows(q, k, v, rows, out));
+        }
         // Widened: this head's `positions` key rows, then its value rows, `d` apart.
         WIDENED.with(|w| {
             let mut w = w.borrow_mut();
@@ -317,10 +327,10 @@ fn softmax_rows(
 /// and its outputs scattered (a copy of `g · d` values each way), so that [`group`] reads each
 /// visible key and value row once for the whole group.
 #[inline(always)]
-fn group_rows(
+fn group_rows<T: KvElement>(
     q: &[f32],
-    k: Strided<'_>,
-    v: Strided<'_>,
+    k: Strided<'_, T>,
+    v: Strided<'_, T>,
     rows: Rows,
     out: &mut [f32],
     lanes: Lanes,
@@ -366,10 +376,10 @@ fn group_rows(
 /// scratch.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn group(
+fn group<T: KvElement>(
     q: &[f32],
-    (k, k0, k_pos): Strided<'_>,
-    (v, v0, v_pos): Strided<'_>,
+    (k, k0, k_pos): Strided<'_, T>,
+    (v, v0, v_pos): Strided<'_, T>,
     positions: usize,
     d: usize,
     scale: f32,
@@ -419,7 +429,7 @@ fn group(
         for (j, o) in out.chunks_mut(d).enumerate() {
             let p = scores[j * positions + t];
             for (o, &x) in o.iter_mut().zip(value) {
-                *o = p.mul_add(x, *o);
+                *o = p.mul_add(x.get(), *o);
             }
         }
     }
@@ -427,7 +437,7 @@ fn group(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{group_rows as body, Lanes, Rows, Strided};
+    use super::{group_rows as body, KvElement, Lanes, Rows, Strided};
 
     /// [`super::softmax_rows`] compiled with AVX2 and FMA, with the eight-lane exponential.
     ///
@@ -445,16 +455,16 @@ mod avx2 {
         super::softmax_rows(x, out, r0, rows, window, scale, Lanes::Avx2)
     }
 
-    /// [`super::group_rows`] compiled with AVX2 and FMA (its lanes and multiply-adds
-    /// vectorised), with the eight-lane exponential.
+    /// [`super::group_rows`] compiled with AVX2, FMA and F16C (its lanes and multiply-adds
+    /// vectorised, an f16 cache widened as it is read), with the eight-lane exponential.
     ///
     /// # Safety
-    /// The CPU must support avx2 and fma.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn group_rows(
+    /// The CPU must support avx2, fma and f16c.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group_rows<T: KvElement>(
         q: &[f32],
-        k: Strided<'_>,
-        v: Strided<'_>,
+        k: Strided<'_, T>,
+        v: Strided<'_, T>,
         rows: Rows,
         out: &mut [f32],
     ) {
@@ -579,14 +589,23 @@ mod tests {
         }
     }
 
-    /// A cache of f16 gives, on every kernel, decode rows and prompts, the f32 kernel's
-    /// outputs on the same values widened to f32, bit for bit (and finite).
+    /// A cache of f16 gives, on every kernel, decode rows (which the AVX2 loops read as f16)
+    /// and prompts (widened first), the f32 kernel's outputs on the same values widened to
+    /// f32, bit for bit (and finite).
     #[test]
     fn an_f16_cache_is_the_f32_kernel_on_its_widened_values() {
         use half::f16;
         for kernel in Kernel::under_test() {
-            for (queries, positions) in [(1, 1), (1, 37), (9, 40)] {
-                let (q_heads, kv_heads, d, capacity) = (6, 2, 24, positions + 3);
+            // Head sizes of whole lanes, with a tail, and past one run of 64 components.
+            let sizes = [
+                (1, 1, 24),
+                (1, 37, 24),
+                (1, 37, 20),
+                (1, 6, 72),
+                (9, 40, 24),
+            ];
+            for (queries, positions, d) in sizes {
+                let (q_heads, kv_heads, capacity) = (6, 2, positions + 3);
                 let shape = AttentionShape {
                     batch: 1,
                     q_heads,

@@ -2,6 +2,8 @@
 //! prompt kernels (`attention/blocks.rs`) share: the shape of a task's query rows, a causal
 //! row's softmax in either lane width, and the eight-lane dot product.
 
+use super::KvElement;
+
 /// The softmax of `row` in place: minus the largest value, exponentials, divided by their sum
 /// (all NaN if any value is NaN, as Candle's softmax gives).
 #[inline(always)]
@@ -81,7 +83,7 @@ pub(super) enum Lanes {
 /// `Σ a·b` in eight lanes of fused multiply-adds (added in a fixed order), the tail after;
 /// with [`Lanes::Avx2`] in one 256-bit register ([`dot_avx2`], the same sums).
 #[inline(always)]
-pub(super) fn dot(a: &[f32], b: &[f32], lanes: Lanes) -> f32 {
+pub(super) fn dot<T: KvElement>(a: &[f32], b: &[T], lanes: Lanes) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if let Lanes::Avx2 = lanes {
         // SAFETY: `Lanes::Avx2` is only passed from a function that enables avx2 and fma.
@@ -92,12 +94,12 @@ pub(super) fn dot(a: &[f32], b: &[f32], lanes: Lanes) -> f32 {
     let whole = a.len() / 8 * 8;
     for (x, y) in a[..whole].chunks_exact(8).zip(b[..whole].chunks_exact(8)) {
         for l in 0..8 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
+            acc[l] = x[l].mul_add(y[l].get(), acc[l]);
         }
     }
     let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
     for (x, y) in a[whole..].iter().zip(&b[whole..]) {
-        s = x.mul_add(*y, s);
+        s = x.mul_add(y.get(), s);
     }
     s
 }
@@ -112,21 +114,21 @@ pub(super) fn dot(a: &[f32], b: &[f32], lanes: Lanes) -> f32 {
 /// The CPU must support avx2 and fma (inline this into a function that enables them).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+unsafe fn dot_avx2<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
     use std::arch::x86_64::*;
     let n = a.len().min(b.len());
     let whole = n / 8 * 8;
     let (pa, pb) = (a.as_ptr(), b.as_ptr());
     let mut acc = _mm256_setzero_ps();
     for i in (0..whole).step_by(8) {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb.add(i)), acc);
     }
     // [0 + 4, 1 + 5, 2 + 6, 3 + 7], then [(0 + 4) + (2 + 6), (1 + 5) + (3 + 7)], then their sum.
     let t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     let u = _mm_add_ps(t, _mm_movehl_ps(t, t));
     let mut s = _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
     for (x, y) in a[whole..n].iter().zip(&b[whole..n]) {
-        s = x.mul_add(*y, s);
+        s = x.mul_add(y.get(), s);
     }
     s
 }
@@ -141,9 +143,9 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
 /// The CPU must support avx2 and fma (inline this into a function that enables them).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn scores_avx2(
+pub(super) unsafe fn scores_avx2<T: KvElement>(
     q: &[f32],
-    (k, k0, k_pos): Strided<'_>,
+    (k, k0, k_pos): Strided<'_, T>,
     positions: usize,
     d: usize,
     scale: f32,
@@ -172,7 +174,7 @@ pub(super) unsafe fn scores_avx2(
             for c in (0..whole).step_by(8) {
                 let x = _mm256_loadu_ps(qp.add(c));
                 for (a, row) in acc.iter_mut().zip(rows) {
-                    *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(row.add(c)), *a);
+                    *a = _mm256_fmadd_ps(x, T::load8(row.add(c)), *a);
                 }
             }
             // Per register [0 + 4, 1 + 5, 2 + 6, 3 + 7]; then, across the four, the sums
@@ -194,7 +196,7 @@ pub(super) unsafe fn scores_avx2(
                 for (i, s) in sums.iter_mut().enumerate() {
                     let key = std::slice::from_raw_parts(rows[i], d);
                     for (x, y) in qj[whole..].iter().zip(&key[whole..]) {
-                        *s = x.mul_add(*y, *s);
+                        *s = x.mul_add(y.get(), *s);
                     }
                     out[t + i] = *s * scale;
                 }
@@ -218,7 +220,11 @@ pub(super) unsafe fn scores_avx2(
 /// The CPU must support avx2 and fma (inline this into a function that enables them).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn weighted_sum_avx2(p: &[f32], (v, v0, v_pos): Strided<'_>, out: &mut [f32]) {
+pub(super) unsafe fn weighted_sum_avx2<T: KvElement>(
+    p: &[f32],
+    (v, v0, v_pos): Strided<'_, T>,
+    out: &mut [f32],
+) {
     let d = out.len();
     if let Some(t) = p.len().checked_sub(1) {
         // Every read below is within the last row's `d` components.
@@ -233,22 +239,21 @@ pub(super) unsafe fn weighted_sum_avx2(p: &[f32], (v, v0, v_pos): Strided<'_>, o
         let run = &mut out[c..c + (whole - c).min(64)];
         let at = v.as_ptr().add(v0 + c);
         match run.len() / 8 {
-            8 => weighted_run::<8>(p, at, v_pos, run),
-            7 => weighted_run::<7>(p, at, v_pos, run),
-            6 => weighted_run::<6>(p, at, v_pos, run),
-            5 => weighted_run::<5>(p, at, v_pos, run),
-            4 => weighted_run::<4>(p, at, v_pos, run),
-            3 => weighted_run::<3>(p, at, v_pos, run),
-            2 => weighted_run::<2>(p, at, v_pos, run),
-            _ => weighted_run::<1>(p, at, v_pos, run),
+            8 => weighted_run::<T, 8>(p, at, v_pos, run),
+            7 => weighted_run::<T, 7>(p, at, v_pos, run),
+            6 => weighted_run::<T, 6>(p, at, v_pos, run),
+            5 => weighted_run::<T, 5>(p, at, v_pos, run),
+            4 => weighted_run::<T, 4>(p, at, v_pos, run),
+            3 => weighted_run::<T, 3>(p, at, v_pos, run),
+            2 => weighted_run::<T, 2>(p, at, v_pos, run),
+            _ => weighted_run::<T, 1>(p, at, v_pos, run),
         }
         c += run.len();
     }
     for (i, o) in out.iter_mut().enumerate().skip(whole) {
-        *o = p
-            .iter()
-            .enumerate()
-            .fold(0.0, |acc, (t, &w)| w.mul_add(v[v0 + t * v_pos + i], acc));
+        *o = p.iter().enumerate().fold(0.0, |acc, (t, &w)| {
+            w.mul_add(v[v0 + t * v_pos + i].get(), acc)
+        });
     }
 }
 
@@ -259,14 +264,19 @@ pub(super) unsafe fn weighted_sum_avx2(p: &[f32], (v, v0, v_pos): Strided<'_>, o
 /// avx2 and fma; `v + t · v_pos + 8N` within the buffer for every `t < p.len()`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn weighted_run<const N: usize>(p: &[f32], v: *const f32, v_pos: usize, out: &mut [f32]) {
+unsafe fn weighted_run<T: KvElement, const N: usize>(
+    p: &[f32],
+    v: *const T,
+    v_pos: usize,
+    out: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let mut acc = [_mm256_setzero_ps(); N];
     for (t, &w) in p.iter().enumerate() {
         let w = _mm256_set1_ps(w);
         let row = v.add(t * v_pos);
         for (u, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * u)), *a);
+            *a = _mm256_fmadd_ps(w, T::load8(row.add(8 * u)), *a);
         }
     }
     for (u, a) in acc.iter().enumerate() {
@@ -275,7 +285,7 @@ unsafe fn weighted_run<const N: usize>(p: &[f32], v: *const f32, v_pos: usize, o
 }
 
 /// A buffer, the offset of position 0 of one head, and the stride of positions.
-pub(super) type Strided<'a> = (&'a [f32], usize, usize);
+pub(super) type Strided<'a, T = f32> = (&'a [T], usize, usize);
 
 /// What one task's query rows are: `queries` rows per head, the last of `positions`, with the
 /// window, the head size and the scale.
