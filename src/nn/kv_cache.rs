@@ -43,7 +43,7 @@ impl LayerKvCache {
 
     /// An empty cache that keeps keys and values in `dtype` (`Some(DType::F16)`: half the
     /// memory, llama.cpp's default; `None`: as they come). The attention widens them back to
-    /// its own precision.
+    /// its own precision (the CPU's fused attention as it reads them).
     pub fn with_dtype(dtype: Option<DType>) -> Self {
         Self { kv: None, dtype }
     }
