@@ -5,8 +5,8 @@
 //! attention head of `head_dim` columns, one KV group, a quantization block). The first
 //! `units % parts` ranks get one unit more: 1000 columns on 3 ranks is 334 + 333 + 333, and 9
 //! heads on 2 ranks is 5 + 4. Uneven sizes are supported, not refused. A split can also give
-//! its first ranks fewer units on purpose ([`Partition::balancing`]): a gated MLP does, where
-//! those ranks hold one more attention group than the others.
+//! its first ranks fewer units on purpose ([`Partition::balancing`]), for ranks that carry
+//! other work before the same collective.
 
 use std::ops::Range;
 

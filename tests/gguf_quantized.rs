@@ -2,11 +2,9 @@
 //! the shipped Q4_1 file and Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K files written from it once
 //! into the model cache by `common::smollm2_gguf`.
 //!
-//! Worlds 2 and 3 (uneven: 6 + 3 heads, 2 + 1 KV groups, and 3 + 3 + 3; at world 2 the MLP's
-//! 1536 columns 672 + 864 in blocks of 32 and 704 + 832 in Q5_0 / Q5_1's pairs of blocks,
-//! evening out the attention's extra group, and for the k-quants the down projection's 6
-//! super-blocks 3 + 3; at world 3 512 + 512 + 512 and 2 + 2 + 2) against world 1, four
-//! prompts x 32 greedy tokens each:
+//! Worlds 2 and 3 (uneven: 6 + 3 heads, 2 + 1 KV groups, and 3 + 3 + 3; the MLP's 1536
+//! columns 768 + 768 and 512 + 512 + 512, in whole blocks of 32, Q5_0 / Q5_1's pairs of blocks
+//! and the k-quants' super-blocks) against world 1, four prompts x 32 greedy tokens each:
 //! the same ids, and the same last-position logits within [`TOL`] (measured: 0, bit for
 //! bit). Row-parallel layers sum quantized products in f64 and all-reduce them in f64
 //! (`candle_tp_kernels::f64_dot`); with candle's f32 sums, worlds 2 and 3 kept only 2 of 4
@@ -84,7 +82,7 @@ fn worlds_two_and_three_generate_the_ids_of_world_one() -> anyhow::Result<()> {
             let got = run_threads(world, |pg| {
                 let mut m = Llama::from_gguf(&path, &Device::Cpu, pg)?;
                 // The layout these worlds are meant to test: the attention's split by whole
-                // KV groups, the MLP's evened out against it where its blocks allow.
+                // KV groups, the MLP's even (see `an_uneven_quantized_mlp_split_...`).
                 let q_heads = m.attention(0).expect("layer 0").heads().q_heads.len();
                 let mlp = m
                     .decoder()
@@ -92,12 +90,10 @@ fn worlds_two_and_three_generate_the_ids_of_world_one() -> anyhow::Result<()> {
                     .expect("a gated MLP")
                     .down_proj()
                     .in_partition();
-                // The split unit: blocks of 32, pairs of 32 (Q5_0, Q5_1) or super-blocks of 256.
-                let columns: &[usize] = match (world, dtype) {
-                    (3, _) => &[512, 512, 512],
-                    (_, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q8_0) => &[672, 864],
-                    (_, GgmlDType::Q5_0 | GgmlDType::Q5_1) => &[704, 832],
-                    _ => &[768, 768],
+                let columns: &[usize] = if world == 3 {
+                    &[512, 512, 512]
+                } else {
+                    &[768, 768]
                 };
                 let heads: &[usize] = if world == 2 { &[6, 3] } else { &[3, 3, 3] };
                 assert_eq!(q_heads, heads[m.pg().rank()], "{dtype:?} world {world}");
@@ -120,6 +116,49 @@ fn worlds_two_and_three_generate_the_ids_of_world_one() -> anyhow::Result<()> {
                     "{dtype:?} world {world} rank {rank}: logits differ by {worst}"
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// An uneven split of a quantized MLP sums the bits of one rank: layer 0's gated MLP of every
+/// file, loaded at world 2 with 384 intermediate columns' worth of other work on rank 0
+/// (`GatedMlp::load_balanced`: 576 + 960 columns in blocks of 32 and in pairs of blocks,
+/// 512 + 1024 in super-blocks), against the same MLP on one rank, on 3 rows. The
+/// row-parallel down projection sums each rank's blocks in f64 and all-reduces in f64, so an
+/// uneven cut changes no bit (tolerance [`TOL`] all the same).
+#[test]
+fn an_uneven_quantized_mlp_split_sums_the_bits_of_one_rank() -> anyhow::Result<()> {
+    use candle_core::DType;
+    use candle_nn::{Activation, Module};
+    use candle_tp::loader::ShardedVarBuilder;
+    use candle_tp::nn::GatedMlp;
+    let (hidden, inter) = (576, 1536);
+    let names = ["gate_proj", "up_proj", "down_proj"];
+    let x = Tensor::randn(0f32, 1.0, (1, 3, hidden), &Device::Cpu)?;
+    for dtype in common::quantized::LLAMA_GGUF_TYPES {
+        let path = gguf(dtype);
+        let mlp = |pg: ProcessGroup, balance| -> candle_core::Result<GatedMlp> {
+            let vb = ShardedVarBuilder::from_gguf(&path, DType::F32, &Device::Cpu, pg)?;
+            let vb = vb.pp("model.layers.0.mlp");
+            GatedMlp::load_balanced(hidden, inter, Activation::Silu, names, balance, vb)
+        };
+        let want = mlp(ProcessGroup::single(), (0, 0.0))?.forward(&x)?;
+        let columns: &[usize] = match dtype {
+            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => &[512, 1024],
+            _ => &[576, 960],
+        };
+        let got = run_threads(2, |pg| {
+            let m = mlp(pg, (1, 384.0))?;
+            assert_eq!(m.down_proj().in_partition().sizes(), columns, "{dtype:?}");
+            m.forward(&x)
+        })?;
+        for (rank, y) in got.iter().enumerate() {
+            let worst = max_diff(y, &want);
+            assert!(
+                worst <= TOL,
+                "{dtype:?} rank {rank}: the uneven MLP differs from one rank's by {worst}"
+            );
         }
     }
     Ok(())

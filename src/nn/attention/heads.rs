@@ -70,7 +70,9 @@ impl AttentionConfig {
     /// whole groups), and that group's multiply-adds per token per model feature, its q, k,
     /// v and o rows (`head_dim · (2 · heads per group + 2)`). `(0, 0.0)` where the groups
     /// split evenly, where KV heads are replicated (`world > num_kv_heads`) or for one rank.
-    /// A gated MLP on the same ranks evens the load out ([`crate::nn::GatedMlp::load_balanced`]).
+    /// A gated MLP can take the difference back ([`crate::nn::GatedMlp::load_balanced`]) where
+    /// the two share one all-reduce; the Llama-family decoders all-reduce after each, so they
+    /// split their MLPs evenly (balanced, each rank waited at one of the two).
     ///
     /// ```
     /// use candle_tp::nn::AttentionConfig;
