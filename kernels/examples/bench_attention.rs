@@ -14,7 +14,6 @@
 //! sequences at 64, 256 and 1024 cached positions.
 
 use candle_tp_kernels::attention::{causal_attention, AttentionShape, CacheView, KvElement};
-use candle_tp_kernels::kernel::Kernel;
 use half::f16;
 use std::time::Instant;
 
@@ -32,23 +31,10 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+mod common;
+
 fn main() -> candle_core::Result<()> {
-    let rounds: usize = std::env::args()
-        .nth(1)
-        .map(|r| r.parse().expect("ROUNDS is a number"))
-        .unwrap_or(5);
-    let kernels: Vec<Kernel> = Kernel::ALL
-        .into_iter()
-        .filter(|k| *k != Kernel::Scalar && k.is_available())
-        .collect();
-    println!(
-        "kernels: {kernels:?} (CPU: {})",
-        candle_tp_kernels::kernel::cpu_features()
-    );
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .expect("a one-thread pool");
+    let (rounds, kernels, pool) = common::setup();
     println!(
         "{:<6} {:>9} {:>11} {:>5} {:>10} {:>13} {:>10}",
         "cache", "positions", "kernel", "", "µs / call", "ns / head·pos", "x avx2 f32"

@@ -17,20 +17,10 @@ use candle_tp_kernels::repack::{RepackFn, RepackedMatMul};
 use std::sync::Arc;
 use std::time::Instant;
 
+mod common;
+
 fn main() -> candle_core::Result<()> {
-    let rounds: usize = std::env::args()
-        .nth(1)
-        .map(|r| r.parse().expect("ROUNDS is a number"))
-        .unwrap_or(5);
-    let kernels: Vec<Kernel> = Kernel::ALL
-        .into_iter()
-        .filter(|k| *k != Kernel::Scalar && k.is_available())
-        .collect();
-    println!(
-        "kernels: {:?} (CPU: {})",
-        kernels,
-        candle_tp_kernels::kernel::cpu_features()
-    );
+    let (rounds, kernels, pool) = common::setup();
     let types: [(GgmlDType, RepackFn); 8] = [
         (GgmlDType::Q4_0, candle_tp_kernels::q4_0x4::repack),
         (GgmlDType::Q4_1, candle_tp_kernels::q4_1x4::repack),
@@ -41,10 +31,6 @@ fn main() -> candle_core::Result<()> {
         (GgmlDType::Q5K, candle_tp_kernels::q5_kx4::repack),
         (GgmlDType::Q6K, candle_tp_kernels::q6_kx4::repack),
     ];
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .expect("a one-thread pool");
     println!(
         "{:<6} {:>11} {:>3} {:>12} {:>12} {:>7}",
         "type", "n x k", "m", "avx2 µs", "best µs", "ratio"
