@@ -19,6 +19,7 @@
 //! | `avx512x4` | 64-byte loads from four streams per thread (the slice's quarters in step: more lines in flight, as a kernel reading four weight rows has) |
 //! | `avx512pf` | `avx512` with a software prefetch 2 KiB ahead |
 //! | `avx512pf12k` | `avx512` with every line prefetched 12 KiB ahead (what the quantized kernels do since 2026-11-28: two ranks of a 1 B decode on a Zen 5 then streamed 58-60 GB/s where two threads of the methods above read 53) |
+//! | `avx512x4pf8k` | `avx512x4` with every line of each stream prefetched 8 KiB ahead (the 512-bit quantized engine's four weight streams) |
 //! | `avx512nt` | `avx512x4` with non-temporal loads (`vmovntdqa`) and `prefetchnta` |
 //!
 //! One JSON line: `impl` ("host"), `threads`, `mib`, `read_gb_s` (the fastest method's
@@ -48,6 +49,41 @@ struct Args {
     /// Timed passes over the buffer (after one untimed pass).
     #[arg(long, default_value_t = 5)]
     passes: usize,
+    /// Ask for transparent huge pages for the buffer (`madvise(MADV_HUGEPAGE)`; Linux), where
+    /// the kernel gives them only on request (`/sys/kernel/mm/transparent_hugepage/enabled`
+    /// set to `madvise`).
+    #[arg(long)]
+    huge_pages: bool,
+}
+
+/// `words` distinct u64 values, so that no page is shared with another (the zero page), in
+/// memory asked for as transparent huge pages where `huge` (before any page is touched).
+fn buffer(words: usize, huge: bool) -> Vec<u64> {
+    let mut buf: Vec<u64> = Vec::with_capacity(words);
+    #[cfg(target_os = "linux")]
+    if huge {
+        const HUGE: usize = 2 << 20;
+        let start = buf.as_ptr() as usize;
+        let (lo, hi) = (
+            start.next_multiple_of(HUGE),
+            (start + words * 8) / HUGE * HUGE,
+        );
+        if hi > lo {
+            // SAFETY: advice on whole pages of this allocation, which nothing reads yet.
+            let rc =
+                unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
+            if rc != 0 {
+                eprintln!(
+                    "madvise(MADV_HUGEPAGE): {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = huge;
+    buf.extend(0..words as u64);
+    buf
 }
 
 /// How a thread reads its slice.
@@ -59,17 +95,19 @@ enum Method {
     Avx512x4,
     Avx512Prefetch,
     Avx512Prefetch12k,
+    Avx512x4Prefetch8k,
     Avx512Nt,
 }
 
 impl Method {
-    const ALL: [Method; 7] = [
+    const ALL: [Method; 8] = [
         Method::Scalar,
         Method::Avx2,
         Method::Avx512,
         Method::Avx512x4,
         Method::Avx512Prefetch,
         Method::Avx512Prefetch12k,
+        Method::Avx512x4Prefetch8k,
         Method::Avx512Nt,
     ];
 
@@ -81,6 +119,7 @@ impl Method {
             Method::Avx512x4 => "avx512x4",
             Method::Avx512Prefetch => "avx512pf",
             Method::Avx512Prefetch12k => "avx512pf12k",
+            Method::Avx512x4Prefetch8k => "avx512x4pf8k",
             Method::Avx512Nt => "avx512nt",
         }
     }
@@ -114,6 +153,7 @@ impl Method {
                 Method::Avx512x4 => sum_avx512::<4, 0, 1, false>(xs),
                 Method::Avx512Prefetch => sum_avx512::<1, 2048, 1, false>(xs),
                 Method::Avx512Prefetch12k => sum_avx512::<1, 12288, 4, false>(xs),
+                Method::Avx512x4Prefetch8k => sum_avx512::<4, 8192, 4, false>(xs),
                 Method::Avx512Nt => sum_avx512::<4, 1024, 1, true>(xs),
             }
         }
@@ -248,6 +288,15 @@ fn pass(slices: &[&[u64]], method: Method) -> (Duration, u64) {
     })
 }
 
+/// The process's memory in transparent huge pages, in MiB (`AnonHugePages` of
+/// `/proc/self/smaps_rollup`; `None` where there is no such file).
+fn anon_huge_mib() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = text.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib >> 10)
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if args.threads == 0 || args.passes == 0 || args.mib == 0 {
@@ -258,10 +307,9 @@ fn main() -> Result<()> {
             args.mib
         );
     }
-    // The buffer in u64 words (2^17 per MiB), of distinct values, so that no page is shared
-    // with another (the zero page).
+    // The buffer in u64 words (2^17 per MiB).
     let words = args.mib << 17;
-    let buf: Vec<u64> = (0..words as u64).collect();
+    let buf = buffer(words, args.huge_pages);
     let per = words / args.threads;
     let slices: Vec<&[u64]> = buf.chunks(per).take(args.threads).collect();
     let bytes = (per * args.threads * 8) as f64;
@@ -298,6 +346,8 @@ fn main() -> Result<()> {
         "impl": "host",
         "threads": args.threads,
         "mib": args.mib,
+        "huge_pages": args.huge_pages,
+        "anon_huge_mib": anon_huge_mib(),
         "read_gb_s": medians[fastest],
         "best_gb_s": best,
         "method": methods[fastest].name(),
