@@ -291,3 +291,77 @@ fn embedding_router_keys_slashes_and_unknown_paths() {
     assert_eq!(status, 405, "{text}");
     assert!(text.contains("method_not_allowed"), "{text}");
 }
+
+/// The value of the one sample of `metric` (with any labels after it, `extra` among them) in
+/// a Prometheus text page.
+fn sample(page: &str, metric: &str, extra: &str) -> f64 {
+    let found: Vec<f64> = page
+        .lines()
+        .filter(|l| l.starts_with(&format!("{metric}{{")) && l.contains(extra))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().expect("a number"))
+        .collect();
+    assert_eq!(found.len(), 1, "{metric} {extra} in:\n{page}");
+    found[0]
+}
+
+/// `GET /metrics` of the embedding server counts what its clients saw: the requests answered,
+/// their inputs' tokens (the responses' `usage`), a body over `--max-body-bytes` as
+/// `requests_rejected_total{reason="request_too_large"}`, and nothing running afterwards;
+/// open without the key, as the text server's.
+#[test]
+fn embedding_metrics_count_what_the_clients_saw() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let key = "emb-metrics";
+    let server = Server::start_model(
+        2,
+        &minilm_dir(),
+        &["--api-key", key, "--max-body-bytes", "4000"],
+    );
+    let port = server.port;
+    let auth = format!("Bearer {key}");
+    let auth = [("Authorization", auth.as_str())];
+    let mut tokens = 0;
+    for input in [
+        json!("one short text"),
+        json!(TEXTS),
+        json!([[101, 2023, 102]]),
+    ] {
+        let body = json!({ "input": input }).to_string();
+        let (status, text) = http_with(port, "POST", "/v1/embeddings", &body, &auth);
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        tokens += v["usage"]["prompt_tokens"].as_u64().expect("usage");
+    }
+    let big = json!({ "input": "word ".repeat(1000) }).to_string();
+    let (status, text) = http_with(port, "POST", "/v1/embeddings", &big, &auth);
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("request_too_large"), "{text}");
+
+    let (status, page) = http_with(port, "GET", "/metrics", "", &[]);
+    assert_eq!(status, 200, "{page}");
+    let name = "model_name=\"all-minilm-l6-v2\"";
+    assert_eq!(sample(&page, "candle_tp:request_success_total", name), 3.0);
+    assert_eq!(
+        sample(&page, "candle_tp:prompt_tokens_total", name),
+        tokens as f64
+    );
+    assert!(tokens > 3, "the texts have tokens: {tokens}");
+    assert_eq!(
+        sample(
+            &page,
+            "candle_tp:requests_rejected_total",
+            "reason=\"request_too_large\""
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &page,
+            "candle_tp:requests_rejected_total",
+            "reason=\"queue_full\""
+        ),
+        0.0
+    );
+    assert_eq!(sample(&page, "candle_tp:num_requests_running", name), 0.0);
+    assert_eq!(sample(&page, "candle_tp:num_requests_waiting", name), 0.0);
+}

@@ -30,10 +30,12 @@ use crate::models::bert::BertModel;
 use crate::serve::endpoints::key_refusal;
 use crate::serve::error::ApiError;
 use crate::serve::limits::{read_body, RequestLimits};
+use crate::serve::metrics::Rejections;
 use crate::serve::reply::{json_response, json_text_response, method_not_allowed};
 use crate::serve::stamp::unix_now;
 use crate::ProcessGroup;
 
+pub mod metrics;
 mod request;
 
 use request::{parse, tokenize, Encoder};
@@ -76,7 +78,7 @@ pub struct EmbedQueue {
     counts: Arc<EmbedCounts>,
 }
 
-/// What `/health` reports of the embedding loop.
+/// What `/health` and `/metrics` report of the embedding loop.
 #[derive(Debug, Default)]
 struct EmbedCounts {
     /// Requests queued, not yet taken by the loop.
@@ -85,6 +87,10 @@ struct EmbedCounts {
     active: AtomicUsize,
     /// Requests dropped unrun because their client had gone.
     cancelled: AtomicU64,
+    /// Requests answered with their embeddings.
+    finished: AtomicU64,
+    /// The inputs' tokens of the answered requests.
+    prompt_tokens: AtomicU64,
 }
 
 /// A queue of at most `capacity` waiting requests, and the receiver [`run_embed_leader`] takes.
@@ -246,6 +252,11 @@ pub fn run_embed_leader(
                 counts.active.store(0, Ordering::SeqCst);
                 match result {
                     Ok(v) => {
+                        let tokens: usize = job.inputs.iter().map(Vec::len).sum();
+                        counts
+                            .prompt_tokens
+                            .fetch_add(tokens as u64, Ordering::SeqCst);
+                        counts.finished.fetch_add(1, Ordering::SeqCst);
                         let _ = job.reply.send(Ok(v));
                     }
                     Err(e) => {
@@ -310,15 +321,20 @@ pub struct EmbedState {
     pub max_body_bytes: usize,
     /// The body deadline and the text work off the async thread.
     pub limits: RequestLimits,
+    /// The refusals of the server's limits and queue, which `/metrics` shows: the same
+    /// counters as the listener's and the limits' middleware (`limits::serve`).
+    pub rejected: Arc<Rejections>,
 }
 
 /// The router of an embedding server: `POST /v1/embeddings`, `GET /v1/models[/{id}]`,
-/// `GET /health`; the completions endpoints answer 400 (no text generation). As the text
-/// server's router: ids may hold slashes (`org/name`), the key guards the routes only (a path
-/// the server does not have is a 404, key or not), and a wrong method is a 405.
+/// `GET /health`, `GET /metrics` (Prometheus, [`metrics::render`]); the completions endpoints
+/// answer 400 (no text generation). As the text server's router: ids may hold slashes
+/// (`org/name`), the key guards the routes only (a path the server does not have is a 404,
+/// key or not; `/health` and `/metrics` stay open), and a wrong method is a 405.
 pub fn router(state: EmbedState) -> Router {
     Router::new()
         .route("/health", get(health))
+        .route("/metrics", get(metrics::serve))
         .route("/v1/models", get(models))
         // A catch-all: Hugging Face ids hold slashes (`org/name`).
         .route("/v1/models/{*id}", get(model))
@@ -342,7 +358,7 @@ async fn require_key(State(s): State<EmbedState>, req: Request, next: Next) -> R
 }
 
 async fn not_found() -> ApiError {
-    ApiError::new(404, "invalid_request_error", Some("not_found"), "no such endpoint: this embedding server has POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /health")
+    ApiError::new(404, "invalid_request_error", Some("not_found"), "no such endpoint: this embedding server has POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics")
 }
 
 async fn not_generative(State(s): State<EmbedState>) -> ApiError {

@@ -166,7 +166,8 @@ impl Rejections {
         self.counts[limit as usize].load(Ordering::Relaxed)
     }
 
-    fn render(&self, out: &mut String, labels: &str) {
+    /// Both counters' samples, with `labels` (`model_name="…"`) on each.
+    pub(crate) fn render(&self, out: &mut String, labels: &str) {
         for (closes, name, help) in [
             (
                 false,
@@ -250,7 +251,7 @@ impl Default for Metrics {
 }
 
 /// A label value with `\`, `"` and newlines escaped.
-fn escape(v: &str) -> String {
+pub(crate) fn escape(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")

@@ -565,10 +565,11 @@ fn serve_embeddings(
         api_key: key,
         max_body_bytes: args.max_body_bytes,
         limits: args.request_limits(),
+        rejected: Arc::default(),
     };
     let q = queue.clone();
-    // The embedding server has no /metrics: its refusals are counted, not shown.
-    let rejected = Default::default();
+    // Shown on its /metrics.
+    let rejected = state.rejected.clone();
     let http = start_http(args, embeddings::router(state), rejected, move || {
         q.shutdown()
     })?;
