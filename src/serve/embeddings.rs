@@ -334,7 +334,7 @@ pub struct EmbedState {
 pub fn router(state: EmbedState) -> Router {
     Router::new()
         .route("/health", get(health))
-        .route("/metrics", get(metrics::serve))
+        .route("/metrics", get(metrics_page))
         .route("/v1/models", get(models))
         // A catch-all: Hugging Face ids hold slashes (`org/name`).
         .route("/v1/models/{*id}", get(model))
@@ -381,6 +381,27 @@ pub(crate) async fn no_embeddings() -> ApiError {
         Some("model_not_supported"),
         "this server serves a text-generation model; /v1/embeddings needs a sentence-embedding checkpoint as --model (e.g. all-minilm-l6-v2)",
     )
+}
+
+/// `GET /metrics` ([`metrics::render`]).
+async fn metrics_page(State(s): State<EmbedState>) -> Response {
+    let (q, load) = (&s.queue, |a: &AtomicU64| a.load(Ordering::SeqCst));
+    let counts = metrics::LoopCounts {
+        running: q.active() as u64,
+        waiting: q.waiting() as u64,
+        prompt_tokens: load(&q.counts.prompt_tokens),
+        finished: load(&q.counts.finished),
+        cancelled: q.cancelled(),
+    };
+    (
+        StatusCode::OK,
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        metrics::render(&s.model_name, counts, &s.rejected),
+    )
+        .into_response()
 }
 
 async fn health(State(s): State<EmbedState>) -> Response {

@@ -14,72 +14,73 @@
 //! Every sample carries `model_name`.
 
 use std::fmt::Write;
-use std::sync::atomic::Ordering;
 
-use axum::extract::State;
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use crate::serve::metrics::{escape, Rejections};
 
-use super::EmbedState;
-use crate::serve::metrics::escape;
-
-/// The metrics of the server whose state is `s`.
-pub fn render(s: &EmbedState) -> String {
-    let labels = format!("model_name=\"{}\"", escape(&s.model_name));
-    let counts = &s.queue.counts;
-    let mut out = String::new();
-    for (name, help, v) in [
-        (
-            "num_requests_running",
-            "Requests being embedded (0 or 1).",
-            s.queue.active() as u64,
-        ),
-        (
-            "num_requests_waiting",
-            "Requests queued.",
-            s.queue.waiting() as u64,
-        ),
-    ] {
-        let _ = writeln!(
-            out,
-            "# HELP candle_tp:{name} {help}\n# TYPE candle_tp:{name} gauge\ncandle_tp:{name}{{{labels}}} {v}"
-        );
-    }
-    for (name, help, v) in [
-        (
-            "prompt_tokens_total",
-            "Input tokens of the answered requests.",
-            counts.prompt_tokens.load(Ordering::SeqCst),
-        ),
-        (
-            "request_success_total",
-            "Requests answered with their embeddings.",
-            counts.finished.load(Ordering::SeqCst),
-        ),
-        (
-            "requests_cancelled_total",
-            "Requests dropped unrun, their client gone before their turn.",
-            s.queue.cancelled(),
-        ),
-    ] {
-        let _ = writeln!(
-            out,
-            "# HELP candle_tp:{name} {help}\n# TYPE candle_tp:{name} counter\ncandle_tp:{name}{{{labels}}} {v}"
-        );
-    }
-    s.rejected.render(&mut out, &labels);
-    out
+/// The embedding loop's counts at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoopCounts {
+    /// Requests being embedded (0 or 1).
+    pub running: u64,
+    /// Requests queued.
+    pub waiting: u64,
+    /// The inputs' tokens of the answered requests.
+    pub prompt_tokens: u64,
+    /// Requests answered with their embeddings.
+    pub finished: u64,
+    /// Requests dropped unrun, their client gone before their turn.
+    pub cancelled: u64,
 }
 
-/// `GET /metrics`.
-pub(super) async fn serve(State(s): State<EmbedState>) -> Response {
-    (
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        render(&s),
-    )
-        .into_response()
+/// The page of a server of `model_name` with these counts and refusals.
+///
+/// ```
+/// use candle_tp::serve::embeddings::metrics::{render, LoopCounts};
+/// let counts = LoopCounts { finished: 2, prompt_tokens: 9, ..Default::default() };
+/// let page = render("m", counts, &Default::default());
+/// assert!(page.contains("candle_tp:request_success_total{model_name=\"m\"} 2"));
+/// assert!(page.contains("candle_tp:prompt_tokens_total{model_name=\"m\"} 9"));
+/// ```
+pub fn render(model_name: &str, c: LoopCounts, rejected: &Rejections) -> String {
+    let labels = format!("model_name=\"{}\"", escape(model_name));
+    let mut out = String::new();
+    for (kind, name, help, v) in [
+        (
+            "gauge",
+            "num_requests_running",
+            "Requests being embedded (0 or 1).",
+            c.running,
+        ),
+        (
+            "gauge",
+            "num_requests_waiting",
+            "Requests queued.",
+            c.waiting,
+        ),
+        (
+            "counter",
+            "prompt_tokens_total",
+            "Input tokens of the answered requests.",
+            c.prompt_tokens,
+        ),
+        (
+            "counter",
+            "request_success_total",
+            "Requests answered with their embeddings.",
+            c.finished,
+        ),
+        (
+            "counter",
+            "requests_cancelled_total",
+            "Requests dropped unrun, their client gone before their turn.",
+            c.cancelled,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP candle_tp:{name} {help}\n# TYPE candle_tp:{name} {kind}\ncandle_tp:{name}{{{labels}}} {v}"
+        );
+    }
+    rejected.render(&mut out, &labels);
+    out
 }
