@@ -282,6 +282,20 @@ fn check_against_reference(
     Ok(())
 }
 
+/// 12 heads in 3 KV groups of 4: at world 5 (heads 3, 3, 2, 2, 2) rank 1 holds one head of
+/// group 0 and two of group 1, rank 3 one of group 1 and one of group 2: uneven local groups.
+const GQA12: Tiny = Tiny {
+    arch: "LlamaForCausalLM",
+    hidden: 48,
+    heads: 12,
+    kv_heads: 3,
+    layers: 2,
+    vocab: 101,
+    inter: 40,
+    tie: false,
+    llama3_scaling: false,
+};
+
 const PROMPT: [u32; 7] = [3, 17, 42, 90, 5, 64, 23];
 
 #[test]
@@ -289,6 +303,15 @@ fn tiny_gqa_matches_candle_transformers_at_every_world() -> Result<()> {
     // 6 heads, 2 KV heads: worlds 1 and 2 own whole KV groups, 3/4/6 replicate KV heads.
     let dir = tiny_checkpoint(&GQA)?;
     check_against_reference(dir.path(), None, &[1, 2, 3, 4, 6], &PROMPT, 8, 1e-4)
+}
+
+/// KV groups split across ranks so that a rank's local groups are uneven (world 5: 1 + 2
+/// heads on rank 1), which the fused CPU attention takes as they are: prefill and decode
+/// against candle-transformers, as at worlds whose groups are even.
+#[test]
+fn uneven_local_kv_groups_match_candle_transformers() -> Result<()> {
+    let dir = tiny_checkpoint(&GQA12)?;
+    check_against_reference(dir.path(), None, &[1, 4, 5], &PROMPT, 8, 1e-4)
 }
 
 /// A context past `GROUPED_MIN_POSITIONS` (128), where GQA's groups attend per KV head

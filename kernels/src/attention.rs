@@ -125,6 +125,30 @@ pub fn causal_attention<T: KvElement>(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
+    causal_attention_groups(kernel, q, k, v, shape, None, window, scale, out)
+}
+
+/// [`causal_attention`] with GQA groups of any sizes: `groups[j]` consecutive query heads read
+/// KV head `j` (`groups` summing to `q_heads`, one entry per KV head; `None`: `q_heads /
+/// kv_heads` each). A rank that holds query heads of a KV group split across ranks has such
+/// groups (9 heads in 3 KV groups as 5 + 4 heads: 3 + 2 and 1 + 3). Each KV head's keys and
+/// values are still read once for its whole group. An error names the sizes where the groups
+/// do not fit the shape.
+///
+/// # Panics
+/// If `kernel` is not available on this CPU.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_groups<T: KvElement>(
+    kernel: Kernel,
+    q: &[f32],
+    k: CacheView<'_, T>,
+    v: CacheView<'_, T>,
+    shape: AttentionShape,
+    groups: Option<&[usize]>,
+    window: Option<usize>,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
     let AttentionShape {
         batch,
         q_heads,
@@ -133,13 +157,26 @@ pub fn causal_attention<T: KvElement>(
         positions,
         head_dim: d,
     } = shape;
-    if kv_heads == 0 || q_heads % kv_heads != 0 || queries > positions || window == Some(0) {
+    let uniform = groups.is_none();
+    if kv_heads == 0
+        || (uniform && q_heads % kv_heads != 0)
+        || queries > positions
+        || window == Some(0)
+    {
         candle_core::bail!(
             "attention: {q_heads} query heads over {kv_heads} KV heads, {queries} query rows \
              at {positions} positions, window {window:?} (KV heads must divide the query \
              heads, the queries be among the positions, a window hold a position)"
         )
     }
+    let groups: Vec<usize> = match groups {
+        None => vec![q_heads / kv_heads; kv_heads],
+        Some(g) if g.len() == kv_heads && g.iter().sum::<usize>() == q_heads => g.to_vec(),
+        Some(g) => candle_core::bail!(
+            "attention: groups {g:?} of query heads for {kv_heads} KV heads and {q_heads} \
+             query heads (one group per KV head, summing to the query heads)"
+        ),
+    };
     let want = batch * q_heads * queries * d;
     if q.len() != want || out.len() != want {
         candle_core::bail!(
@@ -171,13 +208,22 @@ pub fn causal_attention<T: KvElement>(
             )
         }
     }
-    let g = q_heads / kv_heads;
     let window = window.unwrap_or(usize::MAX);
+    // Where each KV head's group starts among a sequence's query heads.
+    let starts: Vec<usize> = groups
+        .iter()
+        .scan(0, |at, &g| {
+            let start = *at;
+            *at += g;
+            Some(start)
+        })
+        .collect();
+    let per_head = queries * d;
     // One task per sequence and KV head: its group's query rows (`g` heads of `queries` rows,
     // contiguous in `q` and `out`).
-    let task = |(i, out): (usize, &mut [f32])| {
-        let (b, h) = (i / kv_heads, i % kv_heads);
-        let q = &q[i * g * queries * d..(i + 1) * g * queries * d];
+    let task = |(b, h, out): (usize, usize, &mut [f32])| {
+        let first = (b * q_heads + starts[h]) * per_head;
+        let q = &q[first..first + groups[h] * per_head];
         let at = |view: &CacheView<'_, T>| view.offset + b * view.batch + h * view.head;
         let rows = Rows {
             queries,
@@ -228,13 +274,21 @@ pub fn causal_attention<T: KvElement>(
             run((wk, 0, d), (wv, 0, d), out)
         })
     };
-    let work = g * queries * positions * d;
+    // The tasks' outputs, in the order of `out`: sequence by sequence, group by group.
+    let mut tasks = Vec::with_capacity(batch * kv_heads);
+    let mut rest = out;
+    for b in 0..batch {
+        for (h, &g) in groups.iter().enumerate() {
+            let (mine, others) = rest.split_at_mut(g * per_head);
+            tasks.push((b, h, mine));
+            rest = others;
+        }
+    }
+    let work = groups.iter().max().copied().unwrap_or(0) * queries * positions * d;
     if rayon::current_num_threads() > 1 && batch * kv_heads > 1 && work >= MIN_PER_TASK {
-        out.par_chunks_mut(g * queries * d)
-            .enumerate()
-            .for_each(task);
+        tasks.into_par_iter().for_each(task);
     } else {
-        out.chunks_mut(g * queries * d).enumerate().for_each(task);
+        tasks.into_iter().for_each(task);
     }
     Ok(())
 }
@@ -478,22 +532,33 @@ mod tests {
     use crate::f64_dot::testing::pseudo;
 
     /// The reference in f64: scores, softmax and weighted sum over the visible positions,
-    /// straight from the definition.
+    /// straight from the definition; query head `h` reads KV head `h / (q_heads / kv_heads)`,
+    /// or with `groups` the KV head whose group of consecutive heads holds `h`.
     fn reference(
         q: &[f32],
         k: &CacheView<'_>,
         v: &CacheView<'_>,
         s: AttentionShape,
+        groups: Option<&[usize]>,
         window: Option<usize>,
         scale: f32,
     ) -> Vec<f64> {
         let d = s.head_dim;
-        let g = s.q_heads / s.kv_heads;
+        let kv_of: Vec<usize> = match groups {
+            None => (0..s.q_heads)
+                .map(|h| h / (s.q_heads / s.kv_heads))
+                .collect(),
+            Some(g) => g
+                .iter()
+                .enumerate()
+                .flat_map(|(j, &n)| std::iter::repeat_n(j, n))
+                .collect(),
+        };
         let mut out = vec![0f64; s.batch * s.q_heads * s.queries * d];
         for b in 0..s.batch {
             for h in 0..s.q_heads {
                 for i in 0..s.queries {
-                    let kv = h / g;
+                    let kv = kv_of[h];
                     let at = |w: &CacheView<'_>, t: usize, c: usize| {
                         w.data[w.offset + b * w.batch + kv * w.head + t * w.pos + c] as f64
                     };
@@ -532,9 +597,17 @@ mod tests {
     #[test]
     fn every_kernel_is_the_definition() {
         for kernel in Kernel::under_test() {
-            for (batch, q_heads, kv_heads, d) in
-                [(1, 4, 4, 64), (1, 9, 3, 64), (2, 6, 2, 20), (1, 4, 2, 24)]
-            {
+            // Uniform groups, and uneven ones (a rank's share of a split group).
+            let uneven: [&[usize]; 3] = [&[3, 2], &[1, 3], &[2, 1, 1]];
+            for (batch, q_heads, kv_heads, d, groups) in [
+                (1, 4, 4, 64, None),
+                (1, 9, 3, 64, None),
+                (2, 6, 2, 20, None),
+                (1, 4, 2, 24, None),
+                (2, 5, 2, 20, Some(uneven[0])),
+                (1, 4, 2, 64, Some(uneven[1])),
+                (2, 4, 3, 24, Some(uneven[2])),
+            ] {
                 for (queries, positions) in [(1, 1), (1, 7), (1, 130), (5, 5), (9, 40), (40, 70)] {
                     for window in [None, Some(4)] {
                         let capacity = positions + 5;
@@ -561,10 +634,14 @@ mod tests {
                             .map(|i| pseudo(i + 555))
                             .collect();
                         let scale = 1.0 / (d as f32).sqrt();
-                        let want = reference(&q, &k, &v, shape, window, scale);
+                        let want = reference(&q, &k, &v, shape, groups, window, scale);
                         let mut got = vec![f32::NAN; want.len()];
-                        causal_attention(kernel, &q, k, v, shape, window, scale, &mut got).unwrap();
-                        let case = format!("{kernel:?} {shape:?} window {window:?}");
+                        causal_attention_groups(
+                            kernel, &q, k, v, shape, groups, window, scale, &mut got,
+                        )
+                        .unwrap();
+                        let case =
+                            format!("{kernel:?} {shape:?} groups {groups:?} window {window:?}");
                         assert!(got.iter().all(|x| x.is_finite()), "{case}");
                         let err = got
                             .iter()
@@ -767,6 +844,25 @@ mod tests {
         assert!(e.contains("1 query rows at 3 positions"), "{e}");
         let e = err(shape, Some(0), &mut out);
         assert!(e.contains("window Some(0)"), "{e}");
+        // Groups that do not sum to the query heads, or one short of the KV heads.
+        for groups in [&[1usize][..], &[3], &[1, 1]] {
+            let e = causal_attention_groups(
+                Kernel::Scalar,
+                &q,
+                view,
+                view,
+                shape,
+                Some(groups),
+                None,
+                1.0,
+                &mut out,
+            );
+            let e = e.expect_err("groups that do not fit").to_string();
+            assert!(
+                e.contains("for 1 KV heads and 2 query heads"),
+                "{groups:?}: {e}"
+            );
+        }
         let e = err(shape, None, &mut [0f32; 7]);
         assert!(
             e.contains("out 7, expected 8 (1 x 2 heads x 1 rows x 4)"),

@@ -14,6 +14,8 @@ use candle_tp_kernels::kernel::Kernel;
 struct CausalAttention {
     scale: f32,
     window: Option<usize>,
+    /// Query heads per KV head, where they are not `heads / kv_heads` each.
+    groups: Option<Vec<usize>>,
 }
 
 impl CausalAttention {
@@ -49,15 +51,16 @@ impl CausalAttention {
         out: &mut [f32],
     ) -> Result<()> {
         let kernel = Kernel::detect();
-        use candle_tp_kernels::attention::causal_attention as attend;
+        use candle_tp_kernels::attention::causal_attention_groups as attend;
+        let groups = self.groups.as_deref();
         match (s2, s3) {
             (CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 let (k, v) = (self.view("keys", k, l2)?, self.view("values", v, l3)?);
-                attend(kernel, q, k, v, shape, self.window, self.scale, out)
+                attend(kernel, q, k, v, shape, groups, self.window, self.scale, out)
             }
             (CpuStorage::F16(k), CpuStorage::F16(v)) => {
                 let (k, v) = (self.view("keys", k, l2)?, self.view("values", v, l3)?);
-                attend(kernel, q, k, v, shape, self.window, self.scale, out)
+                attend(kernel, q, k, v, shape, groups, self.window, self.scale, out)
             }
             _ => candle_core::bail!(
                 "{}: keys ({:?}) and values ({:?}) must both be f32 or both f16",
@@ -131,7 +134,8 @@ pub(crate) fn fused_inputs(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 
 /// Causal `softmax(scale · q · kᵀ) · v`: `q` `[batch, heads, queries, head_dim]` holds the
 /// last `queries` of the positions of `k`, `v` `[batch, kv_heads, positions, head_dim]` (query
-/// head `h` reads KV head `h / (heads / kv_heads)`; any strides with contiguous rows), each
+/// head `h` reads KV head `h / (heads / kv_heads)`, or with `groups` the KV head whose group of
+/// consecutive heads holds it; any strides with contiguous rows), each
 /// row seeing the positions up to its own, or with a sliding `window` the last `window` of
 /// them; as the fused CPU op. `None` where it does not apply (another device or dtype, a
 /// tensor that tracks gradients: the op has no backward; or a prompt on a CPU without AVX2,
@@ -142,6 +146,7 @@ pub(crate) fn causal_attention(
     v: &Tensor,
     scale: f64,
     window: Option<usize>,
+    groups: Option<&[usize]>,
 ) -> Result<Option<Tensor>> {
     if !fused_inputs(q, k, v) || (q.dim(2)? > 1 && Kernel::detect() == Kernel::Scalar) {
         return Ok(None);
@@ -149,6 +154,7 @@ pub(crate) fn causal_attention(
     let op = CausalAttention {
         scale: scale as f32,
         window,
+        groups: groups.map(<[usize]>::to_vec),
     };
     Ok(Some(q.contiguous()?.apply_op3_no_bwd(k, v, &op)?))
 }
@@ -166,6 +172,7 @@ pub(crate) fn causal_attention_rows(
     caches: &[(Tensor, Tensor)],
     scale: f64,
     window: Option<usize>,
+    groups: Option<&[usize]>,
 ) -> Result<Option<Tensor>> {
     if !caches.iter().all(|(k, v)| fused_inputs(q, k, v)) {
         return Ok(None);
@@ -189,6 +196,7 @@ pub(crate) fn causal_attention_rows(
     let op = CausalAttention {
         scale: scale as f32,
         window,
+        groups: groups.map(<[usize]>::to_vec),
     };
     let width = heads * head_dim;
     let mut out = vec![0f32; rows * width];
@@ -331,7 +339,7 @@ mod tests {
         let (k, v) = (kbuf.narrow(2, 0, len)?, vbuf.narrow(2, 0, len)?);
         assert!(!k.is_contiguous());
         let scale = 1.0 / (d as f64).sqrt();
-        let fused = causal_attention(&q, &k, &v, scale, None)?;
+        let fused = causal_attention(&q, &k, &v, scale, None, None)?;
         if rows > 1 && Kernel::detect() == Kernel::Scalar {
             // Without AVX2 (or with the scalar kernel forced) prompts keep candle's matmuls.
             assert!(
@@ -378,9 +386,9 @@ mod tests {
         let q = Tensor::zeros((1, 2, 1, 4), DType::F32, &dev)?;
         let k = Tensor::zeros((1, 2, 3, 4), DType::F32, &dev)?;
         let var = candle_core::Var::from_tensor(&q)?;
-        assert!(causal_attention(var.as_tensor(), &k, &k, 1.0, None)?.is_none());
+        assert!(causal_attention(var.as_tensor(), &k, &k, 1.0, None, None)?.is_none());
         let kb = k.to_dtype(DType::BF16)?;
-        assert!(causal_attention(&q.to_dtype(DType::BF16)?, &kb, &kb, 1.0, None)?.is_none());
+        assert!(causal_attention(&q.to_dtype(DType::BF16)?, &kb, &kb, 1.0, None, None)?.is_none());
         Ok(())
     }
 }

@@ -145,6 +145,10 @@ pub struct ParallelAttention {
     /// whole on this rank): the attention then runs per KV head on `g · seq` query rows, with
     /// no copy of the cache expanded to every query head.
     kv_group: Option<usize>,
+    /// For the fused CPU attention, the local query heads of each local KV head where they
+    /// are not even (a KV group split across ranks: 9 heads in 3 groups over 4 ranks gives
+    /// rank 2 heads 5 and 6, one of group 1 and one of group 2); `None` where they are.
+    fused_groups: Option<Vec<usize>>,
     head_dim: usize,
     sliding_window: Option<usize>,
     qk_norm: Option<(RmsNorm, RmsNorm)>,
@@ -198,13 +202,19 @@ impl ParallelAttention {
         };
         let o_proj = RowParallelLinear::load(q_out, h, cfg.o_bias, unit, vb.pp("o_proj"))?;
         let n_rep = cfg.num_heads / cfg.num_kv_heads;
-        let (kv_index, kv_group) = if n_rep == 1 {
-            (None, None)
+        let (kv_index, kv_group, fused_groups) = if n_rep == 1 {
+            (None, None, None)
         } else {
             let idx = heads.kv_index(n_rep);
             let group = kv_group(&idx, heads.kv_heads.len());
+            // The local heads are consecutive, so each local KV head's are too.
+            let counts = (0..heads.kv_heads.len() as u32)
+                .map(|j| idx.iter().filter(|&&h| h == j).count())
+                .collect::<Vec<_>>();
+            let uneven = counts.windows(2).any(|w| w[0] != w[1]);
             let n = idx.len();
-            (Some(Tensor::from_vec(idx, n, vb.device())?), group)
+            let idx = Tensor::from_vec(idx, n, vb.device())?;
+            (Some(idx), group, uneven.then_some(counts))
         };
         Ok(Self {
             q_proj,
@@ -214,6 +224,7 @@ impl ParallelAttention {
             heads,
             kv_index,
             kv_group,
+            fused_groups,
             head_dim: hd,
             sliding_window: cfg.sliding_window,
             qk_norm,
@@ -368,14 +379,18 @@ impl ParallelAttention {
         let k = rope.apply(k, index_pos)?;
         let (k, v) = cache.append(&k, v)?;
         // One fused op on the CPU in f32: a decode step reads each KV head's keys and values
-        // once for its group, a prompt goes in blocks of query rows against packed keys,
-        // masked blocks skipped (GQA's groups as `kv_group` finds them; an irregular head
-        // split, a soft-cap or gradients take the general path).
-        let groups_regular = self.kv_index.is_none() || self.kv_group.is_some();
-        if self.softcap.is_none() && groups_regular {
+        // once for its group (even or not), a prompt goes in blocks of query rows against
+        // packed keys, masked blocks skipped (a soft-cap or gradients take the general path).
+        if self.softcap.is_none() {
             let scale = self.score_scale(hd);
-            let fused =
-                crate::ops::attention::causal_attention(&q, &k, &v, scale, self.sliding_window)?;
+            let fused = crate::ops::attention::causal_attention(
+                &q,
+                &k,
+                &v,
+                scale,
+                self.sliding_window,
+                self.fused_groups.as_deref(),
+            )?;
             if let Some(y) = fused {
                 return y.transpose(1, 2)?.reshape((b, seq_len, nq * hd));
             }

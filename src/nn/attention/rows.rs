@@ -23,8 +23,8 @@ impl ParallelAttention {
     /// `[1, rows, local_heads, head_dim]`, `k` and `v` `[1, rows, local_kv_heads, head_dim]`
     /// (before RoPE), row `i` the one new token of `seqs[i]`, whose cache it extends; `None`
     /// (nothing appended) where the fused path does not apply: a sequence with several new
-    /// rows (a prompt), one sequence, soft-capped scores, irregular GQA groups, a cache kept
-    /// in bf16, or tensors the fused kernel does not take (`ops::attention::fused_inputs`:
+    /// rows (a prompt), one sequence, soft-capped scores, a cache kept in bf16, or tensors the
+    /// fused kernel does not take (`ops::attention::fused_inputs`:
     /// not on the CPU, tracking gradients, `q` not f32).
     pub(super) fn attend_rows(
         &self,
@@ -34,7 +34,6 @@ impl ParallelAttention {
         rope: &RotaryEmbedding,
         seqs: &mut [(usize, &mut LayerKvCache)],
     ) -> Result<Option<Tensor>> {
-        let groups_regular = self.kv_index.is_none() || self.kv_group.is_some();
         // The fused kernel reads caches of f32 or f16 (a bf16 cache takes the general path).
         let fused_cache = |c: &LayerKvCache| {
             matches!(
@@ -46,7 +45,6 @@ impl ParallelAttention {
             || seqs.iter().any(|(n, cache)| *n != 1 || !fused_cache(cache))
             || q.dim(0)? != 1
             || self.softcap.is_some()
-            || !groups_regular
             || !fused_inputs(q, k, v)
         {
             return Ok(None);
@@ -63,7 +61,8 @@ impl ParallelAttention {
             let row = |t: &Tensor| t.narrow(1, i, 1)?.reshape((1, nkv, 1, hd));
             caches.push(cache.append(&row(&k)?, &row(&v)?)?);
         }
-        match causal_attention_rows(&q, &caches, self.score_scale(hd), self.sliding_window)? {
+        let (scale, groups) = (self.score_scale(hd), self.fused_groups.as_deref());
+        match causal_attention_rows(&q, &caches, scale, self.sliding_window, groups)? {
             Some(y) => Ok(Some(y)),
             // The caches hold this step's rows already: no fallback may append them again.
             None => candle_core::bail!(
