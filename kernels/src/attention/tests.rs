@@ -171,29 +171,22 @@ fn an_f16_cache_is_the_f32_kernel_on_its_widened_values() {
                 vh.iter().map(|x| x.to_f32()).collect(),
             );
             let q: Vec<f32> = (0..q_heads * queries * d).map(|i| pseudo(i + 7)).collect();
-            let (mut half_out, mut f32_out) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-            causal_attention(
-                kernel,
-                &q,
-                strided(&kh, n, capacity * d, d),
-                strided(&vh, n, capacity * d, d),
-                shape,
-                None,
-                0.2,
-                &mut half_out,
-            )
-            .unwrap();
-            causal_attention(
-                kernel,
-                &q,
-                strided(&kf, n, capacity * d, d),
-                strided(&vf, n, capacity * d, d),
-                shape,
-                None,
-                0.2,
-                &mut f32_out,
-            )
-            .unwrap();
+            // The kernel over caches of `T`, strided as the KV cache's buffers.
+            fn attend<T: KvElement>(
+                kernel: Kernel,
+                q: &[f32],
+                (k, v): (&[T], &[T]),
+                (n, head, d): (usize, usize, usize),
+                shape: AttentionShape,
+            ) -> Vec<f32> {
+                let mut out = vec![0f32; q.len()];
+                let (k, v) = (strided(k, n, head, d), strided(v, n, head, d));
+                causal_attention(kernel, q, k, v, shape, None, 0.2, &mut out).unwrap();
+                out
+            }
+            let strides = (n, capacity * d, d);
+            let half_out = attend(kernel, &q, (&kh, &vh), strides, shape);
+            let f32_out = attend(kernel, &q, (&kf, &vf), strides, shape);
             assert!(half_out.iter().all(|x| x.is_finite()));
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&half_out), bits(&f32_out), "{kernel:?} {shape:?}");
