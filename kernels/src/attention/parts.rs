@@ -86,7 +86,8 @@ pub(super) enum Lanes {
 pub(super) fn dot<T: KvElement>(a: &[f32], b: &[T], lanes: Lanes) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if let Lanes::Avx2 = lanes {
-        // SAFETY: `Lanes::Avx2` is only passed from a function that enables avx2 and fma.
+        // SAFETY: `Lanes::Avx2` is only passed from functions that enable avx2 and fma, and
+        // f16 keys only reach here from `avx2::group_rows`, which enables f16c too.
         return unsafe { dot_avx2(a, b) };
     }
     let _ = lanes;
@@ -111,7 +112,8 @@ pub(super) fn dot<T: KvElement>(a: &[f32], b: &[T], lanes: Lanes) -> f32 {
 /// time: half of a decode step's attention time, by `perf annotate`.)
 ///
 /// # Safety
-/// The CPU must support avx2 and fma (inline this into a function that enables them).
+/// The CPU must support avx2 and fma, and f16c where `T` is f16 (inline this into a function
+/// that enables them).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn dot_avx2<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
@@ -140,7 +142,8 @@ unsafe fn dot_avx2<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
 /// transpose of four registers).
 ///
 /// # Safety
-/// The CPU must support avx2 and fma (inline this into a function that enables them).
+/// The CPU must support avx2 and fma, and f16c where `T` is f16 (inline this into a function
+/// that enables them).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) unsafe fn scores_avx2<T: KvElement>(
@@ -217,7 +220,8 @@ pub(super) unsafe fn scores_avx2<T: KvElement>(
 /// loaded and stored again for every position (its stores bound a decode step's attention).
 ///
 /// # Safety
-/// The CPU must support avx2 and fma (inline this into a function that enables them).
+/// The CPU must support avx2 and fma, and f16c where `T` is f16 (inline this into a function
+/// that enables them).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) unsafe fn weighted_sum_avx2<T: KvElement>(
@@ -261,7 +265,8 @@ pub(super) unsafe fn weighted_sum_avx2<T: KvElement>(
 /// at `v + t · v_pos`.
 ///
 /// # Safety
-/// avx2 and fma; `v + t · v_pos + 8N` within the buffer for every `t < p.len()`.
+/// avx2 and fma (and f16c for f16); `v + t · v_pos + 8N` within the buffer for every
+/// `t < p.len()`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn weighted_run<T: KvElement, const N: usize>(
