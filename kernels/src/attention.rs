@@ -448,7 +448,7 @@ fn group<T: KvElement>(
     scores.resize(g * positions, 0.0);
     #[cfg(target_arch = "x86_64")]
     if let Lanes::Avx2 = lanes {
-        // SAFETY: `Lanes::Avx2` is only passed from a function that enables avx2 and fma.
+        // SAFETY: `Lanes::Avx2` comes only from `avx2::group_rows` here (avx2, fma, f16c).
         unsafe { parts::scores_avx2(q, (k, k0, k_pos), positions, d, scale, scores) };
     }
     #[cfg(target_arch = "x86_64")]
@@ -472,7 +472,7 @@ fn group<T: KvElement>(
     if let Lanes::Avx2 = lanes {
         for (j, o) in out.chunks_mut(d).enumerate() {
             let p = &scores[j * positions..(j + 1) * positions];
-            // SAFETY: `Lanes::Avx2` is only passed from a function that enables avx2 and fma.
+            // SAFETY: `Lanes::Avx2` comes only from `avx2::group_rows` here (avx2, fma, f16c).
             unsafe { parts::weighted_sum_avx2(p, (v, v0, v_pos), o) };
         }
         return;
