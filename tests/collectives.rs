@@ -671,6 +671,19 @@ fn a_rank_that_cannot_map_the_region_fails_the_others_at_once() {
 /// `options(rank)` over a real TCP store (a free port of loopback) and /dev/shm: what each got
 /// (`joined`, or its error).
 fn init_shm_ranks(options: impl Fn(usize) -> GroupOptions + Sync) -> Vec<String> {
+    // The free port is probed, then bound by rank 0's store: another test of the run may take
+    // it in between (CI failed once so, "127.0.0.1:37255 is already in use"). A fresh port
+    // then, a few times.
+    for _ in 0..4 {
+        let errs = init_shm_ranks_once(&options);
+        if !errs.iter().any(|e| e.contains("is already in use")) {
+            return errs;
+        }
+    }
+    init_shm_ranks_once(&options)
+}
+
+fn init_shm_ranks_once(options: &(impl Fn(usize) -> GroupOptions + Sync)) -> Vec<String> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -679,7 +692,6 @@ fn init_shm_ranks(options: impl Fn(usize) -> GroupOptions + Sync) -> Vec<String>
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
-                let options = &options;
                 s.spawn(move || {
                     let rv = candle_tp::comm::Rendezvous {
                         rank,
