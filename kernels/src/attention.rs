@@ -14,9 +14,9 @@
 //! rows (dot products in eight lanes, fused multiply-adds; on AVX2 four positions at a time
 //! against one load of the query), then a softmax per query head (with an eight-lane
 //! exponential), then each head's weighted sum of the value rows (on AVX2 up to 64 components
-//! held in registers over all the positions). Masked positions are never computed. A prompt's rows go in blocks instead (`blocks`, on AVX2):
-//! the keys packed once per KV head, then per block of six query rows register tiles as a
-//! gemm's, over the key panels the block may see. Within a block, a row's weight at a
+//! held in registers over all the positions). Masked positions are never computed. A prompt's
+//! rows go in blocks instead (`blocks`, on AVX2): the keys packed once per KV head, then per
+//! block of six query rows register tiles as a gemm's, over the key panels the block may see. Within a block, a row's weight at a
 //! position it must not see is 0, so a NaN or infinite value row there makes it NaN, as
 //! candle's `p · v` does.
 //!
@@ -446,44 +446,44 @@ fn group<T: KvElement>(
     // group.
     scores.clear();
     scores.resize(g * positions, 0.0);
-    #[cfg(target_arch = "x86_64")]
-    if let Lanes::Avx2 = lanes {
+    match lanes {
         // SAFETY: `Lanes::Avx2` comes only from `avx2::group_rows` here (avx2, fma, f16c).
-        unsafe { parts::scores_avx2(q, (k, k0, k_pos), positions, d, scale, scores) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    let positions_left = if let Lanes::Avx2 = lanes {
-        0
-    } else {
-        positions
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let positions_left = positions;
-    for t in 0..positions_left {
-        let key = &k[k0 + t * k_pos..k0 + t * k_pos + d];
-        for j in 0..g {
-            scores[j * positions + t] = dot(&q[j * d..(j + 1) * d], key, lanes) * scale;
+        #[cfg(target_arch = "x86_64")]
+        Lanes::Avx2 => unsafe {
+            parts::scores_avx2(q, (k, k0, k_pos), positions, d, scale, scores)
+        },
+        Lanes::Scalar => {
+            for t in 0..positions {
+                let key = &k[k0 + t * k_pos..k0 + t * k_pos + d];
+                for j in 0..g {
+                    scores[j * positions + t] = dot(&q[j * d..(j + 1) * d], key) * scale;
+                }
+            }
         }
     }
     for row in scores.chunks_mut(positions) {
         softmax_in_place(row, lanes);
     }
-    #[cfg(target_arch = "x86_64")]
-    if let Lanes::Avx2 = lanes {
-        for (j, o) in out.chunks_mut(d).enumerate() {
-            let p = &scores[j * positions..(j + 1) * positions];
-            // SAFETY: `Lanes::Avx2` comes only from `avx2::group_rows` here (avx2, fma, f16c).
-            unsafe { parts::weighted_sum_avx2(p, (v, v0, v_pos), o) };
+    match lanes {
+        #[cfg(target_arch = "x86_64")]
+        Lanes::Avx2 => {
+            for (j, o) in out.chunks_mut(d).enumerate() {
+                let p = &scores[j * positions..(j + 1) * positions];
+                // SAFETY: `Lanes::Avx2` comes only from `avx2::group_rows` here (avx2, fma,
+                // f16c).
+                unsafe { parts::weighted_sum_avx2(p, (v, v0, v_pos), o) };
+            }
         }
-        return;
-    }
-    out.fill(0.0);
-    for t in 0..positions {
-        let value = &v[v0 + t * v_pos..v0 + t * v_pos + d];
-        for (j, o) in out.chunks_mut(d).enumerate() {
-            let p = scores[j * positions + t];
-            for (o, &x) in o.iter_mut().zip(value) {
-                *o = p.mul_add(x.get(), *o);
+        Lanes::Scalar => {
+            out.fill(0.0);
+            for t in 0..positions {
+                let value = &v[v0 + t * v_pos..v0 + t * v_pos + d];
+                for (j, o) in out.chunks_mut(d).enumerate() {
+                    let p = scores[j * positions + t];
+                    for (o, &x) in o.iter_mut().zip(value) {
+                        *o = p.mul_add(x.get(), *o);
+                    }
+                }
             }
         }
     }

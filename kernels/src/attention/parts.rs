@@ -80,17 +80,10 @@ pub(super) enum Lanes {
     Avx2,
 }
 
-/// `Σ a·b` in eight lanes of fused multiply-adds (added in a fixed order), the tail after;
-/// with [`Lanes::Avx2`] in one 256-bit register ([`dot_avx2`], the same sums).
+/// `Σ a·b` in eight lanes of fused multiply-adds (added in a fixed order), the tail after
+/// ([`dot_avx2`] is the same sums in one 256-bit register).
 #[inline(always)]
-pub(super) fn dot<T: KvElement>(a: &[f32], b: &[T], lanes: Lanes) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if let Lanes::Avx2 = lanes {
-        // SAFETY: `Lanes::Avx2` is only passed from functions that enable avx2 and fma, and
-        // f16 keys only reach here from `avx2::group_rows`, which enables f16c too.
-        return unsafe { dot_avx2(a, b) };
-    }
-    let _ = lanes;
+pub(super) fn dot<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [0f32; 8];
     let whole = a.len() / 8 * 8;
     for (x, y) in a[..whole].chunks_exact(8).zip(b[..whole].chunks_exact(8)) {
@@ -349,7 +342,7 @@ mod tests {
                     for j in 0..g {
                         for t in 0..positions {
                             let key = &k[7 + t * k_pos..7 + t * k_pos + d];
-                            let want = dot(&q[j * d..(j + 1) * d], key, Lanes::Scalar) * 0.3;
+                            let want = dot(&q[j * d..(j + 1) * d], key) * 0.3;
                             let at = got[j * positions + t];
                             assert!(
                                 want.to_bits() == at.to_bits() || (want.is_nan() && at.is_nan()),

@@ -31,8 +31,9 @@ impl CausalLm {
     /// the default). Attention widens them back (exactly), so only the stored keys and values
     /// are rounded. On the CPU the fused attention reads an f16 cache as it is (AVX2's
     /// `vcvtph2ps`), half the bytes of f32: SmolLM2 at 16 streams, 4-1004 cached positions,
-    /// 20.6-21.0 against 25.9-26.0 ms per step; bf16 takes the general path, slower.
-    /// Every rank must choose the same. The single-sequence API ([`CausalLm::forward`]) keeps its own caches as they are.
+    /// 20.6-21.0 against 25.9-26.0 ms per step; bf16 takes the general path, slower. Every
+    /// rank must choose the same. The single-sequence API ([`CausalLm::forward`]) keeps its
+    /// own caches as they are.
     ///
     /// ```no_run
     /// # fn f(model: &mut candle_tp::models::CausalLm) {
