@@ -36,7 +36,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use candle_tp::pipeline::{train_step, Kind, MicroBatch, PipelineStage};
 use candle_tp::train::{
     activation_bytes, all_reduce_grads, vocab_parallel_cross_entropy, Dropout, SplitMix64,
-    TrainConfig, TrainInit, TrainLlama,
+    TrainConfig, TrainInit, TrainLayout, TrainLlama,
 };
 use candle_tp::{DeviceMesh, ReduceOp};
 use clap::Parser;
@@ -99,6 +99,16 @@ struct Args {
     /// Gated MLP width.
     #[arg(long, default_value_t = 688)]
     intermediate: usize,
+    /// Experts per layer: Mixtral-style sparse MoE layers (0: dense gated MLPs).
+    #[arg(long, default_value_t = 0)]
+    experts: usize,
+    /// Experts each token is routed to, with `--experts`.
+    #[arg(long, default_value_t = 2)]
+    top_k: usize,
+    /// Expert parallelism: whole experts on each rank of the tensor-parallel group (the
+    /// default splits every expert column/row across it).
+    #[arg(long)]
+    expert_parallel: bool,
     /// Dropout on the residual branches (shared seed: equal across layouts).
     #[arg(long, default_value_t = 0.0)]
     hidden_dropout: f64,
@@ -236,6 +246,8 @@ fn main() -> Result<()> {
         max_position_embeddings: args.seq.max(256),
         tie_word_embeddings: true,
         initializer_range: 0.02,
+        num_local_experts: args.experts,
+        num_experts_per_tok: args.top_k,
     };
     let init = TrainInit::new(args.seed);
     cfg.declare(&init)?;
@@ -243,12 +255,18 @@ fn main() -> Result<()> {
     if let Some(stage) = stage {
         vb = vb.with_pipeline(stage);
     }
-    let mut model = TrainLlama::load(&cfg, vb, args.sequence_parallel)?;
+    let layout = TrainLayout {
+        sequence_parallel: args.sequence_parallel,
+        expert_parallel: args.expert_parallel,
+    };
+    let mut model = TrainLlama::load_with(&cfg, vb, layout)?;
     let params = init.params()?;
     let vars = init.vars()?;
-    let sp_vars: Vec<_> = params
+    // Gradients each TP rank holds in part (routers; norms with SP): summed over the group.
+    let partial = model.partial_gradient_params();
+    let partial_vars: Vec<_> = params
         .iter()
-        .filter(|p| model.sequence_parallel_params().contains(&p.name))
+        .filter(|p| partial.contains(&p.name))
         .map(|p| p.var.clone())
         .collect();
     let mut opt = AdamW::new(
@@ -315,9 +333,7 @@ fn main() -> Result<()> {
             report.idle_fraction() as f32,
         ];
         let mut grads = report.grads;
-        if args.sequence_parallel {
-            all_reduce_grads(&mut grads, &sp_vars, &tp_pg, false)?;
-        }
+        all_reduce_grads(&mut grads, &partial_vars, &tp_pg, false)?;
         all_reduce_grads(&mut grads, &vars, &dp_pg, true)?;
         opt.step(&grads)?;
         let mut l = [report.loss];

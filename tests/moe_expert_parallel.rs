@@ -15,6 +15,8 @@ use candle_tp::ShardedVarBuilder;
 const HIDDEN: usize = 8;
 const INTER: usize = 12;
 const EXPERTS: usize = 6;
+/// The router's weight.
+const ROUTER: &str = "gate.weight";
 
 fn config() -> MoeConfig {
     MoeConfig {
@@ -223,6 +225,12 @@ fn gradients_of(
 fn gradients_equal_the_layer_on_one_rank() {
     let x = tokens(5, 3).to_dtype(DType::F64).unwrap();
     let (gx, gw) = gradients(&ProcessGroup::single(), false, &x).unwrap();
+    // The routing weights are differentiable: the router is trained too.
+    assert!(
+        gw.contains_key(ROUTER),
+        "no router gradient: {:?}",
+        gw.keys()
+    );
     let max_diff = |a: &Tensor, b: &Tensor| -> f64 {
         let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
         let v = d.to_vec1::<f64>().unwrap();
@@ -231,7 +239,11 @@ fn gradients_equal_the_layer_on_one_rank() {
     };
     for p in [2usize, 3, 4] {
         let got = run_threads(p, |pg| {
-            let (gx, gw) = gradients(&pg, true, &x)?;
+            let (gx, mut gw) = gradients(&pg, true, &x)?;
+            // Each rank's router gradient is the part through its own experts: summed over
+            // the group, as the trainer sums it.
+            let router = gw.get_mut(ROUTER).expect("router gradient");
+            *router = pg.all_reduce(router, ReduceOp::Sum)?;
             // Every expert's weights have their gradient on exactly one rank.
             let names: Vec<String> = gw.keys().cloned().collect();
             let mut held = Tensor::new(
@@ -285,7 +297,8 @@ fn more_ranks_than_experts_is_an_error_naming_both() {
 
 /// Expert-tensor parallelism (ep groups of consecutive ranks, each expert split column/row
 /// over its group): the forward equals the MoE by hand, every rank's input gradient equals
-/// the one-rank layer's, and each expert weight's gradient slices, summed over the ranks,
+/// the one-rank layer's, and each expert weight's gradient slices (and each rank's part of
+/// the router's gradient), summed over the ranks,
 /// give the one-rank gradient (the slices are disjoint).
 #[test]
 fn expert_tensor_parallel_matches_the_layer_on_one_rank() {
@@ -310,7 +323,10 @@ fn expert_tensor_parallel_matches_the_layer_on_one_rank() {
             let mut summed = HashMap::new();
             let mut names: Vec<String> = weights().into_keys().collect();
             names.sort();
-            for name in names.iter().filter(|n| n.starts_with("experts")) {
+            for name in names
+                .iter()
+                .filter(|n| n.starts_with("experts") || *n == ROUTER)
+            {
                 let g = match gw.get(name) {
                     Some(g) => g.clone(),
                     None => weights()[name.as_str()]
@@ -331,7 +347,7 @@ fn expert_tensor_parallel_matches_the_layer_on_one_rank() {
                 d.is_finite() && d <= 1e-10,
                 "{at}: input gradient differs by {d}"
             );
-            assert_eq!(summed.len(), 3 * EXPERTS, "{at}");
+            assert_eq!(summed.len(), 3 * EXPERTS + 1, "{at}");
             for (name, g) in summed {
                 let v = (g - &gw[name])
                     .unwrap()

@@ -3,45 +3,22 @@
 //! checkpoint saved at TP = 2 loaded at TP = 1 and 3.
 mod common;
 
-use std::collections::HashMap;
-
 use candle_core::{DType, Device, Result, Tensor};
 use candle_tp::models::llama::Llama;
 use candle_tp::models::FromCheckpoint;
 use candle_tp::train::{
-    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama,
+    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLayout,
+    TrainLlama,
 };
 use candle_tp::{run_threads, DeviceMesh, ProcessGroup, ShardedVarBuilder};
 use common::max_abs_diff;
-use common::train::{batch, cfg, synced_grads, Grads};
+use common::train::{batch, cfg, compare, grads, reference};
 
-/// (name, split, gradient) of every parameter after one forward/backward of rows `rows` of
-/// the batch, with the gradients synchronised as the trainer does.
-fn grads(
-    cfg: &TrainConfig,
-    tp: &ProcessGroup,
-    dp: Option<&ProcessGroup>,
-    sp: bool,
-    drop: Dropout,
-    rows: std::ops::Range<usize>,
-) -> Result<(f32, Grads)> {
-    let (b, s) = (4, 7);
-    let init = TrainInit::new(42);
-    cfg.declare(&init)?;
-    let model = TrainLlama::load(
-        cfg,
-        init.var_builder(DType::F32, &Device::Cpu, tp.clone()),
-        sp,
-    )?;
-    let (ids, tg) = batch(b, s);
-    let ids = Tensor::from_vec(ids, (b, s), &Device::Cpu)?.narrow(0, rows.start, rows.len())?;
-    let tg = Tensor::from_vec(tg, (b, s), &Device::Cpu)?
-        .narrow(0, rows.start, rows.len())?
-        .flatten_all()?;
-    let logits = model.forward(&ids, &drop)?;
-    let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), tp, 0.0, None)?;
-    let out = synced_grads(&init, &model, loss.backward()?, tp, dp)?;
-    Ok((loss.to_scalar()?, out))
+fn sp_layout(sequence_parallel: bool) -> TrainLayout {
+    TrainLayout {
+        sequence_parallel,
+        expert_parallel: false,
+    }
 }
 
 /// Residual dropout with a shared seed: part of the comparisons with one process.
@@ -53,44 +30,6 @@ const HIDDEN_DROPOUT: Dropout = Dropout {
     first_row: 0,
 };
 
-fn reference(cfg: &TrainConfig, drop: Dropout) -> Result<(f32, HashMap<String, Tensor>)> {
-    let mut r = run_threads(1, |pg| grads(cfg, &pg, None, false, drop, 0..4))?;
-    let (loss, g) = r.remove(0);
-    Ok((loss, g.into_iter().map(|(n, _, t)| (n, t)).collect()))
-}
-
-fn compare(
-    what: &str,
-    reference: &(f32, HashMap<String, Tensor>),
-    got: Vec<(f32, Grads)>,
-) -> Result<()> {
-    let (ref_loss, ref_g) = reference;
-    for (rank, (loss, g)) in got.into_iter().enumerate() {
-        assert!(
-            (loss - ref_loss).abs() < 1e-5,
-            "{what} rank {rank}: loss {loss} vs {ref_loss}"
-        );
-        assert_eq!(
-            g.len(),
-            ref_g.len(),
-            "{what} rank {rank}: number of parameters"
-        );
-        for (name, split, grad) in g {
-            let full = &ref_g[&name];
-            let want = match &split {
-                None => full.clone(),
-                Some((dim, r)) => full.narrow(*dim, r.start, r.len())?,
-            };
-            let d = max_abs_diff(&grad, &want)?;
-            assert!(
-                d <= 1e-5,
-                "{what} rank {rank}: gradient of {name} ({split:?}) differs by {d}"
-            );
-        }
-    }
-    Ok(())
-}
-
 #[test]
 fn gradients_equal_one_process_tp_2_3_with_and_without_sp() -> Result<()> {
     for tie in [false, true] {
@@ -100,7 +39,7 @@ fn gradients_equal_one_process_tp_2_3_with_and_without_sp() -> Result<()> {
         let reference = reference(&cfg, drop)?;
         for tp in [2, 3] {
             for sp in [false, true] {
-                let got = run_threads(tp, |pg| grads(&cfg, &pg, None, sp, drop, 0..4))?;
+                let got = run_threads(tp, |pg| grads(&cfg, &pg, None, sp_layout(sp), drop, 0..4))?;
                 compare(&format!("tie {tie} tp {tp} sp {sp}"), &reference, got)?;
             }
         }
@@ -122,7 +61,7 @@ fn gradients_equal_one_process_dp2_x_tp2() -> Result<()> {
         };
         let d = mesh.coord()[0];
         let drop = drop.skip_rows(2 * d);
-        let (loss, g) = grads(&cfg, tp, Some(dp), true, drop, 2 * d..2 * d + 2)?;
+        let (loss, g) = grads(&cfg, tp, Some(dp), sp_layout(true), drop, 2 * d..2 * d + 2)?;
         // The logged loss is the DP average.
         let l = dp.all_reduce(
             &Tensor::new(&[loss], &Device::Cpu)?,

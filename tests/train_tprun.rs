@@ -2,7 +2,7 @@
 //! a tiny model for a few steps at TP = 1, TP = 2 with sequence parallelism, DP = 2 × TP = 2,
 //! and pipelines (PP = 2 in 4 micro-batches under 1F1B; PP = 2 × TP = 2 with sequence
 //! parallelism under GPipe; PP = 2 x DP = 2) gives the same loss at every step; the TP = 2 checkpoint has the files `examples/generate`
-//! reads.
+//! reads. The same for a Mixtral-style model with every expert split and expert-parallel.
 
 mod common;
 
@@ -80,6 +80,37 @@ fn loss_curves_equal_one_process() {
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         assert!(ckpt.join(f).is_file(), "checkpoint lacks {f}");
     }
+}
+
+/// Mixtral-style layers (`--experts 4`, top-2): one process against TP = 2 with every expert
+/// split, EP = 2 with sequence parallelism (whole experts per rank, the routers' partial
+/// gradients summed), and DP = 2 × EP = 2; the EP = 2 checkpoint is a Mixtral one.
+#[test]
+fn moe_loss_curves_equal_one_process() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ckpt = dir.path().join("ckpt");
+    let ckpt_s = ckpt.to_string_lossy().to_string();
+    let moe = ["--experts", "4", "--top-k", "2"];
+    let with = |extra: &[&'static str]| -> Vec<&str> { moe.iter().chain(extra).copied().collect() };
+    let one = losses(1, &with(&["--tp", "1"]));
+    let tp = losses(2, &with(&["--tp", "2"]));
+    let mut ep_args = with(&["--tp", "2", "--expert-parallel", "--sequence-parallel"]);
+    ep_args.extend(["--save", &ckpt_s]);
+    let ep = losses(2, &ep_args);
+    let dp_ep = losses(4, &with(&["--tp", "2", "--dp", "2", "--expert-parallel"]));
+    for (i, &r) in one.iter().enumerate() {
+        for (what, c) in [("tp2", &tp), ("ep2+sp", &ep), ("dp2xep2", &dp_ep)] {
+            let rel = (c[i] - r).abs() / r.abs();
+            assert!(
+                rel <= 1e-4,
+                "{what} step {i}: loss {} vs one process {r} (rel {rel:e})",
+                c[i]
+            );
+        }
+    }
+    assert!(one[3] < one[0], "the loss does not decrease: {one:?}");
+    let config = std::fs::read_to_string(ckpt.join("config.json")).expect("config.json");
+    assert!(config.contains("MixtralForCausalLM"), "{config}");
 }
 
 #[test]

@@ -12,36 +12,34 @@
 
 use candle_core::{Module, Result, Tensor};
 
+use super::routing::Routing;
 use crate::comm::ProcessGroup;
 use crate::nn::GatedMlp;
 use crate::ops::all_to_all;
 use crate::Partition;
 
-/// One expert's tokens on this rank: their rows and routing weights.
-pub(crate) type Route = (Vec<u32>, Vec<f32>);
-
-/// The MoE output of this rank's own tokens `x` `[n, hidden]` (`routes[e]`: the rows routed to
-/// expert `e` and their weights), with the experts of rank `r` of `pg` being
+/// The MoE output of this rank's own tokens `x` `[n, hidden]` (`routing`: the rows routed to
+/// each expert and their weights), with the experts of rank `r` of `pg` being
 /// `owners.range(r)` and this rank's in `experts` (whole, in expert order).
 pub(crate) fn forward_local(
     pg: &ProcessGroup,
     owners: &Partition,
     experts: &[GatedMlp],
     x: &Tensor,
-    routes: &[Route],
+    routing: &Routing,
 ) -> Result<Tensor> {
     let (p, me) = (pg.size(), pg.rank());
     let hidden = x.dim(1)?;
     let mine = owners.range(me);
     // This rank's rows in the order they leave: by destination rank, then by expert.
     let mut rows: Vec<u32> = Vec::new();
-    let mut weights: Vec<f32> = Vec::new();
-    let mut counts: Vec<i64> = Vec::with_capacity(routes.len());
+    let mut slots: Vec<u32> = Vec::new();
+    let mut counts: Vec<i64> = Vec::with_capacity(routing.experts.len());
     let mut send_rows = vec![0usize; p];
     for (d, sent) in send_rows.iter_mut().enumerate() {
-        for (r, w) in &routes[owners.range(d)] {
+        for (r, w) in &routing.experts[owners.range(d)] {
             rows.extend_from_slice(r);
-            weights.extend_from_slice(w);
+            slots.extend_from_slice(w);
             counts.push(r.len() as i64);
             *sent += r.len();
         }
@@ -89,7 +87,7 @@ pub(crate) fn forward_local(
         None => Tensor::zeros((total_in, hidden), x.dtype(), device)?,
     };
     let back = all_to_all(&out, pg, &recv_rows, &send_rows)?;
-    let w = Tensor::from_vec(weights, (n_sent, 1), device)?.to_dtype(back.dtype())?;
+    let w = routing.select(&slots)?.to_dtype(back.dtype())?;
     Tensor::zeros((x.dim(0)?, hidden), back.dtype(), device)?.index_add(
         &idx,
         &back.broadcast_mul(&w)?,

@@ -443,7 +443,7 @@ impl RowParallelLinear {
     /// On the sequence-parallel path (after a reduce-scatter, each rank holding its rows) the
     /// replicated bias sees only this rank's rows, so its gradient is partial: sum it over
     /// the group with [`crate::train::all_reduce_grads`] before the optimizer step, as the
-    /// trainer does for every parameter listed by `TrainLlama::sequence_parallel_params`.
+    /// trainer does for every parameter listed by `TrainLlama::partial_gradient_params`.
     pub fn add_bias(&self, y: &Tensor) -> Result<Tensor> {
         match &self.bias {
             Some(b) => y.broadcast_add(b),

@@ -11,6 +11,7 @@ pub mod parallel_2d;
 pub mod parallel_3d;
 mod parallel_parts;
 pub mod rotary;
+mod routing;
 pub mod weight;
 
 pub use attention::{AttentionConfig, HeadAssignment, Llama3RopeScaling, ParallelAttention};

@@ -21,10 +21,11 @@
 //! the tokens routed to it, scales by the routing weight, sums into one partial output, and
 //! the ranks reduce that once.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::Activation;
 
 use super::expert_parallel::forward_local;
+use super::routing::Routing;
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
 use crate::nn::{GatedMlp, ReplicatedLinear};
@@ -236,35 +237,19 @@ impl SparseMoe {
     /// softmax over the router logits in f32, the k largest (ties to the lower expert index),
     /// renormalised if `norm_topk_prob`. Per expert: (token rows, weights).
     pub fn route(&self, x: &Tensor) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
-        let logits = self.router.forward(x)?.to_dtype(DType::F32)?;
-        let n_experts = logits.dim(1)?;
-        let probs: Vec<Vec<f32>> = candle_nn::ops::softmax_last_dim(&logits)?.to_vec2()?;
-        let mut per_expert = vec![(Vec::new(), Vec::new()); n_experts];
-        let mut order: Vec<usize> = Vec::with_capacity(n_experts);
-        for (row, p) in probs.iter().enumerate() {
-            if let Some(bad) = p.iter().find(|v| !v.is_finite()) {
-                candle_core::bail!(
-                    "SparseMoe on rank {}: router probability {bad} for token {row} (non-finite hidden state)",
-                    self.pg.rank()
-                );
-            }
-            order.clear();
-            order.extend(0..p.len());
-            // Stable: equal probabilities keep the lower expert first.
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-            let top = &order[..self.top_k];
-            let sum: f32 = top.iter().map(|&e| p[e]).sum();
-            for &e in top {
-                let w = if self.norm_topk_prob {
-                    p[e] / sum
-                } else {
-                    p[e]
-                };
-                per_expert[e].0.push(row as u32);
-                per_expert[e].1.push(w);
-            }
-        }
-        Ok(per_expert)
+        self.routing(x)?.to_vecs()
+    }
+
+    /// [`route`](Self::route) with the weights as one tensor, differentiable with respect to
+    /// the router and `x` when they track gradients.
+    fn routing(&self, x: &Tensor) -> Result<Routing> {
+        let who = format!("SparseMoe on rank {}", self.pg.rank());
+        Routing::top_k(
+            &self.router.forward(x)?,
+            self.top_k,
+            self.norm_topk_prob,
+            &who,
+        )
     }
 }
 
@@ -287,8 +272,58 @@ impl SparseMoe {
                 self.expert_tp
             );
         }
-        let routes = self.route(x)?;
-        forward_local(&self.pg, owners, &self.experts, x, &routes)
+        let routing = self.routing(x)?;
+        forward_local(&self.pg, owners, &self.experts, x, &routing)
+    }
+}
+
+impl SparseMoe {
+    /// This rank's partial sum of the layer over hidden states `xp` `[tokens, hidden]` that
+    /// are the same on every rank of [`pg`](Self::pg) and already entered its region
+    /// ([`copy_to_tp`], or a sequence-parallel all-gather): its experts' (or expert slices')
+    /// outputs weighted by the routing, in the experts' partial dtype (f64 for quantized
+    /// experts). Summing it over the group ([`reduce_from_tp`], or a reduce-scatter) gives the
+    /// layer's output; [`forward`](Module::forward) does both.
+    pub fn forward_partial(&self, xp: &Tensor) -> Result<Tensor> {
+        let routing = self.routing(xp)?;
+        // Expert-parallel: this rank's whole experts; tensor-parallel: every expert's slice.
+        let mine = match &self.owners {
+            Some(owners) => owners.range(self.ep_rank),
+            None => 0..routing.experts.len(),
+        };
+        // Summed in the experts' partial dtype (f64 for quantized experts: see
+        // `RowParallelLinear::forward_partial`), reduced by the caller.
+        let mut ys: Option<Tensor> = None;
+        for (j, expert) in self.experts.iter().enumerate() {
+            let e = mine.start + j;
+            let rows = &routing.experts[e].0;
+            // Tensor-parallel: the same experts are skipped on every rank (the routing is
+            // replicated).
+            if rows.is_empty() {
+                continue;
+            }
+            let n = rows.len();
+            let idx = Tensor::from_vec(rows.clone(), n, xp.device())?;
+            let y = expert.forward_partial(&xp.index_select(&idx, 0)?)?;
+            let w = routing.weights_of(e)?.to_dtype(y.dtype())?;
+            let acc = match ys.take() {
+                Some(acc) => acc,
+                None => Tensor::zeros(xp.dims(), y.dtype(), xp.device())?,
+            };
+            ys = Some(acc.index_add(&idx, &y.broadcast_mul(&w)?, 0)?);
+        }
+        match ys {
+            Some(ys) => Ok(ys),
+            // Expert-parallel, no token for this rank's experts: zeros in the dtype the other
+            // ranks' partial sums have (f64 for quantized experts), from an expert on no rows.
+            None if self.owners.is_some() => {
+                let dtype = self.experts[0]
+                    .forward_partial(&xp.narrow(0, 0, 0)?)?
+                    .dtype();
+                Tensor::zeros(xp.dims(), dtype, xp.device())
+            }
+            None => xp.zeros_like(),
+        }
     }
 }
 
@@ -297,48 +332,8 @@ impl Module for SparseMoe {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let hidden = *dims.last().unwrap_or(&0);
-        let flat = x.reshape(((), hidden))?;
-        let routes = self.route(&flat)?;
-        let xp = copy_to_tp(&flat, &self.pg)?;
-        // Expert-parallel: this rank's whole experts; tensor-parallel: every expert's slice.
-        let mine = match &self.owners {
-            Some(owners) => owners.range(self.ep_rank),
-            None => 0..routes.len(),
-        };
-        // Summed in the experts' partial dtype (f64 for quantized experts: see
-        // `RowParallelLinear::forward_partial`), reduced, then back to the input's.
-        let mut ys: Option<Tensor> = None;
-        for (expert, (rows, weights)) in
-            self.experts.iter().zip(routes.into_iter().skip(mine.start))
-        {
-            // Tensor-parallel: the same experts are skipped on every rank (the routing is
-            // replicated).
-            if rows.is_empty() {
-                continue;
-            }
-            let n = rows.len();
-            let idx = Tensor::from_vec(rows, n, x.device())?;
-            let y = expert.forward_partial(&xp.index_select(&idx, 0)?)?;
-            let w = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(y.dtype())?;
-            let acc = match ys.take() {
-                Some(acc) => acc,
-                None => Tensor::zeros(xp.dims(), y.dtype(), x.device())?,
-            };
-            ys = Some(acc.index_add(&idx, &y.broadcast_mul(&w)?, 0)?);
-        }
-        let ys = match ys {
-            Some(ys) => ys,
-            // Expert-parallel, no token for this rank's experts: zeros in the dtype the other
-            // ranks' partial sums have (f64 for quantized experts), from an expert on no rows.
-            None if self.owners.is_some() => {
-                let dtype = self.experts[0]
-                    .forward_partial(&xp.narrow(0, 0, 0)?)?
-                    .dtype();
-                Tensor::zeros(xp.dims(), dtype, x.device())?
-            }
-            None => xp.zeros_like()?,
-        };
-        reduce_from_tp(&ys, &self.pg)?
+        let xp = copy_to_tp(&x.reshape(((), hidden))?, &self.pg)?;
+        reduce_from_tp(&self.forward_partial(&xp)?, &self.pg)?
             .to_dtype(x.dtype())?
             .reshape(dims)
     }

@@ -8,7 +8,7 @@
 //! one Hugging Face-layout `model.safetensors` that `ShardedVarBuilder::from_safetensors_dir`
 //! reads at any world size.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -191,40 +191,107 @@ impl TrainInit {
 
     /// The full tensors, the shards gathered over `pg` (the tensor-parallel group the model
     /// was built with). Collective over `pg`: every rank calls it.
+    ///
+    /// A parameter may be held by every rank whole (replicated: this rank's copy), by every
+    /// rank or some ranks in slices that tile one dimension (gathered), or whole by some ranks
+    /// only (an expert-parallel layer's experts: taken from the lowest rank that holds it).
     pub fn gather_full(&self, pg: &ProcessGroup) -> Result<BTreeMap<String, Tensor>> {
+        let params: BTreeMap<String, Param> = self
+            .params()?
+            .into_iter()
+            .map(|p| (p.name.clone(), p))
+            .collect();
+        let (dtype, device) = match params.values().next() {
+            Some(p) => (p.var.dtype(), p.var.device().clone()),
+            None => (DType::F32, Device::Cpu),
+        };
         let mut out = BTreeMap::new();
-        for p in self.params()? {
-            let t = p.var.as_tensor().clone();
-            let full = match &p.split {
-                None => t,
-                Some((dim, range)) => {
-                    let total = p.full_shape.dims()[*dim];
-                    // Every rank's range, to check that the slices tile the dimension.
-                    let mine = [range.start as i64, range.end as i64];
-                    let mut all = vec![0i64; 2 * pg.size()];
-                    pg.all_gather_slice(&mine, &mut all)?;
-                    let mut at = 0i64;
-                    let mut sizes = Vec::with_capacity(pg.size());
-                    for (r, c) in all.chunks(2).enumerate() {
-                        if c[0] != at {
-                            candle_core::bail!(
-                                "saving '{}': rank {r} holds {}..{} along dim {dim}, expected a slice starting at {at} (overlapping or replicated slices cannot be merged)",
-                                p.name, c[0], c[1]
-                            );
-                        }
-                        sizes.push((c[1] - c[0]) as usize);
-                        at = c[1];
+        for name in all_names(pg, &params)? {
+            let local = params.get(&name);
+            // [held, dim (-1: whole), start, end, dtype] of every rank.
+            let mine: [i64; 5] = match local {
+                None => [0, -1, 0, 0, dtype_code(dtype)],
+                Some(p) => {
+                    let code = dtype_code(p.var.dtype());
+                    match &p.split {
+                        None => [1, -1, 0, 0, code],
+                        Some((dim, r)) => [1, *dim as i64, r.start as i64, r.end as i64, code],
                     }
-                    if at as usize != total {
-                        candle_core::bail!(
-                            "saving '{}': the slices cover {at} of {total} along dim {dim}",
-                            p.name
-                        );
-                    }
-                    pg.all_gather_with_sizes(&t.contiguous()?, *dim, &sizes)?
                 }
             };
-            out.insert(p.name.clone(), full);
+            let mut all = vec![0i64; 5 * pg.size()];
+            pg.all_gather_slice(&mine, &mut all)?;
+            let ranks: Vec<&[i64]> = all.chunks(5).collect();
+            let holders: Vec<usize> = (0..ranks.len()).filter(|&r| ranks[r][0] == 1).collect();
+            let whole = holders.iter().all(|&r| ranks[r][1] == -1);
+            if whole && holders.len() == pg.size() {
+                if let Some(p) = local {
+                    out.insert(name, p.var.as_tensor().clone());
+                }
+                continue;
+            }
+            let full_shape = self.decl(&name)?.shape;
+            let dims = full_shape.dims();
+            // Whole on some ranks: the lowest holder's copy, as one slice along dim 0.
+            let (dim, slices): (usize, Vec<(usize, usize)>) = if whole {
+                let first = holders[0];
+                let n = dims.first().copied().unwrap_or(1);
+                let slices = (0..ranks.len())
+                    .map(|r| if r == first { (0, n) } else { (0, 0) })
+                    .collect();
+                (0, slices)
+            } else {
+                let dim = holders.iter().map(|&r| ranks[r][1]).max().unwrap_or(-1);
+                if let Some(&r) = holders.iter().find(|&&r| ranks[r][1] != dim) {
+                    candle_core::bail!(
+                        "saving '{name}': rank {r} holds it along dim {}, rank {} along dim {dim} (a parameter is split along one dimension)",
+                        ranks[r][1],
+                        holders[0]
+                    );
+                }
+                let slices = ranks
+                    .iter()
+                    .map(|c| {
+                        if c[0] == 1 {
+                            (c[2] as usize, c[3] as usize)
+                        } else {
+                            (0, 0)
+                        }
+                    })
+                    .collect();
+                (dim as usize, slices)
+            };
+            let total = dims.get(dim).copied().unwrap_or(1);
+            // The holders' slices, in rank order, must tile the dimension.
+            let mut at = 0usize;
+            for &r in &holders {
+                let (start, end) = slices[r];
+                if (start, end) == (0, 0) && whole {
+                    continue;
+                }
+                if start != at {
+                    candle_core::bail!(
+                        "saving '{name}': rank {r} holds {start}..{end} along dim {dim}, expected a slice starting at {at} (overlapping or replicated slices cannot be merged)"
+                    );
+                }
+                at = end;
+            }
+            if at != total {
+                candle_core::bail!(
+                    "saving '{name}': the slices cover {at} of {total} along dim {dim}"
+                );
+            }
+            let sizes: Vec<usize> = slices.iter().map(|&(s, e)| e - s).collect();
+            let part = match local {
+                Some(p) if sizes[pg.rank()] > 0 => p.var.as_tensor().contiguous()?,
+                _ => {
+                    let mut empty = dims.to_vec();
+                    empty[dim] = 0;
+                    let code = ranks[holders[0]][4];
+                    Tensor::zeros(empty, dtype_of(code, &name)?, &device)?
+                }
+            };
+            out.insert(name, pg.all_gather_with_sizes(&part, dim, &sizes)?);
         }
         Ok(out)
     }
@@ -259,6 +326,55 @@ impl TrainInit {
             .map_err(|e| candle_core::Error::msg(format!("writing {}: {e}", cfg.display())))?;
         Ok(())
     }
+}
+
+/// The dtypes a parameter may have, by code (the index), for the ranks that do not hold it.
+const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+
+fn dtype_code(dtype: DType) -> i64 {
+    DTYPES
+        .iter()
+        .position(|&d| d == dtype)
+        .map_or(-1, |i| i as i64)
+}
+
+fn dtype_of(code: i64, name: &str) -> Result<DType> {
+    match usize::try_from(code).ok().and_then(|i| DTYPES.get(i)) {
+        Some(&d) => Ok(d),
+        None => candle_core::bail!(
+            "saving '{name}': its dtype is not one a trained parameter has ({DTYPES:?})"
+        ),
+    }
+}
+
+/// The names of the parameters held by any rank of `pg`, in order (collective over `pg`).
+fn all_names(pg: &ProcessGroup, local: &BTreeMap<String, Param>) -> Result<BTreeSet<String>> {
+    let mine = local
+        .keys()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join("\n")
+        .into_bytes();
+    let mut lens = vec![0i64; pg.size()];
+    pg.all_gather_slice(&[mine.len() as i64], &mut lens)?;
+    let counts: Vec<usize> = lens.iter().map(|&n| n as usize).collect();
+    let mut all = vec![0u8; counts.iter().sum()];
+    pg.all_gather_v_slice(&mine, &mut all, &counts)?;
+    let text = String::from_utf8(all)
+        .map_err(|e| candle_core::Error::msg(format!("saving: parameter names: {e}")))?;
+    // Each rank's names end where the next rank's begin: split rank by rank.
+    let mut names = BTreeSet::new();
+    let mut at = 0;
+    for n in counts {
+        names.extend(
+            text[at..at + n]
+                .split('\n')
+                .filter(|s| !s.is_empty())
+                .map(String::from),
+        );
+        at += n;
+    }
+    Ok(names)
 }
 
 impl TensorSource for TrainInit {

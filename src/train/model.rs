@@ -20,6 +20,7 @@ use super::dropout::{Dropout, Site};
 use super::init::{Init, TrainInit};
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
+use crate::nn::{MoeConfig, SparseMoe};
 use crate::ops::{copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp};
 use crate::stage::{PipelineStage, StagePart};
 use crate::{ColumnParallelLinear, Partition, RowParallelLinear};
@@ -50,10 +51,22 @@ pub struct TrainConfig {
     /// Standard deviation of the normal initialisation of matrices.
     #[serde(default = "default_std")]
     pub initializer_range: f64,
+    /// Experts of each layer's sparse MoE (Mixtral's `num_local_experts`, each a gated MLP
+    /// of width `intermediate_size`); 0: every layer has one dense gated MLP.
+    #[serde(default)]
+    pub num_local_experts: usize,
+    /// Experts each token is routed to (top-k; their weights renormalised, as Mixtral's),
+    /// with MoE layers.
+    #[serde(default = "default_top_k")]
+    pub num_experts_per_tok: usize,
 }
 
 fn default_std() -> f64 {
     0.02
+}
+
+fn default_top_k() -> usize {
+    2
 }
 
 impl TrainConfig {
@@ -73,7 +86,28 @@ impl TrainConfig {
                 "TrainConfig: hidden_size {h}, num_attention_heads {nh}, num_key_value_heads {nkv}: heads must divide hidden_size and KV heads the heads"
             );
         }
+        let (e, k) = (self.num_local_experts, self.num_experts_per_tok);
+        if e > 0 && (k == 0 || k > e) {
+            candle_core::bail!(
+                "TrainConfig: num_experts_per_tok {k} must be between 1 and num_local_experts {e}"
+            );
+        }
         Ok(())
+    }
+
+    /// The sparse MoE of every layer (Mixtral's names: router `gate`, experts
+    /// `experts.N.{w1,w3,w2}` under `block_sparse_moe`), or `None` for dense MLPs.
+    pub fn moe(&self) -> Option<MoeConfig> {
+        (self.num_local_experts > 0).then(|| MoeConfig {
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_experts: self.num_local_experts,
+            num_experts_per_tok: self.num_experts_per_tok,
+            norm_topk_prob: true,
+            act: candle_nn::Activation::Silu,
+            router: "gate".into(),
+            expert_names: ["w1".into(), "w3".into(), "w2".into()],
+        })
     }
 
     /// Every parameter's name, full shape and initialiser (Llama's: normal(0, σ) for
@@ -105,9 +139,24 @@ impl TrainConfig {
             out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], normal));
             out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], normal));
             out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], normal));
-            out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], normal));
-            out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], normal));
-            out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], normal));
+            if self.num_local_experts == 0 {
+                out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], normal));
+                out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], normal));
+                out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], normal));
+                continue;
+            }
+            let moe = format!("{p}.block_sparse_moe");
+            let e = self.num_local_experts;
+            out.push((format!("{moe}.gate.weight"), vec![e, h], normal));
+            for x in 0..e {
+                for (n, shape) in [("w1", [i, h]), ("w3", [i, h]), ("w2", [h, i])] {
+                    out.push((
+                        format!("{moe}.experts.{x}.{n}.weight"),
+                        shape.to_vec(),
+                        normal,
+                    ));
+                }
+            }
         }
         out.push(("model.norm.weight".to_string(), vec![h], Init::Const(1.0)));
         if !self.tie_word_embeddings {
@@ -124,16 +173,23 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// A Hugging Face `config.json` for this model (`LlamaForCausalLM`).
+    /// A Hugging Face `config.json` for this model (`LlamaForCausalLM`, or
+    /// `MixtralForCausalLM` with experts).
     pub fn hf_config_json(&self, bos: Option<u32>, eos: Option<u32>) -> Result<String> {
         let mut v =
             serde_json::to_value(self).map_err(|e| candle_core::Error::msg(e.to_string()))?;
         if let Some(o) = v.as_object_mut() {
-            o.insert(
-                "architectures".into(),
-                serde_json::json!(["LlamaForCausalLM"]),
-            );
-            o.insert("model_type".into(), "llama".into());
+            let (arch, model_type) = if self.num_local_experts > 0 {
+                // No sliding window in training: one as long as the positions.
+                o.insert("sliding_window".into(), self.max_position_embeddings.into());
+                ("MixtralForCausalLM", "mixtral")
+            } else {
+                o.remove("num_local_experts");
+                o.remove("num_experts_per_tok");
+                ("LlamaForCausalLM", "llama")
+            };
+            o.insert("architectures".into(), serde_json::json!([arch]));
+            o.insert("model_type".into(), model_type.into());
             o.insert("hidden_act".into(), "silu".into());
             o.insert("head_dim".into(), self.head_dim().into());
             o.insert("torch_dtype".into(), "float32".into());
@@ -175,6 +231,22 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
 }
 
+/// A gated MLP split column/row.
+struct DenseMlp {
+    gate: ColumnParallelLinear,
+    up: ColumnParallelLinear,
+    down: RowParallelLinear,
+}
+
+/// A layer's feed-forward block.
+enum FeedForward {
+    /// A gated MLP split column/row.
+    Dense(Box<DenseMlp>),
+    /// A sparse MoE, every expert split column/row or whole experts on each rank
+    /// ([`TrainLayout::expert_parallel`]).
+    Moe(SparseMoe),
+}
+
 struct Layer {
     input_norm: Tensor,
     post_norm: Tensor,
@@ -182,9 +254,19 @@ struct Layer {
     k: ColumnParallelLinear,
     v: ColumnParallelLinear,
     o: RowParallelLinear,
-    gate: ColumnParallelLinear,
-    up: ColumnParallelLinear,
-    down: RowParallelLinear,
+    ffn: FeedForward,
+}
+
+/// How a [`TrainLlama`] is laid out over its tensor-parallel group, beyond the column/row
+/// split of its attention.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TrainLayout {
+    /// Megatron-SP: the residual stream split along the sequence across the group.
+    pub sequence_parallel: bool,
+    /// MoE layers expert-parallel over the group (Megatron-core's EP, the attention's TP
+    /// group being the expert group): each rank holds whole experts
+    /// ([`SparseMoe::load_expert_parallel`]) instead of a slice of every expert.
+    pub expert_parallel: bool,
 }
 
 /// The training model. See the [module docs](self).
@@ -214,14 +296,31 @@ pub struct TrainLlama {
     pg: ProcessGroup,
     sequence_parallel: bool,
     norm_names: Vec<String>,
+    router_names: Vec<String>,
 }
 
 impl TrainLlama {
     /// Builds the model from `vb` (a [`TrainInit`] builder to train from scratch, or a
     /// checkpoint) on the TP group `vb.pg()`. KV heads are split whole: the TP size must not
-    /// exceed `num_key_value_heads`.
+    /// exceed `num_key_value_heads`. MoE layers split every expert column/row; see
+    /// [`load_with`](Self::load_with) for expert parallelism.
     pub fn load(cfg: &TrainConfig, vb: ShardedVarBuilder, sequence_parallel: bool) -> Result<Self> {
+        let layout = TrainLayout {
+            sequence_parallel,
+            expert_parallel: false,
+        };
+        Self::load_with(cfg, vb, layout)
+    }
+
+    /// [`load`](Self::load) with the MoE layers' layout chosen too. Expert parallelism needs
+    /// MoE layers and at least one expert per rank of the TP group.
+    pub fn load_with(
+        cfg: &TrainConfig,
+        vb: ShardedVarBuilder,
+        layout: TrainLayout,
+    ) -> Result<Self> {
         cfg.check()?;
+        let sequence_parallel = layout.sequence_parallel;
         let pg = vb.pg().clone();
         let tp = pg.size();
         let (h, hd, nh, nkv) = (
@@ -253,14 +352,38 @@ impl TrainLlama {
         } else {
             None
         };
+        let moe = cfg.moe();
+        if layout.expert_parallel && moe.is_none() {
+            candle_core::bail!(
+                "TrainLlama: expert parallelism asked for a model without experts (num_local_experts = 0)"
+            );
+        }
         let n_rep = nh / nkv;
         let mut layers = Vec::with_capacity(range.len());
         let mut norm_names = Vec::new();
+        let mut router_names = Vec::new();
         for l in range.clone() {
             let lv = m.pp("layers").pp(l);
             let a = lv.pp("self_attn");
-            let mlp = lv.pp("mlp");
-            let i = cfg.intermediate_size;
+            let ffn = match &moe {
+                None => {
+                    let (mlp, i) = (lv.pp("mlp"), cfg.intermediate_size);
+                    FeedForward::Dense(Box::new(DenseMlp {
+                        gate: ColumnParallelLinear::load(h, i, false, 1, mlp.pp("gate_proj"))?,
+                        up: ColumnParallelLinear::load(h, i, false, 1, mlp.pp("up_proj"))?,
+                        down: RowParallelLinear::load(i, h, false, 1, mlp.pp("down_proj"))?,
+                    }))
+                }
+                Some(moe) => {
+                    let vb = lv.pp("block_sparse_moe");
+                    router_names.push(vb.pp(&moe.router).full_name("weight"));
+                    FeedForward::Moe(if layout.expert_parallel {
+                        SparseMoe::load_expert_parallel(moe, vb, pg.clone())?
+                    } else {
+                        SparseMoe::load(moe, vb)?
+                    })
+                }
+            };
             norm_names.push(lv.pp("input_layernorm").full_name("weight"));
             norm_names.push(lv.pp("post_attention_layernorm").full_name("weight"));
             layers.push(Layer {
@@ -270,9 +393,7 @@ impl TrainLlama {
                 k: ColumnParallelLinear::load(h, nkv * hd, false, hd, a.pp("k_proj"))?,
                 v: ColumnParallelLinear::load(h, nkv * hd, false, hd, a.pp("v_proj"))?,
                 o: RowParallelLinear::load(nh * hd, h, false, n_rep * hd, a.pp("o_proj"))?,
-                gate: ColumnParallelLinear::load(h, i, false, 1, mlp.pp("gate_proj"))?,
-                up: ColumnParallelLinear::load(h, i, false, 1, mlp.pp("up_proj"))?,
-                down: RowParallelLinear::load(i, h, false, 1, mlp.pp("down_proj"))?,
+                ffn,
             });
         }
         let (norm, head) = if last {
@@ -311,6 +432,7 @@ impl TrainLlama {
             pg,
             sequence_parallel,
             norm_names,
+            router_names,
         })
     }
 
@@ -345,6 +467,19 @@ impl TrainLlama {
     /// sequence rows, so they must be summed over the TP group after backward.
     pub fn sequence_parallel_params(&self) -> &[String] {
         &self.norm_names
+    }
+
+    /// Names of every parameter whose gradient each rank of the TP group holds only in part,
+    /// to be summed over the group after backward
+    /// ([`crate::train::all_reduce_grads`] with `average = false`): the MoE routers (each
+    /// rank's gradient reaches them only through its own experts or expert slices), and with
+    /// sequence parallelism the [`sequence_parallel_params`](Self::sequence_parallel_params).
+    pub fn partial_gradient_params(&self) -> Vec<String> {
+        let mut names = self.router_names.clone();
+        if self.sequence_parallel {
+            names.extend(self.norm_names.iter().cloned());
+        }
+        names
     }
 
     fn seq_partition(&self, seq: usize) -> Result<Partition> {
@@ -508,13 +643,26 @@ impl TrainLlama {
             let y = drop.apply_shared(&y, Site::AttentionOut(l), seq, &rows)?;
             h = (h + y)?;
             let x = self.enter(&rms_norm(&h, &layer.post_norm, eps)?, &sp)?;
-            let g = layer.gate.forward_local(&x)?.silu()?;
-            let u = layer.up.forward_local(&x)?;
-            let y = self.leave(&layer.down.forward_partial(&(g * u)?)?, &sp)?;
+            let y = self.leave(&Self::feed_forward(&layer.ffn, &x)?, &sp)?;
             let y = drop.apply_shared(&y, Site::MlpOut(l), seq, &rows)?;
             h = (h + y)?;
         }
         Ok(h)
+    }
+
+    /// A feed-forward block's partial sums over the entered hidden states `x` `[b, s, h]`.
+    fn feed_forward(ffn: &FeedForward, x: &Tensor) -> Result<Tensor> {
+        match ffn {
+            FeedForward::Dense(mlp) => {
+                let g = mlp.gate.forward_local(x)?.silu()?;
+                mlp.down.forward_partial(&(g * mlp.up.forward_local(x)?)?)
+            }
+            FeedForward::Moe(moe) => {
+                let dims = x.dims().to_vec();
+                let h = dims[dims.len() - 1];
+                moe.forward_partial(&x.reshape(((), h))?)?.reshape(dims)
+            }
+        }
     }
 
     /// The last stage's output: the final norm and the head over the residual stream `h` of

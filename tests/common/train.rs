@@ -1,9 +1,16 @@
 //! Pieces shared by the training tests: the small model, its batch, and one rank's gradients.
 
+use std::collections::HashMap;
+
 use candle_core::backprop::GradStore;
-use candle_core::{Result, Tensor};
-use candle_tp::train::{all_reduce_grads, TrainConfig, TrainInit, TrainLlama};
-use candle_tp::ProcessGroup;
+use candle_core::{DType, Device, Result, Tensor};
+use candle_tp::train::{
+    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLayout,
+    TrainLlama,
+};
+use candle_tp::{run_threads, ProcessGroup};
+
+use super::max_abs_diff;
 
 /// A 2-layer model that splits unevenly at TP = 2 and 3: vocabulary 37, intermediate 40,
 /// 6 heads and 3 KV heads of width 4.
@@ -20,6 +27,8 @@ pub fn cfg(tie: bool) -> TrainConfig {
         max_position_embeddings: 32,
         tie_word_embeddings: tie,
         initializer_range: 0.2,
+        num_local_experts: 0,
+        num_experts_per_tok: 2,
     }
 }
 
@@ -33,8 +42,8 @@ pub fn batch(b: usize, s: usize) -> (Vec<u32>, Vec<u32>) {
 /// (name, split, gradient) of every parameter a rank holds.
 pub type Grads = Vec<(String, Option<(usize, std::ops::Range<usize>)>, Tensor)>;
 
-/// Synchronises `g` as the trainer does (the sequence-parallel norm weights summed over `tp`
-/// when `sp`, everything averaged over `dp`) and returns every parameter's gradient; a
+/// Synchronises `g` as the trainer does (the partial gradients of
+/// [`TrainLlama::partial_gradient_params`] summed over `tp`, everything averaged over `dp`) and returns every parameter's gradient; a
 /// parameter without one is an error.
 pub fn synced_grads(
     init: &TrainInit,
@@ -44,15 +53,14 @@ pub fn synced_grads(
     dp: Option<&ProcessGroup>,
 ) -> Result<Grads> {
     let params = init.params()?;
-    if model.sequence_parallel() {
-        let names = model.sequence_parallel_params();
-        let vars: Vec<_> = params
-            .iter()
-            .filter(|p| names.contains(&p.name))
-            .map(|p| p.var.clone())
-            .collect();
-        all_reduce_grads(&mut g, &vars, tp, false)?;
-    }
+    // The routers' gradients always, the norms' with sequence parallelism.
+    let names = model.partial_gradient_params();
+    let vars: Vec<_> = params
+        .iter()
+        .filter(|p| names.contains(&p.name))
+        .map(|p| p.var.clone())
+        .collect();
+    all_reduce_grads(&mut g, &vars, tp, false)?;
     if let Some(dp) = dp {
         let vars: Vec<_> = params.iter().map(|p| p.var.clone()).collect();
         all_reduce_grads(&mut g, &vars, dp, true)?;
@@ -65,6 +73,86 @@ pub fn synced_grads(
         }
     }
     Ok(out)
+}
+
+/// (name, split, gradient) of every parameter after one forward/backward of rows `rows` of
+/// [`batch`]`(4, 7)`, the model laid out as `layout` over `tp`, with the gradients
+/// synchronised as the trainer does.
+pub fn grads(
+    cfg: &TrainConfig,
+    tp: &ProcessGroup,
+    dp: Option<&ProcessGroup>,
+    layout: TrainLayout,
+    drop: Dropout,
+    rows: std::ops::Range<usize>,
+) -> Result<(f32, Grads)> {
+    let (b, s) = (4, 7);
+    let init = TrainInit::new(42);
+    cfg.declare(&init)?;
+    let vb = init.var_builder(DType::F32, &Device::Cpu, tp.clone());
+    let model = TrainLlama::load_with(cfg, vb, layout)?;
+    let (ids, tg) = batch(b, s);
+    let ids = Tensor::from_vec(ids, (b, s), &Device::Cpu)?.narrow(0, rows.start, rows.len())?;
+    let tg = Tensor::from_vec(tg, (b, s), &Device::Cpu)?
+        .narrow(0, rows.start, rows.len())?
+        .flatten_all()?;
+    let logits = model.forward(&ids, &drop)?;
+    let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), tp, 0.0, None)?;
+    let out = synced_grads(&init, &model, loss.backward()?, tp, dp)?;
+    Ok((loss.to_scalar()?, out))
+}
+
+/// The loss and every parameter's gradient of one process (the whole batch, every expert).
+pub fn reference(cfg: &TrainConfig, drop: Dropout) -> Result<(f32, HashMap<String, Tensor>)> {
+    let mut r = run_threads(1, |pg| {
+        grads(cfg, &pg, None, TrainLayout::default(), drop, 0..4)
+    })?;
+    let (loss, g) = r.remove(0);
+    Ok((loss, g.into_iter().map(|(n, _, t)| (n, t)).collect()))
+}
+
+/// Checks every rank's loss and gradients (its slices, or its whole parameters) against the
+/// reference within 1e-5 (finite: [`max_abs_diff`] checks). Every parameter but an expert's must be on every
+/// rank; an expert's on at least one.
+pub fn compare(
+    what: &str,
+    reference: &(f32, HashMap<String, Tensor>),
+    got: Vec<(f32, Grads)>,
+) -> Result<()> {
+    let (ref_loss, ref_g) = reference;
+    let mut seen = std::collections::BTreeSet::new();
+    for (rank, (loss, g)) in got.into_iter().enumerate() {
+        assert!(
+            (loss - ref_loss).abs() < 1e-5,
+            "{what} rank {rank}: loss {loss} vs {ref_loss}"
+        );
+        let names: Vec<&String> = g.iter().map(|(n, _, _)| n).collect();
+        for name in ref_g.keys().filter(|n| !n.contains(".experts.")) {
+            assert!(
+                names.contains(&name),
+                "{what} rank {rank}: no parameter {name}"
+            );
+        }
+        for (name, split, grad) in g {
+            let Some(full) = ref_g.get(&name) else {
+                panic!("{what} rank {rank}: parameter {name} is not the reference's");
+            };
+            let want = match &split {
+                None => full.clone(),
+                Some((dim, r)) => full.narrow(*dim, r.start, r.len())?,
+            };
+            let d = max_abs_diff(&grad, &want)?;
+            assert!(
+                d <= 1e-5,
+                "{what} rank {rank}: gradient of {name} ({split:?}) differs by {d}"
+            );
+            seen.insert(name);
+        }
+    }
+    for name in ref_g.keys() {
+        assert!(seen.contains(name), "{what}: no rank holds {name}");
+    }
+    Ok(())
 }
 
 /// `examples/train`'s arguments for a tiny model trained for 4 steps (seconds per run).

@@ -1,0 +1,319 @@
+//! Training a Mixtral-style model (sparse MoE layers) with tensor and expert parallelism
+//! against one process (issue 45: "EP training through autograd, with the gradients checked
+//! against the dense layer"):
+//!
+//! - every parameter's gradient, routers included, at TP = 2 and 3 with each expert split
+//!   column/row and with whole experts per rank (5 experts: 3 + 2, 2 + 2 + 1), with and
+//!   without sequence parallelism, and DP = 2 × EP = 2;
+//! - the router's gradient against finite differences of the loss (the routing weights are
+//!   differentiable, as in Hugging Face's `MixtralSparseMoeBlock`);
+//! - a checkpoint saved at EP = 2 is a Mixtral checkpoint: candle-transformers' `mixtral`
+//!   and the crate's inference model read it and give the trained model's logits;
+//! - bad layouts are errors that name the sizes.
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_tp::models::CausalLm;
+use candle_tp::train::{
+    vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLayout, TrainLlama,
+};
+use candle_tp::{run_threads, DeviceMesh, ReduceOp};
+use common::max_abs_diff;
+use common::train::{batch, cfg, compare, grads, reference};
+
+const EXPERTS: usize = 5;
+
+/// [`cfg`] with 5 experts of width 12 and top-2 routing in each of its 2 layers.
+fn moe_cfg() -> TrainConfig {
+    TrainConfig {
+        intermediate_size: 12,
+        num_local_experts: EXPERTS,
+        num_experts_per_tok: 2,
+        ..cfg(false)
+    }
+}
+
+fn layout(sequence_parallel: bool, expert_parallel: bool) -> TrainLayout {
+    TrainLayout {
+        sequence_parallel,
+        expert_parallel,
+    }
+}
+
+#[test]
+fn moe_gradients_equal_one_process_with_experts_split_or_whole() -> Result<()> {
+    let cfg = moe_cfg();
+    let drop = Dropout {
+        seed: 5,
+        step: 1,
+        hidden: 0.1,
+        attention: 0.0,
+        first_row: 0,
+    };
+    let reference = reference(&cfg, drop)?;
+    // Every expert is used by the batch, so every expert weight has a gradient to compare.
+    for (name, g) in &reference.1 {
+        if name.contains(".experts.") || name.ends_with(".gate.weight") {
+            let largest = g.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(largest > 1e-6, "{name}: gradient {largest} (unused?)");
+        }
+    }
+    for tp in [2, 3] {
+        for sp in [false, true] {
+            for ep in [false, true] {
+                let got = run_threads(tp, |pg| grads(&cfg, &pg, None, layout(sp, ep), drop, 0..4))?;
+                if ep {
+                    // Whole experts: each rank holds only its own.
+                    let experts: Vec<usize> = got
+                        .iter()
+                        .map(|(_, g)| {
+                            g.iter()
+                                .filter(|(n, _, _)| n.ends_with("w1.weight"))
+                                .count()
+                        })
+                        .collect();
+                    let want: Vec<usize> = candle_tp::Partition::new(EXPERTS, tp)
+                        .map_err(candle_core::Error::msg)?
+                        .sizes()
+                        .iter()
+                        .map(|n| n * cfg.num_hidden_layers)
+                        .collect();
+                    assert_eq!(experts, want, "tp {tp}: experts per rank");
+                }
+                compare(&format!("tp {tp} sp {sp} ep {ep}"), &reference, got)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn moe_gradients_equal_one_process_dp2_x_ep2() -> Result<()> {
+    let cfg = moe_cfg();
+    let reference = reference(&cfg, Dropout::off())?;
+    let got = run_threads(4, |world| {
+        let mesh = DeviceMesh::dp_tp(&world, 2)?;
+        let (Some(dp), Some(tp)) = (mesh.group_along(0), mesh.group_along(1)) else {
+            candle_core::bail!("mesh without dp/tp groups");
+        };
+        let d = mesh.coord()[0];
+        let (loss, g) = grads(
+            &cfg,
+            tp,
+            Some(dp),
+            layout(true, true),
+            Dropout::off(),
+            2 * d..2 * d + 2,
+        )?;
+        let l = dp.all_reduce(&Tensor::new(&[loss], &Device::Cpu)?, ReduceOp::Sum)?;
+        Ok((l.to_vec1::<f32>()?[0] / dp.size() as f32, g))
+    })?;
+    compare("dp 2 x ep 2 sp", &reference, got)
+}
+
+/// The loss of one process with the weights of seed 42, one router weight moved by `delta`.
+fn loss_with_router_moved(cfg: &TrainConfig, at: (usize, usize), delta: f64) -> Result<f64> {
+    let init = TrainInit::new(42);
+    cfg.declare(&init)?;
+    let pg = candle_tp::ProcessGroup::single();
+    let model = TrainLlama::load(
+        cfg,
+        init.var_builder(DType::F64, &Device::Cpu, pg.clone()),
+        false,
+    )?;
+    let router = init.param("model.layers.1.block_sparse_moe.gate.weight")?;
+    let mut w = router.var.as_tensor().to_vec2::<f64>()?;
+    w[at.0][at.1] += delta;
+    router.var.set(&Tensor::new(w, &Device::Cpu)?)?;
+    let (ids, tg) = batch(4, 7);
+    let ids = Tensor::from_vec(ids, (4, 7), &Device::Cpu)?;
+    let tg = Tensor::from_vec(tg, 28, &Device::Cpu)?;
+    let logits = model.forward(&ids, &Dropout::off())?;
+    let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), &pg, 0.0, None)?;
+    loss.to_dtype(DType::F64)?.to_scalar::<f64>()
+}
+
+/// The routing weights carry the gradient of the softmax: the router's gradient (from
+/// backward) equals central differences of the loss, which use only forwards.
+#[test]
+fn router_gradient_equals_finite_differences() -> Result<()> {
+    let cfg = moe_cfg();
+    let init = TrainInit::new(42);
+    cfg.declare(&init)?;
+    let pg = candle_tp::ProcessGroup::single();
+    let model = TrainLlama::load(
+        &cfg,
+        init.var_builder(DType::F64, &Device::Cpu, pg.clone()),
+        false,
+    )?;
+    let (ids, tg) = batch(4, 7);
+    let ids = Tensor::from_vec(ids, (4, 7), &Device::Cpu)?;
+    let tg = Tensor::from_vec(tg, 28, &Device::Cpu)?;
+    let logits = model.forward(&ids, &Dropout::off())?;
+    let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), &pg, 0.0, None)?;
+    let router = init.param("model.layers.1.block_sparse_moe.gate.weight")?;
+    let grads = loss.backward()?;
+    let Some(g) = grads.get(router.var.as_tensor()) else {
+        panic!("the router has no gradient");
+    };
+    let g = g.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+    // The routing weights' values are f32's (as in inference, also in an f64 model), so the
+    // differences are taken over a step large enough for f32's rounding.
+    let eps = 1e-3;
+    let mut checked = 0;
+    for (e, row) in g.iter().enumerate() {
+        for c in [0, 7, 23] {
+            let fd = (loss_with_router_moved(&cfg, (e, c), eps)?
+                - loss_with_router_moved(&cfg, (e, c), -eps)?)
+                / (2.0 * eps);
+            let got = row[c];
+            assert!(
+                got.is_finite() && fd.is_finite(),
+                "expert {e} col {c}: {got} vs {fd}"
+            );
+            let err = (got - fd).abs();
+            assert!(
+                err <= 2e-3 * fd.abs().max(1e-2),
+                "router[{e}][{c}]: backward {got:.6e} vs finite differences {fd:.6e}"
+            );
+            checked += usize::from(fd.abs() > 1e-3);
+        }
+    }
+    // Not a comparison of zeros: most entries move the loss.
+    assert!(checked >= 8, "only {checked} router entries move the loss");
+    Ok(())
+}
+
+#[test]
+fn a_checkpoint_trained_expert_parallel_is_a_mixtral_checkpoint() -> Result<()> {
+    let dir = tempfile::tempdir().map_err(candle_core::Error::wrap)?;
+    let cfg = moe_cfg();
+    let (b, s) = (2, 5);
+    let (ids, _) = batch(b, s);
+    let ids = Tensor::from_vec(ids[..b * s].to_vec(), (b, s), &Device::Cpu)?;
+    let trained = run_threads(2, |pg| {
+        let init = TrainInit::new(9);
+        cfg.declare(&init)?;
+        let vb = init.var_builder(DType::F32, &Device::Cpu, pg.clone());
+        let model = TrainLlama::load_with(&cfg, vb, layout(false, true))?;
+        // One optimizer step so the weights are no longer the initial draw.
+        let logits = model.forward(&ids, &Dropout::off())?;
+        let loss = vocab_parallel_cross_entropy(
+            &logits,
+            &ids.flatten_all()?,
+            model.vocab_partition(),
+            &pg,
+            0.0,
+            None,
+        )?;
+        let mut g = loss.backward()?;
+        let names = model.partial_gradient_params();
+        let params = init.params()?;
+        let routers: Vec<_> = params
+            .iter()
+            .filter(|p| names.contains(&p.name))
+            .map(|p| p.var.clone())
+            .collect();
+        assert_eq!(
+            routers.len(),
+            cfg.num_hidden_layers,
+            "rank {}: routers",
+            pg.rank()
+        );
+        candle_tp::train::all_reduce_grads(&mut g, &routers, &pg, false)?;
+        let mut opt = candle_nn::AdamW::new_lr(init.vars()?, 1e-2)?;
+        candle_nn::Optimizer::step(&mut opt, &g)?;
+        init.save_safetensors_dir(dir.path(), &cfg.hf_config_json(None, None)?, &pg, true)?;
+        let l = model.forward(&ids, &Dropout::off())?;
+        pg.all_gather(&l, 1)
+    })?;
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("config.json"))
+            .map_err(candle_core::Error::wrap)?,
+    )
+    .map_err(candle_core::Error::wrap)?;
+    assert_eq!(config["architectures"][0], "MixtralForCausalLM", "{config}");
+    assert_eq!(config["num_local_experts"], EXPERTS, "{config}");
+    // The last position of each sequence, as the inference models return it.
+    let last = Tensor::new(&[(s - 1) as u32, (2 * s - 1) as u32], &Device::Cpu)?;
+    let want = trained[0].index_select(&last, 0)?;
+    // candle-transformers' Mixtral.
+    let mut reference_cfg = config.clone();
+    // candle-transformers' own field, not Hugging Face's.
+    reference_cfg["use_flash_attn"] = false.into();
+    let reference_cfg: candle_transformers::models::mixtral::Config =
+        serde_json::from_value(reference_cfg).map_err(candle_core::Error::wrap)?;
+    let weights = [dir.path().join("model.safetensors")];
+    // SAFETY: the file is this test's own and is not modified while mapped.
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(&weights, DType::F32, &Device::Cpu)?
+    };
+    let mut reference = candle_transformers::models::mixtral::Model::new(&reference_cfg, vb)?;
+    let got = reference.forward(&ids, 0)?.reshape(want.dims())?;
+    let d = max_abs_diff(&got, &want)?;
+    assert!(
+        d <= 1e-4,
+        "candle-transformers' mixtral: logits differ by {d}"
+    );
+    // The crate's inference model (`CausalLm`, Mixtral read from config.json) at worlds 1
+    // and 2 (every expert split, KV cache).
+    for world in [1, 2] {
+        let got = run_threads(world, |pg| {
+            let mut m = CausalLm::from_dir(dir.path(), DType::F32, &Device::Cpu, pg)?;
+            m.forward_gathered(&ids, 0)
+        })?;
+        for (rank, l) in got.iter().enumerate() {
+            let d = max_abs_diff(l, &want)?;
+            assert!(
+                d <= 1e-4,
+                "Mixtral at world {world} rank {rank}: logits differ by {d}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_expert_layouts_are_errors_with_the_sizes() -> Result<()> {
+    let dense = cfg(false);
+    let out = run_threads(2, |pg| {
+        let mut errs = Vec::new();
+        for (cfg, ep) in [
+            (dense.clone(), true),
+            (
+                TrainConfig {
+                    num_local_experts: 1,
+                    num_experts_per_tok: 1,
+                    ..moe_cfg()
+                },
+                true,
+            ),
+            (
+                TrainConfig {
+                    num_experts_per_tok: 6,
+                    ..moe_cfg()
+                },
+                false,
+            ),
+        ] {
+            let init = TrainInit::new(1);
+            cfg.declare(&init)?;
+            let vb = init.var_builder(DType::F32, &Device::Cpu, pg.clone());
+            errs.push(match TrainLlama::load_with(&cfg, vb, layout(false, ep)) {
+                Ok(_) => "loaded".to_string(),
+                Err(e) => e.to_string(),
+            });
+        }
+        Ok(errs)
+    })?;
+    for errs in out {
+        assert!(errs[0].contains("num_local_experts = 0"), "{}", errs[0]);
+        assert!(errs[1].contains("1 experts over 2"), "{}", errs[1]);
+        assert!(
+            errs[2].contains("num_experts_per_tok 6") && errs[2].contains("num_local_experts 5"),
+            "{}",
+            errs[2]
+        );
+    }
+    Ok(())
+}
