@@ -105,6 +105,10 @@ struct Args {
     /// Experts each token is routed to, with `--experts`.
     #[arg(long, default_value_t = 2)]
     top_k: usize,
+    /// Weight of the MoE layers' load-balancing loss (Megatron-core's per-layer form, 1 per
+    /// layer when balanced), added to the logged loss.
+    #[arg(long, default_value_t = 0.0)]
+    router_aux_loss_coef: f64,
     /// Expert parallelism: whole experts on each rank of the tensor-parallel group (the
     /// default splits every expert column/row across it).
     #[arg(long)]
@@ -248,6 +252,7 @@ fn main() -> Result<()> {
         initializer_range: 0.02,
         num_local_experts: args.experts,
         num_experts_per_tok: args.top_k,
+        router_aux_loss_coef: args.router_aux_loss_coef,
     };
     let init = TrainInit::new(args.seed);
     cfg.declare(&init)?;

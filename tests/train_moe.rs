@@ -12,6 +12,8 @@
 //! - bad layouts are errors that name the sizes.
 mod common;
 
+use std::collections::HashMap;
+
 use candle_core::{DType, Device, Result, Tensor};
 use candle_tp::models::CausalLm;
 use candle_tp::train::{
@@ -23,12 +25,14 @@ use common::train::{batch, cfg, compare, grads, reference};
 
 const EXPERTS: usize = 5;
 
-/// [`cfg`] with 5 experts of width 12 and top-2 routing in each of its 2 layers.
+/// [`cfg`] with 5 experts of width 12 and top-2 routing in each of its 2 layers, and a
+/// load-balancing loss weighed 0.1 (large enough that its gradient counts in the checks).
 fn moe_cfg() -> TrainConfig {
     TrainConfig {
         intermediate_size: 12,
         num_local_experts: EXPERTS,
         num_experts_per_tok: 2,
+        router_aux_loss_coef: 0.1,
         ..cfg(false)
     }
 }
@@ -87,24 +91,56 @@ fn moe_gradients_equal_one_process_with_experts_split_or_whole() -> Result<()> {
     Ok(())
 }
 
+/// Data parallelism: each replica's load-balancing loss is that of its own tokens (as in
+/// Megatron-core), not of the whole batch, so the reference is one process run on each
+/// replica's half of the batch, the losses and gradients averaged.
 #[test]
 fn moe_gradients_equal_one_process_dp2_x_ep2() -> Result<()> {
     let cfg = moe_cfg();
-    let reference = reference(&cfg, Dropout::off())?;
+    let half = |rows: std::ops::Range<usize>| -> Result<(f32, HashMap<String, Tensor>)> {
+        let init = TrainInit::new(42);
+        cfg.declare(&init)?;
+        let pg = candle_tp::ProcessGroup::single();
+        let model = TrainLlama::load(
+            &cfg,
+            init.var_builder(DType::F32, &Device::Cpu, pg.clone()),
+            false,
+        )?;
+        let (ids, tg) = batch(4, 7);
+        let ids = Tensor::from_vec(ids, (4, 7), &Device::Cpu)?.narrow(0, rows.start, rows.len())?;
+        let tg = Tensor::from_vec(tg, (4, 7), &Device::Cpu)?
+            .narrow(0, rows.start, rows.len())?
+            .flatten_all()?;
+        let logits = model.forward(&ids, &Dropout::off())?;
+        let loss =
+            vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), &pg, 0.0, None)?;
+        let loss = (loss + model.take_aux_loss().expect("a load-balancing loss"))?;
+        let g = loss.backward()?;
+        let mut grads = HashMap::new();
+        for p in init.params()? {
+            // An expert no token of this half chose has no gradient: zeros.
+            let t = match g.get(p.var.as_tensor()) {
+                Some(t) => t.clone(),
+                None => p.var.as_tensor().zeros_like()?,
+            };
+            grads.insert(p.name, t);
+        }
+        Ok((loss.to_scalar::<f32>()?, grads))
+    };
+    let (first, second) = (half(0..2)?, half(2..4)?);
+    let mut mean = HashMap::new();
+    for (name, a) in first.1 {
+        mean.insert(name.clone(), ((a + &second.1[&name])? / 2.0)?);
+    }
+    let reference = ((first.0 + second.0) / 2.0, mean);
     let got = run_threads(4, |world| {
         let mesh = DeviceMesh::dp_tp(&world, 2)?;
         let (Some(dp), Some(tp)) = (mesh.group_along(0), mesh.group_along(1)) else {
             candle_core::bail!("mesh without dp/tp groups");
         };
         let d = mesh.coord()[0];
-        let (loss, g) = grads(
-            &cfg,
-            tp,
-            Some(dp),
-            layout(true, true),
-            Dropout::off(),
-            2 * d..2 * d + 2,
-        )?;
+        let rows = 2 * d..2 * d + 2;
+        let (loss, g) = grads(&cfg, tp, Some(dp), layout(true, true), Dropout::off(), rows)?;
         let l = dp.all_reduce(&Tensor::new(&[loss], &Device::Cpu)?, ReduceOp::Sum)?;
         Ok((l.to_vec1::<f32>()?[0] / dp.size() as f32, g))
     })?;
@@ -130,14 +166,19 @@ fn loss_with_router_moved(cfg: &TrainConfig, at: (usize, usize), delta: f64) -> 
     let tg = Tensor::from_vec(tg, 28, &Device::Cpu)?;
     let logits = model.forward(&ids, &Dropout::off())?;
     let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), &pg, 0.0, None)?;
-    loss.to_dtype(DType::F64)?.to_scalar::<f64>()
+    let aux = model.take_aux_loss().expect("a load-balancing loss");
+    (loss + aux)?.to_dtype(DType::F64)?.to_scalar::<f64>()
 }
 
-/// The routing weights carry the gradient of the softmax: the router's gradient (from
-/// backward) equals central differences of the loss, which use only forwards.
+/// The routing weights carry the gradient of the softmax, and the load-balancing loss that of
+/// the mean probabilities: the router's gradient (from backward) equals central differences
+/// of the loss with its load-balancing term (weighed 1 here), which use only forwards.
 #[test]
 fn router_gradient_equals_finite_differences() -> Result<()> {
-    let cfg = moe_cfg();
+    let cfg = TrainConfig {
+        router_aux_loss_coef: 1.0,
+        ..moe_cfg()
+    };
     let init = TrainInit::new(42);
     cfg.declare(&init)?;
     let pg = candle_tp::ProcessGroup::single();
@@ -151,6 +192,7 @@ fn router_gradient_equals_finite_differences() -> Result<()> {
     let tg = Tensor::from_vec(tg, 28, &Device::Cpu)?;
     let logits = model.forward(&ids, &Dropout::off())?;
     let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), &pg, 0.0, None)?;
+    let loss = (loss + model.take_aux_loss().expect("a load-balancing loss"))?;
     let router = init.param("model.layers.1.block_sparse_moe.gate.weight")?;
     let grads = loss.backward()?;
     let Some(g) = grads.get(router.var.as_tensor()) else {
@@ -181,6 +223,63 @@ fn router_gradient_equals_finite_differences() -> Result<()> {
     }
     // Not a comparison of zeros: most entries move the loss.
     assert!(checked >= 8, "only {checked} router entries move the loss");
+    Ok(())
+}
+
+/// With every router weight zero, the probabilities are uniform and the top-2 ties go to
+/// experts 0 and 1: each gets half of the choices and mean probability 1/5, so each layer's
+/// loss is `5 · 2 · (1/2 · 1/5)` = 1, and the whole `0.1 · 2 layers` = 0.2, at every layout.
+#[test]
+fn load_balancing_loss_of_a_uniform_router_is_the_number_of_layers() -> Result<()> {
+    let cfg = moe_cfg();
+    for (tp, sp, ep) in [
+        (1, false, false),
+        (2, false, true),
+        (3, true, true),
+        (2, true, false),
+    ] {
+        let got = run_threads(tp, |pg| {
+            let init = TrainInit::new(3);
+            cfg.declare(&init)?;
+            let vb = init.var_builder(DType::F32, &Device::Cpu, pg.clone());
+            let model = TrainLlama::load_with(&cfg, vb, layout(sp, ep))?;
+            for l in 0..cfg.num_hidden_layers {
+                let router =
+                    init.param(&format!("model.layers.{l}.block_sparse_moe.gate.weight"))?;
+                router.var.set(&router.var.as_tensor().zeros_like()?)?;
+            }
+            let (ids, _) = batch(4, 7);
+            let ids = Tensor::from_vec(ids, (4, 7), &Device::Cpu)?;
+            model.forward(&ids, &Dropout::off())?;
+            let aux = model.take_aux_loss().expect("a load-balancing loss");
+            assert!(model.take_aux_loss().is_none(), "taken twice");
+            aux.to_scalar::<f32>()
+        })?;
+        for (rank, aux) in got.into_iter().enumerate() {
+            assert!(
+                (aux - 0.2).abs() <= 1e-6,
+                "tp {tp} sp {sp} ep {ep} rank {rank}: load-balancing loss {aux}, want 0.2"
+            );
+        }
+    }
+    // Without the coefficient there is none.
+    let model_cfg = TrainConfig {
+        router_aux_loss_coef: 0.0,
+        ..cfg
+    };
+    let init = TrainInit::new(3);
+    model_cfg.declare(&init)?;
+    let pg = candle_tp::ProcessGroup::single();
+    let model = TrainLlama::load(
+        &model_cfg,
+        init.var_builder(DType::F32, &Device::Cpu, pg),
+        false,
+    )?;
+    model.forward(
+        &Tensor::new(&[[1u32, 2, 3]], &Device::Cpu)?,
+        &Dropout::off(),
+    )?;
+    assert!(model.take_aux_loss().is_none());
     Ok(())
 }
 

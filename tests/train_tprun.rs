@@ -82,24 +82,53 @@ fn loss_curves_equal_one_process() {
     }
 }
 
-/// Mixtral-style layers (`--experts 4`, top-2): one process against TP = 2 with every expert
-/// split, EP = 2 with sequence parallelism (whole experts per rank, the routers' partial
-/// gradients summed), and DP = 2 × EP = 2; the EP = 2 checkpoint is a Mixtral one.
+/// Mixtral-style layers (`--experts 4`, top-2, a load-balancing loss weighed 0.1): one
+/// process against TP = 2 with every expert split, EP = 2 with sequence parallelism (whole
+/// experts per rank, the routers' partial gradients summed), DP = 2 × EP = 2 and PP = 2 × EP
+/// = 2 in 2 micro-batches; the EP = 2 checkpoint is a Mixtral one.
 #[test]
 fn moe_loss_curves_equal_one_process() {
     let dir = tempfile::tempdir().expect("tempdir");
     let ckpt = dir.path().join("ckpt");
     let ckpt_s = ckpt.to_string_lossy().to_string();
-    let moe = ["--experts", "4", "--top-k", "2"];
+    let moe = [
+        "--experts",
+        "4",
+        "--top-k",
+        "2",
+        "--router-aux-loss-coef",
+        "0.1",
+    ];
     let with = |extra: &[&'static str]| -> Vec<&str> { moe.iter().chain(extra).copied().collect() };
     let one = losses(1, &with(&["--tp", "1"]));
+    // The load-balancing loss is each micro-batch's (and each data-parallel replica's), so
+    // the layouts that split the batch in two compare with one process in 2 micro-batches.
+    let one_halves = losses(1, &with(&["--tp", "1", "--micro-batches", "2"]));
     let tp = losses(2, &with(&["--tp", "2"]));
     let mut ep_args = with(&["--tp", "2", "--expert-parallel", "--sequence-parallel"]);
     ep_args.extend(["--save", &ckpt_s]);
     let ep = losses(2, &ep_args);
     let dp_ep = losses(4, &with(&["--tp", "2", "--dp", "2", "--expert-parallel"]));
-    for (i, &r) in one.iter().enumerate() {
-        for (what, c) in [("tp2", &tp), ("ep2+sp", &ep), ("dp2xep2", &dp_ep)] {
+    // Each stage adds its own layers' load-balancing loss to its backward.
+    let pp_ep = losses(
+        4,
+        &with(&[
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--expert-parallel",
+        ]),
+    );
+    for (i, (&r, &r2)) in one.iter().zip(&one_halves).enumerate() {
+        for (what, c, r) in [
+            ("tp2", &tp, r),
+            ("ep2+sp", &ep, r),
+            ("dp2xep2", &dp_ep, r2),
+            ("pp2xep2", &pp_ep, r2),
+        ] {
             let rel = (c[i] - r).abs() / r.abs();
             assert!(
                 rel <= 1e-4,

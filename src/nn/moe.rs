@@ -243,13 +243,13 @@ impl SparseMoe {
     /// [`route`](Self::route) with the weights as one tensor, differentiable with respect to
     /// the router and `x` when they track gradients.
     fn routing(&self, x: &Tensor) -> Result<Routing> {
+        self.routing_of(&self.router.forward(x)?)
+    }
+
+    /// The routing of the router's `logits`.
+    fn routing_of(&self, logits: &Tensor) -> Result<Routing> {
         let who = format!("SparseMoe on rank {}", self.pg.rank());
-        Routing::top_k(
-            &self.router.forward(x)?,
-            self.top_k,
-            self.norm_topk_prob,
-            &who,
-        )
+        Routing::top_k(logits, self.top_k, self.norm_topk_prob, &who)
     }
 }
 
@@ -285,7 +285,23 @@ impl SparseMoe {
     /// experts). Summing it over the group ([`reduce_from_tp`], or a reduce-scatter) gives the
     /// layer's output; [`forward`](Module::forward) does both.
     pub fn forward_partial(&self, xp: &Tensor) -> Result<Tensor> {
-        let routing = self.routing(xp)?;
+        self.routed(xp, &self.routing(xp)?)
+    }
+
+    /// [`forward_partial`](Self::forward_partial) and the routing's load-balancing loss
+    /// (Megatron-core's: `E · Σ_e f_e · P_e`, 1 when balanced), the same on every rank of
+    /// the group, differentiable with respect to the router and `xp`.
+    pub fn forward_partial_balanced(&self, xp: &Tensor) -> Result<(Tensor, Tensor)> {
+        let logits = self.router.forward(xp)?;
+        let routing = self.routing_of(&logits)?;
+        Ok((
+            self.routed(xp, &routing)?,
+            routing.load_balancing_loss(&logits)?,
+        ))
+    }
+
+    /// The partial sums of `xp`'s tokens routed by `routing`.
+    fn routed(&self, xp: &Tensor, routing: &Routing) -> Result<Tensor> {
         // Expert-parallel: this rank's whole experts; tensor-parallel: every expert's slice.
         let mine = match &self.owners {
             Some(owners) => owners.range(self.ep_rank),

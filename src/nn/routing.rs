@@ -87,6 +87,29 @@ impl Routing {
         self.weights.index_select(&idx, 0)?.reshape((n, 1))
     }
 
+    /// Megatron-core's load-balancing loss of this routing (Switch Transformer's, for top-k):
+    /// `E · Σ_e f_e · P_e`, with `f_e` the share of the tokens' `k` choices that went to
+    /// expert `e` (the shares sum to 1) and `P_e` the mean router probability of `e`; 1 when
+    /// both are uniform. `logits` are those the routing was made from; the loss is
+    /// differentiable through `P` (the counts are not). 0 for no token.
+    pub(crate) fn load_balancing_loss(&self, logits: &Tensor) -> Result<Tensor> {
+        let wide = self.weights.dtype();
+        let (tokens, n_experts) = logits.dims2()?;
+        let device = logits.device();
+        if tokens == 0 {
+            return Tensor::zeros((), wide, device);
+        }
+        let choices = self.weights.dim(0)? as f64;
+        let shares: Vec<f64> = self
+            .experts
+            .iter()
+            .map(|(rows, _)| rows.len() as f64 / choices)
+            .collect();
+        let shares = Tensor::from_vec(shares, n_experts, device)?.to_dtype(wide)?;
+        let mean = candle_nn::ops::softmax(&logits.to_dtype(wide)?, D::Minus1)?.mean(0)?;
+        (mean * shares)?.sum_all()? * n_experts as f64
+    }
+
     /// Per expert: (token rows, weights as plain values).
     pub(crate) fn to_vecs(&self) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
         let w: Vec<f32> = self.weights.to_dtype(DType::F32)?.to_vec1()?;

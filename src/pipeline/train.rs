@@ -29,7 +29,8 @@ pub struct MicroBatch {
 /// What [`train_step`] did on this rank.
 #[derive(Debug)]
 pub struct StepReport {
-    /// The mean of the micro-batches' losses (every stage gets it from the last).
+    /// The mean of the micro-batches' losses, every stage's MoE load-balancing loss included
+    /// (every stage gets it).
     pub loss: f32,
     /// The gradients of this stage's parameters: of the mean loss over the micro-batches (each
     /// micro-batch's loss divided by their number, summed), the tied embedding's summed
@@ -71,6 +72,9 @@ struct Slot {
     in_grad: Option<Tensor>,
     /// Bytes of the activations the forward kept.
     bytes: usize,
+    /// Not on the last stage: this stage's load-balancing loss (`TrainLlama::take_aux_loss`),
+    /// scaled as the micro-batch's loss, added to its backward.
+    aux: Option<Tensor>,
 }
 
 /// Runs one training step of `model`'s pipeline stage (the whole model without a pipeline) on
@@ -130,12 +134,24 @@ pub fn train_step(
                     .map(|b| b.ids.dims2().map_or(0, |d| d.0))
                     .sum();
                 let h = model.forward_layers(&input, s, &drop.skip_rows(rows_before))?;
+                // This stage's MoE load-balancing loss, a part of the micro-batch's loss.
+                let aux = match model.take_aux_loss() {
+                    Some(a) => Some((a / m as f64)?),
+                    None => None,
+                };
                 let out = if last {
                     let logits = model.forward_head(&h, b, s)?;
-                    let l = (loss(&logits, &batches[mb].targets)? / m as f64)?;
+                    let mut l = (loss(&logits, &batches[mb].targets)? / m as f64)?;
+                    if let Some(a) = aux {
+                        l = (&l + a.to_dtype(l.dtype())?)?;
+                    }
                     loss_sum += l.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
                     l
                 } else {
+                    if let Some(a) = &aux {
+                        loss_sum += a.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+                    }
+                    slots[mb].aux = aux;
                     h
                 };
                 let bytes = activation_bytes(&out);
@@ -171,7 +187,13 @@ pub fn train_step(
                     candle_core::Error::msg(format!("micro-batch {mb}: backward before forward"))
                 })?;
                 let target = match slot.out_grad.take() {
-                    Some(g) => (out * g)?.sum_all()?,
+                    Some(g) => {
+                        let t = (out * g)?.sum_all()?;
+                        match slot.aux.take() {
+                            Some(a) => (&t + a.to_dtype(t.dtype())?)?,
+                            None => t,
+                        }
+                    }
                     None if last => out,
                     None => {
                         candle_core::bail!("micro-batch {mb}: backward before its gradient arrived")
@@ -213,9 +235,12 @@ pub fn train_step(
             .collect();
         all_reduce_grads(&mut acc, &var, group, false)?;
     }
+    // The last stage's loss, plus the other stages' load-balancing losses (0 without MoE).
     let mut loss = [loss_sum];
     if let Some(stage) = stage {
-        stage.share_from_last(&mut loss)?;
+        stage
+            .group()
+            .all_reduce_slice(&mut loss, crate::comm::ReduceOp::Sum)?;
     }
     Ok(StepReport {
         loss: loss[0],

@@ -59,6 +59,10 @@ pub struct TrainConfig {
     /// with MoE layers.
     #[serde(default = "default_top_k")]
     pub num_experts_per_tok: usize,
+    /// Weight of the MoE layers' load-balancing loss (Hugging Face's field name;
+    /// Megatron-core's per-layer form, see [`TrainLlama::take_aux_loss`]); 0: none.
+    #[serde(default)]
+    pub router_aux_loss_coef: f64,
 }
 
 fn default_std() -> f64 {
@@ -186,6 +190,7 @@ impl TrainConfig {
             } else {
                 o.remove("num_local_experts");
                 o.remove("num_experts_per_tok");
+                o.remove("router_aux_loss_coef");
                 ("LlamaForCausalLM", "llama")
             };
             o.insert("architectures".into(), serde_json::json!([arch]));
@@ -297,6 +302,8 @@ pub struct TrainLlama {
     sequence_parallel: bool,
     norm_names: Vec<String>,
     router_names: Vec<String>,
+    /// The load-balancing loss of the last `forward_layers`, for `take_aux_loss`.
+    aux_loss: std::sync::Mutex<Option<Tensor>>,
 }
 
 impl TrainLlama {
@@ -433,6 +440,7 @@ impl TrainLlama {
             sequence_parallel,
             norm_names,
             router_names,
+            aux_loss: std::sync::Mutex::new(None),
         })
     }
 
@@ -480,6 +488,21 @@ impl TrainLlama {
             names.extend(self.norm_names.iter().cloned());
         }
         names
+    }
+
+    /// The MoE layers' load-balancing loss of the last [`forward_layers`](Self::forward_layers)
+    /// (or [`forward`](Self::forward)) on this rank, taken: `router_aux_loss_coef` times the sum
+    /// over this stage's MoE layers of Megatron-core's per-layer loss `E · Σ_e f_e · P_e`
+    /// (`f_e`: the share of the tokens' top-k choices that went to expert `e`, summing to 1;
+    /// `P_e`: the mean router probability of `e`; 1 per layer when balanced). Add it to the
+    /// loss before backward ([`crate::pipeline::train_step`] does). `None` without MoE layers
+    /// or with a coefficient of 0.
+    ///
+    /// Every rank of the TP group computes the same value from the same routing and adds it,
+    /// and the router's and the hidden states' gradients are summed over the group, so its
+    /// gradient is divided by the group's size (its value is not).
+    pub fn take_aux_loss(&self) -> Option<Tensor> {
+        self.aux_loss.lock().ok().and_then(|mut a| a.take())
     }
 
     fn seq_partition(&self, seq: usize) -> Result<Partition> {
@@ -636,6 +659,8 @@ impl TrainLlama {
         let eps = self.cfg.rms_norm_eps;
         let rows = self.rows(seq)?;
         let mut h = h.clone();
+        let coef = self.cfg.router_aux_loss_coef;
+        let mut aux: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
             let l = self.layer_start + i;
             let x = self.enter(&rms_norm(&h, &layer.input_norm, eps)?, &sp)?;
@@ -643,24 +668,56 @@ impl TrainLlama {
             let y = drop.apply_shared(&y, Site::AttentionOut(l), seq, &rows)?;
             h = (h + y)?;
             let x = self.enter(&rms_norm(&h, &layer.post_norm, eps)?, &sp)?;
-            let y = self.leave(&Self::feed_forward(&layer.ffn, &x)?, &sp)?;
+            let (y, balance) = Self::feed_forward(&layer.ffn, &x, coef != 0.0)?;
+            if let Some(b) = balance {
+                aux = Some(match aux {
+                    Some(a) => (a + b)?,
+                    None => b,
+                });
+            }
+            let y = self.leave(&y, &sp)?;
             let y = drop.apply_shared(&y, Site::MlpOut(l), seq, &rows)?;
             h = (h + y)?;
+        }
+        let aux = match aux {
+            // `a/p + (a - a/p)`: the value `a`, the gradient `1/p` of `a`'s.
+            Some(a) => {
+                let a = (a * coef)?;
+                let part = (&a / self.pg.size() as f64)?;
+                Some((&part + (a - &part)?.detach())?)
+            }
+            None => None,
+        };
+        if let Ok(mut slot) = self.aux_loss.lock() {
+            *slot = aux;
         }
         Ok(h)
     }
 
-    /// A feed-forward block's partial sums over the entered hidden states `x` `[b, s, h]`.
-    fn feed_forward(ffn: &FeedForward, x: &Tensor) -> Result<Tensor> {
+    /// A feed-forward block's partial sums over the entered hidden states `x` `[b, s, h]`,
+    /// and, when `balance` is asked of an MoE block, its load-balancing loss.
+    fn feed_forward(
+        ffn: &FeedForward,
+        x: &Tensor,
+        balance: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         match ffn {
             FeedForward::Dense(mlp) => {
                 let g = mlp.gate.forward_local(x)?.silu()?;
-                mlp.down.forward_partial(&(g * mlp.up.forward_local(x)?)?)
+                Ok((
+                    mlp.down.forward_partial(&(g * mlp.up.forward_local(x)?)?)?,
+                    None,
+                ))
             }
             FeedForward::Moe(moe) => {
                 let dims = x.dims().to_vec();
-                let h = dims[dims.len() - 1];
-                moe.forward_partial(&x.reshape(((), h))?)?.reshape(dims)
+                let x = x.reshape(((), dims[dims.len() - 1]))?;
+                if balance {
+                    let (y, b) = moe.forward_partial_balanced(&x)?;
+                    Ok((y.reshape(dims)?, Some(b)))
+                } else {
+                    Ok((moe.forward_partial(&x)?.reshape(dims)?, None))
+                }
             }
         }
     }

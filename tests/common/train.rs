@@ -29,6 +29,7 @@ pub fn cfg(tie: bool) -> TrainConfig {
         initializer_range: 0.2,
         num_local_experts: 0,
         num_experts_per_tok: 2,
+        router_aux_loss_coef: 0.0,
     }
 }
 
@@ -98,6 +99,11 @@ pub fn grads(
         .flatten_all()?;
     let logits = model.forward(&ids, &drop)?;
     let loss = vocab_parallel_cross_entropy(&logits, &tg, model.vocab_partition(), tp, 0.0, None)?;
+    // The MoE layers' load-balancing loss, as the trainer adds it.
+    let loss = match model.take_aux_loss() {
+        Some(aux) => (loss + aux)?,
+        None => loss,
+    };
     let out = synced_grads(&init, &model, loss.backward()?, tp, dp)?;
     Ok((loss.to_scalar()?, out))
 }
