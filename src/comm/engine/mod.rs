@@ -344,6 +344,11 @@ impl Engine {
         dl: Deadline,
     ) -> CommResult<()> {
         loop {
+            // A peer that arrived and then aborted (an error in its next call) completed this
+            // wait: the phase first, then the abort word.
+            if reached(rec.seq.load(Ordering::Acquire), phase) {
+                return Ok(());
+            }
             self.check_abort(op)?;
             rec.waiters.fetch_add(1, Ordering::SeqCst);
             let seen = rec.seq.load(Ordering::SeqCst);

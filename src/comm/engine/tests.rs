@@ -115,3 +115,32 @@ fn a_slot_size_that_differs_from_the_creators_names_both_ranks() {
         assert!(e.contains(part), "the error should name {part}: {e}");
     }
 }
+
+/// A wait whose peer reached the phase completes even when that peer aborted the group just
+/// after (an argument error in its next call): CI failed once so, rank 1 of a 2-rank test
+/// reporting "aborted by rank 0" from the rendezvous barrier rank 0 had already passed.
+#[test]
+fn a_wait_on_a_peer_that_arrived_then_aborted_succeeds() {
+    let name = format!("engine-test-{}", region::random_hex());
+    let slot = 4096;
+    let (_, len) = region_layout(2, slot).unwrap();
+    let map = region::create(RegionKind::InProcess, &name, len).unwrap();
+    region::unlink(RegionKind::InProcess, &name);
+    let timeout = Duration::from_secs(3);
+    let mut e0 = Engine::attach(map.clone(), "t".into(), 0, 2, slot, timeout, true, 2).unwrap();
+    let mut e1 = Engine::attach(map, "t".into(), 1, 2, slot, timeout, false, 2).unwrap();
+    let (phase, _) = e0.next_phase();
+    assert_eq!(e1.next_phase().0, phase);
+    e0.publish(phase);
+    e0.abort("rank 0: an argument error in its next call");
+    let deadline = crate::comm::wait::Deadline::after(timeout);
+    e1.sleep_until(0, e1.record(0), phase, "barrier", deadline)
+        .expect("rank 0 reached the phase before it aborted");
+    // A phase rank 0 never reached fails with its reason at once.
+    let next = phase.wrapping_add(1);
+    let e = e1
+        .sleep_until(0, e1.record(0), next, "barrier", deadline)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("an argument error"), "{e}");
+}
