@@ -573,17 +573,23 @@ fn an_argument_error_on_one_rank_fails_its_peers_at_once() {
 /// rendezvous naming /dev/shm, the bytes needed and the `--shm-size` fix, not a SIGBUS on
 /// first touch. The test re-runs itself in a private mount namespace (`unshare -m`, root)
 /// with a 1 MiB tmpfs on /dev/shm; rank 0 of a 2-rank shm job then creates the 16 MiB region,
-/// and rank 1 fails at once with rank 0's reason (it waited for the deadline before).
+/// and rank 1 fails at once with rank 0's reason (it waited for the deadline before), also
+/// when it connects after rank 0 failed.
 #[test]
 fn a_full_dev_shm_is_a_clear_error_not_a_sigbus() {
     if std::env::var_os("CANDLE_TP_TEST_SMALL_SHM").is_some() {
         // Both ranks: rank 1 hears rank 0's reason (issue 44, defect 9) instead of waiting.
-        let errs = init_shm_ranks(|_| GroupOptions {
+        let options = |_| GroupOptions {
             timeout: Duration::from_secs(30),
             slot_bytes: 4 << 20,
-        });
+        };
+        let errs = init_shm_ranks(options);
         println!("ERROR: {}", errs[0]);
         println!("RANK1: {}", errs[1]);
+        // Rank 1 late: rank 0's store must still be up to tell it why (CI failed once so,
+        // rank 1 hearing only that the store closed).
+        let errs = init_shm_ranks_late(options, Duration::from_millis(300));
+        println!("LATE1: {}", errs[1]);
         return;
     }
     let exe = std::env::current_exe().unwrap();
@@ -609,15 +615,17 @@ fn a_full_dev_shm_is_a_clear_error_not_a_sigbus() {
     for want in ["/dev/shm", "16781312 bytes", "--shm-size"] {
         assert!(line.contains(want), "missing '{want}': {line}");
     }
-    let rank1 = stdout
-        .lines()
-        .find(|l| l.contains("RANK1: "))
-        .unwrap_or_else(|| panic!("no line of rank 1: {stdout}\n{stderr}"));
-    assert!(
-        rank1.contains("rank 0 could not create the group's shared memory")
-            && rank1.contains("--shm-size"),
-        "{rank1}"
-    );
+    for which in ["RANK1: ", "LATE1: "] {
+        let rank1 = stdout
+            .lines()
+            .find(|l| l.contains(which))
+            .unwrap_or_else(|| panic!("no line {which}: {stdout}\n{stderr}"));
+        assert!(
+            rank1.contains("rank 0 could not create the group's shared memory")
+                && rank1.contains("--shm-size"),
+            "{rank1}"
+        );
+    }
 }
 
 /// A slot size out of range (`CANDLE_TP_SLOT_BYTES`) fails every rank at once: each checks it
@@ -671,19 +679,30 @@ fn a_rank_that_cannot_map_the_region_fails_the_others_at_once() {
 /// `options(rank)` over a real TCP store (a free port of loopback) and /dev/shm: what each got
 /// (`joined`, or its error).
 fn init_shm_ranks(options: impl Fn(usize) -> GroupOptions + Sync) -> Vec<String> {
+    init_shm_ranks_late(options, Duration::ZERO)
+}
+
+/// [`init_shm_ranks`] with rank 1 starting `late`.
+fn init_shm_ranks_late(
+    options: impl Fn(usize) -> GroupOptions + Sync,
+    late: Duration,
+) -> Vec<String> {
     // The free port is probed, then bound by rank 0's store: another test of the run may take
     // it in between (CI failed once so, "127.0.0.1:37255 is already in use"). A fresh port
     // then, a few times.
     for _ in 0..4 {
-        let errs = init_shm_ranks_once(&options);
+        let errs = init_shm_ranks_once(&options, late);
         if !errs.iter().any(|e| e.contains("is already in use")) {
             return errs;
         }
     }
-    init_shm_ranks_once(&options)
+    init_shm_ranks_once(&options, late)
 }
 
-fn init_shm_ranks_once(options: &(impl Fn(usize) -> GroupOptions + Sync)) -> Vec<String> {
+fn init_shm_ranks_once(
+    options: &(impl Fn(usize) -> GroupOptions + Sync),
+    late: Duration,
+) -> Vec<String> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -693,6 +712,9 @@ fn init_shm_ranks_once(options: &(impl Fn(usize) -> GroupOptions + Sync)) -> Vec
         let handles: Vec<_> = (0..2)
             .map(|rank| {
                 s.spawn(move || {
+                    if rank == 1 {
+                        std::thread::sleep(late);
+                    }
                     let rv = candle_tp::comm::Rendezvous {
                         rank,
                         world_size: 2,

@@ -311,6 +311,7 @@ fn meet(
             Err(e) => {
                 // The others wait for the region's name: give them the reason instead.
                 let _ = ctx.store.set(&key, format!("{FAILED}{e}").as_bytes());
+                linger_until_read(ctx, size, &attached);
                 return Err(e);
             }
         };
@@ -359,6 +360,8 @@ fn meet(
             },
         })?;
         if let Some(reason) = published.strip_prefix(FAILED.as_bytes()) {
+            // Rank 0 waits for this word before it ends (its store may end with it).
+            let _ = ctx.store.set(&attached(rank), FAILED.as_bytes());
             return Err(CommError::Aborted {
                 group: name,
                 op: "rendezvous".into(),
@@ -438,6 +441,26 @@ fn with_member_ranks(e: CommError, group: &str, members: &[usize]) -> CommError 
 
 /// `ctx.store.get(key)` within the deadline, polled every 20 ms, checking the parent group's
 /// abort between polls.
+/// How long at most member 0, having failed to create the region, keeps waiting for the
+/// others to read why.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Member 0 failed to create the region and published why: it waits (up to [`LINGER`], or the
+/// group's timeout if shorter) until every other member has answered under `attached(r)`
+/// that it read the reason. The store may be this rank's (the job's rank 0): a peer that
+/// connected after this rank returned would learn only that the store had closed (CI failed
+/// once so).
+fn linger_until_read(ctx: &Context, size: usize, attached: &dyn Fn(usize) -> String) {
+    let until = std::time::Instant::now() + ctx.timeout.min(LINGER);
+    for r in 1..size {
+        while matches!(ctx.store.try_get(&attached(r)), Ok(None))
+            && std::time::Instant::now() < until
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+}
+
 fn wait_for_key(
     ctx: &Context,
     key: &str,
