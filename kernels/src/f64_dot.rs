@@ -15,13 +15,13 @@
 //! sum: the results are equal except where that sum lies within ~10⁻¹⁶ of an f32 rounding
 //! boundary.
 //!
-//! Each type has a scalar block product ([`F64Dot::block_dot`], the reference: blocks added one
-//! after the other) and an AVX2 kernel ([`Kernel::Avx2`], chosen at run time) that computes
-//! the integer sums 32 lanes at a time (`maddubs`/`madd`, as ggml's kernels do), four 32-wide
-//! blocks' sums at once, and then adds the blocks' f64 products in the same order as the
-//! scalar code: the two give bit-identical results (tested).
+//! Each type describes its block's product once, in scalar code ([`F64Dot::block_dot`]), and
+//! [`dot_f64`] adds the blocks one after the other: the reference every kernel is tested
+//! against. The kernels themselves are the repacked engines ([`crate::repack`]), one per
+//! instruction set (AVX2, AVX-512 VNNI), which multiply four or sixteen weight rows at a time
+//! and give these sums bit for bit (tested); the block types describe to them how their
+//! blocks unpack ([`crate::repack::Interleave`]).
 
-use crate::kernel::Kernel;
 use candle_core::Result;
 
 /// A quantized weight block whose dot product with its activation blocks the crate computes
@@ -46,29 +46,15 @@ pub unsafe trait F64Dot: Copy + Send + Sync + 'static {
 
     /// One block's product in f64: its exact integer sum times the block scales.
     fn block_dot(w: &Self, x: &Self::Act) -> f64;
-
-    /// The AVX2 kernel: what adding [`F64Dot::block_dot`] block after block gives, bit for
-    /// bit. Call [`dot_f64`].
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c; `w` and `x` have the same length.
-    #[cfg(target_arch = "x86_64")]
-    #[doc(hidden)]
-    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64;
 }
 
-/// The scalar kernel: blocks added one after the other.
-fn dot_scalar<B: F64Dot>(w: &[B], x: &[B::Act]) -> f64 {
-    w.iter()
-        .zip(x)
-        .fold(0f64, |acc, (w, x)| acc + B::block_dot(w, x))
-}
-
-/// `Σ_b dot(w[b], x[b])` accumulated in f64, with the chosen kernel.
+/// `Σ_b dot(w[b], x[b])` accumulated in f64, the blocks added one after the other: the
+/// reference sum of one weight row (the matmuls, [`crate::repack::matmul_f64`] and
+/// [`crate::repack::Repacked`], give it bit for bit, faster).
 ///
 /// # Panics
-/// If the slices differ in length, or `kernel` is not available on this CPU.
-pub fn dot_f64<B: F64Dot>(kernel: Kernel, w: &[B], x: &[B::Act]) -> f64 {
+/// If the slices differ in length.
+pub fn dot_f64<B: F64Dot>(w: &[B], x: &[B::Act]) -> f64 {
     assert_eq!(
         w.len(),
         x.len(),
@@ -77,10 +63,9 @@ pub fn dot_f64<B: F64Dot>(kernel: Kernel, w: &[B], x: &[B::Act]) -> f64 {
         w.len(),
         x.len()
     );
-    crate::kernel::by_kernel!(kernel,
-        scalar => dot_scalar(w, x),
-        // The lengths were checked at the top.
-        avx2 => B::dot_avx2(w, x))
+    w.iter()
+        .zip(x)
+        .fold(0f64, |acc, (w, x)| acc + B::block_dot(w, x))
 }
 
 /// AVX2 helpers shared by the block types' kernels.
@@ -95,29 +80,6 @@ pub(crate) mod avx2 {
         let t1 = _mm256_hadd_epi32(s[2], s[3]);
         let t2 = _mm256_hadd_epi32(t0, t1);
         _mm_add_epi32(_mm256_castsi256_si128(t2), _mm256_extracti128_si256(t2, 1))
-    }
-
-    /// The sum of the 8 i32 lanes of `v`.
-    #[inline(always)]
-    pub unsafe fn hsum(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        _mm_cvtsi128_si32(s)
-    }
-
-    /// The first four bytes of each of four blocks (two f16: a block's scales) as eight
-    /// f32 `[a0, b0, a1, b1, a2, b2, a3, b3]`.
-    #[inline(always)]
-    pub unsafe fn f16_pairs<T>(blocks: *const T) -> __m256 {
-        let word = |t: usize| std::ptr::read_unaligned(blocks.add(t) as *const i32);
-        _mm256_cvtph_ps(_mm_setr_epi32(word(0), word(1), word(2), word(3)))
-    }
-
-    /// Lanes `[0, 2, 4, 6]` of `v` in the low half, `[1, 3, 5, 7]` in the high half.
-    #[inline(always)]
-    pub unsafe fn deinterleave(v: __m256) -> __m256 {
-        _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7))
     }
 
     /// The sum of the 8 f32 lanes of `v` (halves, then pairs, then the last two).
@@ -161,46 +123,6 @@ pub(crate) mod avx2 {
         );
         let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select)
-    }
-
-    /// `acc + p[0] + … + p[n - 1]` (`n ≤ 4`), added in that order (as the scalar kernel does).
-    #[inline(always)]
-    unsafe fn add_in_order(acc: f64, p: __m256d, n: usize) -> f64 {
-        let mut v = [0f64; 4];
-        _mm256_storeu_pd(v.as_mut_ptr(), p);
-        v[..n].iter().fold(acc, |a, &x| a + x)
-    }
-
-    /// The driver of the four-block kernels: `Σ_b dot(w[b], x[b])` in f64, where `four(w, x)`
-    /// gives the f64 products of blocks `w[0..4]` and `x[0..4]`, added to the total in block
-    /// order; a last group of fewer than four runs on copies padded with zero blocks
-    /// (`zero` and `B::ACT_ZERO`), whose lanes are not added. When `four`'s lanes are
-    /// [`super::F64Dot::block_dot`]'s values, the result is the scalar sum's, bit for bit.
-    ///
-    /// # Safety
-    /// `four`'s requirements (the CPU features of its intrinsics); `w` and `x` have the same
-    /// length. Inlined, with `four`, into the `#[target_feature]` function that calls it, so
-    /// that the intrinsics compile with its features.
-    #[inline(always)]
-    pub unsafe fn dot_by_fours<B: super::F64Dot>(
-        w: &[B],
-        x: &[B::Act],
-        zero: B,
-        four: impl Fn(*const B, *const B::Act) -> __m256d,
-    ) -> f64 {
-        let quads = w.len() / 4 * 4;
-        let mut acc = 0f64;
-        for b in (0..quads).step_by(4) {
-            acc = add_in_order(acc, four(w.as_ptr().add(b), x.as_ptr().add(b)), 4);
-        }
-        let n = w.len() - quads;
-        if n > 0 {
-            let (mut wt, mut xt) = ([zero; 4], [B::ACT_ZERO; 4]);
-            wt[..n].copy_from_slice(&w[quads..]);
-            xt[..n].copy_from_slice(&x[quads..]);
-            acc = add_in_order(acc, four(wt.as_ptr(), xt.as_ptr()), n);
-        }
-        acc
     }
 }
 
@@ -279,7 +201,7 @@ pub(crate) mod testing {
     /// the blocks as `B`, and checks `dot_f64` against the f64 dot product of candle's
     /// dequantized weights with the dequantized activation blocks (`act`), for several block
     /// counts, plus `extra` per block (what the format adds besides the values); within
-    /// `tol` relative. And the AVX2 kernel against the scalar one, bit for bit.
+    /// `tol` relative.
     pub fn check_against_candle<B: F64Dot>(
         dtype: candle_core::quantized::GgmlDType,
         act: impl Fn(&B::Act) -> Vec<f64>,
@@ -310,32 +232,17 @@ pub(crate) mod testing {
             let xd: Vec<f64> = xq.iter().flat_map(&act).collect();
             let want: f64 = wd.iter().zip(&xd).map(|(&a, &b)| a as f64 * b).sum::<f64>()
                 + w.iter().zip(&xq).map(|(w, x)| extra(w, x)).sum::<f64>();
-            // Each kernel under test against the dequantized product, and every kernel
-            // against the first (the scalar one unless CANDLE_TP_KERNEL forces another) bit
-            // for bit.
-            let mut first: Option<(Kernel, f64)> = None;
-            for kernel in Kernel::under_test() {
-                let got = dot_f64(kernel, w, &xq);
-                assert!(
-                    got.is_finite() && want.is_finite(),
-                    "{} {kernel:?}: {got} {want}",
-                    B::NAME
-                );
-                assert!(
-                    (got - want).abs() <= tol * (1.0 + want.abs()) && want.abs() > 1e-3,
-                    "{} nb={nb} {kernel:?}: kernel {got}, dequantized {want}",
-                    B::NAME
-                );
-                match first {
-                    None => first = Some((kernel, got)),
-                    Some((k0, v0)) => assert_eq!(
-                        got.to_bits(),
-                        v0.to_bits(),
-                        "{} nb={nb}: {kernel:?} {got} {k0:?} {v0}",
-                        B::NAME
-                    ),
-                }
-            }
+            let got = dot_f64(w, &xq);
+            assert!(
+                got.is_finite() && want.is_finite(),
+                "{}: {got} {want}",
+                B::NAME
+            );
+            assert!(
+                (got - want).abs() <= tol * (1.0 + want.abs()) && want.abs() > 1e-3,
+                "{} nb={nb}: block_dot sum {got}, dequantized {want}",
+                B::NAME
+            );
         }
     }
 
@@ -346,8 +253,7 @@ pub(crate) mod testing {
 
     /// A row's f64 sum split into block ranges as row-parallel ranks split it (2 and 3 parts,
     /// uneven, odd part sizes included), the parts' sums added in f64: the same f32 value as
-    /// the whole row's, and the same f64 value within 2⁻⁵⁰ of the blocks' magnitudes, with
-    /// every kernel under test (and the same bits from every kernel).
+    /// the whole row's, and the same f64 value within 2⁻⁵⁰ of the blocks' magnitudes.
     pub fn split_sums_round_alike<B: F64Dot>(block: impl Fn(usize) -> B) {
         for nb in [6usize, 7, 18, 19] {
             let w: Vec<B> = (0..nb).map(&block).collect();
@@ -367,42 +273,35 @@ pub(crate) mod testing {
                 vec![0, 1, nb],
                 vec![0, nb / 3, 2 * nb / 3 + 1, nb],
             ];
-            let mut first: Option<f64> = None;
-            for kernel in Kernel::under_test() {
-                let whole = dot_f64(kernel, &w, &xq);
+            let whole = dot_f64(&w, &xq);
+            assert!(
+                whole.is_finite() && mag > 1e-3,
+                "{} nb={nb}: {whole}",
+                B::NAME
+            );
+            for cut in &cuts {
+                let parts: f64 = cut
+                    .windows(2)
+                    .map(|r| dot_f64(&w[r[0]..r[1]], &xq[r[0]..r[1]]))
+                    .sum();
+                assert!(parts.is_finite(), "{} {cut:?}", B::NAME);
                 assert!(
-                    whole.is_finite() && mag > 1e-3,
-                    "{} nb={nb}: {whole}",
+                    (parts - whole).abs() <= mag * 2f64.powi(-50),
+                    "{} nb={nb} split {cut:?}: {parts} vs {whole}",
                     B::NAME
                 );
-                if let Some(v) = first {
-                    assert_eq!(whole.to_bits(), v.to_bits(), "{} {kernel:?}", B::NAME);
-                }
-                first = Some(whole);
-                for cut in &cuts {
-                    let parts: f64 = cut
-                        .windows(2)
-                        .map(|r| dot_f64(kernel, &w[r[0]..r[1]], &xq[r[0]..r[1]]))
-                        .sum();
-                    assert!(parts.is_finite(), "{} {kernel:?} {cut:?}", B::NAME);
-                    assert!(
-                        (parts - whole).abs() <= mag * 2f64.powi(-50),
-                        "{} {kernel:?} nb={nb} split {cut:?}: {parts} vs {whole}",
-                        B::NAME
-                    );
-                    assert_eq!(
-                        parts as f32,
-                        whole as f32,
-                        "{} {kernel:?} nb={nb} split {cut:?}",
-                        B::NAME
-                    );
-                }
+                assert_eq!(
+                    parts as f32,
+                    whole as f32,
+                    "{} nb={nb} split {cut:?}",
+                    B::NAME
+                );
             }
         }
     }
 
-    /// A NaN among the activations makes the product NaN with every kernel under test (the
-    /// quantizer must not round it to a finite block), and so does an infinity.
+    /// A NaN among the activations makes the product NaN (the quantizer must not round it to a
+    /// finite block), and so does an infinity.
     pub fn nan_and_inf_activations_propagate<B: F64Dot>(dtype: candle_core::quantized::GgmlDType) {
         use candle_core::{quantized::QTensor, Device, Tensor};
         let nb = 3;
@@ -417,14 +316,12 @@ pub(crate) mod testing {
             x[B::BLOCK + 5] = bad;
             let mut xq = vec![B::ACT_ZERO; nb];
             B::quantize(&x, &mut xq);
-            for kernel in Kernel::under_test() {
-                let got = dot_f64(kernel, ws, &xq);
-                assert!(
-                    got.is_nan(),
-                    "{} {kernel:?}: an activation {bad} gave {got}, not NaN",
-                    B::NAME
-                );
-            }
+            let got = dot_f64(ws, &xq);
+            assert!(
+                got.is_nan(),
+                "{}: an activation {bad} gave {got}, not NaN",
+                B::NAME
+            );
         }
     }
 }

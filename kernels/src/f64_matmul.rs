@@ -1,9 +1,8 @@
-//! `y = x · Wᵀ` accumulated in f64 for quantized weights, over rayon: the driver of
-//! [`crate::f64_dot`], here (not in candle-tp) so that its generic code is compiled with this
-//! crate's optimisations in every profile.
+//! The drivers of the quantized matmuls over rayon (ranges of whole weight rows per task, the
+//! output written in place) and their argument checks, here (not in candle-tp) so that their
+//! generic code is compiled with this crate's optimisations in every profile.
 
-use crate::f64_dot::{blocks_from_bytes, dot_f64, F64Dot};
-use crate::q4_1::Kernel;
+use crate::kernel::Kernel;
 use candle_core::Result;
 use rayon::prelude::*;
 
@@ -202,61 +201,6 @@ pub fn check_matmul(
     }
     Ok(kb)
 }
-
-/// `dst[i * n + j] = Σ_t x[i, t] · W[j, t]` in f64, for `m` activation rows of `k` values and a
-/// weight of `n` rows of `k / block` blocks. Each activation row is quantized once to the
-/// type's activation blocks (candle's rounding), so the result is candle's quantized product
-/// up to the order and precision of the sum; every output is one [`dot_f64`], so a row's
-/// result does not depend on `m` or on the thread count.
-pub fn matmul_f64<B: F64Dot>(
-    kernel: Kernel,
-    (m, k, n): (usize, usize, usize),
-    x: &[f32],
-    w: &[B],
-    dst: &mut [f64],
-) -> Result<()> {
-    let kb = check_matmul(
-        &format!("{} f64 matmul", B::NAME),
-        kernel,
-        (m, k, n),
-        B::BLOCK,
-        (x.len(), w.len(), dst.len()),
-    )?;
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        dst.fill(0.0); // empty sums
-        return Ok(());
-    }
-    let mut xq = vec![B::ACT_ZERO; m * kb];
-    B::quantize(x, &mut xq);
-    let fill = |row0: usize, out: &mut [f64]| {
-        for (r, o) in out.chunks_exact_mut(m).enumerate() {
-            let wr = &w[(row0 + r) * kb..(row0 + r + 1) * kb];
-            for (v, xr) in o.iter_mut().zip(xq.chunks_exact(kb)) {
-                *v = dot_f64(kernel, wr, xr);
-            }
-        }
-    };
-    fill_by_weight_rows(n, m, dst, fill);
-    Ok(())
-}
-
-/// [`matmul_f64`] of a weight given as GGUF bytes (a `QTensor`'s data), viewed as blocks of
-/// `B` without copying: one function per block type, which a caller can pick from a table.
-pub fn matmul_f64_bytes<B: F64Dot>(
-    kernel: Kernel,
-    dims: (usize, usize, usize),
-    x: &[f32],
-    w: &[u8],
-    dst: &mut [f64],
-) -> Result<()> {
-    matmul_f64(kernel, dims, x, blocks_from_bytes::<B>(w)?, dst)
-}
-
-/// The signature of [`matmul_f64_bytes`] for one block type.
-pub type F64MatMulFn = fn(Kernel, (usize, usize, usize), &[f32], &[u8], &mut [f64]) -> Result<()>;
 
 #[cfg(test)]
 mod tests {

@@ -3,18 +3,19 @@
 //! (what `cargo test` runs) would otherwise run SIMD intrinsics as unoptimised function calls,
 //! 10-20× slower, and its model tests would spend their time here.
 //!
-//! - [`q8_1`]: ggml's Q8_1 activation blocks and their quantization;
-//! - [`q4_1`]: the Q4_1 × Q8_1 dot product (scalar and AVX2 + FMA + F16C);
-//! - [`q4_0`]: the Q4_0 × Q8_0 dot product in f64 (below), one row at a time;
-//! - [`repack`]: weights repacked four rows at a time and their matmul, summed in f64: what
-//!   every Q4_0 ([`q4_0x4`]), Q4_1 ([`q4_1x4`]), Q5_0 ([`q5_0x4`]), Q5_1 ([`q5_1x4`]), Q8_0
-//!   ([`q8_0x4`]), Q4_K ([`q4_kx4`]), Q5_K ([`q5_kx4`]) and Q6_K ([`q6_kx4`]) product runs;
-//! - [`q5_0`], [`q5_1`]: the Q5_0 × Q8_0 and Q5_1 × Q8_1 dot products (scalar and AVX2 + FMA +
-//!   F16C), in f32 for whole rows and in f64 (below);
-//! - [`f64_dot`]: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K dot products accumulated in f64,
-//!   whose sums do not depend on how a row's blocks are split between ranks ([`q4_0`],
-//!   [`q5_0`], [`q5_1`], [`q8_0`], [`q8_k`], [`q4_k`], [`q5_k`], [`q6_k`]: the block types), and
-//!   [`f64_matmul`], their matmul over rayon;
+//! - [`q8_1`], [`q8_k`], [`q8_0`]: the activation blocks and their quantization;
+//! - the block types, each described once: [`q4_0`], [`q4_1`], [`q5_0`], [`q5_1`], [`q8_0`],
+//!   [`q4_k`], [`q5_k`], [`q6_k`] (its layout and its exact block product in f64,
+//!   [`f64_dot::F64Dot`], whose sums do not depend on how a row's blocks are split between
+//!   ranks), and [`q4_0x4`], [`q4_1x4`], [`q5_0x4`], [`q5_1x4`], [`q8_0x4`], [`q4_kx4`],
+//!   [`q5_kx4`], [`q6_kx4`] (how its blocks interleave four rows at a time and unpack for the
+//!   engines);
+//! - [`repack`]: the engines, one per instruction set (AVX2, AVX-512 VNNI), generic over those
+//!   descriptions: weights repacked four rows at a time and their matmul, summed in f64, what
+//!   every quantized product of candle-tp runs; [`f64_dot::dot_f64`] is their scalar
+//!   reference, [`f64_matmul`] the rayon drivers;
+//! - [`q4_1`], [`q5_0`], [`q5_1`] also keep f32 row kernels summed as ggml sums them (scalar
+//!   and AVX2 + FMA + F16C), for `candle_tp::quant::matmul_q4_1` and its kin;
 //! - [`kernel`]: which implementation runs ([`kernel::Kernel`]: scalar, AVX2 or AVX-512 VNNI,
 //!   detected at run time, forced with `CANDLE_TP_KERNEL=scalar|avx2|avx512vnni`);
 //! - [`small_m`]: `x · Wᵀ` for a few activation rows (decode batches), batch-invariant;

@@ -140,48 +140,12 @@ unsafe impl crate::f64_dot::F64Dot for BlockQ4_1 {
     fn block_dot(w: &Self, x: &Self::Act) -> f64 {
         (w.d.to_f64() * x.d.to_f64()) * int_sum(w, x) as f64 + w.m.to_f64() * x.s.to_f64()
     }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
-        avx2::dot_f64(w, x)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{BlockQ4_1, BlockQ8_1};
     use std::arch::x86_64::*;
-
-    /// The f64-accumulated product (`crate::f64_dot`): four blocks' integer sums at a time,
-    /// times `d·d'` plus `m·s'` (both exact in f32), added to the total in block order.
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c; `ws` and `xs` have the same length.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_f64(ws: &[BlockQ4_1], xs: &[BlockQ8_1]) -> f64 {
-        crate::f64_dot::avx2::dot_by_fours(ws, xs, BlockQ4_1::ZERO, |w, x| four_f64(w, x))
-    }
-
-    /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
-    #[inline(always)]
-    unsafe fn four_f64(w: *const BlockQ4_1, x: *const BlockQ8_1) -> __m256d {
-        use crate::f64_dot::avx2::{deinterleave, f16_pairs, hsum4};
-        let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut sums = [_mm256_setzero_si256(); 4];
-        for (t, s) in sums.iter_mut().enumerate() {
-            let packed = _mm_loadu_si128((*w.add(t)).qs.as_ptr() as *const __m128i);
-            let qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-            let qx = _mm256_loadu_si256((*x.add(t)).qs.as_ptr() as *const __m256i);
-            *s = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
-        }
-        // [d, m] of each weight block times [d', s'] of each activation block:
-        // [d·d' ×4 | m·s' ×4].
-        let prods = deinterleave(_mm256_mul_ps(f16_pairs(w), f16_pairs(x)));
-        let dd = _mm256_cvtps_pd(_mm256_castps256_ps128(prods));
-        let ms = _mm256_cvtps_pd(_mm256_extractf128_ps(prods, 1));
-        _mm256_add_pd(_mm256_mul_pd(dd, _mm256_cvtepi32_pd(hsum4(sums))), ms)
-    }
 
     /// `R` rows at once: `R` independent FMA chains hide the FMA latency, and each activation
     /// block is loaded and widened once for all rows.

@@ -63,11 +63,6 @@ unsafe impl F64Dot for BlockQ4K {
         }
         combine(w, x, dots)
     }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
-        avx2::dot(w, x)
-    }
 }
 
 /// The block's product from its scaled integer dot product: the minimums' term added here.
@@ -85,37 +80,6 @@ pub(crate) fn combine_k4((d, dmin, scales): (f16, f16, &[u8; 12]), x: &BlockQ8K,
         mins += x.bsums[j] as i32 * scale_min(j / 2, scales).1;
     }
     x.d as f64 * (d.to_f64() * dots as f64 - dmin.to_f64() * mins as f64)
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{combine, scale_min, BlockQ4K, BlockQ8K};
-    use crate::f64_dot::avx2::hsum;
-    use std::arch::x86_64::*;
-
-    /// Per super-block: the nibbles times the Q8_K bytes by `maddubs`, each 32-value half
-    /// scaled by its sub-block scale in `madd`, the lanes summed once.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot(w: &[BlockQ4K], x: &[BlockQ8K]) -> f64 {
-        let low = _mm256_set1_epi8(0x0F);
-        let mut acc = 0f64;
-        for (w, x) in w.iter().zip(x) {
-            let mut sums = _mm256_setzero_si256();
-            for j in 0..4 {
-                let q = _mm256_loadu_si256(w.qs.as_ptr().add(32 * j) as *const __m256i);
-                let a_lo = _mm256_loadu_si256(x.qs.as_ptr().add(64 * j) as *const __m256i);
-                let a_hi = _mm256_loadu_si256(x.qs.as_ptr().add(64 * j + 32) as *const __m256i);
-                let lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), a_lo);
-                let hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), a_hi);
-                let sc_lo = _mm256_set1_epi16(scale_min(2 * j, &w.scales).0 as i16);
-                let sc_hi = _mm256_set1_epi16(scale_min(2 * j + 1, &w.scales).0 as i16);
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(lo, sc_lo));
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(hi, sc_hi));
-            }
-            acc += combine(w, x, hsum(sums));
-        }
-        acc
-    }
 }
 
 #[cfg(test)]

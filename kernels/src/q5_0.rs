@@ -4,15 +4,15 @@
 //! `w[j] = d · (q[j] − 16)`, `q[j]` in 0..32: its low four bits are nibbles (`qs`, low nibbles
 //! holding values 0..16 and high nibbles 16..32, as in Q4_0) and its fifth bit is bit `j` of
 //! the little-endian `u32` `qh`. Against a Q8_0 block `x[j] = d' · q'[j]`:
-//! `Σ w·x = d·d' · Σ (q − 16)·q'`. The AVX2 kernels build the 32 signed values `q − 16` in one
-//! register (nibbles widened to bytes; each bit of `qh` spread to a byte mask, see
-//! `f64_dot::avx2::bit_bytes`; `0xF0` or-ed into the bytes whose bit is clear, which
-//! is −16 in two's complement) and sum the products as Q4_0 does (`sign`/`maddubs`/`madd`).
-//! Two kernels, as for [`crate::q4_0`]:
-//! - [`F64Dot`] (row-parallel layers): four blocks at once, their f64 products added in block
-//!   order, bit for bit the scalar sum;
-//! - [`dot_rows`] / [`rows_dot`] (whole rows): f32 FMA chains, four weight rows sharing each
-//!   activation load. Any block count (candle 0.11's needs an even one).
+//! `Σ w·x = d·d' · Σ (q − 16)·q'`.
+//! - [`F64Dot`]: each block's product exact in f64, the reference of the repacked engines
+//!   ([`crate::q5_0x4`]), which every product of the crate's layers runs;
+//! - [`dot_rows`] / [`rows_dot`] (`candle_tp::quant::matmul_q5_0`): f32 FMA chains as ggml
+//!   sums them, four weight rows sharing each activation load; the AVX2 kernel builds the 32
+//!   signed values `q − 16` in one register (nibbles widened to bytes; each bit of `qh` spread
+//!   to a byte mask, see `f64_dot::avx2::bit_bytes`; `0xF0` or-ed into the bytes whose bit is
+//!   clear, which is −16 in two's complement) and sums the products as ggml's Q4_0 kernel does
+//!   (`sign`/`maddubs`/`madd`). Any block count (candle 0.11's needs an even one).
 
 use crate::f64_dot::F64Dot;
 use crate::kernel::Kernel;
@@ -140,30 +140,14 @@ unsafe impl F64Dot for BlockQ5_0 {
         // d·d' is exact in f64 (two 11-bit mantissas), and so is its product with the sum.
         (w.d.to_f64() * x.d.to_f64()) * int_sum(w, x) as f64
     }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
-        avx2::dot(w, x)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ5_0;
-    use crate::f64_dot::avx2::{
-        bit_bytes, deinterleave, dot_by_fours, f16_pairs, hsum4, hsum_ps, nibbles,
-    };
+    use crate::f64_dot::avx2::{bit_bytes, hsum_ps, nibbles};
     use crate::q8_0::BlockQ8_0;
     use std::arch::x86_64::*;
-
-    /// Four blocks at a time, added to the f64 total in block order.
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c; `w` and `x` have the same length.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot(w: &[BlockQ5_0], x: &[BlockQ8_0]) -> f64 {
-        dot_by_fours(w, x, BlockQ5_0::ZERO, |w, x| four(w, x))
-    }
 
     /// The block's 32 values `q − 16` as signed bytes, in order.
     #[inline(always)]
@@ -186,22 +170,6 @@ mod avx2 {
                             // pair is at most 2·16·127: no saturation).
         let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
         _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
-    }
-
-    /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
-    #[inline(always)]
-    unsafe fn four(w: *const BlockQ5_0, x: *const BlockQ8_0) -> __m256d {
-        let mut sums = [_mm256_setzero_si256(); 4];
-        for (t, s) in sums.iter_mut().enumerate() {
-            let qx = _mm256_loadu_si256((*x.add(t)).qs.as_ptr() as *const __m256i);
-            *s = block_sums(&*w.add(t), qx);
-        }
-        // Each block starts with its f16 `d` (the next two bytes are unused lanes).
-        let dd = deinterleave(_mm256_mul_ps(f16_pairs(w), f16_pairs(x)));
-        _mm256_mul_pd(
-            _mm256_cvtepi32_pd(hsum4(sums)),
-            _mm256_cvtps_pd(_mm256_castps256_ps128(dd)),
-        )
     }
 
     /// `R` rows at once in f32: `R` independent FMA chains hide the FMA latency, and each

@@ -4,15 +4,15 @@
 //! `w[j] = d · q[j] + m`, `q[j]` in 0..32: its low four bits are nibbles (`qs`, low nibbles
 //! holding values 0..16 and high nibbles 16..32, as in Q4_1) and its fifth bit is bit `j` of
 //! the little-endian `u32` `qh`. Against a Q8_1 block `x[j] = d' · q'[j]` with `s' = d' · Σ q'`
-//! (rounded through f16, as ggml stores it): `Σ w·x = d·d' · Σ q·q' + m · s'`. The AVX2
-//! kernels build the 32 values in one register (nibbles widened to bytes, and `0x10` where
-//! the bit of `qh` is set, see `f64_dot::avx2::bit_bytes`) and sum the products as
-//! Q4_1 does (`maddubs` of unsigned values and signed activations, pairs at most
-//! 2·31·127: no saturation; `madd` to i32). Two kernels, as for [`crate::q4_1`]:
-//! - [`F64Dot`] (row-parallel layers): four blocks at once, their f64 products added in block
-//!   order, bit for bit the scalar sum;
-//! - [`dot_rows`] / [`rows_dot`] (whole rows): f32 FMA chains, four weight rows sharing each
-//!   activation load. Any block count (candle 0.11's needs an even one).
+//! (rounded through f16, as ggml stores it): `Σ w·x = d·d' · Σ q·q' + m · s'`.
+//! - [`F64Dot`]: each block's product exact in f64, the reference of the repacked engines
+//!   ([`crate::q5_1x4`]), which every product of the crate's layers runs;
+//! - [`dot_rows`] / [`rows_dot`] (`candle_tp::quant::matmul_q5_1`): f32 FMA chains as ggml
+//!   sums them, four weight rows sharing each activation load; the AVX2 kernel builds the 32
+//!   values in one register (nibbles widened to bytes, and `0x10` where the bit of `qh` is
+//!   set, see `f64_dot::avx2::bit_bytes`) and sums the products as Q4_1 does (`maddubs` of
+//!   unsigned values and signed activations, pairs at most 2·31·127: no saturation; `madd` to
+//!   i32). Any block count (candle 0.11's needs an even one).
 
 use crate::f64_dot::F64Dot;
 use crate::kernel::Kernel;
@@ -143,29 +143,13 @@ unsafe impl F64Dot for BlockQ5_1 {
     fn block_dot(w: &Self, x: &Self::Act) -> f64 {
         (w.d.to_f64() * x.d.to_f64()) * int_sum(w, x) as f64 + w.m.to_f64() * x.s.to_f64()
     }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
-        avx2::dot(w, x)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{BlockQ5_1, BlockQ8_1};
-    use crate::f64_dot::avx2::{
-        bit_bytes, deinterleave, dot_by_fours, f16_pairs, hsum4, hsum_ps, nibbles,
-    };
+    use crate::f64_dot::avx2::{bit_bytes, hsum_ps, nibbles};
     use std::arch::x86_64::*;
-
-    /// Four blocks at a time, added to the f64 total in block order.
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c; `w` and `x` have the same length.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot(w: &[BlockQ5_1], x: &[BlockQ8_1]) -> f64 {
-        dot_by_fours(w, x, BlockQ5_1::ZERO, |w, x| four(w, x))
-    }
 
     /// The integer sum `Σ q·q'` of one block pair, in eight i32 lanes.
     #[inline(always)]
@@ -173,22 +157,6 @@ mod avx2 {
         let fifth = _mm256_and_si256(bit_bytes(u32::from_le_bytes(w.qh)), _mm256_set1_epi8(0x10));
         let qw = _mm256_or_si256(nibbles(w.qs.as_ptr()), fifth); // 0..31
         _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), _mm256_set1_epi16(1))
-    }
-
-    /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
-    #[inline(always)]
-    unsafe fn four(w: *const BlockQ5_1, x: *const BlockQ8_1) -> __m256d {
-        let mut sums = [_mm256_setzero_si256(); 4];
-        for (t, s) in sums.iter_mut().enumerate() {
-            let qx = _mm256_loadu_si256((*x.add(t)).qs.as_ptr() as *const __m256i);
-            *s = block_sums(&*w.add(t), qx);
-        }
-        // [d, m] of each weight block times [d', s'] of each activation block:
-        // [d·d' ×4 | m·s' ×4], both exact in f32.
-        let prods = deinterleave(_mm256_mul_ps(f16_pairs(w), f16_pairs(x)));
-        let dd = _mm256_cvtps_pd(_mm256_castps256_ps128(prods));
-        let ms = _mm256_cvtps_pd(_mm256_extractf128_ps(prods, 1));
-        _mm256_add_pd(_mm256_mul_pd(dd, _mm256_cvtepi32_pd(hsum4(sums))), ms)
     }
 
     /// `R` rows at once in f32: `R` independent FMA chains hide the FMA latency, and each

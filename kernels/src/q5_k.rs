@@ -57,61 +57,12 @@ unsafe impl F64Dot for BlockQ5K {
         }
         combine(w, x, dots)
     }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
-        avx2::dot(w, x)
-    }
 }
 
 /// The block's product from its scaled integer dot product: the minimums' term added here.
 #[inline(always)]
 fn combine(w: &BlockQ5K, x: &BlockQ8K, dots: i32) -> f64 {
     combine_k4((w.d, w.dmin, &w.scales), x, dots)
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{combine, scale_min, BlockQ5K, BlockQ8K};
-    use crate::f64_dot::avx2::hsum;
-    use std::arch::x86_64::*;
-
-    /// Per super-block: the 5-bit values (nibbles, and bits `2j`, `2j + 1` of the 32 `qh`
-    /// bytes, shifted down by 2 per 64 values, moved to bit 4) times the Q8_K bytes by
-    /// `maddubs` (pairs of at most 2·31·128, no saturation), each 32-value half scaled by its
-    /// sub-block scale in `madd`, the lanes summed once.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot(w: &[BlockQ5K], x: &[BlockQ8K]) -> f64 {
-        let low = _mm256_set1_epi8(0x0F);
-        let bit0 = _mm256_set1_epi8(1);
-        let bit1 = _mm256_set1_epi8(2);
-        let mut acc = 0f64;
-        for (w, x) in w.iter().zip(x) {
-            let mut sums = _mm256_setzero_si256();
-            // Bits 0 and 1 of each byte: those of values 64 j.. and 64 j + 32.. in turn.
-            let mut qh = _mm256_loadu_si256(w.qh.as_ptr() as *const __m256i);
-            for j in 0..4 {
-                let q = _mm256_loadu_si256(w.qs.as_ptr().add(32 * j) as *const __m256i);
-                let a_lo = _mm256_loadu_si256(x.qs.as_ptr().add(64 * j) as *const __m256i);
-                let a_hi = _mm256_loadu_si256(x.qs.as_ptr().add(64 * j + 32) as *const __m256i);
-                let h_lo = _mm256_slli_epi16(_mm256_and_si256(qh, bit0), 4);
-                let h_hi = _mm256_slli_epi16(_mm256_and_si256(qh, bit1), 3);
-                let q_lo = _mm256_or_si256(_mm256_and_si256(q, low), h_lo);
-                let q_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h_hi);
-                let lo = _mm256_maddubs_epi16(q_lo, a_lo);
-                let hi = _mm256_maddubs_epi16(q_hi, a_hi);
-                let sc_lo = _mm256_set1_epi16(scale_min(2 * j, &w.scales).0 as i16);
-                let sc_hi = _mm256_set1_epi16(scale_min(2 * j + 1, &w.scales).0 as i16);
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(lo, sc_lo));
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(hi, sc_hi));
-                // Bits 2j + 2, 2j + 3 down to 0, 1 (the bits a byte takes from its
-                // neighbour land at bit 2 or above, masked off).
-                qh = _mm256_srli_epi16(qh, 2);
-            }
-            acc += combine(w, x, hsum(sums));
-        }
-        acc
-    }
 }
 
 #[cfg(test)]

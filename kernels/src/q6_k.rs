@@ -64,67 +64,6 @@ unsafe impl F64Dot for BlockQ6K {
         }
         (w.d.to_f64() * x.d as f64) * dots as f64
     }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
-        avx2::dot(w, x)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{BlockQ6K, BlockQ8K};
-    use crate::f64_dot::avx2::hsum;
-    use std::arch::x86_64::*;
-
-    /// Per super-block: the unsigned 6-bit values (0..64) times the Q8_K bytes by `maddubs`,
-    /// each 16 values scaled by their scale in `madd`; the offset 32 comes off at the end as
-    /// `32 · Σ_j sc_j · bsums_j` (the same integer the scalar code sums).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot(w: &[BlockQ6K], x: &[BlockQ8K]) -> f64 {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m2 = _mm256_set1_epi8(3);
-        let mut acc = 0f64;
-        for (w, x) in w.iter().zip(x) {
-            let mut sums = _mm256_setzero_si256();
-            for half in 0..2 {
-                let ql0 = _mm256_loadu_si256(w.ql.as_ptr().add(64 * half) as *const __m256i);
-                let ql1 = _mm256_loadu_si256(w.ql.as_ptr().add(64 * half + 32) as *const __m256i);
-                let qh = _mm256_loadu_si256(w.qh.as_ptr().add(32 * half) as *const __m256i);
-                let high = |shift: i32| match shift {
-                    0 => _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
-                    2 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
-                    4 => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4),
-                    _ => _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4),
-                };
-                let q = [
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
-                ];
-                for (t, q) in q.into_iter().enumerate() {
-                    let a = _mm256_loadu_si256(
-                        x.qs.as_ptr().add(128 * half + 32 * t) as *const __m256i
-                    );
-                    let s = 8 * half + 2 * t;
-                    let sc = _mm256_set_m128i(
-                        _mm_set1_epi16(w.scales[s + 1] as i16),
-                        _mm_set1_epi16(w.scales[s] as i16),
-                    );
-                    sums =
-                        _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), sc));
-                }
-            }
-            let mut offset = 0i32;
-            for j in 0..16 {
-                offset += w.scales[j] as i32 * x.bsums[j] as i32;
-            }
-            let dots = hsum(sums) - 32 * offset;
-            acc += (w.d.to_f64() * x.d as f64) * dots as f64;
-        }
-        acc
-    }
 }
 
 #[cfg(test)]

@@ -121,45 +121,6 @@ unsafe impl F64Dot for BlockQ8_0 {
         // d·d' is exact in f64 (two 11-bit mantissas), and so is its product with the sum.
         (w.d.to_f64() * x.d.to_f64()) * sum as f64
     }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2(w: &[Self], x: &[Self::Act]) -> f64 {
-        avx2::dot(w, x)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::BlockQ8_0;
-    use crate::f64_dot::avx2::{deinterleave, dot_by_fours, f16_pairs, hsum4};
-    use std::arch::x86_64::*;
-
-    /// Four blocks at a time: integer sums by `sign`/`maddubs`/`madd` (ggml's way: |w| times
-    /// x with w's sign), the four sums reduced together, times the four `d·d'` (exact in
-    /// f32), added to the f64 total in block order.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot(w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f64 {
-        dot_by_fours(w, x, BlockQ8_0::ZERO, |w, x| four(w, x))
-    }
-
-    /// The f64 products of blocks `w[0..4]` and `x[0..4]`.
-    #[inline(always)]
-    unsafe fn four(w: *const BlockQ8_0, x: *const BlockQ8_0) -> __m256d {
-        let ones = _mm256_set1_epi16(1);
-        let mut sums = [_mm256_setzero_si256(); 4];
-        for (t, s) in sums.iter_mut().enumerate() {
-            let qw = _mm256_loadu_si256((*w.add(t)).qs.as_ptr() as *const __m256i);
-            let qx = _mm256_loadu_si256((*x.add(t)).qs.as_ptr() as *const __m256i);
-            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
-            *s = _mm256_madd_epi16(pairs, ones);
-        }
-        // Each block starts with its f16 `d` (the next two bytes are values: unused lanes).
-        let dd = deinterleave(_mm256_mul_ps(f16_pairs(w), f16_pairs(x)));
-        _mm256_mul_pd(
-            _mm256_cvtepi32_pd(hsum4(sums)),
-            _mm256_cvtps_pd(_mm256_castps256_ps128(dd)),
-        )
-    }
 }
 
 /// The activation quantizers' AVX2 steps (Q8_0, Q8_1 and Q8_K blocks).

@@ -37,6 +37,49 @@ pub(crate) use interleave::{put_runs, take_runs};
 pub use interleave::{ActRow, Interleave};
 pub(crate) use unroll::unrolled;
 
+/// `dst[i * n + j] = Σ_t x[i, t] · W[j, t]` in f64, for `m` activation rows of `k` values and a
+/// weight `w` of `n` rows of `k / BLOCK` blocks (GGUF's layout): each activation row quantized
+/// once to the type's activation blocks (candle's rounding), every output bit for bit
+/// [`crate::f64_dot::dot_f64`] of its row, whatever `m`, the kernel or the thread count. The
+/// weight is repacked on every call: keep a [`Repacked`] to multiply it again.
+pub fn matmul_f64<B: Interleave>(
+    kernel: Kernel,
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: &[B],
+    dst: &mut [f64],
+) -> Result<()> {
+    check_matmul(
+        &format!("{} f64 matmul", B::NAME),
+        kernel,
+        (m, k, n),
+        B::BLOCK,
+        (x.len(), w.len(), dst.len()),
+    )?;
+    Repacked::new(w, n, k)?.matmul_f64(kernel, m, x, dst)
+}
+
+/// [`matmul_f64`] of a weight given as GGUF bytes (a `QTensor`'s data), viewed as blocks of
+/// `B` without copying: one function per block type, which a caller can pick from a table.
+pub fn matmul_f64_bytes<B: Interleave>(
+    kernel: Kernel,
+    dims: (usize, usize, usize),
+    x: &[f32],
+    w: &[u8],
+    dst: &mut [f64],
+) -> Result<()> {
+    matmul_f64(
+        kernel,
+        dims,
+        x,
+        crate::f64_dot::blocks_from_bytes::<B>(w)?,
+        dst,
+    )
+}
+
+/// The signature of [`matmul_f64_bytes`] for one block type.
+pub type F64MatMulFn = fn(Kernel, (usize, usize, usize), &[f32], &[u8], &mut [f64]) -> Result<()>;
+
 /// A quantized weight `[n, k]` repacked in groups of four rows (the last group padded with
 /// zero rows), with its products against f32 activations.
 ///

@@ -187,7 +187,7 @@ pub(crate) mod testing {
                     let mut four = [0f32; 4];
                     dot_rows_by(kernel, [row(0), row(1), row(2), row(3)], act(i), &mut four);
                     for r in 0..ROWS {
-                        let exact = dot_f64(Kernel::Scalar, row(r), act(i));
+                        let exact = dot_f64(row(r), act(i));
                         let mut one = [0f32];
                         dot_rows_by(kernel, [row(r)], act(i), &mut one);
                         let got = one[0];
@@ -296,7 +296,7 @@ pub(crate) mod testing {
                         let got = out[r * m + i];
                         let mut one = [0f32];
                         dot_rows_by(kernel, [&w[..]], x, &mut one);
-                        let exact = dot_f64(Kernel::Scalar, w, x);
+                        let exact = dot_f64(w, x);
                         let mag: f64 = w.iter().zip(x).map(|(w, x)| abs_dot(w, x)).sum();
                         let what = format!(
                             "{} {kernel:?} {kb} blocks, m = {m}, weight row {r}, activation row {i}",

@@ -36,9 +36,9 @@ mod small_m;
 pub mod types;
 
 pub use candle_tp_kernels::f64_dot::{dot_f64, F64Dot};
-pub use candle_tp_kernels::f64_matmul::{matmul_f64, matmul_f64_bytes, F64MatMulFn};
 pub use candle_tp_kernels::q4_1::{vec_dot_q4_1_q8_1, BlockQ4_1, Kernel, QK4_1};
 pub use candle_tp_kernels::q8_1::{quantize_row_q8_1, BlockQ8_1, QK8_1};
+pub use candle_tp_kernels::repack::{matmul_f64, matmul_f64_bytes, F64MatMulFn};
 pub use matmul::{matmul_q4_0, matmul_q4_1, matmul_q5_0, matmul_q5_1, QuantMatMul};
 pub use shared::{prepared_in_scope, share_activations};
 pub use small_m::{matmul_small_m, SMALL_M_MAX_ROWS};

@@ -103,15 +103,16 @@ fn values_are_the_unpacked_rows_f64_dot<B: Interleave>(
                 for &kernel in &kernels {
                     let mut y = vec![f64::NAN; m * n];
                     packed.matmul_f64(kernel, m, &x, &mut y).unwrap();
+                    // The one-call form (repacking the blocks as GGUF lays them out) too.
+                    let mut once = vec![f64::NAN; m * n];
+                    super::matmul_f64(kernel, (m, kb * B::BLOCK, n), &x, &w, &mut once).unwrap();
+                    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&once), bits(&y), "{} matmul_f64 n={n} m={m}", B::NAME);
                     let mut y32 = vec![f32::NAN; m * n];
                     packed.matmul_f32(kernel, m, &x, &mut y32).unwrap();
                     for i in 0..m {
                         for j in 0..n {
-                            let want = dot_f64(
-                                Kernel::Scalar,
-                                &w[j * kb..(j + 1) * kb],
-                                &xq[i * kb..(i + 1) * kb],
-                            );
+                            let want = dot_f64(&w[j * kb..(j + 1) * kb], &xq[i * kb..(i + 1) * kb]);
                             assert!(want.is_finite() && want != 0.0, "{want}");
                             let got = y[i * n + j];
                             assert_eq!(
