@@ -8,7 +8,9 @@
 //! target/release/examples/generate --model /tmp/tiny-llama --prompt "Tensor "
 //! ```
 //!
-//! - Model: 4 layers, hidden 256, 8 heads, 4 KV heads, gated MLP 688 (flags change them).
+//! - Model: 4 layers, hidden 256, 8 heads, 4 KV heads, gated MLP 688 (flags change them);
+//!   `--experts N --top-k K` makes every layer's MLP a Mixtral-style sparse MoE of N such
+//!   MLPs, split over the tensor-parallel ranks or, with `--expert-parallel`, whole per rank.
 //! - Tokenizer: bytes. Token id = byte value (vocabulary 256); the checkpoint gets a
 //!   `tokenizer.json` (byte-level BPE with no merges) that maps text to the same ids, so
 //!   `examples/generate` reads and writes text.
@@ -21,7 +23,9 @@
 //!   the tied embedding's gradients are summed between the first and the last stage. The last
 //!   JSON line then reports each rank's peak activation bytes and idle fraction under the
 //!   schedule, beside the bubble `(p - 1) / (m + p - 1)`.
-//! - Output (rank 0): one JSON line per step `{"step","loss","tokens_per_s"}` on stdout, a
+//! - Output (rank 0): one JSON line per step `{"step","loss","tokens_per_s"}` (and
+//!   `"router_aux_loss"`, the load-balancing part of the loss, with `--experts` and
+//!   `--router-aux-loss-coef`) on stdout, a
 //!   progress bar on stderr (indicatif; drawn only when stderr is a terminal, so not under
 //!   tprun, whose ranks write to pipes), then `{"activation_bytes_per_rank": {...}}`: bytes of the
 //!   tensors the autograd graph keeps for backward after one forward, with and without
@@ -341,15 +345,17 @@ fn main() -> Result<()> {
         all_reduce_grads(&mut grads, &partial_vars, &tp_pg, false)?;
         all_reduce_grads(&mut grads, &vars, &dp_pg, true)?;
         opt.step(&grads)?;
-        let mut l = [report.loss];
+        let mut l = [report.loss, report.aux_loss];
         dp_pg.all_reduce_slice(&mut l, ReduceOp::Sum)?;
-        let loss = l[0] / args.dp as f32;
+        let (loss, aux) = (l[0] / args.dp as f32, l[1] / args.dp as f32);
         let tps = (args.batch * args.seq) as f64 / t0.elapsed().as_secs_f64();
         if lead {
-            println!(
-                "{}",
-                serde_json::json!({"step": step, "loss": loss, "tokens_per_s": tps})
-            );
+            let mut line = serde_json::json!({"step": step, "loss": loss, "tokens_per_s": tps});
+            if args.experts > 0 && args.router_aux_loss_coef != 0.0 {
+                // The load-balancing part of `loss` (coefficient x 1 per layer when balanced).
+                line["router_aux_loss"] = aux.into();
+            }
+            println!("{line}");
             bar.set_message(format!("loss {loss:.4}, {tps:.0} tok/s"));
             bar.inc(1);
         }

@@ -10,7 +10,8 @@ use common::example;
 
 use std::process::Command;
 
-fn losses(nproc: usize, extra: &[&str]) -> Vec<f64> {
+/// `examples/train`'s standard output under `tprun` with `nproc` ranks.
+fn output(nproc: usize, extra: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_tprun"))
         .args(["--standalone", "--nproc-per-node", &nproc.to_string()])
         .arg(example("train"))
@@ -25,15 +26,31 @@ fn losses(nproc: usize, extra: &[&str]) -> Vec<f64> {
         .args(extra)
         .output()
         .expect("run tprun");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         out.status.success(),
         "tprun {nproc} {extra:?} failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    stdout
+}
+
+fn losses(nproc: usize, extra: &[&str]) -> Vec<f64> {
+    let stdout = output(nproc, extra);
     let v = common::train::losses_of(&stdout, "[rank 0] ");
     assert_eq!(v.len(), 4, "expected 4 steps in:\n{stdout}");
     v
+}
+
+/// The `router_aux_loss` of each step's JSON line (rank 0's).
+fn aux_losses(stdout: &str) -> Vec<f64> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            serde_json::from_str::<serde_json::Value>(l.strip_prefix("[rank 0] ")?).ok()
+        })
+        .filter_map(|j| j["router_aux_loss"].as_f64())
+        .collect()
 }
 
 #[test]
@@ -110,17 +127,36 @@ fn moe_loss_curves_equal_one_process() {
     let ep = losses(2, &ep_args);
     let dp_ep = losses(4, &with(&["--tp", "2", "--dp", "2", "--expert-parallel"]));
     // Each stage adds its own layers' load-balancing loss to its backward.
-    let pp_ep = losses(
-        4,
-        &with(&[
-            "--pp",
-            "2",
-            "--tp",
-            "2",
-            "--micro-batches",
-            "2",
-            "--expert-parallel",
-        ]),
+    let pp_ep_args = with(&[
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--micro-batches",
+        "2",
+        "--expert-parallel",
+    ]);
+    let pp_ep = losses(4, &pp_ep_args);
+    // The load-balancing part of the logged loss: one process's, and the two stages' summed
+    // (each adds its own layer's), in 2 micro-batches either way.
+    let aux_one = aux_losses(&output(1, &with(&["--tp", "1", "--micro-batches", "2"])));
+    let aux_pp = aux_losses(&output(4, &pp_ep_args));
+    assert_eq!(
+        (aux_one.len(), aux_pp.len()),
+        (4, 4),
+        "{aux_one:?} {aux_pp:?}"
+    );
+    // 2 layers x 0.1 x (1 when balanced and uniform; about that at initialisation), a part
+    // of the loss.
+    assert!(
+        aux_one[0] > 0.1 && aux_one[0] < one_halves[0],
+        "{aux_one:?}"
+    );
+    assert!(
+        (aux_pp[0] - aux_one[0]).abs() <= 1e-4 * aux_one[0],
+        "pp2xep2 load-balancing loss {} vs one process {}",
+        aux_pp[0],
+        aux_one[0]
     );
     for (i, (&r, &r2)) in one.iter().zip(&one_halves).enumerate() {
         for (what, c, r) in [

@@ -32,6 +32,9 @@ pub struct StepReport {
     /// The mean of the micro-batches' losses, every stage's MoE load-balancing loss included
     /// (every stage gets it).
     pub loss: f32,
+    /// The part of [`loss`](Self::loss) that is the MoE layers' load-balancing loss
+    /// (`TrainLlama::take_aux_loss`, weighed by `router_aux_loss_coef`); 0 without.
+    pub aux_loss: f32,
     /// The gradients of this stage's parameters: of the mean loss over the micro-batches (each
     /// micro-batch's loss divided by their number, summed), the tied embedding's summed
     /// between the first and the last stage.
@@ -106,6 +109,8 @@ pub fn train_step(
     let mut slots: Vec<Slot> = (0..m).map(|_| Slot::default()).collect();
     let mut acc = GradStore::default();
     let (mut loss_sum, mut busy, mut live, mut peak_bytes) = (0f32, 0f64, 0usize, 0usize);
+    // This stage's MoE load-balancing losses (in `loss_sum` too on the last stage).
+    let mut aux_sum = 0f32;
     let (mut live_mbs, mut peak_mbs) = (0usize, 0usize);
     let device = batches[0].ids.device().clone();
     for step in schedule(kind, index, count, m) {
@@ -139,6 +144,9 @@ pub fn train_step(
                     Some(a) => Some((a / m as f64)?),
                     None => None,
                 };
+                if let Some(a) = &aux {
+                    aux_sum += a.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+                }
                 let out = if last {
                     let logits = model.forward_head(&h, b, s)?;
                     let mut l = (loss(&logits, &batches[mb].targets)? / m as f64)?;
@@ -148,9 +156,6 @@ pub fn train_step(
                     loss_sum += l.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
                     l
                 } else {
-                    if let Some(a) = &aux {
-                        loss_sum += a.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
-                    }
                     slots[mb].aux = aux;
                     h
                 };
@@ -235,15 +240,17 @@ pub fn train_step(
             .collect();
         all_reduce_grads(&mut acc, &var, group, false)?;
     }
-    // The last stage's loss, plus the other stages' load-balancing losses (0 without MoE).
-    let mut loss = [loss_sum];
+    // The last stage's loss, plus the other stages' load-balancing losses; and all stages'
+    // load-balancing losses (0 without MoE).
+    let mut sums = [if last { loss_sum } else { aux_sum }, aux_sum];
     if let Some(stage) = stage {
         stage
             .group()
-            .all_reduce_slice(&mut loss, crate::comm::ReduceOp::Sum)?;
+            .all_reduce_slice(&mut sums, crate::comm::ReduceOp::Sum)?;
     }
     Ok(StepReport {
-        loss: loss[0],
+        loss: sums[0],
+        aux_loss: sums[1],
         grads: acc,
         peak_micro_batches: peak_mbs,
         peak_activation_bytes: peak_bytes,
