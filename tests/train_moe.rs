@@ -356,20 +356,10 @@ fn a_checkpoint_trained_expert_parallel_is_a_mixtral_checkpoint() -> Result<()> 
     );
     // The crate's inference model (`CausalLm`, Mixtral read from config.json) at worlds 1
     // and 2 (every expert split, KV cache).
-    for world in [1, 2] {
-        let got = run_threads(world, |pg| {
-            let mut m = CausalLm::from_dir(dir.path(), DType::F32, &Device::Cpu, pg)?;
-            m.forward_gathered(&ids, 0)
-        })?;
-        for (rank, l) in got.iter().enumerate() {
-            let d = max_abs_diff(l, &want)?;
-            assert!(
-                d <= 1e-4,
-                "Mixtral at world {world} rank {rank}: logits differ by {d}"
-            );
-        }
-    }
-    Ok(())
+    common::train::logits_at_worlds("Mixtral", &[1, 2], &want, 1e-4, |pg| {
+        let mut m = CausalLm::from_dir(dir.path(), DType::F32, &Device::Cpu, pg)?;
+        m.forward_gathered(&ids, 0)
+    })
 }
 
 #[test]

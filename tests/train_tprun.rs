@@ -42,6 +42,18 @@ fn losses(nproc: usize, extra: &[&str]) -> Vec<f64> {
     v
 }
 
+/// Every step's loss of `got` within 1e-4 (relative) of one process's, `want`.
+fn same_curve(what: &str, got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: steps");
+    for (i, (&c, &r)) in got.iter().zip(want).enumerate() {
+        let rel = (c - r).abs() / r.abs();
+        assert!(
+            rel <= 1e-4,
+            "{what} step {i}: loss {c} vs one process {r} (rel {rel:e})"
+        );
+    }
+}
+
 /// The `router_aux_loss` of each step's JSON line (rank 0's).
 fn aux_losses(stdout: &str) -> Vec<f64> {
     stdout
@@ -77,21 +89,14 @@ fn loss_curves_equal_one_process() {
         ],
     );
     let pp_dp = losses(4, &["--pp", "2", "--dp", "2", "--micro-batches", "2"]);
-    for (i, &r) in one.iter().enumerate() {
-        for (what, c) in [
-            ("pp2xdp2 1f1b", &pp_dp),
-            ("tp2+sp", &sp),
-            ("dp2xtp2", &dp_tp),
-            ("pp2 1f1b", &pp),
-            ("pp2xtp2+sp gpipe", &pp_tp),
-        ] {
-            let rel = (c[i] - r).abs() / r.abs();
-            assert!(
-                rel <= 1e-4,
-                "{what} step {i}: loss {} vs TP=1 {r} (rel {rel:e})",
-                c[i]
-            );
-        }
+    for (what, c) in [
+        ("pp2xdp2 1f1b", &pp_dp),
+        ("tp2+sp", &sp),
+        ("dp2xtp2", &dp_tp),
+        ("pp2 1f1b", &pp),
+        ("pp2xtp2+sp gpipe", &pp_tp),
+    ] {
+        same_curve(what, c, &one);
     }
     assert!(one[3] < one[0], "the loss does not decrease: {one:?}");
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
@@ -158,20 +163,13 @@ fn moe_loss_curves_equal_one_process() {
         aux_pp[0],
         aux_one[0]
     );
-    for (i, (&r, &r2)) in one.iter().zip(&one_halves).enumerate() {
-        for (what, c, r) in [
-            ("tp2", &tp, r),
-            ("ep2+sp", &ep, r),
-            ("dp2xep2", &dp_ep, r2),
-            ("pp2xep2", &pp_ep, r2),
-        ] {
-            let rel = (c[i] - r).abs() / r.abs();
-            assert!(
-                rel <= 1e-4,
-                "{what} step {i}: loss {} vs one process {r} (rel {rel:e})",
-                c[i]
-            );
-        }
+    for (what, c, want) in [
+        ("tp2", &tp, &one),
+        ("ep2+sp", &ep, &one),
+        ("dp2xep2", &dp_ep, &one_halves),
+        ("pp2xep2", &pp_ep, &one_halves),
+    ] {
+        same_curve(what, c, want);
     }
     assert!(one[3] < one[0], "the loss does not decrease: {one:?}");
     let config = std::fs::read_to_string(ckpt.join("config.json")).expect("config.json");

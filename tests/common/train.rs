@@ -161,6 +161,28 @@ pub fn compare(
     Ok(())
 }
 
+/// Each rank's logits from `logits(pg)` at every world of `worlds` within `tol` of `want`
+/// (an inference model reading a checkpoint the trainer saved; finite: [`max_abs_diff`]).
+pub fn logits_at_worlds(
+    what: &str,
+    worlds: &[usize],
+    want: &Tensor,
+    tol: f32,
+    logits: impl Fn(ProcessGroup) -> Result<Tensor> + Sync,
+) -> Result<()> {
+    for &world in worlds {
+        let got = run_threads(world, &logits)?;
+        for (rank, l) in got.iter().enumerate() {
+            let d = max_abs_diff(l, want)?;
+            assert!(
+                d <= tol,
+                "{what} at world {world} rank {rank}: logits differ by {d}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `examples/train`'s arguments for a tiny model trained for 4 steps (seconds per run).
 pub const TINY_ARGS: [&str; 14] = [
     "--steps",
