@@ -10,7 +10,7 @@
 //!
 //! - Model: 4 layers, hidden 256, 8 heads, 4 KV heads, gated MLP 688 (flags change them);
 //!   `--experts N --top-k K` makes every layer's MLP a Mixtral-style sparse MoE of N such
-//!   MLPs, split over the tensor-parallel ranks or, with `--expert-parallel`, whole per rank.
+//!   MLPs, split over the tensor-parallel ranks or, with `--ep N`, whole in N groups of them.
 //! - Tokenizer: bytes. Token id = byte value (vocabulary 256); the checkpoint gets a
 //!   `tokenizer.json` (byte-level BPE with no merges) that maps text to the same ids, so
 //!   `examples/generate` reads and writes text.
@@ -40,7 +40,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use candle_tp::pipeline::{train_step, Kind, MicroBatch, PipelineStage};
 use candle_tp::train::{
     activation_bytes, all_reduce_grads, vocab_parallel_cross_entropy, Dropout, SplitMix64,
-    TrainConfig, TrainInit, TrainLayout, TrainLlama,
+    TrainConfig, TrainInit, TrainLlama,
 };
 use candle_tp::{DeviceMesh, ReduceOp};
 use clap::Parser;
@@ -113,10 +113,12 @@ struct Args {
     /// layer when balanced), added to the logged loss.
     #[arg(long, default_value_t = 0.0)]
     router_aux_loss_coef: f64,
-    /// Expert parallelism: whole experts on each rank of the tensor-parallel group (the
-    /// default splits every expert column/row across it).
+    /// Expert parallelism, as `--ep` of generate and serve: the MoE layers' experts whole in N
+    /// groups of consecutive ranks of the tensor-parallel group, each expert split over its
+    /// group's ranks (N = the TP size, or 0: whole experts on each rank). Without it every
+    /// expert is split column/row over the whole group.
     #[arg(long)]
-    expert_parallel: bool,
+    ep: Option<usize>,
     /// Dropout on the residual branches (shared seed: equal across layouts).
     #[arg(long, default_value_t = 0.0)]
     hidden_dropout: f64,
@@ -260,15 +262,13 @@ fn main() -> Result<()> {
     };
     let init = TrainInit::new(args.seed);
     cfg.declare(&init)?;
-    let mut vb = init.var_builder(DType::F32, &dev, tp_pg.clone());
+    let mut vb = init
+        .var_builder(DType::F32, &dev, tp_pg.clone())
+        .with_expert_parallel(args.ep)?;
     if let Some(stage) = stage {
         vb = vb.with_pipeline(stage);
     }
-    let layout = TrainLayout {
-        sequence_parallel: args.sequence_parallel,
-        expert_parallel: args.expert_parallel,
-    };
-    let mut model = TrainLlama::load_with(&cfg, vb, layout)?;
+    let mut model = TrainLlama::load(&cfg, vb, args.sequence_parallel)?;
     let params = init.params()?;
     let vars = init.vars()?;
     // Gradients each TP rank holds in part (routers; norms with SP): summed over the group.

@@ -34,7 +34,7 @@ for r in $(seq "$ROUNDS"); do
     echo "== round $r" >&2
     run "world1_$r" 1 --tp 1
     run "tp2_$r" 2 --tp 2
-    run "ep2_$r" 2 --tp 2 --expert-parallel
+    run "ep2_$r" 2 --tp 2 --ep 2
 done
 
 python3 - "$work" "$ROUNDS" <<'PY'

@@ -7,18 +7,14 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_tp::models::llama::Llama;
 use candle_tp::models::FromCheckpoint;
 use candle_tp::train::{
-    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLayout,
-    TrainLlama,
+    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama,
 };
 use candle_tp::{run_threads, DeviceMesh, ProcessGroup, ShardedVarBuilder};
 use common::max_abs_diff;
-use common::train::{batch, cfg, compare, grads, reference};
+use common::train::{batch, cfg, compare, grads, reference, Layout};
 
-fn sp_layout(sequence_parallel: bool) -> TrainLayout {
-    TrainLayout {
-        sequence_parallel,
-        expert_parallel: false,
-    }
+fn sp_layout(sp: bool) -> Layout {
+    Layout { sp, ep: None }
 }
 
 /// Residual dropout with a shared seed: part of the comparisons with one process.

@@ -3,8 +3,9 @@
 //! against the dense layer"):
 //!
 //! - every parameter's gradient, routers included, at TP = 2 and 3 with each expert split
-//!   column/row and with whole experts per rank (5 experts: 3 + 2, 2 + 2 + 1), with and
-//!   without sequence parallelism, and DP = 2 × EP = 2;
+//!   column/row and with whole experts per rank (5 experts: 3 + 2, 2 + 2 + 1), at TP = 4 in 2
+//!   expert groups of 2 ranks (`--ep 2`: 3 + 2 experts, each split in two), with and without
+//!   sequence parallelism, and DP = 2 × EP = 2;
 //! - the router's gradient against finite differences of the loss (the routing weights are
 //!   differentiable, as in Hugging Face's `MixtralSparseMoeBlock`);
 //! - a checkpoint saved at EP = 2 is a Mixtral checkpoint: candle-transformers' `mixtral`
@@ -16,12 +17,10 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_tp::models::CausalLm;
-use candle_tp::train::{
-    vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLayout, TrainLlama,
-};
+use candle_tp::train::{vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama};
 use candle_tp::{run_threads, DeviceMesh, ReduceOp};
 use common::max_abs_diff;
-use common::train::{batch, cfg, compare, grads, reference};
+use common::train::{batch, cfg, compare, grads, reference, Layout};
 
 const EXPERTS: usize = 5;
 
@@ -37,11 +36,35 @@ fn moe_cfg() -> TrainConfig {
     }
 }
 
-fn layout(sequence_parallel: bool, expert_parallel: bool) -> TrainLayout {
-    TrainLayout {
-        sequence_parallel,
-        expert_parallel,
+/// Sequence parallelism or not; whole experts on each rank, or every expert split.
+/// [`moe_cfg`] that 4 ranks can split: width 32, 8 heads and 4 KV heads of 4.
+fn moe_cfg4() -> TrainConfig {
+    TrainConfig {
+        hidden_size: 32,
+        num_attention_heads: 8,
+        num_key_value_heads: 4,
+        ..moe_cfg()
     }
+}
+
+fn layout(sp: bool, whole: bool) -> Layout {
+    Layout {
+        sp,
+        ep: whole.then_some(0),
+    }
+}
+
+/// The model of `init` on `pg`, laid out as `layout` (as `examples/train` builds it).
+fn load(
+    cfg: &TrainConfig,
+    init: &TrainInit,
+    pg: &candle_tp::ProcessGroup,
+    layout: Layout,
+) -> Result<TrainLlama> {
+    let vb = init
+        .var_builder(DType::F32, &Device::Cpu, pg.clone())
+        .with_expert_parallel(layout.ep)?;
+    TrainLlama::load(cfg, vb, layout.sp)
 }
 
 #[test]
@@ -62,31 +85,57 @@ fn moe_gradients_equal_one_process_with_experts_split_or_whole() -> Result<()> {
             assert!(largest > 1e-6, "{name}: gradient {largest} (unused?)");
         }
     }
+    // TP 2 and 3 with every expert split or whole experts per rank (5 experts: 3 + 2,
+    // 2 + 2 + 1); TP 4 in 2 expert groups of 2 ranks below.
+    let mut layouts = Vec::new();
     for tp in [2, 3] {
         for sp in [false, true] {
-            for ep in [false, true] {
-                let got = run_threads(tp, |pg| grads(&cfg, &pg, None, layout(sp, ep), drop, 0..4))?;
-                if ep {
-                    // Whole experts: each rank holds only its own.
-                    let experts: Vec<usize> = got
-                        .iter()
-                        .map(|(_, g)| {
-                            g.iter()
-                                .filter(|(n, _, _)| n.ends_with("w1.weight"))
-                                .count()
-                        })
-                        .collect();
-                    let want: Vec<usize> = candle_tp::Partition::new(EXPERTS, tp)
-                        .map_err(candle_core::Error::msg)?
-                        .sizes()
-                        .iter()
-                        .map(|n| n * cfg.num_hidden_layers)
-                        .collect();
-                    assert_eq!(experts, want, "tp {tp}: experts per rank");
-                }
-                compare(&format!("tp {tp} sp {sp} ep {ep}"), &reference, got)?;
-            }
+            layouts.push((tp, layout(sp, false)));
+            layouts.push((tp, layout(sp, true)));
         }
+    }
+    check_layouts(&cfg, drop, layouts)?;
+    // TP 4 ([`moe_cfg4`]) in 2 expert groups of 2 ranks: 3 + 2 experts, each
+    // split in two over its group.
+    let cfg4 = moe_cfg4();
+    let four = (0..2).map(|i| {
+        (
+            4,
+            Layout {
+                sp: i == 1,
+                ep: Some(2),
+            },
+        )
+    });
+    check_layouts(&cfg4, drop, four.collect())
+}
+
+/// [`compare`] of each `(tp, layout)` with one process, and each rank's experts those of its
+/// expert group.
+fn check_layouts(cfg: &TrainConfig, drop: Dropout, layouts: Vec<(usize, Layout)>) -> Result<()> {
+    let reference = reference(cfg, drop)?;
+    for (tp, layout) in layouts {
+        let got = run_threads(tp, |pg| grads(cfg, &pg, None, layout, drop, 0..4))?;
+        if let Some(ep) = layout.ep {
+            // Each rank holds only its group's experts (whole, or a slice of each).
+            let groups = if ep == 0 { tp } else { ep };
+            let experts: Vec<usize> = got
+                .iter()
+                .map(|(_, g)| {
+                    g.iter()
+                        .filter(|(n, _, _)| n.ends_with("w1.weight"))
+                        .count()
+                })
+                .collect();
+            let per_group = candle_tp::Partition::new(EXPERTS, groups)
+                .map_err(candle_core::Error::msg)?
+                .sizes();
+            let want: Vec<usize> = (0..tp)
+                .map(|r| per_group[r / (tp / groups)] * cfg.num_hidden_layers)
+                .collect();
+            assert_eq!(experts, want, "tp {tp} {layout:?}: experts per rank");
+        }
+        compare(&format!("tp {tp} {layout:?}"), &reference, got)?;
     }
     Ok(())
 }
@@ -241,8 +290,7 @@ fn load_balancing_loss_of_a_uniform_router_is_the_number_of_layers() -> Result<(
         let got = run_threads(tp, |pg| {
             let init = TrainInit::new(3);
             cfg.declare(&init)?;
-            let vb = init.var_builder(DType::F32, &Device::Cpu, pg.clone());
-            let model = TrainLlama::load_with(&cfg, vb, layout(sp, ep))?;
+            let model = load(&cfg, &init, &pg, layout(sp, ep))?;
             for l in 0..cfg.num_hidden_layers {
                 let router =
                     init.param(&format!("model.layers.{l}.block_sparse_moe.gate.weight"))?;
@@ -285,16 +333,30 @@ fn load_balancing_loss_of_a_uniform_router_is_the_number_of_layers() -> Result<(
 
 #[test]
 fn a_checkpoint_trained_expert_parallel_is_a_mixtral_checkpoint() -> Result<()> {
+    // Whole experts on each of 2 ranks; and 2 expert groups of 2 ranks each ([`moe_cfg4`]),
+    // whose experts' slices are gathered from their group only.
+    trained_checkpoint_is_mixtral(&moe_cfg(), 2, layout(false, true))?;
+    trained_checkpoint_is_mixtral(
+        &moe_cfg4(),
+        4,
+        Layout {
+            sp: false,
+            ep: Some(2),
+        },
+    )
+}
+
+/// One optimizer step at `tp` ranks laid out as `layout`, saved: candle-transformers' Mixtral
+/// and the crate's inference model read the checkpoint and give the trained model's logits.
+fn trained_checkpoint_is_mixtral(cfg: &TrainConfig, tp: usize, layout: Layout) -> Result<()> {
     let dir = tempfile::tempdir().map_err(candle_core::Error::wrap)?;
-    let cfg = moe_cfg();
     let (b, s) = (2, 5);
     let (ids, _) = batch(b, s);
     let ids = Tensor::from_vec(ids[..b * s].to_vec(), (b, s), &Device::Cpu)?;
-    let trained = run_threads(2, |pg| {
+    let trained = run_threads(tp, |pg| {
         let init = TrainInit::new(9);
         cfg.declare(&init)?;
-        let vb = init.var_builder(DType::F32, &Device::Cpu, pg.clone());
-        let model = TrainLlama::load_with(&cfg, vb, layout(false, true))?;
+        let model = load(cfg, &init, &pg, layout)?;
         // One optimizer step so the weights are no longer the initial draw.
         let logits = model.forward(&ids, &Dropout::off())?;
         let loss = vocab_parallel_cross_entropy(
@@ -368,27 +430,27 @@ fn bad_expert_layouts_are_errors_with_the_sizes() -> Result<()> {
     let out = run_threads(2, |pg| {
         let mut errs = Vec::new();
         for (cfg, ep) in [
-            (dense.clone(), true),
+            (dense.clone(), Some(0)),
             (
                 TrainConfig {
                     num_local_experts: 1,
                     num_experts_per_tok: 1,
                     ..moe_cfg()
                 },
-                true,
+                Some(0),
             ),
             (
                 TrainConfig {
                     num_experts_per_tok: 6,
                     ..moe_cfg()
                 },
-                false,
+                None,
             ),
+            (moe_cfg(), Some(3)),
         ] {
             let init = TrainInit::new(1);
             cfg.declare(&init)?;
-            let vb = init.var_builder(DType::F32, &Device::Cpu, pg.clone());
-            errs.push(match TrainLlama::load_with(&cfg, vb, layout(false, ep)) {
+            errs.push(match load(&cfg, &init, &pg, Layout { sp: false, ep }) {
                 Ok(_) => "loaded".to_string(),
                 Err(e) => e.to_string(),
             });
@@ -396,12 +458,21 @@ fn bad_expert_layouts_are_errors_with_the_sizes() -> Result<()> {
         Ok(errs)
     })?;
     for errs in out {
-        assert!(errs[0].contains("num_local_experts = 0"), "{}", errs[0]);
+        assert!(
+            errs[0].contains("num_local_experts = 0") && errs[0].contains("2 expert groups"),
+            "{}",
+            errs[0]
+        );
         assert!(errs[1].contains("1 experts over 2"), "{}", errs[1]);
         assert!(
             errs[2].contains("num_experts_per_tok 6") && errs[2].contains("num_local_experts 5"),
             "{}",
             errs[2]
+        );
+        assert!(
+            errs[3].contains("3 expert groups do not divide the 2 ranks"),
+            "{}",
+            errs[3]
         );
     }
     Ok(())

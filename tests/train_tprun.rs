@@ -127,10 +127,10 @@ fn moe_loss_curves_equal_one_process() {
     // the layouts that split the batch in two compare with one process in 2 micro-batches.
     let one_halves = losses(1, &with(&["--tp", "1", "--micro-batches", "2"]));
     let tp = losses(2, &with(&["--tp", "2"]));
-    let mut ep_args = with(&["--tp", "2", "--expert-parallel", "--sequence-parallel"]);
+    let mut ep_args = with(&["--tp", "2", "--ep", "2", "--sequence-parallel"]);
     ep_args.extend(["--save", &ckpt_s]);
     let ep = losses(2, &ep_args);
-    let dp_ep = losses(4, &with(&["--tp", "2", "--dp", "2", "--expert-parallel"]));
+    let dp_ep = losses(4, &with(&["--tp", "2", "--dp", "2", "--ep", "2"]));
     // Each stage adds its own layers' load-balancing loss to its backward.
     let pp_ep_args = with(&[
         "--pp",
@@ -139,7 +139,8 @@ fn moe_loss_curves_equal_one_process() {
         "2",
         "--micro-batches",
         "2",
-        "--expert-parallel",
+        "--ep",
+        "2",
     ]);
     let pp_ep = losses(4, &pp_ep_args);
     // The load-balancing part of the logged loss: one process's, and the two stages' summed

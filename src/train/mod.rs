@@ -18,4 +18,4 @@ pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use dropout::{Dropout, Site};
 pub use grads::{activation_bytes, all_reduce_grads};
 pub use init::{Init, Param, SplitMix64, TrainInit};
-pub use model::{TrainConfig, TrainLayout, TrainLlama};
+pub use model::{TrainConfig, TrainLlama};

@@ -247,8 +247,8 @@ struct DenseMlp {
 enum FeedForward {
     /// A gated MLP split column/row.
     Dense(Box<DenseMlp>),
-    /// A sparse MoE, every expert split column/row or whole experts on each rank
-    /// ([`TrainLayout::expert_parallel`]).
+    /// A sparse MoE, every expert split column/row over the group or whole experts on each
+    /// of its expert groups ([`ShardedVarBuilder::with_expert_parallel`]).
     Moe(SparseMoe),
 }
 
@@ -260,18 +260,6 @@ struct Layer {
     v: ColumnParallelLinear,
     o: RowParallelLinear,
     ffn: FeedForward,
-}
-
-/// How a [`TrainLlama`] is laid out over its tensor-parallel group, beyond the column/row
-/// split of its attention.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TrainLayout {
-    /// Megatron-SP: the residual stream split along the sequence across the group.
-    pub sequence_parallel: bool,
-    /// MoE layers expert-parallel over the group (Megatron-core's EP, the attention's TP
-    /// group being the expert group): each rank holds whole experts
-    /// ([`SparseMoe::load_expert_parallel`]) instead of a slice of every expert.
-    pub expert_parallel: bool,
 }
 
 /// The training model. See the [module docs](self).
@@ -309,25 +297,13 @@ pub struct TrainLlama {
 impl TrainLlama {
     /// Builds the model from `vb` (a [`TrainInit`] builder to train from scratch, or a
     /// checkpoint) on the TP group `vb.pg()`. KV heads are split whole: the TP size must not
-    /// exceed `num_key_value_heads`. MoE layers split every expert column/row; see
-    /// [`load_with`](Self::load_with) for expert parallelism.
+    /// exceed `num_key_value_heads`. MoE layers split every expert column/row over the group,
+    /// or, when `vb` was made with [`ShardedVarBuilder::with_expert_parallel`]`(Some(ep))`
+    /// (as the inference models' `--ep`), hold whole experts in `ep` groups of consecutive
+    /// ranks, each expert split over its group's ranks (Megatron-core's EP × expert-TP; one
+    /// rank per group: whole experts on each rank).
     pub fn load(cfg: &TrainConfig, vb: ShardedVarBuilder, sequence_parallel: bool) -> Result<Self> {
-        let layout = TrainLayout {
-            sequence_parallel,
-            expert_parallel: false,
-        };
-        Self::load_with(cfg, vb, layout)
-    }
-
-    /// [`load`](Self::load) with the MoE layers' layout chosen too. Expert parallelism needs
-    /// MoE layers and at least one expert per rank of the TP group.
-    pub fn load_with(
-        cfg: &TrainConfig,
-        vb: ShardedVarBuilder,
-        layout: TrainLayout,
-    ) -> Result<Self> {
         cfg.check()?;
-        let sequence_parallel = layout.sequence_parallel;
         let pg = vb.pg().clone();
         let tp = pg.size();
         let (h, hd, nh, nkv) = (
@@ -360,9 +336,11 @@ impl TrainLlama {
             None
         };
         let moe = cfg.moe();
-        if layout.expert_parallel && moe.is_none() {
+        let expert_tp = vb.expert_parallel().map(|e| e.expert_tp.clone());
+        if let (Some(e), None) = (vb.expert_parallel(), &moe) {
             candle_core::bail!(
-                "TrainLlama: expert parallelism asked for a model without experts (num_local_experts = 0)"
+                "TrainLlama: expert parallelism ({} expert groups) asked for a model without experts (num_local_experts = 0)",
+                e.ep
             );
         }
         let n_rep = nh / nkv;
@@ -384,10 +362,14 @@ impl TrainLlama {
                 Some(moe) => {
                     let vb = lv.pp("block_sparse_moe");
                     router_names.push(vb.pp(&moe.router).full_name("weight"));
-                    FeedForward::Moe(if layout.expert_parallel {
-                        SparseMoe::load_expert_parallel(moe, vb, pg.clone())?
-                    } else {
-                        SparseMoe::load(moe, vb)?
+                    FeedForward::Moe(match &expert_tp {
+                        Some(etp) => SparseMoe::load_expert_tensor_parallel(
+                            moe,
+                            vb,
+                            pg.clone(),
+                            etp.clone(),
+                        )?,
+                        None => SparseMoe::load(moe, vb)?,
                     })
                 }
             };

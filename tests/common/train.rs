@@ -5,8 +5,7 @@ use std::collections::HashMap;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_tp::train::{
-    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLayout,
-    TrainLlama,
+    all_reduce_grads, vocab_parallel_cross_entropy, Dropout, TrainConfig, TrainInit, TrainLlama,
 };
 use candle_tp::{run_threads, ProcessGroup};
 
@@ -76,6 +75,16 @@ pub fn synced_grads(
     Ok(out)
 }
 
+/// How a test lays the model out over its TP group: sequence parallelism, and the MoE layers'
+/// expert groups (`ShardedVarBuilder::with_expert_parallel`; `None`: every expert split).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Layout {
+    /// Sequence parallelism.
+    pub sp: bool,
+    /// Expert groups.
+    pub ep: Option<usize>,
+}
+
 /// (name, split, gradient) of every parameter after one forward/backward of rows `rows` of
 /// [`batch`]`(4, 7)`, the model laid out as `layout` over `tp`, with the gradients
 /// synchronised as the trainer does.
@@ -83,15 +92,17 @@ pub fn grads(
     cfg: &TrainConfig,
     tp: &ProcessGroup,
     dp: Option<&ProcessGroup>,
-    layout: TrainLayout,
+    layout: Layout,
     drop: Dropout,
     rows: std::ops::Range<usize>,
 ) -> Result<(f32, Grads)> {
     let (b, s) = (4, 7);
     let init = TrainInit::new(42);
     cfg.declare(&init)?;
-    let vb = init.var_builder(DType::F32, &Device::Cpu, tp.clone());
-    let model = TrainLlama::load_with(cfg, vb, layout)?;
+    let vb = init
+        .var_builder(DType::F32, &Device::Cpu, tp.clone())
+        .with_expert_parallel(layout.ep)?;
+    let model = TrainLlama::load(cfg, vb, layout.sp)?;
     let (ids, tg) = batch(b, s);
     let ids = Tensor::from_vec(ids, (b, s), &Device::Cpu)?.narrow(0, rows.start, rows.len())?;
     let tg = Tensor::from_vec(tg, (b, s), &Device::Cpu)?
@@ -110,9 +121,7 @@ pub fn grads(
 
 /// The loss and every parameter's gradient of one process (the whole batch, every expert).
 pub fn reference(cfg: &TrainConfig, drop: Dropout) -> Result<(f32, HashMap<String, Tensor>)> {
-    let mut r = run_threads(1, |pg| {
-        grads(cfg, &pg, None, TrainLayout::default(), drop, 0..4)
-    })?;
+    let mut r = run_threads(1, |pg| grads(cfg, &pg, None, Layout::default(), drop, 0..4))?;
     let (loss, g) = r.remove(0);
     Ok((loss, g.into_iter().map(|(n, _, t)| (n, t)).collect()))
 }
