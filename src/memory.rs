@@ -24,8 +24,9 @@ const TRIM_THRESHOLD: usize = 512 << 20;
 /// Asks glibc's malloc to keep freed memory for reuse: buffers up to 32 MiB (glibc's largest mmap
 /// threshold) come from the heap instead of their own mappings, and up to 512 MiB of free
 /// memory stays in each arena. A process-wide setting, for the start of a program that runs
-/// forwards (candle-tp's `generate`, `bench_generate` and `candle-tp-serve` call it); the
-/// price is a resident size up to the peak of one forward's temporaries above what is live.
+/// forwards (candle-tp's `generate`, `bench_generate`, `train` and `candle-tp-serve` call
+/// it); the price is a resident size up to the peak of one forward's temporaries above what
+/// is live.
 /// Returns whether both settings took: `false` off glibc (other allocators keep their own
 /// caches), where it does nothing.
 ///
