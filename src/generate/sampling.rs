@@ -279,14 +279,32 @@ pub(crate) fn sample_rows(
 
 /// This rank's largest logit and its global id (the first of equal ones; a NaN first in the
 /// shard is kept, as before the Gumbel race existed).
+///
+/// Two passes that vectorize, where the one-pass scan's branch on each logit did not (a
+/// 49152-token vocabulary is 24576 logits per rank and row, 16 rows a step when serving): the
+/// largest value in eight independent lanes (a NaN is never larger, so it is skipped as the
+/// scan skips it), then the first logit equal to it.
 fn greedy_best(local: &[f32], offset: usize) -> [f64; 2] {
-    let (mut best_i, mut best_v) = (0usize, f32::NEG_INFINITY);
-    for (i, &v) in local.iter().enumerate() {
-        if v > best_v || (i == 0 && v.is_nan()) {
-            best_i = i;
-            best_v = v;
+    match local.first() {
+        None => return [f64::NEG_INFINITY, offset as f64],
+        Some(v) if v.is_nan() => return [f64::NAN, offset as f64],
+        Some(_) => {}
+    }
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = local.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
         }
     }
+    let best_v = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    // `local[0]` is not a NaN, so `best_v` is one of the logits (or -inf, which `local[0]`
+    // then is).
+    let best_i = local.iter().position(|&v| v == best_v).unwrap_or(0);
     [best_v as f64, (offset + best_i) as f64]
 }
 
@@ -307,6 +325,53 @@ fn greedy_pick(mut pairs: impl Iterator<Item = (f64, f64)>) -> u32 {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// The two-pass argmax gives the one-pass scan's value and index: ties to the first,
+    /// NaNs skipped unless first, -inf rows, any length (tails of 0-7 after the lanes).
+    #[test]
+    fn greedy_best_is_the_first_largest_logit() {
+        fn scan(local: &[f32], offset: usize) -> [f64; 2] {
+            let (mut best_i, mut best_v) = (0usize, f32::NEG_INFINITY);
+            for (i, &v) in local.iter().enumerate() {
+                if v > best_v || (i == 0 && v.is_nan()) {
+                    best_i = i;
+                    best_v = v;
+                }
+            }
+            [best_v as f64, (offset + best_i) as f64]
+        }
+        let mut rng = crate::rng::SplitMix64::new(7);
+        for len in [1usize, 2, 7, 8, 9, 15, 16, 17, 100, 24576] {
+            for case in 0..8 {
+                let mut v: Vec<f32> = (0..len)
+                    .map(|_| (rng.next_normal() * 3.0).round() as f32)
+                    .collect();
+                match case {
+                    1 => v[len / 2] = f32::NAN,
+                    2 => v[0] = f32::NAN,
+                    3 => v.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+                    4 => v.iter_mut().for_each(|x| *x = f32::NAN),
+                    5 => v[len - 1] = 1e30,
+                    6 => {
+                        v.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+                        v[len - 1] = f32::NAN;
+                    }
+                    7 => v.iter_mut().for_each(|x| *x = -0.0),
+                    _ => {}
+                }
+                let (got, want) = (greedy_best(&v, 5), scan(&v, 5));
+                assert_eq!(got[1], want[1], "len {len} case {case}: index");
+                // (+0 and -0 compare equal, as the ranks compare their bests.)
+                assert!(
+                    got[0] == want[0] || (got[0].is_nan() && want[0].is_nan()),
+                    "len {len} case {case}: {} vs {}",
+                    got[0],
+                    want[0]
+                );
+            }
+        }
+        assert_eq!(greedy_best(&[], 3)[1], 3.0);
+    }
 
     /// Rows that cannot be drawn from (every logit -inf, a NaN logit, invalid parameters) fail
     /// alone at 2 ranks, on both ranks alike, in every kind of draw (greedy, race, top-k /
