@@ -3,8 +3,10 @@
 //! runs): a sequence decoding in the same step as a 64-token prompt chunk (and as another
 //! prompt joining at the same time) gets bit-identical logits, hence log-probabilities, at
 //! every step to the same sequence decoded alone; and the prompts read beside it get the
-//! logits of the same prompts read alone. Worlds 1 and 2 (threads), f32 safetensors and the
-//! Q4_1 GGUF. Its own test binary:
+//! logits of the same prompts read alone. Worlds 1 and 2 (threads), f32 safetensors (each
+//! prompt chunk in a forward pass of its own) and the Q4_1 GGUF (the prompt chunks in the
+//! decode's pass: its products give a row the same bits at any row count). Its own test
+//! binary:
 //! `set_batch_invariant_matmul` is process-wide.
 
 use std::path::PathBuf;
@@ -114,8 +116,8 @@ fn alone(model: &mut CausalLm) -> Result<Run> {
 
 /// A decoding; at its step `JOIN_AT` B and C join: the next step runs A's token beside B's
 /// first 64-token chunk (checked: A gets a token from it, B and C none), the one after A's
-/// beside B's last 36 and C's 20.
-fn together(model: &mut CausalLm) -> Result<Run> {
+/// beside B's last 36 and C's 20. Also the forward passes those two steps ran.
+fn together(model: &mut CausalLm) -> Result<(Run, [u64; 2])> {
     let [a, b, c] = requests();
     let mut out: Run = vec![Vec::new(); 3];
     let mut dec = BatchDecoder::new(4, 2048, 64)?;
@@ -126,14 +128,18 @@ fn together(model: &mut CausalLm) -> Result<Run> {
     }
     dec.add(model, b)?;
     dec.add(model, c)?;
+    let before = dec.forward_passes();
     let events = dec.step(model)?;
+    let first = dec.forward_passes() - before;
     let who: Vec<u64> = events.iter().map(|e| e.id).collect();
     ensure!(
         who == [0],
         "the step with B's first chunk gave tokens to {who:?}, expected A alone"
     );
     record(&mut out, &events)?;
+    let before = dec.forward_passes();
     let events = dec.step(model)?;
+    let second = dec.forward_passes() - before;
     let who: Vec<u64> = events.iter().map(|e| e.id).collect();
     ensure!(
         who == [0, 1, 2],
@@ -141,7 +147,7 @@ fn together(model: &mut CausalLm) -> Result<Run> {
     );
     record(&mut out, &events)?;
     until_done(&mut dec, model, &mut out)?;
-    Ok(out)
+    Ok((out, [first, second]))
 }
 
 #[test]
@@ -156,11 +162,21 @@ fn decode_beside_a_prefill_chunk_is_bit_identical() -> Result<()> {
             let mut model = CausalLm::from_path(&dir, DType::F32, &Device::Cpu, pg)?;
             let e = candle_core::Error::msg;
             let want = alone(&mut model).map_err(e)?;
-            let got = together(&mut model).map_err(e)?;
-            Ok::<_, candle_core::Error>((want, got))
+            let (got, passes) = together(&mut model).map_err(e)?;
+            Ok::<_, candle_core::Error>((want, got, passes, model.rows_invariant()))
         })
         .map_err(|e| anyhow::anyhow!("{name}, world {world}: {e}"))?;
-        let (want, got) = &results[0];
+        let (want, got, passes, fused) = &results[0];
+        // The path meant: the GGUF's products are all the crate's quantized kernels, so the
+        // prompt chunks share A's pass (one pass a step); the f32 checkpoint's are not, so
+        // each chunk runs alone (A's pass, B's chunk; then A's, B's and C's).
+        let gguf = name.ends_with(".gguf");
+        assert_eq!(*fused, gguf, "{name}: rows_invariant");
+        let want_passes = if gguf { [1, 1] } else { [2, 3] };
+        assert_eq!(
+            *passes, want_passes,
+            "{name}, world {world}: forward passes"
+        );
         for (seq, (w, g)) in ["A", "B", "C"].iter().zip(want.iter().zip(got)) {
             assert!(
                 !w.is_empty(),

@@ -48,7 +48,15 @@ impl BatchDecoder {
             max_batch,
             prefill_chunk,
             max_seq_len,
+            forward_passes: 0,
         })
+    }
+
+    /// The forward passes the decoder has run: one per step and per 16 decoding sequences,
+    /// plus one per prompt chunk unless the prompts share the decode pass
+    /// ([`CausalLm::rows_invariant`]).
+    pub fn forward_passes(&self) -> u64 {
+        self.forward_passes
     }
 
     /// Active sequences.
@@ -279,7 +287,9 @@ impl BatchDecoder {
     /// the crate's quantized kernels) a decoded token's logits are then the same bits whatever
     /// else the step runs, and a prompt chunk's are those of the chunk alone. The price: the
     /// weights are read once per pass (one pass per 16 decoding sequences, one per prompt
-    /// chunk) rather than once per step.
+    /// chunk) rather than once per step. Where every product is the crate's quantized kernels
+    /// ([`CausalLm::rows_invariant`]), whose rows are the same bits at any row count, the
+    /// prompt chunks join the first decode pass instead (without a pipeline).
     ///
     /// On a pipeline stage other than the last, the passes hand their activations on and the
     /// result is `None`.
@@ -290,17 +300,31 @@ impl BatchDecoder {
     ) -> Result<Option<Vec<Tensor>>> {
         let mut groups: Vec<Vec<usize>> = Vec::new(); // indices into `plan`
         let mut decode: Vec<usize> = Vec::new();
+        let mut prompts: Vec<usize> = Vec::new();
         for (row, (i, _)) in plan.iter().enumerate() {
             if self.seqs[*i].next.is_some() {
                 decode.push(row);
             } else {
-                groups.push(vec![row]);
+                prompts.push(row);
             }
         }
         let stages = model.pipeline().map_or(1, |s| s.count());
         for rows in decode.chunks(decode_pass_rows(decode.len(), stages)) {
             groups.push(rows.to_vec());
         }
+        // Products whose rows do not depend on the row count (the crate's quantized kernels
+        // everywhere) let the prompt chunks share the first decode pass: the weights are read
+        // once for both, and every row's logits are the bits they have alone. Otherwise each
+        // chunk runs alone. Not on a pipeline, whose stages would each have to agree.
+        if stages == 1 && !prompts.is_empty() && model.rows_invariant() {
+            match groups.first_mut() {
+                Some(first) => first.extend(prompts),
+                None => groups.push(prompts),
+            }
+        } else {
+            groups.extend(prompts.into_iter().map(|row| vec![row]));
+        }
+        self.forward_passes += groups.len() as u64;
         let mut out: Vec<Option<Tensor>> = vec![None; plan.len()];
         for rows in groups {
             let logits = {

@@ -166,6 +166,15 @@ impl FeedForwardLayer {
             Self::Moe(m) => m.forward(x),
         }
     }
+
+    /// Whether the block's products do not depend on the row count (a MoE's router is a
+    /// dense product).
+    fn rows_invariant(&self) -> bool {
+        match self {
+            Self::Gated(m) => m.rows_invariant(),
+            Self::Moe(_) => false,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -493,6 +502,19 @@ impl CausalLm {
         for l in &mut self.layers {
             l.self_attn.clear_kv_cache();
         }
+    }
+
+    /// Whether every product of this stage (each layer's projections and MLP, and the LM
+    /// head) gives a row the same bits whatever the number of rows it runs with, so that
+    /// sequences of any lengths may share a forward pass without changing each other's
+    /// logits: true when all of them are the crate's quantized kernels
+    /// ([`ParallelWeight::rows_invariant`](crate::nn::ParallelWeight::rows_invariant)). The
+    /// norms, rotary embeddings and attention work row by row or sequence by sequence.
+    pub fn rows_invariant(&self) -> bool {
+        self.layers
+            .iter()
+            .all(|l| l.self_attn.rows_invariant() && l.feed_forward.rows_invariant())
+            && self.lm_head.as_ref().is_none_or(|h| h.rows_invariant())
     }
 
     /// The LM head (its vocabulary partition is the one of [`CausalLm::forward`]'s output);

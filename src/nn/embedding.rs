@@ -168,6 +168,12 @@ pub struct ParallelLmHead {
 }
 
 impl ParallelLmHead {
+    /// Whether the head's product rows do not depend on the row count
+    /// ([`ParallelWeight::rows_invariant`]).
+    pub fn rows_invariant(&self) -> bool {
+        self.weight.rows_invariant()
+    }
+
     /// From this rank's rows `[part.size(rank), hidden]`.
     pub fn new(weight: Tensor, part: Partition, pg: ProcessGroup) -> Result<Self> {
         Self::from_weight(ParallelWeight::dense(weight, None), part, pg)

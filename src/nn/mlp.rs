@@ -79,6 +79,14 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
+    /// Whether the MLP's product rows do not depend on the row count (all three weights
+    /// [`ParallelWeight::rows_invariant`](crate::nn::ParallelWeight::rows_invariant)).
+    pub fn rows_invariant(&self) -> bool {
+        self.gate_proj.parallel_weight().rows_invariant()
+            && self.up_proj.parallel_weight().rows_invariant()
+            && self.down_proj.parallel_weight().rows_invariant()
+    }
+
     /// From built layers; `gate_proj` and `up_proj` must be split the same way.
     pub fn new(
         gate_proj: ColumnParallelLinear,

@@ -121,6 +121,14 @@ impl ParallelWeight {
         }
     }
 
+    /// Whether a product's rows do not depend on how many rows it has: the crate's quantized
+    /// kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K on the CPU) sum every row
+    /// exactly in f64 whatever the row count, while dense products and candle's `QMatMul`
+    /// change kernels with it (the small-m kernel up to 16 rows, a GEMM beyond).
+    pub fn rows_invariant(&self) -> bool {
+        matches!(self, Self::Quantized(q) if q.matmul.holds_weight())
+    }
+
     /// The same weight without its bias (a tied LM head shares the embedding's blocks).
     pub fn without_bias(&self) -> Self {
         match self {

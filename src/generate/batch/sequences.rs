@@ -96,4 +96,6 @@ pub struct BatchDecoder {
     pub(super) max_batch: usize,
     pub(super) prefill_chunk: usize,
     pub(super) max_seq_len: usize,
+    /// Forward passes run so far ([`BatchDecoder::forward_passes`]).
+    pub(super) forward_passes: u64,
 }

@@ -41,6 +41,13 @@ enum KvProj {
 }
 
 impl KvProj {
+    fn rows_invariant(&self) -> bool {
+        match self {
+            Self::Split(l) => l.parallel_weight().rows_invariant(),
+            Self::Replicated(w) => w.rows_invariant(),
+        }
+    }
+
     /// The k or v projection: rows `offset..offset + num_kv_heads * head_dim` of the tensor
     /// under `vb` (`k_proj`/`v_proj` with offset 0, or the fused `qkv_proj` of `total` rows).
     fn load(
@@ -160,6 +167,16 @@ pub struct ParallelAttention {
 }
 
 impl ParallelAttention {
+    /// Whether the projections' product rows do not depend on the row count
+    /// ([`ParallelWeight::rows_invariant`]); the rest of the attention is per row and per
+    /// sequence.
+    pub fn rows_invariant(&self) -> bool {
+        self.q_proj.parallel_weight().rows_invariant()
+            && self.k_proj.rows_invariant()
+            && self.v_proj.rows_invariant()
+            && self.o_proj.parallel_weight().rows_invariant()
+    }
+
     /// Loads the layer from `vb` (the `self_attn` prefix) with its group's rank and size.
     pub fn load(cfg: &AttentionConfig, vb: ShardedVarBuilder) -> Result<Self> {
         let pg = vb.pg().clone();
