@@ -77,9 +77,9 @@ fn moe_gradients_equal_one_process_with_experts_split_or_whole() -> Result<()> {
         attention: 0.0,
         first_row: 0,
     };
-    let reference = reference(&cfg, drop)?;
+    let one = reference(&cfg, drop)?;
     // Every expert is used by the batch, so every expert weight has a gradient to compare.
-    for (name, g) in &reference.1 {
+    for (name, g) in &one.1 {
         if name.contains(".experts.") || name.ends_with(".gate.weight") {
             let largest = g.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(largest > 1e-6, "{name}: gradient {largest} (unused?)");
@@ -94,7 +94,7 @@ fn moe_gradients_equal_one_process_with_experts_split_or_whole() -> Result<()> {
             layouts.push((tp, layout(sp, true)));
         }
     }
-    check_layouts(&cfg, drop, layouts)?;
+    check_layouts(&cfg, drop, &one, layouts)?;
     // TP 4 ([`moe_cfg4`]) in 2 expert groups of 2 ranks: 3 + 2 experts, each
     // split in two over its group.
     let cfg4 = moe_cfg4();
@@ -107,13 +107,17 @@ fn moe_gradients_equal_one_process_with_experts_split_or_whole() -> Result<()> {
             },
         )
     });
-    check_layouts(&cfg4, drop, four.collect())
+    check_layouts(&cfg4, drop, &reference(&cfg4, drop)?, four.collect())
 }
 
-/// [`compare`] of each `(tp, layout)` with one process, and each rank's experts those of its
-/// expert group.
-fn check_layouts(cfg: &TrainConfig, drop: Dropout, layouts: Vec<(usize, Layout)>) -> Result<()> {
-    let reference = reference(cfg, drop)?;
+/// [`compare`] of each `(tp, layout)` with one process's `reference`, and each rank's experts
+/// those of its expert group.
+fn check_layouts(
+    cfg: &TrainConfig,
+    drop: Dropout,
+    reference: &(f32, HashMap<String, Tensor>),
+    layouts: Vec<(usize, Layout)>,
+) -> Result<()> {
     for (tp, layout) in layouts {
         let got = run_threads(tp, |pg| grads(cfg, &pg, None, layout, drop, 0..4))?;
         if let Some(ep) = layout.ep {
@@ -135,7 +139,7 @@ fn check_layouts(cfg: &TrainConfig, drop: Dropout, layouts: Vec<(usize, Layout)>
                 .collect();
             assert_eq!(experts, want, "tp {tp} {layout:?}: experts per rank");
         }
-        compare(&format!("tp {tp} {layout:?}"), &reference, got)?;
+        compare(&format!("tp {tp} {layout:?}"), reference, got)?;
     }
     Ok(())
 }
