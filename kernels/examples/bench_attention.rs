@@ -11,7 +11,10 @@
 //! ```
 //!
 //! The shapes are SmolLM2-135M's rank 0 at world 2 (6 query heads on 2 KV heads of 64) for 16
-//! sequences at 64, 256 and 1024 cached positions.
+//! sequences at 64, 256 and 1024 cached positions. Each call reads the next of 30 layers'
+//! caches, as a decode step does, so that they come from memory rather than from the core's
+//! cache (one layer's caches of 16 sequences at 64 positions fit in a Zen 5 core's L2; its 30
+//! layers do not).
 
 use candle_tp_kernels::attention::{causal_attention, AttentionShape, CacheView, KvElement};
 use half::f16;
@@ -33,6 +36,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 mod common;
 
+/// Layers whose caches the calls go through in turn.
+const LAYERS: usize = 30;
+
 fn main() -> candle_core::Result<()> {
     let (rounds, kernels, pool) = common::setup();
     println!(
@@ -42,7 +48,7 @@ fn main() -> candle_core::Result<()> {
     let (batch, q_heads, kv_heads, d) = (16, 6, 2, 64);
     for positions in [64usize, 256, 1024] {
         let cap = positions + 16;
-        let n = batch * kv_heads * cap * d;
+        let n = LAYERS * batch * kv_heads * cap * d;
         let value = |i: usize, m: usize| ((i * m) % 1000) as f32 / 1000.0 - 0.5;
         let (k32, v32): (Vec<f32>, Vec<f32>) = (
             (0..n).map(|i| value(i, 7919)).collect(),
@@ -72,17 +78,28 @@ fn main() -> candle_core::Result<()> {
         let reps = (20_000_000 / (15 * batch * kv_heads * positions)).max(3);
         let mut out = vec![0f32; q.len()];
         let mut times = vec![vec![Vec::new(); 2]; kernels.len()];
+        // The caches of the next layer at each call.
+        let per_layer = n / LAYERS;
+        let mut layer = 0;
+        let mut next = |len: usize| {
+            layer = (layer + 1) % LAYERS;
+            layer * per_layer..layer * per_layer + len
+        };
         pool.install(|| -> candle_core::Result<()> {
             for _ in 0..rounds {
                 for (ki, &kernel) in kernels.iter().enumerate() {
                     let mut err = Ok(());
                     time(&mut times[ki][0], reps, || {
-                        let (k, v) = (view(&k32, kv_heads, cap, d), view(&v32, kv_heads, cap, d));
+                        let at = next(per_layer);
+                        let (k, v) = (&k32[at.clone()], &v32[at]);
+                        let (k, v) = (view(k, kv_heads, cap, d), view(v, kv_heads, cap, d));
                         err = causal_attention(kernel, &q, k, v, shape, None, 0.125, &mut out);
                     });
                     std::mem::replace(&mut err, Ok(()))?;
                     time(&mut times[ki][1], reps, || {
-                        let (k, v) = (view(&k16, kv_heads, cap, d), view(&v16, kv_heads, cap, d));
+                        let at = next(per_layer);
+                        let (k, v) = (&k16[at.clone()], &v16[at]);
+                        let (k, v) = (view(k, kv_heads, cap, d), view(v, kv_heads, cap, d));
                         err = causal_attention(kernel, &q, k, v, shape, None, 0.125, &mut out);
                     });
                     err?;

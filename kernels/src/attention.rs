@@ -11,10 +11,14 @@
 //! attention's gemm, `expf`, the mask and their copies took about a third of the time). Here
 //! one task takes a KV head with all the query heads of its group, whose keys and values stay
 //! in the core's cache while it runs: the scores of each query head against the visible key
-//! rows (dot products in eight lanes, fused multiply-adds; on AVX2 four positions at a time
-//! against one load of the query), then a softmax per query head (with an eight-lane
-//! exponential), then each head's weighted sum of the value rows (on AVX2 up to 64 components
-//! held in registers over all the positions). Masked positions are never computed. A prompt's
+//! rows (dot products in sixteen lanes, fused multiply-adds; on AVX2 four positions at a time
+//! against one load of the query, in two eight-lane registers each; with AVX-512 in one
+//! sixteen-lane register, four heads against each load of the keys, `wide`), then a softmax
+//! per query head (with an eight-lane exponential), then each head's weighted sum of the
+//! value rows (up to 64 components held in registers over all the positions; with AVX-512
+//! four heads against each load of a value row). The key rows are prefetched ahead and the
+//! value rows while the scores run (a decode step's caches come from memory). Masked
+//! positions are never computed. A prompt's
 //! rows go in blocks instead (`blocks`, on AVX2): the keys packed once per KV head, then per
 //! block of six query rows register tiles as a gemm's, over the key panels the block may see. Within a block, a row's weight at a
 //! position it must not see is 0, so a NaN or infinite value row there makes it NaN, as
@@ -45,6 +49,8 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 mod blocks;
 mod parts;
+#[cfg(target_arch = "x86_64")]
+mod wide;
 mod widen;
 
 use parts::{dot, softmax_in_place, Lanes, Rows, Strided};
@@ -239,6 +245,11 @@ pub fn causal_attention_groups<T: KvElement>(
                 blocks::group_blocks(q, k, v, rows, out)
             } else {
                 avx2::group_rows(q, k, v, rows, out)
+            },
+            avx512 => if queries >= BLOCKED_MIN_QUERIES {
+                blocks::group_blocks(q, k, v, rows, out)
+            } else {
+                avx512::group_rows(q, k, v, rows, out)
             })
         };
         if let (Some(kd), Some(vd)) = (T::as_f32(k.data), T::as_f32(v.data)) {
@@ -251,7 +262,8 @@ pub fn causal_attention_groups<T: KvElement>(
             let (k, v) = ((k.data, at(&k), k.pos), (v.data, at(&v), v.pos));
             return crate::kernel::by_kernel!(kernel,
                 scalar => unreachable!("the scalar kernel widens"),
-                avx2 => avx2::group_rows(q, k, v, rows, out));
+                avx2 => avx2::group_rows(q, k, v, rows, out),
+                avx512 => avx512::group_rows(q, k, v, rows, out));
         }
         // Widened: this head's `positions` key rows, then its value rows, `d` apart.
         WIDENED.with(|w| {
@@ -450,7 +462,29 @@ fn group<T: KvElement>(
         // SAFETY: `Lanes::Avx2` comes only from `avx2::group_rows` here (avx2, fma, f16c).
         #[cfg(target_arch = "x86_64")]
         Lanes::Avx2 => unsafe {
-            parts::scores_avx2(q, (k, k0, k_pos), positions, d, scale, scores)
+            parts::scores_avx2(
+                q,
+                (k, k0, k_pos),
+                (v, v0, v_pos),
+                positions,
+                d,
+                scale,
+                scores,
+            )
+        },
+        // SAFETY: `Lanes::Avx512` comes only from `avx512::group_rows` (avx2, fma, f16c,
+        // avx512f).
+        #[cfg(target_arch = "x86_64")]
+        Lanes::Avx512 => unsafe {
+            wide::scores(
+                q,
+                (k, k0, k_pos),
+                (v, v0, v_pos),
+                positions,
+                d,
+                scale,
+                scores,
+            )
         },
         Lanes::Scalar => {
             for t in 0..positions {
@@ -474,6 +508,10 @@ fn group<T: KvElement>(
                 unsafe { parts::weighted_sum_avx2(p, (v, v0, v_pos), o) };
             }
         }
+        // SAFETY: `Lanes::Avx512` comes only from `avx512::group_rows` (avx2, fma, f16c,
+        // avx512f).
+        #[cfg(target_arch = "x86_64")]
+        Lanes::Avx512 => unsafe { wide::weighted_sums(scores, positions, (v, v0, v_pos), d, out) },
         Lanes::Scalar => {
             out.fill(0.0);
             for t in 0..positions {
@@ -523,6 +561,27 @@ mod avx2 {
         out: &mut [f32],
     ) {
         body(q, k, v, rows, out, Lanes::Avx2)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{group_rows as body, KvElement, Lanes, Rows, Strided};
+
+    /// [`super::group_rows`] with the scores and weighted sums on 512-bit vectors (`wide`,
+    /// the AVX2 form's values bit for bit) and the eight-lane exponential.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c and avx512f.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub(super) unsafe fn group_rows<T: KvElement>(
+        q: &[f32],
+        k: Strided<'_, T>,
+        v: Strided<'_, T>,
+        rows: Rows,
+        out: &mut [f32],
+    ) {
+        body(q, k, v, rows, out, Lanes::Avx512)
     }
 }
 

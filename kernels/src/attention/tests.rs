@@ -194,6 +194,68 @@ fn an_f16_cache_is_the_f32_kernel_on_its_widened_values() {
     }
 }
 
+/// The AVX-512 kernel's decode rows are the AVX2 kernel's, bit for bit (its scores and
+/// weighted sums run on 512-bit vectors, four heads to a load; the same sums): groups of 1 to
+/// 7 heads, head sizes with a half chunk and a tail, f32 and f16 caches, a window.
+#[test]
+fn the_avx512_decode_rows_are_the_avx2_ones() {
+    use half::f16;
+    let kernels = Kernel::under_test();
+    if !kernels.contains(&Kernel::Avx512Vnni) || !kernels.contains(&Kernel::Avx2) {
+        eprintln!("not run: AVX-512 and AVX2 are not both under test");
+        return;
+    }
+    for (q_heads, kv_heads, d) in [(4, 4, 64), (9, 3, 64), (14, 2, 72), (5, 1, 128), (6, 2, 20)] {
+        for positions in [1, 6, 33] {
+            for window in [None, Some(5)] {
+                let (batch, capacity) = (2, positions + 3);
+                let shape = AttentionShape {
+                    batch,
+                    q_heads,
+                    kv_heads,
+                    queries: 1,
+                    positions,
+                    head_dim: d,
+                };
+                let n = batch * kv_heads * capacity * d;
+                let kf: Vec<f32> = (0..n).map(|i| 2.0 * pseudo(i + 3)).collect();
+                let vf: Vec<f32> = (0..n).map(|i| 3.0 * pseudo(i + 404)).collect();
+                let (kh, vh): (Vec<f16>, Vec<f16>) = (
+                    kf.iter().map(|&x| f16::from_f32(x)).collect(),
+                    vf.iter().map(|&x| f16::from_f32(x)).collect(),
+                );
+                let q: Vec<f32> = (0..batch * q_heads * d).map(|i| pseudo(i + 71)).collect();
+                fn attend<T: KvElement>(
+                    kernel: Kernel,
+                    q: &[f32],
+                    (k, v): (&[T], &[T]),
+                    (n, head, d): (usize, usize, usize),
+                    shape: AttentionShape,
+                    window: Option<usize>,
+                ) -> Vec<u32> {
+                    let mut out = vec![f32::NAN; q.len()];
+                    let (k, v) = (strided(k, n / 2, head, d), strided(v, n / 2, head, d));
+                    causal_attention(kernel, q, k, v, shape, window, 0.125, &mut out).unwrap();
+                    assert!(out.iter().all(|x| x.is_finite()), "{kernel:?} {shape:?}");
+                    out.iter().map(|x| x.to_bits()).collect()
+                }
+                let strides = (n, capacity * d, d);
+                for f32_cache in [true, false] {
+                    let [avx2, avx512] = [Kernel::Avx2, Kernel::Avx512Vnni].map(|kernel| {
+                        if f32_cache {
+                            attend(kernel, &q, (&kf, &vf), strides, shape, window)
+                        } else {
+                            attend(kernel, &q, (&kh, &vh), strides, shape, window)
+                        }
+                    });
+                    let case = format!("{shape:?} window {window:?} f32 cache {f32_cache}");
+                    assert!(avx2 == avx512, "{case}");
+                }
+            }
+        }
+    }
+}
+
 /// Every kernel: rows of two heads of a prompt's queries (after cached positions, and all
 /// new), with and without a window, against the f64 definition: masked positions exactly
 /// 0, the others within 1e-6; a bad size is an error.
