@@ -20,10 +20,11 @@ use super::dropout::{Dropout, Site};
 use super::init::{Init, TrainInit};
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
-use crate::nn::{MoeConfig, SparseMoe};
+use crate::nn::{GatedMlp, MoeConfig, SparseMoe};
 use crate::ops::{copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp};
 use crate::stage::{PipelineStage, StagePart};
 use crate::{ColumnParallelLinear, Partition, RowParallelLinear};
+use candle_nn::Activation;
 
 /// Shape of the model (the fields of a Llama `config.json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -236,17 +237,10 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
 }
 
-/// A gated MLP split column/row.
-struct DenseMlp {
-    gate: ColumnParallelLinear,
-    up: ColumnParallelLinear,
-    down: RowParallelLinear,
-}
-
 /// A layer's feed-forward block.
 enum FeedForward {
-    /// A gated MLP split column/row.
-    Dense(Box<DenseMlp>),
+    /// A gated MLP split column/row: the inference decoders' [`GatedMlp`].
+    Dense(Box<GatedMlp>),
     /// A sparse MoE, every expert split column/row over the group or whole experts on each
     /// of its expert groups ([`ShardedVarBuilder::with_expert_parallel`]).
     Moe(SparseMoe),
@@ -352,12 +346,13 @@ impl TrainLlama {
             let a = lv.pp("self_attn");
             let ffn = match &moe {
                 None => {
-                    let (mlp, i) = (lv.pp("mlp"), cfg.intermediate_size);
-                    FeedForward::Dense(Box::new(DenseMlp {
-                        gate: ColumnParallelLinear::load(h, i, false, 1, mlp.pp("gate_proj"))?,
-                        up: ColumnParallelLinear::load(h, i, false, 1, mlp.pp("up_proj"))?,
-                        down: RowParallelLinear::load(i, h, false, 1, mlp.pp("down_proj"))?,
-                    }))
+                    let i = cfg.intermediate_size;
+                    FeedForward::Dense(Box::new(GatedMlp::load(
+                        h,
+                        i,
+                        Activation::Silu,
+                        lv.pp("mlp"),
+                    )?))
                 }
                 Some(moe) => {
                     let vb = lv.pp("block_sparse_moe");
@@ -684,13 +679,7 @@ impl TrainLlama {
         balance: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         match ffn {
-            FeedForward::Dense(mlp) => {
-                let g = mlp.gate.forward_local(x)?.silu()?;
-                Ok((
-                    mlp.down.forward_partial(&(g * mlp.up.forward_local(x)?)?)?,
-                    None,
-                ))
-            }
+            FeedForward::Dense(mlp) => Ok((mlp.forward_partial(x)?, None)),
             FeedForward::Moe(moe) => {
                 let dims = x.dims().to_vec();
                 let x = x.reshape(((), dims[dims.len() - 1]))?;
