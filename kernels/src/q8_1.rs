@@ -57,6 +57,15 @@ pub fn quantize_row_q8_1(xs: &[f32], ys: &mut [BlockQ8_1]) {
     quantize_q8_1_blocks(xs, ys)
 }
 
+/// One block by the portable loop, out of line (as [`crate::q8_0`]'s): the rare blocks the
+/// AVX2 loop hands over.
+#[cfg(target_arch = "x86_64")]
+#[cold]
+#[inline(never)]
+fn portable_block(x: &[f32], y: &mut BlockQ8_1) {
+    quantize_q8_1_blocks(x, std::slice::from_mut(y))
+}
+
 /// [`quantize_row_q8_1`]'s loop with AVX2 ([`crate::q8_0`]'s steps): the same bits as the
 /// portable loop (tested). Blocks with a NaN, an infinity or a scale whose inverse overflows
 /// take the portable code.
@@ -70,7 +79,7 @@ unsafe fn quantize_q8_1_blocks_avx2(xs: &[f32], ys: &mut [BlockQ8_1]) {
     for (x, y) in xs.chunks_exact(QK8_1).zip(ys.iter_mut()) {
         let x: &[f32; QK8_1] = x.try_into().expect("chunks of 32");
         let Some(amax) = finite_amax(x) else {
-            quantize_q8_1_blocks(x, std::slice::from_mut(y));
+            portable_block(x, y);
             continue;
         };
         let d = amax / 127.0;
@@ -78,7 +87,7 @@ unsafe fn quantize_q8_1_blocks_avx2(xs: &[f32], ys: &mut [BlockQ8_1]) {
         if !id.is_finite() {
             // A subnormal scale whose inverse overflows: products of infinity, which the
             // portable cast saturates.
-            quantize_q8_1_blocks(x, std::slice::from_mut(y));
+            portable_block(x, y);
             continue;
         }
         y.qs = scale_round(x, id);
