@@ -458,34 +458,15 @@ fn group<T: KvElement>(
     // group.
     scores.clear();
     scores.resize(g * positions, 0.0);
+    let (keys, values) = ((k, k0, k_pos), (v, v0, v_pos));
     match lanes {
         // SAFETY: `Lanes::Avx2` comes only from `avx2::group_rows` here (avx2, fma, f16c).
         #[cfg(target_arch = "x86_64")]
-        Lanes::Avx2 => unsafe {
-            parts::scores_avx2(
-                q,
-                (k, k0, k_pos),
-                (v, v0, v_pos),
-                positions,
-                d,
-                scale,
-                scores,
-            )
-        },
+        Lanes::Avx2 => unsafe { parts::scores_avx2(q, keys, values, positions, d, scale, scores) },
         // SAFETY: `Lanes::Avx512` comes only from `avx512::group_rows` (avx2, fma, f16c,
         // avx512f).
         #[cfg(target_arch = "x86_64")]
-        Lanes::Avx512 => unsafe {
-            wide::scores(
-                q,
-                (k, k0, k_pos),
-                (v, v0, v_pos),
-                positions,
-                d,
-                scale,
-                scores,
-            )
-        },
+        Lanes::Avx512 => unsafe { wide::scores(q, keys, values, positions, d, scale, scores) },
         Lanes::Scalar => {
             for t in 0..positions {
                 let key = &k[k0 + t * k_pos..k0 + t * k_pos + d];

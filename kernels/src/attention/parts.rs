@@ -193,6 +193,34 @@ pub(super) unsafe fn dot_avx2<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
     s
 }
 
+/// Checks what a score loop reads and writes: every key and value row of `positions` within
+/// its buffer, room for the `q.len() / d` heads' scores. `false` when there is nothing to
+/// compute (no position or an empty head).
+///
+/// # Panics
+/// Where a row is past its buffer or the scores do not fit.
+pub(super) fn check_rows<T>(
+    q: &[f32],
+    (k, k0, k_pos): Strided<'_, T>,
+    (v, v0, v_pos): Strided<'_, T>,
+    positions: usize,
+    d: usize,
+    scores: &[f32],
+) -> bool {
+    if positions == 0 || d == 0 {
+        return false;
+    }
+    assert!(
+        k0 + (positions - 1) * k_pos + d <= k.len() && scores.len() >= q.len() / d * positions,
+        "attention: key rows past their buffer"
+    );
+    assert!(
+        v0 + (positions - 1) * v_pos + d <= v.len(),
+        "attention: value rows past their buffer"
+    );
+    true
+}
+
 /// The software prefetches of a group's score loop, four positions at a time: the key rows
 /// [`Prefetch::AHEAD`] positions ahead (and the first ones at the start), and the value rows of
 /// the positions being scored, so that the weighted sums after the softmax find them in the
@@ -292,18 +320,10 @@ pub(super) unsafe fn scores_avx2<T: KvElement>(
     scores: &mut [f32],
 ) {
     use std::arch::x86_64::*;
-    if positions == 0 || d == 0 {
+    if !check_rows(q, (k, k0, k_pos), (v, v0, v_pos), positions, d, scores) {
         return;
     }
     let g = q.len() / d;
-    assert!(
-        k0 + (positions - 1) * k_pos + d <= k.len() && scores.len() >= g * positions,
-        "attention: key rows past their buffer"
-    );
-    assert!(
-        v0 + (positions - 1) * v_pos + d <= v.len(),
-        "attention: value rows past their buffer"
-    );
     let (whole, end) = (d / 16 * 16, half_chunk_end(d));
     let kp = k.as_ptr().add(k0);
     for j in 0..g {

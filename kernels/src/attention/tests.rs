@@ -136,6 +136,23 @@ fn strided<T>(data: &[T], batch: usize, head: usize, pos: usize) -> CacheView<'_
     }
 }
 
+/// The kernel over caches of `T`, strided as the KV cache's buffers (`(batch, head, pos)`
+/// strides), at scale 0.125: the outputs' bits, after checking that they are finite.
+fn attend<T: KvElement>(
+    kernel: Kernel,
+    q: &[f32],
+    (k, v): (&[T], &[T]),
+    (batch, head, pos): (usize, usize, usize),
+    shape: AttentionShape,
+    window: Option<usize>,
+) -> Vec<u32> {
+    let mut out = vec![f32::NAN; q.len()];
+    let (k, v) = (strided(k, batch, head, pos), strided(v, batch, head, pos));
+    causal_attention(kernel, q, k, v, shape, window, 0.125, &mut out).unwrap();
+    assert!(out.iter().all(|x| x.is_finite()), "{kernel:?} {shape:?}");
+    out.iter().map(|x| x.to_bits()).collect()
+}
+
 /// A cache of f16 gives, on every kernel, decode rows (which the AVX2 loops read as f16)
 /// and prompts (widened first), the f32 kernel's outputs on the same values widened to
 /// f32, bit for bit (and finite).
@@ -171,25 +188,10 @@ fn an_f16_cache_is_the_f32_kernel_on_its_widened_values() {
                 vh.iter().map(|x| x.to_f32()).collect(),
             );
             let q: Vec<f32> = (0..q_heads * queries * d).map(|i| pseudo(i + 7)).collect();
-            // The kernel over caches of `T`, strided as the KV cache's buffers.
-            fn attend<T: KvElement>(
-                kernel: Kernel,
-                q: &[f32],
-                (k, v): (&[T], &[T]),
-                (n, head, d): (usize, usize, usize),
-                shape: AttentionShape,
-            ) -> Vec<f32> {
-                let mut out = vec![0f32; q.len()];
-                let (k, v) = (strided(k, n, head, d), strided(v, n, head, d));
-                causal_attention(kernel, q, k, v, shape, None, 0.2, &mut out).unwrap();
-                out
-            }
             let strides = (n, capacity * d, d);
-            let half_out = attend(kernel, &q, (&kh, &vh), strides, shape);
-            let f32_out = attend(kernel, &q, (&kf, &vf), strides, shape);
-            assert!(half_out.iter().all(|x| x.is_finite()));
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&half_out), bits(&f32_out), "{kernel:?} {shape:?}");
+            let half_out = attend(kernel, &q, (&kh, &vh), strides, shape, None);
+            let f32_out = attend(kernel, &q, (&kf, &vf), strides, shape, None);
+            assert_eq!(half_out, f32_out, "{kernel:?} {shape:?}");
         }
     }
 }
@@ -225,21 +227,7 @@ fn the_avx512_decode_rows_are_the_avx2_ones() {
                     vf.iter().map(|&x| f16::from_f32(x)).collect(),
                 );
                 let q: Vec<f32> = (0..batch * q_heads * d).map(|i| pseudo(i + 71)).collect();
-                fn attend<T: KvElement>(
-                    kernel: Kernel,
-                    q: &[f32],
-                    (k, v): (&[T], &[T]),
-                    (n, head, d): (usize, usize, usize),
-                    shape: AttentionShape,
-                    window: Option<usize>,
-                ) -> Vec<u32> {
-                    let mut out = vec![f32::NAN; q.len()];
-                    let (k, v) = (strided(k, n / 2, head, d), strided(v, n / 2, head, d));
-                    causal_attention(kernel, q, k, v, shape, window, 0.125, &mut out).unwrap();
-                    assert!(out.iter().all(|x| x.is_finite()), "{kernel:?} {shape:?}");
-                    out.iter().map(|x| x.to_bits()).collect()
-                }
-                let strides = (n, capacity * d, d);
+                let strides = (n / batch, capacity * d, d);
                 for f32_cache in [true, false] {
                     let [avx2, avx512] = [Kernel::Avx2, Kernel::Avx512Vnni].map(|kernel| {
                         if f32_cache {

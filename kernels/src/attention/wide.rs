@@ -16,7 +16,9 @@
 //! the register width. So [`crate::kernel::Kernel::Avx512Vnni`] gives the AVX2 kernel's values
 //! (tested).
 
-use super::parts::{half_chunk_end, hsum8, hsum8x4, weighted_sum_avx2, Prefetch, Strided};
+use super::parts::{
+    check_rows, half_chunk_end, hsum8, hsum8x4, weighted_sum_avx2, Prefetch, Strided,
+};
 use super::KvElement;
 use std::arch::x86_64::*;
 
@@ -86,18 +88,10 @@ pub(super) unsafe fn scores<T: KvElement>(
     scale: f32,
     scores: &mut [f32],
 ) {
-    if positions == 0 || d == 0 {
+    if !check_rows(q, (k, k0, k_pos), (v, v0, v_pos), positions, d, scores) {
         return;
     }
     let g = q.len() / d;
-    assert!(
-        k0 + (positions - 1) * k_pos + d <= k.len() && scores.len() >= g * positions,
-        "attention: key rows past their buffer"
-    );
-    assert!(
-        v0 + (positions - 1) * v_pos + d <= v.len(),
-        "attention: value rows past their buffer"
-    );
     let keys = (k.as_ptr().add(k0), k_pos, positions);
     let values = (v.as_ptr().add(v0), v_pos);
     let mut j = 0;
