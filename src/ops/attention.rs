@@ -159,17 +159,22 @@ pub(crate) fn causal_attention(
     Ok(Some(q.contiguous()?.apply_op3_no_bwd(k, v, &op)?))
 }
 
-/// One new row of each of several sequences against its own cache, in one pass (a batched
-/// decode step; CPU, f32, inference only): `q` `[1, rows, heads, head_dim]` (rows first, as
+/// The new rows of several sequences, each sequence's against its own cache, in one pass (a
+/// batched step; CPU, f32, inference only): `q` `[1, rows, heads, head_dim]` (rows first, as
 /// the projections and [`RotaryEmbedding::apply_rows`](crate::nn::RotaryEmbedding::apply_rows)
-/// give them), `caches[i]` row `i`'s keys and values `[1, kv_heads, positions_i, head_dim]`
-/// (the last position its own; any strides with contiguous rows, as the KV cache's views).
-/// Returns `[1, rows, heads · head_dim]`, each row what [`causal_attention`] gives it alone
-/// (the same kernel on the same values), without a tensor op per sequence. `None` where
-/// [`causal_attention`] would not apply (another device or dtype, gradients).
+/// give them) holds `counts[i]` rows of sequence `i` after those of the sequences before it
+/// (one for a decoding sequence, a prompt's chunk for a joining one), `caches[i]` its keys
+/// and values `[1, kv_heads, positions_i, head_dim]` (its rows the last `counts[i]`
+/// positions; any strides with contiguous rows, as the KV cache's views). Returns `[1, rows,
+/// heads · head_dim]`, each sequence's rows what [`causal_attention`] gives them alone (the
+/// same kernel on the same values: a chunk's query rows are gathered head by head, as the
+/// general path's transpose lays them out, and its outputs scattered back to rows), without
+/// a tensor op per sequence. `None` where [`causal_attention`] would not apply (another
+/// device or dtype, gradients).
 pub(crate) fn causal_attention_rows(
     q: &Tensor,
     caches: &[(Tensor, Tensor)],
+    counts: &[usize],
     scale: f64,
     window: Option<usize>,
     groups: Option<&[usize]>,
@@ -178,12 +183,13 @@ pub(crate) fn causal_attention_rows(
         return Ok(None);
     }
     let (one, rows, heads, head_dim) = q.dims4()?;
-    if one != 1 || rows != caches.len() {
+    if one != 1 || counts.len() != caches.len() || counts.iter().sum::<usize>() != rows {
         candle_core::bail!(
-            "attention rows: q {:?} against {} caches (expected [1, {}, heads, head_dim])",
+            "attention rows: q {:?} against {} caches of {counts:?} rows (expected [1, {}, \
+             heads, head_dim], one count per cache)",
             q.dims(),
             caches.len(),
-            caches.len()
+            counts.iter().sum::<usize>()
         )
     }
     let q = q.contiguous()?;
@@ -200,29 +206,54 @@ pub(crate) fn causal_attention_rows(
     };
     let width = heads * head_dim;
     let mut out = vec![0f32; rows * width];
-    for (i, ((k, v), out)) in caches.iter().zip(out.chunks_exact_mut(width)).enumerate() {
+    // A chunk's query rows head by head (`[heads, n, head_dim]`), and its outputs.
+    let (mut chunk_q, mut chunk_out) = (Vec::new(), Vec::new());
+    let mut first = 0;
+    for (i, ((k, v), &n)) in caches.iter().zip(counts).enumerate() {
         let (kd, vd) = (k.dims(), v.dims());
-        if kd != vd || kd.len() != 4 || kd[0] != 1 || kd[3] != head_dim || kd[2] == 0 {
+        if kd != vd || kd.len() != 4 || kd[0] != 1 || kd[3] != head_dim || kd[2] < n.max(1) {
             candle_core::bail!(
-                "attention rows: row {i}'s keys {kd:?} and values {vd:?} (expected [1, \
-                 kv_heads, positions, {head_dim}], the same for both)"
+                "attention rows: sequence {i}'s keys {kd:?} and values {vd:?} for its {n} rows \
+                 (expected [1, kv_heads, positions, {head_dim}], the same for both, with at \
+                 least its rows' positions)"
             )
         }
         let (ks, kl) = k.storage_and_layout();
         let (vs, vl) = v.storage_and_layout();
         let (candle_core::Storage::Cpu(ks), candle_core::Storage::Cpu(vs)) = (&*ks, &*vs) else {
-            candle_core::bail!("attention rows: row {i}'s cache is not on the CPU")
+            candle_core::bail!("attention rows: sequence {i}'s cache is not on the CPU")
         };
         let shape = AttentionShape {
             batch: 1,
             q_heads: heads,
             kv_heads: kd[1],
-            queries: 1,
+            queries: n,
             positions: kd[2],
             head_dim,
         };
-        let q = &qd[q0 + i * width..q0 + (i + 1) * width];
-        op.run(q, (ks, kl), (vs, vl), shape, out)?;
+        let q = &qd[q0 + first * width..q0 + (first + n) * width];
+        let out = &mut out[first * width..(first + n) * width];
+        if n == 1 {
+            op.run(q, (ks, kl), (vs, vl), shape, out)?;
+        } else {
+            // Row r, head h at `(r · heads + h) · head_dim` becomes `(h · n + r) · head_dim`.
+            chunk_q.clear();
+            for h in 0..heads {
+                for r in 0..n {
+                    let at = (r * heads + h) * head_dim;
+                    chunk_q.extend_from_slice(&q[at..at + head_dim]);
+                }
+            }
+            chunk_out.resize(n * width, 0.0);
+            op.run(&chunk_q, (ks, kl), (vs, vl), shape, &mut chunk_out)?;
+            for h in 0..heads {
+                for r in 0..n {
+                    let (to, from) = ((r * heads + h) * head_dim, (h * n + r) * head_dim);
+                    out[to..to + head_dim].copy_from_slice(&chunk_out[from..from + head_dim]);
+                }
+            }
+        }
+        first += n;
     }
     drop(qs);
     Ok(Some(Tensor::from_vec(out, (1, rows, width), q.device())?))
