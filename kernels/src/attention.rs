@@ -247,7 +247,7 @@ pub fn causal_attention_groups<T: KvElement>(
                 avx2::group_rows(q, k, v, rows, out)
             },
             avx512 => if queries >= BLOCKED_MIN_QUERIES {
-                blocks::group_blocks(q, k, v, rows, out)
+                blocks::group_blocks_avx512(q, k, v, rows, out)
             } else {
                 avx512::group_rows(q, k, v, rows, out)
             })

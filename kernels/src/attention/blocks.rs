@@ -31,6 +31,41 @@ const PANEL: usize = 16;
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn group_blocks(
     q: &[f32],
+    k: Strided<'_>,
+    v: Strided<'_>,
+    rows: Rows,
+    out: &mut [f32],
+) {
+    blocks::<false>(q, k, v, rows, out)
+}
+
+/// [`group_blocks`] with 512-bit tiles: the scores of two key panels (32 positions) per tile,
+/// the weighted sums 32 components at a time. Each output is summed in the same order as the
+/// 256-bit tiles sum it (over the components for a score, over the positions for an output),
+/// so the values are [`group_blocks`]'s, bit for bit (tested).
+///
+/// # Safety
+/// The CPU must support avx2, fma and avx512f. `k` and `v` must hold every row they are read
+/// at (checked by the caller).
+#[target_feature(enable = "avx2,fma,avx512f")]
+pub(super) unsafe fn group_blocks_avx512(
+    q: &[f32],
+    k: Strided<'_>,
+    v: Strided<'_>,
+    rows: Rows,
+    out: &mut [f32],
+) {
+    blocks::<true>(q, k, v, rows, out)
+}
+
+/// [`group_blocks`], with the 512-bit tiles where `WIDE`.
+///
+/// # Safety
+/// As [`group_blocks`], and avx512f where `WIDE` (inline this into a function that enables
+/// them).
+#[inline(always)]
+unsafe fn blocks<const WIDE: bool>(
+    q: &[f32],
     (k, k0, k_pos): Strided<'_>,
     v: Strided<'_>,
     rows: Rows,
@@ -71,15 +106,18 @@ pub(super) unsafe fn group_blocks(
             let hi = first + i0 + r;
             let lo = (first + i0 + 1).saturating_sub(window);
             let (p_lo, p_hi) = ((lo - klo) / PANEL, (hi - klo).div_ceil(PANEL));
-            for p in p_lo..p_hi {
-                scores_tile(
-                    &q_block,
-                    &kt[p * d * PANEL..(p + 1) * d * PANEL],
-                    d,
-                    &mut scores,
-                    ld,
-                    p * PANEL,
-                );
+            let mut p = p_lo;
+            while p < p_hi {
+                let col = p * PANEL;
+                if WIDE && p + 1 < p_hi {
+                    let kt = &kt[p * d * PANEL..(p + 2) * d * PANEL];
+                    scores_tile_avx512(&q_block, kt, d, &mut scores, ld, col);
+                    p += 2;
+                } else {
+                    let kt = &kt[p * d * PANEL..(p + 1) * d * PANEL];
+                    scores_tile(&q_block, kt, d, &mut scores, ld, col);
+                    p += 1;
+                }
             }
             for (row, s) in scores.chunks_mut(ld).take(r).enumerate() {
                 let pos = first + i0 + row;
@@ -95,7 +133,7 @@ pub(super) unsafe fn group_blocks(
             for s in scores.chunks_mut(ld).skip(r) {
                 s[lo - klo..hi - klo].fill(0.0);
             }
-            values_tiles(&scores[lo - klo..], ld, v, lo..hi, d, &mut o_block);
+            values_tiles::<WIDE>(&scores[lo - klo..], ld, v, lo..hi, d, &mut o_block);
             out[at..at + r * d].copy_from_slice(&o_block[..r * d]);
         }
     }
@@ -137,16 +175,57 @@ unsafe fn scores_tile(
     }
 }
 
+/// [`scores_tile`] for the 32 keys of two adjacent panels (`kt`, `2 · d` rows of 16), in
+/// 512-bit registers: per component one load of each panel's row and one broadcast per query
+/// row, for twice the multiply-adds of [`scores_tile`]'s loads. Each score is summed over the
+/// components in the same order, so the values are [`scores_tile`]'s.
+///
+/// # Safety
+/// The CPU must support avx512f (inline this into a function that enables it); `q_block`
+/// holds `ROWS · d` values, `kt` `2 · d · 16`, and `scores` reaches `(ROWS − 1) · ld + col +
+/// 32` (checked in debug builds).
+#[inline(always)]
+unsafe fn scores_tile_avx512(
+    q_block: &[f32],
+    kt: &[f32],
+    d: usize,
+    scores: &mut [f32],
+    ld: usize,
+    col: usize,
+) {
+    debug_assert!(q_block.len() >= ROWS * d && kt.len() >= 2 * d * PANEL);
+    debug_assert!(scores.len() >= (ROWS - 1) * ld + col + 2 * PANEL);
+    let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+    let (q, kt0) = (q_block.as_ptr(), kt.as_ptr());
+    let kt1 = kt0.add(d * PANEL);
+    for c in 0..d {
+        let b0 = _mm512_loadu_ps(kt0.add(c * PANEL));
+        let b1 = _mm512_loadu_ps(kt1.add(c * PANEL));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let a = _mm512_set1_ps(*q.add(r * d + c));
+            acc[0] = _mm512_fmadd_ps(a, b0, acc[0]);
+            acc[1] = _mm512_fmadd_ps(a, b1, acc[1]);
+        }
+    }
+    let s = scores.as_mut_ptr();
+    for (r, acc) in acc.iter().enumerate() {
+        _mm512_storeu_ps(s.add(r * ld + col), acc[0]);
+        _mm512_storeu_ps(s.add(r * ld + col + PANEL), acc[1]);
+    }
+}
+
 /// `out[r] = Σₜ weights[r · ld + t − lo] · v[t]` over the value rows `t` in `range` (`lo` its
-/// start), for the [`ROWS`] rows of weights; `out` holds [`ROWS`] rows of `d`. Sixteen
-/// components at a time, then eight, then one by one.
+/// start), for the [`ROWS`] rows of weights; `out` holds [`ROWS`] rows of `d`. With `WIDE`
+/// 32 components at a time in 512-bit registers first; then sixteen, eight, and one by one.
+/// Each component is summed over the positions in the same order whatever the width.
 ///
 /// # Safety
 /// The CPU must support avx2 and fma (inline this into a function that enables them);
 /// `weights` reaches `(ROWS − 1) · ld + range.len()`, `out` holds `ROWS · d` values, and `v`
-/// holds `d` values at every row `t` of `range` (checked in debug builds).
+/// holds `d` values at every row `t` of `range` (checked in debug builds); avx512f where
+/// `WIDE`.
 #[inline(always)]
-unsafe fn values_tiles(
+unsafe fn values_tiles<const WIDE: bool>(
     weights: &[f32],
     ld: usize,
     (v, v0, v_pos): Strided<'_>,
@@ -163,6 +242,23 @@ unsafe fn values_tiles(
         out.as_mut_ptr(),
     );
     let mut c = 0;
+    while WIDE && c + 32 <= d {
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+        for t in 0..n {
+            let row = vp.add(t * v_pos + c);
+            let (b0, b1) = (_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = _mm512_set1_ps(*w.add(r * ld + t));
+                acc[0] = _mm512_fmadd_ps(a, b0, acc[0]);
+                acc[1] = _mm512_fmadd_ps(a, b1, acc[1]);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(o.add(r * d + c), acc[0]);
+            _mm512_storeu_ps(o.add(r * d + c + 16), acc[1]);
+        }
+        c += 32;
+    }
     while c + 16 <= d {
         let mut acc = [[_mm256_setzero_ps(); 2]; ROWS];
         for t in 0..n {

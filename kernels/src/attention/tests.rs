@@ -196,26 +196,37 @@ fn an_f16_cache_is_the_f32_kernel_on_its_widened_values() {
     }
 }
 
-/// The AVX-512 kernel's decode rows are the AVX2 kernel's, bit for bit (its scores and
-/// weighted sums run on 512-bit vectors, four heads to a load; the same sums): groups of 1 to
-/// 7 heads, head sizes with a half chunk and a tail, f32 and f16 caches, a window.
+/// The AVX-512 kernel gives the AVX2 kernel's outputs, bit for bit: decode rows (scores and
+/// weighted sums on 512-bit vectors, four heads to a load) and prompts (512-bit tiles of the
+/// blocked kernel; the same sums): groups of 1 to 7 heads, head sizes with a half chunk and a
+/// tail, f32 and f16 caches, a window, prompts after cached positions and alone, with odd
+/// and even counts of key panels.
 #[test]
-fn the_avx512_decode_rows_are_the_avx2_ones() {
+fn the_avx512_kernel_is_the_avx2_one() {
     use half::f16;
     let kernels = Kernel::under_test();
     if !kernels.contains(&Kernel::Avx512Vnni) || !kernels.contains(&Kernel::Avx2) {
         eprintln!("not run: AVX-512 and AVX2 are not both under test");
         return;
     }
-    for (q_heads, kv_heads, d) in [(4, 4, 64), (9, 3, 64), (14, 2, 72), (5, 1, 128), (6, 2, 20)] {
-        for positions in [1, 6, 33] {
+    let sizes = [
+        (4, 4, 64),
+        (9, 3, 64),
+        (14, 2, 72),
+        (5, 1, 128),
+        (6, 2, 20),
+        (2, 1, 40),
+    ];
+    let rows = [(1, 1), (1, 6), (1, 33), (5, 5), (9, 40), (40, 70), (70, 70)];
+    for (q_heads, kv_heads, d) in sizes {
+        for (queries, positions) in rows {
             for window in [None, Some(5)] {
                 let (batch, capacity) = (2, positions + 3);
                 let shape = AttentionShape {
                     batch,
                     q_heads,
                     kv_heads,
-                    queries: 1,
+                    queries,
                     positions,
                     head_dim: d,
                 };
@@ -226,7 +237,9 @@ fn the_avx512_decode_rows_are_the_avx2_ones() {
                     kf.iter().map(|&x| f16::from_f32(x)).collect(),
                     vf.iter().map(|&x| f16::from_f32(x)).collect(),
                 );
-                let q: Vec<f32> = (0..batch * q_heads * d).map(|i| pseudo(i + 71)).collect();
+                let q: Vec<f32> = (0..batch * q_heads * queries * d)
+                    .map(|i| pseudo(i + 71))
+                    .collect();
                 let strides = (n / batch, capacity * d, d);
                 for f32_cache in [true, false] {
                     let [avx2, avx512] = [Kernel::Avx2, Kernel::Avx512Vnni].map(|kernel| {
