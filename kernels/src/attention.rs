@@ -19,8 +19,9 @@
 //! four heads against each load of a value row). The key rows are prefetched ahead and the
 //! value rows while the scores run (a decode step's caches come from memory). Masked
 //! positions are never computed. A prompt's
-//! rows go in blocks instead (`blocks`, on AVX2): the keys packed once per KV head, then per
-//! block of six query rows register tiles as a gemm's, over the key panels the block may see. Within a block, a row's weight at a
+//! rows go in blocks instead (`blocks`, on AVX2, with 512-bit tiles on AVX-512): the keys
+//! packed once per KV head, then per block of six query rows register tiles as a gemm's, over
+//! the key panels the block may see. Within a block, a row's weight at a
 //! position it must not see is 0, so a NaN or infinite value row there makes it NaN, as
 //! candle's `p · v` does.
 //!
