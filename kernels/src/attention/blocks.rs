@@ -110,12 +110,14 @@ unsafe fn blocks<const WIDE: bool>(
             while p < p_hi {
                 let col = p * PANEL;
                 if WIDE && p + 1 < p_hi {
+                    // Two panels: the second register is the next panel's row.
                     let kt = &kt[p * d * PANEL..(p + 2) * d * PANEL];
-                    scores_tile_avx512(&q_block, kt, d, &mut scores, ld, col);
+                    scores_tile::<__m512>(&q_block, kt, d * PANEL, d, &mut scores, (ld, col));
                     p += 2;
                 } else {
+                    // One panel: the second register is the row's other half.
                     let kt = &kt[p * d * PANEL..(p + 1) * d * PANEL];
-                    scores_tile(&q_block, kt, d, &mut scores, ld, col);
+                    scores_tile::<__m256>(&q_block, kt, 8, d, &mut scores, (ld, col));
                     p += 1;
                 }
             }
@@ -139,78 +141,139 @@ unsafe fn blocks<const WIDE: bool>(
     }
 }
 
-/// `scores[r · ld + col + l] = q_block[r] · kᵀ` for the 16 keys of one packed panel (`kt`,
-/// `d` rows of 16), the [`ROWS`] query rows of `q_block` (rows of `d`).
-///
-/// # Safety
-/// The CPU must support avx2 and fma (inline this into a function that enables them);
-/// `q_block` holds `ROWS · d` values, `kt` `d · 16`, and `scores` reaches `(ROWS − 1) · ld +
-/// col + 16` (checked in debug builds).
-#[inline(always)]
-unsafe fn scores_tile(
-    q_block: &[f32],
-    kt: &[f32],
-    d: usize,
-    scores: &mut [f32],
-    ld: usize,
-    col: usize,
-) {
-    debug_assert!(q_block.len() >= ROWS * d && kt.len() >= d * PANEL);
-    debug_assert!(scores.len() >= (ROWS - 1) * ld + col + PANEL);
-    let mut acc = [[_mm256_setzero_ps(); 2]; ROWS];
-    let (q, kt) = (q_block.as_ptr(), kt.as_ptr());
-    for c in 0..d {
-        let b0 = _mm256_loadu_ps(kt.add(c * PANEL));
-        let b1 = _mm256_loadu_ps(kt.add(c * PANEL + 8));
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let a = _mm256_broadcast_ss(&*q.add(r * d + c));
-            acc[0] = _mm256_fmadd_ps(a, b0, acc[0]);
-            acc[1] = _mm256_fmadd_ps(a, b1, acc[1]);
-        }
+/// A register of f32 lanes that the tiles run on: eight (AVX2) or sixteen (AVX-512).
+trait Reg: Copy {
+    /// Lanes per register.
+    const LANES: usize;
+    /// Zero in every lane.
+    unsafe fn zero() -> Self;
+    /// `LANES` values at `p`.
+    unsafe fn load(p: *const f32) -> Self;
+    /// The value at `p` in every lane.
+    unsafe fn splat(p: *const f32) -> Self;
+    /// `a · b + c`, fused.
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+    /// Stores the lanes at `p`.
+    unsafe fn store(self, p: *mut f32);
+}
+
+impl Reg for __m256 {
+    const LANES: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        _mm256_setzero_ps()
     }
-    let s = scores.as_mut_ptr();
-    for (r, acc) in acc.iter().enumerate() {
-        _mm256_storeu_ps(s.add(r * ld + col), acc[0]);
-        _mm256_storeu_ps(s.add(r * ld + col + 8), acc[1]);
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn splat(p: *const f32) -> Self {
+        _mm256_broadcast_ss(&*p)
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+        _mm256_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        _mm256_storeu_ps(p, self)
     }
 }
 
-/// [`scores_tile`] for the 32 keys of two adjacent panels (`kt`, `2 · d` rows of 16), in
-/// 512-bit registers: per component one load of each panel's row and one broadcast per query
-/// row, for twice the multiply-adds of [`scores_tile`]'s loads. Each score is summed over the
-/// components in the same order, so the values are [`scores_tile`]'s.
+impl Reg for __m512 {
+    const LANES: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        _mm512_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn splat(p: *const f32) -> Self {
+        _mm512_set1_ps(*p)
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        _mm512_storeu_ps(p, self)
+    }
+}
+
+/// `scores[r · ld + col + l] = q_block[r] · kᵀ` for the `2 · R::LANES` keys of a tile, the
+/// [`ROWS`] query rows of `q_block` (rows of `d`): per component one load of two key
+/// registers (lanes `0..LANES` at `kt[c · 16]`, the next `LANES` at `kt[c · 16 + second]`)
+/// and one broadcast per query row. With eight lanes a tile is one packed panel (`second` =
+/// 8, its row's other half), with sixteen two adjacent panels (`second` = `d · 16`, the next
+/// panel's row). Each score sums over the components in order, whatever the width.
 ///
 /// # Safety
-/// The CPU must support avx512f (inline this into a function that enables it); `q_block`
-/// holds `ROWS · d` values, `kt` `2 · d · 16`, and `scores` reaches `(ROWS − 1) · ld + col +
-/// 32` (checked in debug builds).
+/// The CPU must support avx2 and fma, and avx512f for 512-bit registers (inline this into a
+/// function that enables them); `q_block` holds `ROWS · d` values, `kt` reaches `(d − 1) ·
+/// 16 + second + LANES`, and `scores` reaches `(ROWS − 1) · ld + col + 2 · LANES` (checked in
+/// debug builds).
 #[inline(always)]
-unsafe fn scores_tile_avx512(
+unsafe fn scores_tile<R: Reg>(
     q_block: &[f32],
     kt: &[f32],
+    second: usize,
     d: usize,
     scores: &mut [f32],
-    ld: usize,
-    col: usize,
+    (ld, col): (usize, usize),
 ) {
-    debug_assert!(q_block.len() >= ROWS * d && kt.len() >= 2 * d * PANEL);
-    debug_assert!(scores.len() >= (ROWS - 1) * ld + col + 2 * PANEL);
-    let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
-    let (q, kt0) = (q_block.as_ptr(), kt.as_ptr());
-    let kt1 = kt0.add(d * PANEL);
+    debug_assert!(q_block.len() >= ROWS * d && kt.len() >= (d - 1) * PANEL + second + R::LANES);
+    debug_assert!(scores.len() >= (ROWS - 1) * ld + col + 2 * R::LANES);
+    let mut acc = [[R::zero(); 2]; ROWS];
+    let (q, kt) = (q_block.as_ptr(), kt.as_ptr());
     for c in 0..d {
-        let b0 = _mm512_loadu_ps(kt0.add(c * PANEL));
-        let b1 = _mm512_loadu_ps(kt1.add(c * PANEL));
+        let b0 = R::load(kt.add(c * PANEL));
+        let b1 = R::load(kt.add(c * PANEL + second));
         for (r, acc) in acc.iter_mut().enumerate() {
-            let a = _mm512_set1_ps(*q.add(r * d + c));
-            acc[0] = _mm512_fmadd_ps(a, b0, acc[0]);
-            acc[1] = _mm512_fmadd_ps(a, b1, acc[1]);
+            let a = R::splat(q.add(r * d + c));
+            acc[0] = R::fmadd(a, b0, acc[0]);
+            acc[1] = R::fmadd(a, b1, acc[1]);
         }
     }
     let s = scores.as_mut_ptr();
     for (r, acc) in acc.iter().enumerate() {
-        _mm512_storeu_ps(s.add(r * ld + col), acc[0]);
-        _mm512_storeu_ps(s.add(r * ld + col + PANEL), acc[1]);
+        acc[0].store(s.add(r * ld + col));
+        acc[1].store(s.add(r * ld + col + R::LANES));
+    }
+}
+
+/// [`values_tiles`]' run of `2 · R::LANES` components: `o[r · d ..]` gets `Σₜ w[r · ld + t] ·
+/// v[t · v_pos ..]` for the [`ROWS`] rows, each component summed over `t < n` in order.
+///
+/// # Safety
+/// As [`values_tiles`], and avx512f for 512-bit registers; `2 · LANES` components readable
+/// at every `v + t · v_pos` and writable at every `o + r · d`.
+#[inline(always)]
+unsafe fn values_run<R: Reg>(
+    w: *const f32,
+    ld: usize,
+    (v, v_pos): (*const f32, usize),
+    n: usize,
+    o: *mut f32,
+    d: usize,
+) {
+    let mut acc = [[R::zero(); 2]; ROWS];
+    for t in 0..n {
+        let row = v.add(t * v_pos);
+        let (b0, b1) = (R::load(row), R::load(row.add(R::LANES)));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let a = R::splat(w.add(r * ld + t));
+            acc[0] = R::fmadd(a, b0, acc[0]);
+            acc[1] = R::fmadd(a, b1, acc[1]);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        acc[0].store(o.add(r * d));
+        acc[1].store(o.add(r * d + R::LANES));
     }
 }
 
@@ -243,37 +306,11 @@ unsafe fn values_tiles<const WIDE: bool>(
     );
     let mut c = 0;
     while WIDE && c + 32 <= d {
-        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
-        for t in 0..n {
-            let row = vp.add(t * v_pos + c);
-            let (b0, b1) = (_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let a = _mm512_set1_ps(*w.add(r * ld + t));
-                acc[0] = _mm512_fmadd_ps(a, b0, acc[0]);
-                acc[1] = _mm512_fmadd_ps(a, b1, acc[1]);
-            }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(o.add(r * d + c), acc[0]);
-            _mm512_storeu_ps(o.add(r * d + c + 16), acc[1]);
-        }
+        values_run::<__m512>(w, ld, (vp.add(c), v_pos), n, o.add(c), d);
         c += 32;
     }
     while c + 16 <= d {
-        let mut acc = [[_mm256_setzero_ps(); 2]; ROWS];
-        for t in 0..n {
-            let row = vp.add(t * v_pos + c);
-            let (b0, b1) = (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let a = _mm256_broadcast_ss(&*w.add(r * ld + t));
-                acc[0] = _mm256_fmadd_ps(a, b0, acc[0]);
-                acc[1] = _mm256_fmadd_ps(a, b1, acc[1]);
-            }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            _mm256_storeu_ps(o.add(r * d + c), acc[0]);
-            _mm256_storeu_ps(o.add(r * d + c + 8), acc[1]);
-        }
+        values_run::<__m256>(w, ld, (vp.add(c), v_pos), n, o.add(c), d);
         c += 16;
     }
     if c + 8 <= d {
