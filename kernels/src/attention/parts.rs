@@ -193,6 +193,29 @@ pub(super) unsafe fn dot_avx2<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
     s
 }
 
+/// Four positions' scores from their lane sums (`sums[i]`, key row `i` at `rows[i]`): the
+/// tail components `end..d` added in order, as [`dot`] adds them, then times `scale`, into
+/// `out[..4]`.
+///
+/// # Safety
+/// `d` elements readable at every `rows[i]`.
+#[inline(always)]
+pub(super) unsafe fn finish_scores<T: KvElement>(
+    sums: [f32; 4],
+    rows: [*const T; 4],
+    (q, end): (&[f32], usize),
+    scale: f32,
+    out: &mut [f32],
+) {
+    for ((o, mut s), row) in out[..4].iter_mut().zip(sums).zip(rows) {
+        let key = std::slice::from_raw_parts(row, q.len());
+        for (x, y) in q[end..].iter().zip(&key[end..]) {
+            s = x.mul_add(y.get(), s);
+        }
+        *o = s * scale;
+    }
+}
+
 /// Checks what a score loop reads and writes: every key and value row of `positions` within
 /// its buffer, room for the `q.len() / d` heads' scores. `false` when there is nothing to
 /// compute (no position or an empty head).
@@ -326,8 +349,8 @@ pub(super) unsafe fn scores_avx2<T: KvElement>(
     let g = q.len() / d;
     let (whole, end) = (d / 16 * 16, half_chunk_end(d));
     let kp = k.as_ptr().add(k0);
+    let values = (v.as_ptr().add(v0), v_pos);
     for j in 0..g {
-        let values = (v.as_ptr().add(v0), v_pos);
         let mut prefetch = Prefetch::new((kp, k_pos), values, positions, d, j == 0);
         let qj = &q[j * d..(j + 1) * d];
         let qp = qj.as_ptr();
@@ -354,20 +377,7 @@ pub(super) unsafe fn scores_avx2<T: KvElement>(
             for (lo, hi) in lo.iter_mut().zip(hi) {
                 *lo = _mm256_add_ps(*lo, hi);
             }
-            let mut sums = hsum8x4(lo);
-            if end == d {
-                let scaled = _mm_mul_ps(_mm_loadu_ps(sums.as_ptr()), _mm_set1_ps(scale));
-                _mm_storeu_ps(out.as_mut_ptr().add(t), scaled);
-                t += 4;
-                continue;
-            }
-            for (i, s) in sums.iter_mut().enumerate() {
-                let key = std::slice::from_raw_parts(rows[i], d);
-                for (x, y) in qj[end..].iter().zip(&key[end..]) {
-                    *s = x.mul_add(y.get(), *s);
-                }
-                out[t + i] = *s * scale;
-            }
+            finish_scores(hsum8x4(lo), rows, (qj, end), scale, &mut out[t..]);
             t += 4;
         }
         for (t, o) in out.iter_mut().enumerate().skip(t) {

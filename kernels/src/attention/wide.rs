@@ -17,7 +17,7 @@
 //! (tested).
 
 use super::parts::{
-    check_rows, half_chunk_end, hsum8, hsum8x4, weighted_sum_avx2, Prefetch, Strided,
+    check_rows, finish_scores, half_chunk_end, hsum8, hsum8x4, weighted_sum_avx2, Prefetch, Strided,
 };
 use super::KvElement;
 use std::arch::x86_64::*;
@@ -158,15 +158,8 @@ unsafe fn scores_of<T: KvElement, const G: usize>(
             for (f, &a) in folded.iter_mut().zip(acc) {
                 *f = fold(a);
             }
-            let sums = hsum8x4(folded);
-            let out = &mut scores[(j0 + h) * positions + t..][..POSITIONS];
-            for (i, (o, mut s)) in out.iter_mut().zip(sums).enumerate() {
-                let key = std::slice::from_raw_parts(rows[i], d);
-                for (x, y) in qh[end..].iter().zip(&key[end..]) {
-                    s = x.mul_add(y.get(), s);
-                }
-                *o = s * scale;
-            }
+            let out = &mut scores[(j0 + h) * positions + t..];
+            finish_scores(hsum8x4(folded), rows, (qh, end), scale, out);
         }
         t += POSITIONS;
     }
