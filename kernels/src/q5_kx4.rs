@@ -129,13 +129,13 @@ impl Interleave for BlockQ5K {
         avx2::group_dot_vnni(group, xs)
     }
 
-    crate::q4_kx4::k4_panel_items!(BlockQ5Kx4);
+    crate::q4_kx4::k4_avx512_items!(BlockQ5Kx4);
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ5Kx4;
-    use crate::q4_kx4::avx2::{k4_group_dot, k4_unpack_panel, K4Group};
+    use crate::q4_kx4::avx2::{join32, k4_group_dot, k4_unpack_panel, K4Group};
     use crate::q8_k::BlockQ8K;
     use crate::repack::panel::PanelBlock;
     use half::f16;
@@ -179,6 +179,21 @@ mod avx2 {
                 let h = _mm256_slli_epi16(_mm256_and_si256(qh[c], _mm256_set1_epi8(2)), 3);
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q[c], 4), low), h)
             });
+            (lo, hi)
+        }
+        #[inline(always)]
+        unsafe fn values_pair(a: &Self, b: &Self, j: usize) -> ([__m512i; 4], [__m512i; 4]) {
+            let low = _mm512_set1_epi8(0x0F);
+            let shift = _mm_cvtsi32_si128(2 * j as i32);
+            let (mut lo, mut hi) = ([_mm512_setzero_si512(); 4], [_mm512_setzero_si512(); 4]);
+            for c in 0..4 {
+                let q = join32(&a.qs[4 * j + c], &b.qs[4 * j + c]);
+                let qh = _mm512_srl_epi16(join32(&a.qh[c], &b.qh[c]), shift);
+                let h = _mm512_slli_epi16::<4>(_mm512_and_si512(qh, _mm512_set1_epi8(1)));
+                lo[c] = _mm512_or_si512(_mm512_and_si512(q, low), h);
+                let h = _mm512_slli_epi16::<3>(_mm512_and_si512(qh, _mm512_set1_epi8(2)));
+                hi[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(q), low), h);
+            }
             (lo, hi)
         }
     }

@@ -23,6 +23,9 @@
 //! weight rows at a time to bytes, once per product, and multiply them by tiles of eight
 //! activation rows with four-byte broadcasts ([`panel`]): measured on a Zen 4 core, one
 //! thread, 1 B Llama pp128, Q6_K 1.5x, Q4_K_M 1.4x and Q5_K_M 1.6x the four-row kernels.
+//! Below that, the 32-wide types and Q4_K and Q5_K run sixteen weight rows at once on whole
+//! zmm (`avx512.rs`, `k_quad.rs`); the k-quants' single activation row (decode) stays on the
+//! four-row kernel, whose one stream reads faster.
 
 use crate::f64_matmul::{check_matmul, fill_in_place, RowsOut};
 use crate::kernel::Kernel;
@@ -335,7 +338,8 @@ impl<B: Interleave> Repacked<B> {
             } else {
                 m
             };
-            let quads = if B::QUAD && kernel == Kernel::Avx512Vnni && quad_end > 0 {
+            // (Where panels ran, the rows they left run on the four-row kernels.)
+            let quads = if B::QUAD && kernel == Kernel::Avx512Vnni && quad_end > 0 && panels == 0 {
                 groups / 4
             } else {
                 0
@@ -624,6 +628,10 @@ pub(crate) mod avx2;
 /// The 512-bit four-group kernel of the same types.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+
+/// The 512-bit four-group kernel of Q4_K and Q5_K.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod k_quad;
 
 /// The f64 step of the AVX-512 VNNI kernels (two groups and four).
 #[cfg(target_arch = "x86_64")]

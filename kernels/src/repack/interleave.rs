@@ -122,7 +122,8 @@ pub trait Interleave: F64Dot + sealed::Sealed {
 
     /// Whether products with AVX-512 VNNI run the activation rows left over from tiles of 8
     /// (decode's one row, tiles of 4, the last 1-3 rows) on four groups at once
-    /// ([`Interleave::group_quad_dot_avx512`]: the 32-wide types).
+    /// ([`Interleave::group_quad_dot_avx512`]: the 32-wide types, and Q4_K and Q5_K below
+    /// [`panel::MIN_ROWS`] rows).
     #[doc(hidden)]
     const QUAD: bool = false;
 
