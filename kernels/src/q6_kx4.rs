@@ -167,6 +167,17 @@ impl Interleave for BlockQ6K {
     }
 
     const PANEL: bool = true;
+    const QUAD: bool = true;
+    // As Q4_K's: one activation row stays on the four-row kernel's single stream.
+    const QUAD_SINGLE: bool = false;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_quad_dot_avx512<const M: usize>(
+        groups: [&[BlockQ6Kx4]; 4],
+        xs: &[crate::repack::ActRow<'_, BlockQ8K>; M],
+    ) -> [[f64; 16]; M] {
+        crate::repack::k_quad::q6k_quad_dot_vnni(groups, xs)
+    }
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn unpack_panel_avx512(groups: [&BlockQ6Kx4; 4], out: &mut PanelBlock) {

@@ -22,6 +22,7 @@ use super::avx512::QUAD_ROWS;
 const AHEAD_STEPS: usize = 8;
 use super::ActRow;
 use crate::q4_kx4::avx2::{join32, K4Group};
+use crate::q6_kx4::BlockQ6Kx4;
 use crate::q8_k::BlockQ8K;
 use std::arch::x86_64::*;
 
@@ -221,4 +222,197 @@ pub unsafe fn k4_quad_dot_vnni<G: K4Group, const M: usize>(
     xs: &[ActRow<'_, BlockQ8K>; M],
 ) -> [[f64; QUAD_ROWS]; M] {
     k4_quad_dot(groups, xs)
+}
+
+/// `vpermt2w` indices taking, for the eight rows of two Q6_K groups (the table's first zmm:
+/// the first group's 64 scale bytes, row `r` at bytes `16r ..`; the second zmm: the second
+/// group's), scale word `w` (scales `2w` and `2w + 1`) of row `r` into all four words of
+/// 64-bit lane `r`.
+const fn scale_words(w: usize) -> [i16; 32] {
+    let mut c = [0i16; 32];
+    let mut o = 0;
+    while o < 32 {
+        let row = o / 4;
+        c[o] = if row < 4 {
+            (8 * row + w) as i16
+        } else {
+            (32 + 8 * (row - 4) + w) as i16
+        };
+        o += 1;
+    }
+    c
+}
+const SCALE_WORDS: [[i16; 32]; 8] = {
+    let mut c = [[0i16; 32]; 8];
+    let mut w = 0;
+    while w < 8 {
+        c[w] = scale_words(w);
+        w += 1;
+    }
+    c
+};
+
+/// Runs `u` (values `8u .. 8u + 8`, unsigned 0..63) and `u + 16` of the eight rows of two
+/// Q6_K groups (`a`'s four rows, then `b`'s), row `r` in 64-bit lane `r`: the four-row
+/// kernel's unpacking on both groups' runs joined.
+///
+/// # Safety
+/// The CPU must support avx512f and avx512bw (inline this into a function that enables them).
+#[inline(always)]
+unsafe fn q6k_runs(a: &BlockQ6Kx4, b: &BlockQ6Kx4, u: usize) -> (__m512i, __m512i) {
+    let (m4, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    let ql = join32(&a.ql[u], &b.ql[u]);
+    let qh = join32(&a.qh[u % 8], &b.qh[u % 8]);
+    // Run `u` takes bits 0-1 (u < 8) or 2-3 of `qh`; run `u + 16` bits 4-5 or 6-7.
+    let (h_lo, h_hi) = if u < 8 {
+        (_mm512_slli_epi16::<4>(qh), qh)
+    } else {
+        (_mm512_slli_epi16::<2>(qh), _mm512_srli_epi16::<2>(qh))
+    };
+    (
+        _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(h_lo, m30)),
+        _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+            _mm512_and_si512(h_hi, m30),
+        ),
+    )
+}
+
+/// The sixteen rows of four Q6_K groups (`groups[0]`'s four rows first) against `M`
+/// activation rows: `out[i][r]`, bit for bit the scalar f64 sum. Per 16 values (sub-block
+/// `s`) and row, as [`k4_quad_dot`]: two `vpdpbusd` of the unsigned values `q` (0..63) with
+/// the activations' bytes, started from `−32·bsums[s]` in one of the row's two lanes (the
+/// offset of `q − 32`), times the row's signed scale (`vpmulld`); the scales are spread per
+/// super-block by one `vpermt2w` per two sub-blocks and two groups, sign-extended by shifts.
+/// Then `(d·d')·dots` in f64 (exact product, one rounding) added to the row's sum, as the
+/// scalar does.
+///
+/// # Safety
+/// As [`k4_quad_dot`].
+#[inline(always)]
+pub unsafe fn q6k_quad_dot<const M: usize>(
+    groups: [&[BlockQ6Kx4]; 4],
+    xs: &[ActRow<'_, BlockQ8K>; M],
+) -> [[f64; QUAD_ROWS]; M] {
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    let mut acc = [[_mm512_setzero_pd(); 2]; M];
+    let blocks = groups[0].len();
+    let group = std::mem::size_of_val(groups[0]);
+    let record = std::mem::size_of::<BlockQ6Kx4>();
+    for b in 0..blocks {
+        let g = [
+            groups[0].get_unchecked(b),
+            groups[1].get_unchecked(b),
+            groups[2].get_unchecked(b),
+            groups[3].get_unchecked(b),
+        ];
+        let ahead = if b + AHEAD_STEPS < blocks {
+            AHEAD_STEPS * record
+        } else {
+            AHEAD_STEPS * record + 3 * group
+        };
+        // The scale bytes of groups 0, 1 and of groups 2, 3 (a table of two zmm each).
+        let tables = [
+            [
+                _mm512_loadu_si512(g[0].scales.as_ptr() as *const _),
+                _mm512_loadu_si512(g[1].scales.as_ptr() as *const _),
+            ],
+            [
+                _mm512_loadu_si512(g[2].scales.as_ptr() as *const _),
+                _mm512_loadu_si512(g[3].scales.as_ptr() as *const _),
+            ],
+        ];
+        let mut dots = [[_mm512_setzero_si512(); 2]; M];
+        for w in 0..4 {
+            // One group's record per step, as in `k4_quad_dot`.
+            let p = (g[w] as *const BlockQ6Kx4 as *const i8).wrapping_add(ahead);
+            let mut line = 0;
+            while line < record {
+                _mm_prefetch(p.wrapping_add(line), _MM_HINT_T0);
+                line += 64;
+            }
+            // Sub-blocks 2w, 2w + 1 (from word w) and 2w + 8, 2w + 9 (word w + 4) of both
+            // pairs of groups, each row's scale sign-extended into both its i32 lanes.
+            let mut scale = [[_mm512_setzero_si512(); 4]; 2];
+            for h in 0..2 {
+                for (n, word) in [w, w + 4].into_iter().enumerate() {
+                    let idx = _mm512_loadu_si512(SCALE_WORDS[word].as_ptr() as *const _);
+                    let v = _mm512_permutex2var_epi16(tables[h][0], idx, tables[h][1]);
+                    scale[h][2 * n] = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(v));
+                    scale[h][2 * n + 1] = _mm512_srai_epi32::<24>(v);
+                }
+            }
+            for kk in 0..2 {
+                let k = 2 * w + kk;
+                // Runs 2k, 2k + 1 (sub-block k) and 2k + 16, 2k + 17 (sub-block k + 8).
+                let (l00, h00) = q6k_runs(g[0], g[1], 2 * k);
+                let (l01, h01) = q6k_runs(g[0], g[1], 2 * k + 1);
+                let (l10, h10) = q6k_runs(g[2], g[3], 2 * k);
+                let (l11, h11) = q6k_runs(g[2], g[3], 2 * k + 1);
+                let runs = [[[l00, l01], [h00, h01]], [[l10, l11], [h10, h11]]];
+                super::unrolled!(M, |i| {
+                    let x = xs[i].0.get_unchecked(b);
+                    let a = x.qs.as_ptr() as *const i64;
+                    let q = |t: usize| _mm512_set1_epi64(std::ptr::read_unaligned(a.add(t)));
+                    for (part, s) in [k, k + 8].into_iter().enumerate() {
+                        let offset = -32 * *x.bsums.get_unchecked(s) as i32;
+                        let init = _mm512_set1_epi64(offset as u32 as i64);
+                        for h in 0..2 {
+                            let r = &runs[h][part];
+                            let t = _mm512_dpbusd_epi32(init, r[0], q(2 * s));
+                            let t = _mm512_dpbusd_epi32(t, r[1], q(2 * s + 1));
+                            let sc = scale[h][2 * part + kk];
+                            dots[i][h] = _mm512_add_epi32(dots[i][h], _mm512_mullo_epi32(t, sc));
+                        }
+                    }
+                });
+            }
+        }
+        let ps = _mm512_cvtph_ps(_mm256_setr_epi64x(
+            std::ptr::read_unaligned(g[0].d.as_ptr() as *const i64),
+            std::ptr::read_unaligned(g[1].d.as_ptr() as *const i64),
+            std::ptr::read_unaligned(g[2].d.as_ptr() as *const i64),
+            std::ptr::read_unaligned(g[3].d.as_ptr() as *const i64),
+        ));
+        let wd = [
+            _mm512_cvtps_pd(_mm512_castps512_ps256(ps)),
+            _mm512_cvtps_pd(super::avx512::high_ps(ps)),
+        ];
+        super::unrolled!(M, |i| {
+            let x = xs[i].0.get_unchecked(b);
+            let d = _mm512_add_epi32(
+                _mm512_permutex2var_epi32(dots[i][0], even, dots[i][1]),
+                _mm512_permutex2var_epi32(dots[i][0], odd, dots[i][1]),
+            );
+            let xd = _mm512_set1_pd(x.d as f64);
+            let d = [
+                _mm512_cvtepi32_pd(_mm512_castsi512_si256(d)),
+                _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64::<1>(d)),
+            ];
+            for h in 0..2 {
+                // Not an FMA: the scalar rounds the product, then the sum.
+                let dd = _mm512_mul_pd(wd[h], xd);
+                acc[i][h] = _mm512_add_pd(acc[i][h], _mm512_mul_pd(dd, d[h]));
+            }
+        });
+    }
+    let mut out = [[0f64; QUAD_ROWS]; M];
+    for i in 0..M {
+        _mm512_storeu_pd(out[i].as_mut_ptr(), acc[i][0]);
+        _mm512_storeu_pd(out[i].as_mut_ptr().add(8), acc[i][1]);
+    }
+    out
+}
+
+/// [`q6k_quad_dot`] compiled with the features it needs.
+///
+/// # Safety
+/// As [`k4_quad_dot`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn q6k_quad_dot_vnni<const M: usize>(
+    groups: [&[BlockQ6Kx4]; 4],
+    xs: &[ActRow<'_, BlockQ8K>; M],
+) -> [[f64; QUAD_ROWS]; M] {
+    q6k_quad_dot(groups, xs)
 }
