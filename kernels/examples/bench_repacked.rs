@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! cargo run --release -p candle-tp-kernels --example bench_repacked [ROUNDS]
-//! BT=Q8_0 BM=1 cargo run --release -p candle-tp-kernels --example bench_repacked  # one type, one m
+//! BT=Q8_0 BM=1 cargo run --release -p candle-tp-kernels --example bench_repacked  # one type, any m
 //! ```
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -51,11 +51,14 @@ fn main() -> candle_core::Result<()> {
             let ws: Vec<Arc<dyn RepackedMatMul>> = (0..copies)
                 .map(|_| repack(&bytes, n, k))
                 .collect::<candle_core::Result<_>>()?;
-            for m in [1usize, 2, 4, 8, 64] {
-                // BM=M: that number of activation rows only.
-                if std::env::var("BM").is_ok_and(|v| v != m.to_string()) {
-                    continue;
-                }
+            // BM=M: that number of activation rows only (any number).
+            let ms = match std::env::var("BM") {
+                Ok(m) => vec![m.parse::<usize>().map_err(|e| {
+                    candle_core::Error::Msg(format!("BM={m}: not a row count ({e})"))
+                })?],
+                Err(_) => vec![1, 2, 4, 8, 64],
+            };
+            for m in ms {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 255) as f32 - 127.0)
                     .collect();

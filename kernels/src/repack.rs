@@ -19,11 +19,11 @@
 //! product ([`Repacked::matmul_f32`]) rounds that f64 sum, so decode, prefill, batches and
 //! row-parallel shards all compute the same numbers.
 //!
-//! With AVX-512 VNNI, the k-quants' products of 16+ activation rows (prefill) unpack sixteen
+//! With AVX-512 VNNI, the k-quants' products of 40+ activation rows (prefill) unpack sixteen
 //! weight rows at a time to bytes, once per product, and multiply them by tiles of eight
 //! activation rows with four-byte broadcasts ([`panel`]): measured on a Zen 4 core, one
 //! thread, 1 B Llama pp128, Q6_K 1.5x, Q4_K_M 1.4x and Q5_K_M 1.6x the four-row kernels.
-//! Below that, the 32-wide types and Q4_K and Q5_K run sixteen weight rows at once on whole
+//! Below that, the 32-wide types and the k-quants run sixteen weight rows at once on whole
 //! zmm (`avx512.rs`, `k_quad.rs`); the k-quants' single activation row (decode) stays on the
 //! four-row kernel, whose one stream reads faster.
 
@@ -307,7 +307,7 @@ impl<B: Interleave> Repacked<B> {
                 0
             };
             // The panel types run quads of groups first (sixteen weight rows, unpacked once
-            // for every tile of 8), from two tiles on.
+            // for every tile of 8), from `panel::MIN_ROWS` rows on.
             let panels = if B::PANEL && pairs > 0 && tiled8 >= panel::MIN_ROWS {
                 groups / 4
             } else {

@@ -24,10 +24,12 @@ use std::cell::RefCell;
 pub const ROWS: usize = 16;
 /// Activation rows in a tile.
 pub const TILE: usize = 8;
-/// Activation rows from which a product runs panels: with one tile the unpacking is not
-/// repaid (measured on a Zen 4 core, one thread, 1 B Llama: prefill of 8 tokens Q6_K 0.93x
-/// the four-row kernels, of 16 1.0x, of 32 1.3x).
-pub const MIN_ROWS: usize = 2 * TILE;
+/// Activation rows from which a product runs panels. Against the four-row kernels, two tiles
+/// repaid the unpacking (Zen 4, one thread, 1 B Llama: prefill of 8 tokens Q6_K 0.93x, of 16
+/// 1.0x, of 32 1.3x); against the quads that run below it (`k_quad.rs`), five (Zen 5, one
+/// thread, 5632 x 2048, the quads against panels: 16 rows 1.7x (Q4_K) and 2.2x (Q6_K), 32
+/// rows 1.2x and 1.3x, 48 rows 1.0x and 0.87x, 64 rows 0.87x and 0.83x).
+pub const MIN_ROWS: usize = 5 * TILE;
 
 /// Super-block `b` of sixteen weight rows, unpacked for [`dot`]: 5888 bytes.
 #[derive(Debug, Clone, Copy)]

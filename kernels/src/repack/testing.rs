@@ -72,17 +72,17 @@ pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(us
             &block,
             &[16, 21, 35],
             &[1, 2, 18],
-            [1, 2, 3, 4, 5, 6, 7, 10, 12, 13],
+            [1, 2, 3, 4, 5, 6, 7, 10, 12, 13, 21, 39],
         );
     }
 }
 
 /// [`every_value_is_the_unpacked_rows_f64_dot`] where the AVX-512 VNNI kernel runs panels of
 /// sixteen weight rows ([`Interleave::PANEL`]): one and two panels with groups, pairs and rows
-/// left over, two and three tiles of eight activation rows with rows left over.
+/// left over, five and six tiles of eight activation rows with rows left over.
 pub fn panels_are_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(usize, usize) -> B) {
     assert!(B::PANEL, "{} runs no panels", B::NAME);
-    values_are_the_unpacked_rows_f64_dot(&block, &[16, 21, 43], &[1, 3], [16, 17, 25]);
+    values_are_the_unpacked_rows_f64_dot(&block, &[16, 21, 43], &[1, 3], [40, 41, 53]);
 }
 
 fn values_are_the_unpacked_rows_f64_dot<B: Interleave>(
