@@ -16,8 +16,9 @@
 //!
 //! [`Kernel::Avx512Vnni`] runs VNNI code where the crate has it (the repacked products of every
 //! type, whose byte dot products become `vpdpbusd` and Q6_K's scaling `vpdpwssd`: the 32-wide
-//! types on 512-bit vectors, sixteen weight rows at once, [`crate::repack`]; the k-quants in
-//! tiles of 8 activation rows; the attention's decode loops and prompt tiles on 512-bit
+//! types on 512-bit vectors, sixteen weight rows at once, [`crate::repack`]; the k-quants
+//! likewise for 2-39 activation rows and in panels of sixteen unpacked weight rows above, one
+//! row on the four-row kernel; the attention's decode loops and prompt tiles on 512-bit
 //! vectors, [`crate::attention`]) and the AVX2 code everywhere else (the per-row f32 kernels,
 //! the small-m product); its results are bit for bit the AVX2 kernel's (tested). candle 0.11.1's own
 //! `QMatMul` also has AVX-512 VNNI and AVX-VNNI paths, see [`cpu_features`].

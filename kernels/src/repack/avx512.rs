@@ -93,10 +93,6 @@ pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEA
     xs: &[ActRow<'_, A>; M],
     words: impl Fn([&G; 4]) -> ([__m512i; 8], __m512, __m512),
 ) -> [[f64; QUAD_ROWS]; M] {
-    // Lane `2c` and `2c + 1` of a product hold row `c`'s two partial sums (eight rows per
-    // zmm): the even lanes of both, then the odd ones, added, give the sixteen rows in order.
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     let mut acc = [[_mm512_setzero_pd(); 2]; M];
     let blocks = groups[0].len();
     let group = std::mem::size_of_val(groups[0]);
@@ -146,10 +142,7 @@ pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEA
                     s0 = _mm512_dpbusd_epi32(s0, w[t], q(t));
                     s1 = _mm512_dpbusd_epi32(s1, w[4 + t], q(t));
                 }
-                let sums = _mm512_add_epi32(
-                    _mm512_permutex2var_epi32(s0, even, s1),
-                    _mm512_permutex2var_epi32(s0, odd, s1),
-                );
+                let sums = pair_lanes(s0, s1);
                 let sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(*offsets.get_unchecked(b)));
                 let xd = _mm512_set1_pd(xd);
                 let halves = [
@@ -163,6 +156,31 @@ pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEA
         }
         super::unrolled!(M, |i| { row!(i) });
     }
+    store_rows(&acc)
+}
+
+/// The sixteen rows' sums in order, from two products whose lanes `2c` and `2c + 1` hold row
+/// `c`'s two partial sums (`s0`: rows 0..8, `s1`: rows 8..16): the even lanes of both, then
+/// the odd ones, added.
+///
+/// # Safety
+/// The CPU must support avx512f (inline this into a function that enables it).
+#[inline(always)]
+pub unsafe fn pair_lanes(s0: __m512i, s1: __m512i) -> __m512i {
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    _mm512_add_epi32(
+        _mm512_permutex2var_epi32(s0, even, s1),
+        _mm512_permutex2var_epi32(s0, odd, s1),
+    )
+}
+
+/// The quads' output: activation row `i`'s sixteen sums from its two f64x8 halves.
+///
+/// # Safety
+/// The CPU must support avx512f (inline this into a function that enables it).
+#[inline(always)]
+pub unsafe fn store_rows<const M: usize>(acc: &[[__m512d; 2]; M]) -> [[f64; QUAD_ROWS]; M] {
     let mut out = [[0f64; QUAD_ROWS]; M];
     for i in 0..M {
         _mm512_storeu_pd(out[i].as_mut_ptr(), acc[i][0]);
