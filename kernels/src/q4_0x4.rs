@@ -11,9 +11,7 @@
 
 use crate::q4_0::{BlockQ4_0, QK4_0};
 use crate::q8_0::BlockQ8_0;
-use crate::repack::{
-    put_runs, repack_bytes, take_runs, ActRow, Interleave, Repacked, RepackedMatMul,
-};
+use crate::repack::{put_runs, repack_bytes, take_runs, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -77,45 +75,12 @@ impl Interleave for BlockQ4_0 {
         8 * x.qs.iter().map(|&q| q as i32).sum::<i32>()
     }
 
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_dot_avx2<const M: usize>(
-        group: &[BlockQ4_0x4],
-        xs: [ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 4]; M] {
-        avx2::group_dot(group, xs)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_dot_avx512<const M: usize>(
-        group: &[BlockQ4_0x4],
-        xs: [ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 4]; M] {
-        avx2::group_dot_vnni(group, xs)
-    }
-
     /// `[d', 0]` in f64, for the eight-row kernel.
     fn act_scales(x: &BlockQ8_0) -> [f64; 2] {
         [x.d.to_f64(), 0.0]
     }
 
-    const QUAD: bool = true;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_quad_dot_avx512<const M: usize>(
-        groups: [&[BlockQ4_0x4]; 4],
-        xs: &[ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 16]; M] {
-        avx2::quad_dot_vnni(groups, xs)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_pair_dot_avx512<const M: usize>(
-        group0: &[BlockQ4_0x4],
-        group1: &[BlockQ4_0x4],
-        xs: &[ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 8]; M] {
-        avx2::pair_dot_vnni(group0, group1, xs)
-    }
+    crate::repack::avx2::unsigned_items!(BlockQ4_0x4, BlockQ8_0);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -124,21 +124,7 @@ impl Interleave for BlockQ4K {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_dot_avx2<const M: usize>(
-        group: &[BlockQ4Kx4],
-        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
-    ) -> [[f64; 4]; M] {
-        avx2::group_dot(group, xs)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_dot_avx512<const M: usize>(
-        group: &[BlockQ4Kx4],
-        xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
-    ) -> [[f64; 4]; M] {
-        avx2::group_dot_vnni(group, xs)
-    }
+    crate::repack::avx2::four_row_items!(BlockQ4Kx4, BlockQ8K);
 
     crate::q4_kx4::k4_avx512_items!(BlockQ4Kx4);
 }

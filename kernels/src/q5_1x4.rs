@@ -8,9 +8,7 @@
 
 use crate::q5_1::BlockQ5_1;
 use crate::q8_1::BlockQ8_1;
-use crate::repack::{
-    put_runs, repack_bytes, take_runs, ActRow, Interleave, Repacked, RepackedMatMul,
-};
+use crate::repack::{put_runs, repack_bytes, take_runs, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -79,45 +77,12 @@ impl Interleave for BlockQ5_1 {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_dot_avx2<const M: usize>(
-        group: &[BlockQ5_1x4],
-        xs: [ActRow<'_, BlockQ8_1>; M],
-    ) -> [[f64; 4]; M] {
-        avx2::group_dot(group, xs)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_dot_avx512<const M: usize>(
-        group: &[BlockQ5_1x4],
-        xs: [ActRow<'_, BlockQ8_1>; M],
-    ) -> [[f64; 4]; M] {
-        avx2::group_dot_vnni(group, xs)
-    }
-
     /// `[d', s']` in f64, for the eight-row kernel.
     fn act_scales(x: &BlockQ8_1) -> [f64; 2] {
         [x.d.to_f64(), x.s.to_f64()]
     }
 
-    const QUAD: bool = true;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_quad_dot_avx512<const M: usize>(
-        groups: [&[BlockQ5_1x4]; 4],
-        xs: &[ActRow<'_, BlockQ8_1>; M],
-    ) -> [[f64; 16]; M] {
-        avx2::quad_dot_vnni(groups, xs)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_pair_dot_avx512<const M: usize>(
-        group0: &[BlockQ5_1x4],
-        group1: &[BlockQ5_1x4],
-        xs: &[ActRow<'_, BlockQ8_1>; M],
-    ) -> [[f64; 8]; M] {
-        avx2::pair_dot_vnni(group0, group1, xs)
-    }
+    crate::repack::avx2::unsigned_items!(BlockQ5_1x4, BlockQ8_1);
 }
 
 #[cfg(target_arch = "x86_64")]

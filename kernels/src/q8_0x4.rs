@@ -9,7 +9,7 @@
 //! order: every value is bit for bit [`crate::f64_dot::dot_f64`] of the unpacked row (tested).
 
 use crate::q8_0::{BlockQ8_0, QK8_0};
-use crate::repack::{repack_bytes, ActRow, Interleave, Repacked, RepackedMatMul};
+use crate::repack::{repack_bytes, Interleave, Repacked, RepackedMatMul};
 use candle_core::Result;
 use half::f16;
 use std::sync::Arc;
@@ -67,25 +67,9 @@ impl Interleave for BlockQ8_0 {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_dot_avx2<const M: usize>(
-        group: &[BlockQ8_0x4],
-        xs: [ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 4]; M] {
-        avx2::group_dot(group, xs)
-    }
-
     /// `128·Σ q'`, which the VNNI kernel's unsigned weights `q + 128` add to each row's sum.
     fn act_sum(x: &BlockQ8_0) -> i32 {
         128 * x.qs.iter().map(|&q| q as i32).sum::<i32>()
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_dot_avx512<const M: usize>(
-        group: &[BlockQ8_0x4],
-        xs: [ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 4]; M] {
-        avx2::group_dot_vnni(group, xs)
     }
 
     /// `[d', 0]` in f64, for the eight-row kernel.
@@ -93,28 +77,11 @@ impl Interleave for BlockQ8_0 {
         [x.d.to_f64(), 0.0]
     }
 
-    const QUAD: bool = true;
-
     /// One row stays on the four-row kernel: on a Zen 5 core the quads measured 0.80-1.04x
     /// its time there (by run), against 1.5-2x at 2 and 4 rows.
     const QUAD_SINGLE: bool = false;
 
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_quad_dot_avx512<const M: usize>(
-        groups: [&[BlockQ8_0x4]; 4],
-        xs: &[ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 16]; M] {
-        avx2::quad_dot_vnni(groups, xs)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_pair_dot_avx512<const M: usize>(
-        group0: &[BlockQ8_0x4],
-        group1: &[BlockQ8_0x4],
-        xs: &[ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 8]; M] {
-        avx2::pair_dot_vnni(group0, group1, xs)
-    }
+    crate::repack::avx2::unsigned_items!(BlockQ8_0x4, BlockQ8_0);
 }
 
 #[cfg(target_arch = "x86_64")]

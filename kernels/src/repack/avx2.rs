@@ -313,6 +313,60 @@ pub unsafe fn pair_prefetch<G, const AHEAD: usize>(g0: &G, g1: &G, b: usize, kb:
 /// activation blocks `$act`, `$has_m` as `HAS_M` and `$unpack` as `unpack`. All are
 /// `unsafe`: the CPU must have their features, and every slice of `xs` has `group.len()`
 /// blocks.
+/// The items of a block type's `Interleave` impl that hand its four-row products to the
+/// kernels its `avx2` module has, `group_dot` (AVX2) and `group_dot_vnni` (AVX-512 VNNI).
+/// `$x4`: the type's record, `$act`: its activation block.
+macro_rules! four_row_items {
+    ($x4:ty, $act:ty) => {
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn group_dot_avx2<const M: usize>(
+            group: &[$x4],
+            xs: [$crate::repack::ActRow<'_, $act>; M],
+        ) -> [[f64; 4]; M] {
+            avx2::group_dot(group, xs)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn group_dot_avx512<const M: usize>(
+            group: &[$x4],
+            xs: [$crate::repack::ActRow<'_, $act>; M],
+        ) -> [[f64; 4]; M] {
+            avx2::group_dot_vnni(group, xs)
+        }
+    };
+}
+pub(crate) use four_row_items;
+
+/// The items of a 32-wide type's `Interleave` impl that hand its products to the kernels
+/// [`unsigned_kernels!`] (or the type's own, of the same names) wrote in its `avx2` module:
+/// the four-row kernels with AVX2 and with VNNI, the quads and the pairs with AVX-512 VNNI.
+/// `$x4`: the type's record, `$act`: its activation block.
+macro_rules! unsigned_items {
+    ($x4:ty, $act:ty) => {
+        $crate::repack::avx2::four_row_items!($x4, $act);
+
+        const QUAD: bool = true;
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn group_quad_dot_avx512<const M: usize>(
+            groups: [&[$x4]; 4],
+            xs: &[$crate::repack::ActRow<'_, $act>; M],
+        ) -> [[f64; 16]; M] {
+            avx2::quad_dot_vnni(groups, xs)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn group_pair_dot_avx512<const M: usize>(
+            group0: &[$x4],
+            group1: &[$x4],
+            xs: &[$crate::repack::ActRow<'_, $act>; M],
+        ) -> [[f64; 8]; M] {
+            avx2::pair_dot_vnni(group0, group1, xs)
+        }
+    };
+}
+pub(crate) use unsigned_items;
+
 macro_rules! unsigned_kernels {
     ($x4:ty, $act:ty, $has_m:expr, $unpack:expr) => {
         /// The AVX2 kernel (`unsigned_group_dot`).
