@@ -172,49 +172,11 @@ pub(crate) mod avx2 {
     use super::BlockQ4Kx4;
     use crate::q8_k::BlockQ8K;
     use crate::repack::avx2::{f16x4, prefetch_record};
+    use crate::repack::avx512::join32;
+    pub(crate) use crate::repack::k_quad::K4Group;
     use crate::repack::panel::{pair, put_run, PanelBlock};
     use half::f16;
     use std::arch::x86_64::*;
-
-    /// Four rows' super-blocks of a type laid out as Q4_K's ([`BlockQ4Kx4`]: Q4_K, Q5_K):
-    /// what [`k4_group_dot`] reads of them.
-    pub(crate) trait K4Group {
-        /// The rows' super-scales of the scales.
-        fn d(&self) -> &[f16; 4];
-        /// The rows' super-scales of the minimums.
-        fn dmin(&self) -> &[f16; 4];
-        /// The rows' eight 6-bit scales, a byte each.
-        fn sc(&self) -> &[[u8; 8]; 4];
-        /// The rows' eight 6-bit minimums, a byte each.
-        fn mn(&self) -> &[[u8; 8]; 4];
-        /// Values `64 j .. 64 j + 32` (`.0`) and `64 j + 32 .. 64 j + 64` (`.1`) of the four
-        /// rows as unsigned bytes, in runs of 8: vector `c` holds values `8c .. 8c + 8` (of
-        /// the 32) of rows 0, 1, 2, 3 in turn.
-        ///
-        /// # Safety
-        /// The CPU must support avx2.
-        unsafe fn values(&self, j: usize) -> ([__m256i; 4], [__m256i; 4]);
-
-        /// [`K4Group::values`] of two groups (`a`'s four rows, then `b`'s), each vector
-        /// joined in one zmm: vector `c` holds values `8c .. 8c + 8` (of the 32) of rows
-        /// 0..8 in turn.
-        ///
-        /// # Safety
-        /// The CPU must support avx512f and avx512bw.
-        unsafe fn values_pair(a: &Self, b: &Self, j: usize) -> ([__m512i; 4], [__m512i; 4]);
-    }
-
-    /// 32 bytes of `a`, then 32 of `b`.
-    ///
-    /// # Safety
-    /// The CPU must support avx512f (inline this into a function that enables it).
-    #[inline(always)]
-    pub(crate) unsafe fn join32<T>(a: &T, b: &T) -> __m512i {
-        _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_loadu_si256(a as *const T as *const __m256i)),
-            _mm256_loadu_si256(b as *const T as *const __m256i),
-        )
-    }
 
     impl K4Group for BlockQ4Kx4 {
         fn d(&self) -> &[f16; 4] {

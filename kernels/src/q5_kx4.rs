@@ -121,8 +121,9 @@ impl Interleave for BlockQ5K {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ5Kx4;
-    use crate::q4_kx4::avx2::{join32, k4_group_dot, k4_unpack_panel, K4Group};
+    use crate::q4_kx4::avx2::{k4_group_dot, k4_unpack_panel, K4Group};
     use crate::q8_k::BlockQ8K;
+    use crate::repack::avx512::join32;
     use crate::repack::panel::PanelBlock;
     use half::f16;
     use std::arch::x86_64::*;

@@ -180,6 +180,22 @@ impl Interleave for BlockQ6K {
 }
 
 #[cfg(target_arch = "x86_64")]
+impl crate::repack::k_quad::Q6Group for BlockQ6Kx4 {
+    fn d(&self) -> &[f16; 4] {
+        &self.d
+    }
+    fn scales(&self) -> &[[i8; 16]; 4] {
+        &self.scales
+    }
+    fn ql(&self, u: usize) -> &[[u8; 8]; 4] {
+        &self.ql[u]
+    }
+    fn qh(&self, w: usize) -> &[[u8; 8]; 4] {
+        &self.qh[w]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::BlockQ6Kx4;
     use crate::f64_dot::avx2::hsum4;

@@ -209,3 +209,15 @@ pub unsafe fn join_ps(a: __m256, b: __m256) -> __m512 {
 pub unsafe fn high_ps(v: __m512) -> __m256 {
     _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
 }
+
+/// 32 bytes of `a`, then 32 of `b`.
+///
+/// # Safety
+/// The CPU must support avx512f (inline this into a function that enables it).
+#[inline(always)]
+pub(crate) unsafe fn join32<T>(a: &T, b: &T) -> __m512i {
+    _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm256_loadu_si256(a as *const T as *const __m256i)),
+        _mm256_loadu_si256(b as *const T as *const __m256i),
+    )
+}

@@ -2,7 +2,7 @@
 //! (four groups) against one to eight activation rows, each `vpdpbusd` on a whole zmm, as
 //! [`super::avx512`] does for the 32-wide types.
 //!
-//! The four-row kernel ([`crate::q4_kx4`]'s `k4_group_dot` with VNNI) multiplies 32-byte
+//! The four-row kernel (`q4_kx4.rs`'s `k4_group_dot` with VNNI) multiplies 32-byte
 //! vectors (8 values of four rows) and reduces each super-block's sums of four rows with two
 //! `hadd`s, an extract and an unpack per activation row, and its minimums with three more
 //! `hadd`s and a permute. Here two groups' runs of 8 values share one zmm (eight rows, two
@@ -18,12 +18,54 @@
 //! then added to the row's sum): every value is bit for bit the scalar sum (tested with each
 //! type).
 
+use super::avx512::join32;
 use super::avx512::{high_ps, pair_lanes, store_rows, QUAD_ROWS};
 use super::ActRow;
-use crate::q4_kx4::avx2::{join32, K4Group};
-use crate::q6_kx4::BlockQ6Kx4;
 use crate::q8_k::BlockQ8K;
+use half::f16;
 use std::arch::x86_64::*;
+
+/// Four rows' super-blocks of a type laid out as Q4_K's (`BlockQ4Kx4`: Q4_K, Q5_K):
+/// what the four-row kernel (`q4_kx4.rs`) and [`k4_quad_dot`] read of them.
+pub(crate) trait K4Group {
+    /// The rows' super-scales of the scales.
+    fn d(&self) -> &[f16; 4];
+    /// The rows' super-scales of the minimums.
+    fn dmin(&self) -> &[f16; 4];
+    /// The rows' eight 6-bit scales, a byte each.
+    fn sc(&self) -> &[[u8; 8]; 4];
+    /// The rows' eight 6-bit minimums, a byte each.
+    fn mn(&self) -> &[[u8; 8]; 4];
+    /// Values `64 j .. 64 j + 32` (`.0`) and `64 j + 32 .. 64 j + 64` (`.1`) of the four
+    /// rows as unsigned bytes, in runs of 8: vector `c` holds values `8c .. 8c + 8` (of
+    /// the 32) of rows 0, 1, 2, 3 in turn.
+    ///
+    /// # Safety
+    /// The CPU must support avx2.
+    unsafe fn values(&self, j: usize) -> ([__m256i; 4], [__m256i; 4]);
+
+    /// [`K4Group::values`] of two groups (`a`'s four rows, then `b`'s), each vector
+    /// joined in one zmm: vector `c` holds values `8c .. 8c + 8` (of the 32) of rows
+    /// 0..8 in turn.
+    ///
+    /// # Safety
+    /// The CPU must support avx512f and avx512bw.
+    unsafe fn values_pair(a: &Self, b: &Self, j: usize) -> ([__m512i; 4], [__m512i; 4]);
+}
+
+/// Four rows' super-blocks of a type laid out as Q6_K's (`BlockQ6Kx4`): what
+/// [`q6k_quad_dot`] reads of them.
+pub(crate) trait Q6Group {
+    /// The rows' super-scales.
+    fn d(&self) -> &[f16; 4];
+    /// The rows' sixteen scales (row-major, 64 bytes).
+    fn scales(&self) -> &[[i8; 16]; 4];
+    /// Run `u` (0..16) of the low 4 bits: values `8u ..` (low nibbles) and `8(u + 16) ..`
+    /// (high nibbles) of the four rows, 8 bytes each.
+    fn ql(&self, u: usize) -> &[[u8; 8]; 4];
+    /// Run `w` (0..8) of the high 2 bits, 8 bytes of each row.
+    fn qh(&self, w: usize) -> &[[u8; 8]; 4];
+}
 
 /// Super-blocks ahead (in time) that each group's record is prefetched: on a Zen 5 core, one
 /// thread, Q4_K 5632 x 2048, 2 to 16 gave the same speed within the noise at 1 and 4
@@ -75,7 +117,7 @@ unsafe fn prefetch_ahead<G>(g: &G, ahead: usize) {
 /// # Safety
 /// The CPU must support avx512f (inline this into a function that enables it).
 #[inline(always)]
-unsafe fn f16x16_pd(d: [&[half::f16; 4]; 4]) -> [__m512d; 2] {
+unsafe fn f16x16_pd(d: [&[f16; 4]; 4]) -> [__m512d; 2] {
     let w = |i: usize| std::ptr::read_unaligned(d[i].as_ptr() as *const i64);
     let ps = _mm512_cvtph_ps(_mm256_setr_epi64x(w(0), w(1), w(2), w(3)));
     [
@@ -275,10 +317,10 @@ const SCALE_WORDS: [[i16; 32]; 8] = {
 /// # Safety
 /// The CPU must support avx512f and avx512bw (inline this into a function that enables them).
 #[inline(always)]
-unsafe fn q6k_runs(a: &BlockQ6Kx4, b: &BlockQ6Kx4, u: usize) -> (__m512i, __m512i) {
+unsafe fn q6k_runs<G: Q6Group>(a: &G, b: &G, u: usize) -> (__m512i, __m512i) {
     let (m4, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
-    let ql = join32(&a.ql[u], &b.ql[u]);
-    let qh = join32(&a.qh[u % 8], &b.qh[u % 8]);
+    let ql = join32(a.ql(u), b.ql(u));
+    let qh = join32(a.qh(u % 8), b.qh(u % 8));
     // Run `u` takes bits 0-1 (u < 8) or 2-3 of `qh`; run `u + 16` bits 4-5 or 6-7.
     let (h_lo, h_hi) = if u < 8 {
         (_mm512_slli_epi16::<4>(qh), qh)
@@ -306,8 +348,8 @@ unsafe fn q6k_runs(a: &BlockQ6Kx4, b: &BlockQ6Kx4, u: usize) -> (__m512i, __m512
 /// # Safety
 /// As [`k4_quad_dot`].
 #[inline(always)]
-pub unsafe fn q6k_quad_dot<const M: usize>(
-    groups: [&[BlockQ6Kx4]; 4],
+pub unsafe fn q6k_quad_dot<G: Q6Group, const M: usize>(
+    groups: [&[G]; 4],
     xs: &[ActRow<'_, BlockQ8K>; M],
 ) -> [[f64; QUAD_ROWS]; M] {
     let mut acc = [[_mm512_setzero_pd(); 2]; M];
@@ -316,12 +358,12 @@ pub unsafe fn q6k_quad_dot<const M: usize>(
         // The scale bytes of groups 0, 1 and of groups 2, 3 (a table of two zmm each).
         let tables = [
             [
-                _mm512_loadu_si512(g[0].scales.as_ptr() as *const _),
-                _mm512_loadu_si512(g[1].scales.as_ptr() as *const _),
+                _mm512_loadu_si512(g[0].scales().as_ptr() as *const _),
+                _mm512_loadu_si512(g[1].scales().as_ptr() as *const _),
             ],
             [
-                _mm512_loadu_si512(g[2].scales.as_ptr() as *const _),
-                _mm512_loadu_si512(g[3].scales.as_ptr() as *const _),
+                _mm512_loadu_si512(g[2].scales().as_ptr() as *const _),
+                _mm512_loadu_si512(g[3].scales().as_ptr() as *const _),
             ],
         ];
         let mut dots = [[_mm512_setzero_si512(); 2]; M];
@@ -364,7 +406,7 @@ pub unsafe fn q6k_quad_dot<const M: usize>(
                 });
             }
         }
-        let wd = f16x16_pd([&g[0].d, &g[1].d, &g[2].d, &g[3].d]);
+        let wd = f16x16_pd([g[0].d(), g[1].d(), g[2].d(), g[3].d()]);
         super::unrolled!(M, |i| {
             let x = xs[i].0.get_unchecked(b);
             let d = pair_lanes(dots[i][0], dots[i][1]);
@@ -388,8 +430,8 @@ pub unsafe fn q6k_quad_dot<const M: usize>(
 /// # Safety
 /// As [`k4_quad_dot`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub unsafe fn q6k_quad_dot_vnni<const M: usize>(
-    groups: [&[BlockQ6Kx4]; 4],
+pub unsafe fn q6k_quad_dot_vnni<G: Q6Group, const M: usize>(
+    groups: [&[G]; 4],
     xs: &[ActRow<'_, BlockQ8K>; M],
 ) -> [[f64; QUAD_ROWS]; M] {
     q6k_quad_dot(groups, xs)
