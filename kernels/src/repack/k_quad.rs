@@ -1,6 +1,8 @@
-//! The 512-bit engine of the k-quants laid out as Q4_K (Q4_K and Q5_K): sixteen weight rows
-//! (four groups) against one to eight activation rows, each `vpdpbusd` on a whole zmm, as
-//! [`super::avx512`] does for the 32-wide types.
+//! The 512-bit engines of the k-quants ([`k4_quad_dot`] for the types laid out as Q4_K, Q4_K
+//! and Q5_K; [`q6k_quad_dot`] for Q6_K): sixteen weight rows (four groups) against one to
+//! eight activation rows, each `vpdpbusd` on a whole zmm, as [`super::avx512`] does for the
+//! 32-wide types. The products of 2-39 activation rows run them (one row stays on the
+//! four-row kernels, whose single stream reads faster; 40+ rows run the panels).
 //!
 //! The four-row kernel (`q4_kx4.rs`'s `k4_group_dot` with VNNI) multiplies 32-byte
 //! vectors (8 values of four rows) and reduces each super-block's sums of four rows with two
@@ -18,8 +20,7 @@
 //! then added to the row's sum): every value is bit for bit the scalar sum (tested with each
 //! type).
 
-use super::avx512::join32;
-use super::avx512::{high_ps, pair_lanes, store_rows, QUAD_ROWS};
+use super::avx512::{high_ps, join32, pair_lanes, store_rows, QUAD_ROWS};
 use super::ActRow;
 use crate::q8_k::BlockQ8K;
 use half::f16;
