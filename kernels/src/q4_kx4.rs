@@ -213,6 +213,17 @@ pub(crate) mod avx2 {
             }
             (lo, hi)
         }
+        #[inline(always)]
+        unsafe fn values_wide(&self, j: usize) -> ([__m512i; 2], [__m512i; 2]) {
+            let low = _mm512_set1_epi8(0x0F);
+            let (mut lo, mut hi) = ([_mm512_setzero_si512(); 2], [_mm512_setzero_si512(); 2]);
+            for p in 0..2 {
+                let q = _mm512_loadu_si512(self.qs[4 * j + 2 * p].as_ptr() as *const _);
+                lo[p] = _mm512_and_si512(q, low);
+                hi[p] = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
+            }
+            (lo, hi)
+        }
     }
 
     /// One block of four groups (sixteen rows) of a type laid out as Q4_K's, as a panel's
@@ -351,45 +362,55 @@ pub(crate) mod avx2 {
             let wd = _mm256_cvtps_pd(f16x4(g.d()));
             let wmin = _mm256_cvtps_pd(f16x4(g.dmin()));
             let mut dots = [_mm256_setzero_si256(); M];
-            for j in 0..4 {
-                let sc = |s: usize| {
-                    let c = _mm256_loadu_si256(CONTROLS[s].as_ptr() as *const __m256i);
-                    _mm256_shuffle_epi8(scales, c)
-                };
-                let (lo, hi) = g.values(j);
-                if VNNI {
+            // One activation row (decode) with VNNI: two runs to a zmm (measured on a Zen 5
+            // core, Q4_K 5632 x 2048: 151-158 against 161-173 µs).
+            let wide = VNNI && M == 1;
+            if wide {
+                dots[0] =
+                    crate::repack::k_quad::k4_row_dots(g, xs[0].0.get_unchecked(b).qs.as_ptr());
+            }
+            if !wide {
+                for j in 0..4 {
                     let sc = |s: usize| {
-                        let c = _mm256_loadu_si256(CONTROLS_32[s].as_ptr() as *const __m256i);
+                        let c = _mm256_loadu_si256(CONTROLS[s].as_ptr() as *const __m256i);
                         _mm256_shuffle_epi8(scales, c)
                     };
+                    let (lo, hi) = g.values(j);
+                    if VNNI {
+                        let sc = |s: usize| {
+                            let c = _mm256_loadu_si256(CONTROLS_32[s].as_ptr() as *const __m256i);
+                            _mm256_shuffle_epi8(scales, c)
+                        };
+                        let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
+                        for i in 0..M {
+                            let a = xs[i].0.get_unchecked(b).qs.as_ptr().add(64 * j);
+                            let dot = |v: &[__m256i; 4], a: *const i8| {
+                                let h =
+                                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[0], bytes8(a));
+                                let h = _mm256_dpbusd_epi32(h, v[1], bytes8(a.add(8)));
+                                let h = _mm256_dpbusd_epi32(h, v[2], bytes8(a.add(16)));
+                                _mm256_dpbusd_epi32(h, v[3], bytes8(a.add(24)))
+                            };
+                            let s_lo = _mm256_mullo_epi32(dot(&lo, a), sc_lo);
+                            let s_hi = _mm256_mullo_epi32(dot(&hi, a.add(32)), sc_hi);
+                            dots[i] = _mm256_add_epi32(dots[i], _mm256_add_epi32(s_lo, s_hi));
+                        }
+                        continue;
+                    }
                     let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
                     for i in 0..M {
                         let a = xs[i].0.get_unchecked(b).qs.as_ptr().add(64 * j);
-                        let dot = |v: &[__m256i; 4], a: *const i8| {
-                            let h = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[0], bytes8(a));
-                            let h = _mm256_dpbusd_epi32(h, v[1], bytes8(a.add(8)));
-                            let h = _mm256_dpbusd_epi32(h, v[2], bytes8(a.add(16)));
-                            _mm256_dpbusd_epi32(h, v[3], bytes8(a.add(24)))
+                        let half = |v: &[__m256i; 4], a: *const i8| {
+                            let p0 = _mm256_maddubs_epi16(v[0], bytes8(a));
+                            let p1 = _mm256_maddubs_epi16(v[1], bytes8(a.add(8)));
+                            let p2 = _mm256_maddubs_epi16(v[2], bytes8(a.add(16)));
+                            let p3 = _mm256_maddubs_epi16(v[3], bytes8(a.add(24)));
+                            _mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3))
                         };
-                        let s_lo = _mm256_mullo_epi32(dot(&lo, a), sc_lo);
-                        let s_hi = _mm256_mullo_epi32(dot(&hi, a.add(32)), sc_hi);
+                        let s_lo = _mm256_madd_epi16(half(&lo, a), sc_lo);
+                        let s_hi = _mm256_madd_epi16(half(&hi, a.add(32)), sc_hi);
                         dots[i] = _mm256_add_epi32(dots[i], _mm256_add_epi32(s_lo, s_hi));
                     }
-                    continue;
-                }
-                let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
-                for i in 0..M {
-                    let a = xs[i].0.get_unchecked(b).qs.as_ptr().add(64 * j);
-                    let half = |v: &[__m256i; 4], a: *const i8| {
-                        let p0 = _mm256_maddubs_epi16(v[0], bytes8(a));
-                        let p1 = _mm256_maddubs_epi16(v[1], bytes8(a.add(8)));
-                        let p2 = _mm256_maddubs_epi16(v[2], bytes8(a.add(16)));
-                        let p3 = _mm256_maddubs_epi16(v[3], bytes8(a.add(24)));
-                        _mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3))
-                    };
-                    let s_lo = _mm256_madd_epi16(half(&lo, a), sc_lo);
-                    let s_hi = _mm256_madd_epi16(half(&hi, a.add(32)), sc_hi);
-                    dots[i] = _mm256_add_epi32(dots[i], _mm256_add_epi32(s_lo, s_hi));
                 }
             }
             for i in 0..M {

@@ -183,6 +183,22 @@ mod avx2 {
             }
             (lo, hi)
         }
+        #[inline(always)]
+        unsafe fn values_wide(&self, j: usize) -> ([__m512i; 2], [__m512i; 2]) {
+            let low = _mm512_set1_epi8(0x0F);
+            let shift = _mm_cvtsi32_si128(2 * j as i32);
+            let (mut lo, mut hi) = ([_mm512_setzero_si512(); 2], [_mm512_setzero_si512(); 2]);
+            for p in 0..2 {
+                let q = _mm512_loadu_si512(self.qs[4 * j + 2 * p].as_ptr() as *const _);
+                let qh = _mm512_loadu_si512(self.qh[2 * p].as_ptr() as *const _);
+                let qh = _mm512_srl_epi16(qh, shift);
+                let h = _mm512_slli_epi16::<4>(_mm512_and_si512(qh, _mm512_set1_epi8(1)));
+                lo[p] = _mm512_or_si512(_mm512_and_si512(q, low), h);
+                let h = _mm512_slli_epi16::<3>(_mm512_and_si512(qh, _mm512_set1_epi8(2)));
+                hi[p] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(q), low), h);
+            }
+            (lo, hi)
+        }
     }
 
     /// Q4_K's panel unpacking ([`k4_unpack_panel`]) with five-bit values.

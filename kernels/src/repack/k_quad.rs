@@ -52,6 +52,13 @@ pub(crate) trait K4Group {
     /// # Safety
     /// The CPU must support avx512f and avx512bw.
     unsafe fn values_pair(a: &Self, b: &Self, j: usize) -> ([__m512i; 4], [__m512i; 4]);
+
+    /// [`K4Group::values`] of this group two vectors to a zmm: vector `p` holds vectors
+    /// `2p` (low half) and `2p + 1` (high half).
+    ///
+    /// # Safety
+    /// The CPU must support avx512f and avx512bw.
+    unsafe fn values_wide(&self, j: usize) -> ([__m512i; 2], [__m512i; 2]);
 }
 
 /// Four rows' super-blocks of a type laid out as Q6_K's (`BlockQ6Kx4`): what
@@ -146,6 +153,44 @@ const fn scale_controls() -> [[i8; 16]; 8] {
     c
 }
 const SCALE_CONTROLS: [[i8; 16]; 8] = scale_controls();
+
+/// One activation row's `Σ_j sc_j Σ q·q'` for the four rows of `g` in 512-bit vectors:
+/// two runs of 8 values of the four rows to a zmm, each run's activation bytes spread to
+/// its half (`vpermq`), one `vpdpbusd` per 64 products; the lanes folded to the four-row
+/// kernel's (`q4_kx4.rs`) `[r0, r0, r1, r1 | r2, r2, r3, r3]`, which it finishes.
+///
+/// # Safety
+/// The CPU must support avx2, avx512f, avx512bw and avx512vnni (inline this into a function
+/// that enables them); `a` points at an activation block's 256 bytes.
+#[inline(always)]
+pub(crate) unsafe fn k4_row_dots<G: K4Group>(g: &G, a: *const i8) -> __m256i {
+    let scales = _mm512_broadcast_i64x4(_mm256_loadu_si256(g.sc().as_ptr() as *const __m256i));
+    let spread = _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1);
+    let mut dots = _mm512_setzero_si512();
+    for j in 0..4 {
+        let (lo, hi) = g.values_wide(j);
+        for half in 0..2 {
+            let s = 2 * j + half;
+            let w = if half == 0 { lo } else { hi };
+            let a = a.add(32 * s);
+            let act = |p: usize| {
+                let v = _mm_loadu_si128(a.add(16 * p) as *const __m128i);
+                _mm512_permutexvar_epi64(spread, _mm512_castsi128_si512(v))
+            };
+            let t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], act(0));
+            let t = _mm512_dpbusd_epi32(t, w[1], act(1));
+            let control = _mm512_broadcast_i32x4(_mm_loadu_si128(
+                SCALE_CONTROLS[s].as_ptr() as *const __m128i
+            ));
+            let sc = _mm512_shuffle_epi8(scales, control);
+            dots = _mm512_add_epi32(dots, _mm512_mullo_epi32(t, sc));
+        }
+    }
+    _mm256_add_epi32(
+        _mm512_castsi512_si256(dots),
+        _mm512_extracti64x4_epi64::<1>(dots),
+    )
+}
 
 /// `vpermt2w` indices gathering two of the sixteen rows' four 16-bit words of minimums
 /// (`word w` = minimums `2w`, `2w + 1`) from rows 0..8 (the table's first zmm, row `r` in its
