@@ -368,8 +368,7 @@ pub(crate) mod avx2 {
             if wide {
                 dots[0] =
                     crate::repack::k_quad::k4_row_dots(g, xs[0].0.get_unchecked(b).qs.as_ptr());
-            }
-            if !wide {
+            } else {
                 for j in 0..4 {
                     let sc = |s: usize| {
                         let c = _mm256_loadu_si256(CONTROLS[s].as_ptr() as *const __m256i);

@@ -629,7 +629,7 @@ pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 
-/// The 512-bit four-group kernel of Q4_K and Q5_K.
+/// The 512-bit four-group kernels of the k-quants (Q4_K, Q5_K, Q6_K).
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod k_quad;
 

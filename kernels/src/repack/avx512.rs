@@ -27,7 +27,7 @@
 //! in i32, minus `o·Σ q'`, times `d'`, then an FMA with `d` into the row's sum, or with `m·s'`
 //! first), so every value is bit for bit the scalar sum (tested with each type).
 
-use super::f64_step::f64_step8;
+use super::f64_step::{f64_step8, i32x16_pd};
 use super::{Act8, ActRow};
 use std::arch::x86_64::*;
 
@@ -145,10 +145,7 @@ pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEA
                 let sums = pair_lanes(s0, s1);
                 let sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(*offsets.get_unchecked(b)));
                 let xd = _mm512_set1_pd(xd);
-                let halves = [
-                    _mm512_cvtepi32_pd(_mm512_castsi512_si256(sums)),
-                    _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64::<1>(sums)),
-                ];
+                let halves = i32x16_pd(sums);
                 for h in 0..2 {
                     acc[i][h] = f64_step8::<HAS_M>(acc[i][h], halves[h], xd, wd[h], wm[h], xs);
                 }

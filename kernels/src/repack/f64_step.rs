@@ -1,7 +1,8 @@
 //! The f64 step the AVX-512 VNNI kernels share: one block's integer sums of eight weight
 //! rows scaled and added to the rows' f64 sums, rounding once, as the scalar sum does. The
 //! two-group kernels (`avx2.rs`) and the four-group engine (`avx512.rs`) both take it from
-//! here.
+//! here; with the conversion of sixteen rows' integer sums to f64 that the four-group
+//! engines (`avx512.rs`, `k_quad.rs`) and the panels (`panel.rs`) share.
 
 use std::arch::x86_64::*;
 
@@ -28,4 +29,16 @@ pub unsafe fn f64_step8<const HAS_M: bool>(
     } else {
         _mm512_fmadd_pd(s, wd, acc)
     }
+}
+
+/// Sixteen i32 lanes as two f64x8 (lanes 0..8, then 8..16), exactly.
+///
+/// # Safety
+/// The CPU must support avx512f (inline this into a function that enables it).
+#[inline(always)]
+pub unsafe fn i32x16_pd(v: __m512i) -> [__m512d; 2] {
+    [
+        _mm512_cvtepi32_pd(_mm512_castsi512_si256(v)),
+        _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64::<1>(v)),
+    ]
 }

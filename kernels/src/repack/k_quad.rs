@@ -1,8 +1,9 @@
 //! The 512-bit engines of the k-quants ([`k4_quad_dot`] for the types laid out as Q4_K, Q4_K
 //! and Q5_K; [`q6k_quad_dot`] for Q6_K): sixteen weight rows (four groups) against one to
 //! eight activation rows, each `vpdpbusd` on a whole zmm, as [`super::avx512`] does for the
-//! 32-wide types. The products of 2-39 activation rows run them (one row stays on the
-//! four-row kernels, whose single stream reads faster; 40+ rows run the panels).
+//! 32-wide types. The products of 2-39 activation rows run them; one row stays on the
+//! four-row kernels, whose single stream reads faster (Q4_K's and Q5_K's with
+//! [`k4_row_dots`], two runs of one group to a zmm); 40+ rows run the panels.
 //!
 //! The four-row kernel (`q4_kx4.rs`'s `k4_group_dot` with VNNI) multiplies 32-byte
 //! vectors (8 values of four rows) and reduces each super-block's sums of four rows with two
@@ -21,6 +22,7 @@
 //! type).
 
 use super::avx512::{high_ps, join32, pair_lanes, store_rows, QUAD_ROWS};
+use super::f64_step::i32x16_pd;
 use super::ActRow;
 use crate::q8_k::BlockQ8K;
 use half::f16;
@@ -154,6 +156,15 @@ const fn scale_controls() -> [[i8; 16]; 8] {
 }
 const SCALE_CONTROLS: [[i8; 16]; 8] = scale_controls();
 
+/// Sub-block `s`'s [`scale_controls`] in every 128-bit lane.
+///
+/// # Safety
+/// The CPU must support avx512f (inline this into a function that enables it).
+#[inline(always)]
+unsafe fn scale_control(s: usize) -> __m512i {
+    _mm512_broadcast_i32x4(_mm_loadu_si128(SCALE_CONTROLS[s].as_ptr() as *const __m128i))
+}
+
 /// One activation row's `Σ_j sc_j Σ q·q'` for the four rows of `g` in 512-bit vectors:
 /// two runs of 8 values of the four rows to a zmm, each run's activation bytes spread to
 /// its half (`vpermq`), one `vpdpbusd` per 64 products; the lanes folded to the four-row
@@ -179,10 +190,7 @@ pub(crate) unsafe fn k4_row_dots<G: K4Group>(g: &G, a: *const i8) -> __m256i {
             };
             let t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], act(0));
             let t = _mm512_dpbusd_epi32(t, w[1], act(1));
-            let control = _mm512_broadcast_i32x4(_mm_loadu_si128(
-                SCALE_CONTROLS[s].as_ptr() as *const __m128i
-            ));
-            let sc = _mm512_shuffle_epi8(scales, control);
+            let sc = _mm512_shuffle_epi8(scales, scale_control(s));
             dots = _mm512_add_epi32(dots, _mm512_mullo_epi32(t, sc));
         }
     }
@@ -247,9 +255,7 @@ pub unsafe fn k4_quad_dot<G: K4Group, const M: usize>(
                 } else {
                     [hi01, hi23]
                 };
-                let control = _mm512_broadcast_i32x4(_mm_loadu_si128(
-                    SCALE_CONTROLS[s].as_ptr() as *const __m128i
-                ));
+                let control = scale_control(s);
                 let scale = [
                     _mm512_shuffle_epi8(sc[0], control),
                     _mm512_shuffle_epi8(sc[1], control),
@@ -299,13 +305,7 @@ pub unsafe fn k4_quad_dot<G: K4Group, const M: usize>(
             }
             let d = pair_lanes(dots[i][0], dots[i][1]);
             let xd = _mm512_set1_pd(x.d as f64);
-            let halves = |v: __m512i| {
-                [
-                    _mm512_cvtepi32_pd(_mm512_castsi512_si256(v)),
-                    _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64::<1>(v)),
-                ]
-            };
-            let (d, m) = (halves(d), halves(m));
+            let (d, m) = (i32x16_pd(d), i32x16_pd(m));
             for h in 0..2 {
                 let t = _mm512_sub_pd(_mm512_mul_pd(wd[h], d[h]), _mm512_mul_pd(wmin[h], m[h]));
                 acc[i][h] = _mm512_add_pd(acc[i][h], _mm512_mul_pd(xd, t));
@@ -457,10 +457,7 @@ pub unsafe fn q6k_quad_dot<G: Q6Group, const M: usize>(
             let x = xs[i].0.get_unchecked(b);
             let d = pair_lanes(dots[i][0], dots[i][1]);
             let xd = _mm512_set1_pd(x.d as f64);
-            let d = [
-                _mm512_cvtepi32_pd(_mm512_castsi512_si256(d)),
-                _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64::<1>(d)),
-            ];
+            let d = i32x16_pd(d);
             for h in 0..2 {
                 // Not an FMA: the scalar rounds the product, then the sum.
                 let dd = _mm512_mul_pd(wd[h], xd);

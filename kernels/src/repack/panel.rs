@@ -113,6 +113,7 @@ pub unsafe fn dot<const SUB: usize, const MINS: bool>(
     panel: &[PanelBlock],
     xs: [&[BlockQ8K]; TILE],
 ) -> [[f64; ROWS]; TILE] {
+    use super::f64_step::i32x16_pd;
     use std::arch::x86_64::*;
     let word = |p: *const u8| _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32));
     let mut acc = [[_mm512_setzero_pd(); 2]; TILE];
@@ -151,16 +152,10 @@ pub unsafe fn dot<const SUB: usize, const MINS: bool>(
             _mm512_load_pd(p.dmin.as_ptr()),
             _mm512_load_pd(p.dmin[8..].as_ptr()),
         ];
-        let halves = |v: __m512i| {
-            [
-                _mm512_cvtepi32_pd(_mm512_castsi512_si256(v)),
-                _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64::<1>(v)),
-            ]
-        };
         super::unrolled!(TILE, |t| {
             let dx = _mm512_set1_pd(x[t].d as f64);
             if MINS {
-                let (dots, mins) = (halves(dots[t]), halves(offs[t]));
+                let (dots, mins) = (i32x16_pd(dots[t]), i32x16_pd(offs[t]));
                 for h in 0..2 {
                     // d'·(d·dots − dmin·mins), as the scalar (no FMA).
                     let v = _mm512_sub_pd(
@@ -170,7 +165,7 @@ pub unsafe fn dot<const SUB: usize, const MINS: bool>(
                     acc[t][h] = _mm512_add_pd(acc[t][h], _mm512_mul_pd(dx, v));
                 }
             } else {
-                let dots = halves(_mm512_sub_epi32(dots[t], _mm512_slli_epi32::<5>(offs[t])));
+                let dots = i32x16_pd(_mm512_sub_epi32(dots[t], _mm512_slli_epi32::<5>(offs[t])));
                 for h in 0..2 {
                     // (d·d')·dots, as the scalar (no FMA).
                     let dd = _mm512_mul_pd(d[h], dx);
