@@ -16,7 +16,8 @@
 //! `--model` is a checkpoint directory or a `.gguf` file (candle-tp keeps its blocks quantized;
 //! `--impl quantized_llama` is candle-transformers' quantized Llama on the same file).
 //! `--profile` adds the decode step's split: time in matmuls (every `ParallelWeight`), in
-//! collectives (the process group's counters) and the rest, per token, on rank 0.
+//! collectives (the process group's counters) and the rest, per token, on rank 0; and each
+//! `--prefill-lens` run's (`prefill.N.profile_ms`).
 //!
 //! Greedy decoding from a fixed prompt of token ids (no tokenizer involved), prefill then
 //! `--new-tokens` steps with the KV cache. Rank 0 prints one JSON line: `impl`, `world_size`,
@@ -114,8 +115,9 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 /// Per decode token on this rank: matmul, collective and total milliseconds.
 type Profile = Option<(f64, f64, f64)>;
 
-/// `(prompt length, seconds)` of each `--prefill-lens` run.
-type Prefills = Vec<(usize, f64)>;
+/// Each `--prefill-lens` run.
+/// `(prompt length, seconds, with --profile the seconds in matmuls and in collectives)`.
+type Prefills = Vec<(usize, f64, Option<(f64, f64)>)>;
 
 /// Times a prefill of each of `lens` tokens from an empty KV cache (after one warm-up
 /// forward), every rank starting together; the cache is left empty.
@@ -125,28 +127,43 @@ fn timed_prefills(
     sampler: &mut DistributedSampler,
     pg: &candle_tp::ProcessGroup,
     lens: &[usize],
+    profile: bool,
 ) -> Result<Prefills> {
     let vocab = model.config().vocab_size;
     let max_pos = model.config().max_position_embeddings;
     if let Some(&n) = lens.iter().find(|&&n| n == 0 || n > max_pos) {
         bail!("--prefill-lens {n}: expected 1..={max_pos} (the model's max_position_embeddings)");
     }
-    let mut run = |n: usize| -> Result<f64> {
+    let mut run = |n: usize| -> Result<(f64, Option<(f64, f64)>)> {
         model.clear_kv_cache();
         let ids = prompt(n, vocab);
         pg.barrier()?;
+        candle_tp::set_matmul_timing(profile);
+        let (mm0, comm0) = (candle_tp::matmul_time(), model.comm_stats());
         let t0 = Instant::now();
         let input = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
         let logits = model.forward_stage(&input, 0)?;
         sampler.sample_stage(logits.as_ref(), model)?;
-        Ok(t0.elapsed().as_secs_f64())
+        let seconds = t0.elapsed().as_secs_f64();
+        candle_tp::set_matmul_timing(false);
+        let split = profile.then(|| {
+            let mm = (candle_tp::matmul_time() - mm0).as_secs_f64();
+            (
+                mm,
+                model.comm_stats().since(&comm0).total().time.as_secs_f64(),
+            )
+        });
+        Ok((seconds, split))
     };
     if !lens.is_empty() {
         run(lens[0].min(32))?; // warm-up, as llama-bench's
     }
     let out = lens
         .iter()
-        .map(|&n| Ok((n, run(n)?)))
+        .map(|&n| {
+            let (seconds, split) = run(n)?;
+            Ok((n, seconds, split))
+        })
         .collect::<Result<Prefills>>()?;
     model.clear_kv_cache();
     Ok(out)
@@ -202,7 +219,14 @@ fn run_candle_tp(args: &Args) -> Result<Measured> {
     let vocab = model.config().vocab_size;
     let ids = prompt(args.prompt_len, vocab);
     let mut sampler = DistributedSampler::new(SamplingParams::greedy());
-    let prefills = timed_prefills(&device, &mut model, &mut sampler, &pg, &args.prefill_lens)?;
+    let prefills = timed_prefills(
+        &device,
+        &mut model,
+        &mut sampler,
+        &pg,
+        &args.prefill_lens,
+        args.profile,
+    )?;
     let t0 = Instant::now();
     let input = Tensor::new(ids.as_slice(), &device)?.unsqueeze(0)?;
     let logits = model.forward_stage(&input, 0)?;
@@ -383,8 +407,15 @@ fn main() -> Result<()> {
         if !prefills.is_empty() {
             let map: serde_json::Map<String, serde_json::Value> = prefills
                 .iter()
-                .map(|&(n, s)| {
-                    let v = serde_json::json!({"ms": s * 1e3, "tokens_per_s": n as f64 / s});
+                .map(|&(n, s, split)| {
+                    let mut v = serde_json::json!({"ms": s * 1e3, "tokens_per_s": n as f64 / s});
+                    if let Some((mm, comm)) = split {
+                        v["profile_ms"] = serde_json::json!({
+                            "matmul": mm * 1e3,
+                            "collectives": comm * 1e3,
+                            "rest": (s - mm - comm) * 1e3,
+                        });
+                    }
                     (n.to_string(), v)
                 })
                 .collect();

@@ -2,8 +2,9 @@
 //! this CPU runs (scalar excluded: it is the reference, not a contender), one thread, as
 //! decode (m = 1) and prefill tiles (m = 4, 8) run them, on SmolLM2's 1536 × 576 and a 1 B
 //! Llama's 5632 × 2048 (enough copies cycled through to stream 64 MiB from memory). Rounds
-//! interleave the kernels; the table gives each kernel's median time per call and its ratio
-//! to the AVX2 kernel's in the same run.
+//! interleave the kernels; the table gives each kernel's median time per call, the AVX2
+//! kernel's time over the fastest kernel's (`ratio`), and where the CPU runs more than two
+//! kernels, the one before the fastest over it (`prev/last`: AVX-512 VNNI against AMX).
 //!
 //! ```text
 //! cargo run --release -p candle-tp-kernels --example bench_repacked [ROUNDS]
@@ -31,9 +32,15 @@ fn main() -> candle_core::Result<()> {
         (GgmlDType::Q5K, candle_tp_kernels::q5_kx4::repack),
         (GgmlDType::Q6K, candle_tp_kernels::q6_kx4::repack),
     ];
+    let names: Vec<String> = kernels.iter().map(|k| format!("{} µs", k.name())).collect();
     println!(
-        "{:<6} {:>11} {:>3} {:>12} {:>12} {:>7}",
-        "type", "n x k", "m", "avx2 µs", "best µs", "ratio"
+        "{:<6} {:>11} {:>3} {} {:>7} {:>9}",
+        "type",
+        "n x k",
+        "m",
+        names.iter().map(|n| format!("{n:>14}")).collect::<String>(),
+        "ratio",
+        "prev/last"
     );
     for (n, k) in [(1536usize, 576usize), (5632, 2048)] {
         let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
@@ -90,14 +97,17 @@ fn main() -> candle_core::Result<()> {
                     .position(|k| *k == Kernel::Avx2)
                     .map(|i| meds[i]);
                 let last = *meds.last().expect("a kernel");
+                let prev = meds.len().checked_sub(2).map_or(f64::NAN, |i| meds[i]);
                 println!(
-                    "{:<6} {:>11} {:>3} {:>12.1} {:>12.1} {:>7.2}",
+                    "{:<6} {:>11} {:>3} {} {:>7.2} {:>9.2}",
                     format!("{dtype:?}"),
                     format!("{n}x{k}"),
                     m,
-                    avx2.unwrap_or(f64::NAN) * 1e6,
-                    last * 1e6,
-                    avx2.map_or(f64::NAN, |a| a / last)
+                    meds.iter()
+                        .map(|t| format!("{:>14.1}", t * 1e6))
+                        .collect::<String>(),
+                    avx2.map_or(f64::NAN, |a| a / last),
+                    prev / last
                 );
             }
         }

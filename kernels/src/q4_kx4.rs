@@ -157,11 +157,11 @@ macro_rules! k4_avx512_items {
         }
 
         #[cfg(target_arch = "x86_64")]
-        unsafe fn panel_dot_avx512(
+        unsafe fn panel_dot_avx512<const ENGINE: u8>(
             panel: &[$crate::repack::panel::PanelBlock],
             xs: &[$crate::repack::ActRow<'_, $crate::q8_k::BlockQ8K>; $crate::repack::panel::TILE],
         ) -> [[f64; $crate::repack::panel::ROWS]; $crate::repack::panel::TILE] {
-            $crate::repack::panel::dot::<32, true>(panel, xs.map(|x| x.0))
+            $crate::repack::panel::dot::<32, true, ENGINE>(panel, xs.map(|x| x.0))
         }
     };
 }

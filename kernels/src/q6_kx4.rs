@@ -171,11 +171,11 @@ impl Interleave for BlockQ6K {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn panel_dot_avx512(
+    unsafe fn panel_dot_avx512<const ENGINE: u8>(
         panel: &[PanelBlock],
         xs: &[crate::repack::ActRow<'_, BlockQ8K>; panel::TILE],
     ) -> [[f64; panel::ROWS]; panel::TILE] {
-        panel::dot::<16, false>(panel, xs.map(|x| x.0))
+        panel::dot::<16, false, ENGINE>(panel, xs.map(|x| x.0))
     }
 }
 

@@ -97,19 +97,16 @@ mod avx2 {
     /// Bytes ahead that each of the two streams of [`pair_dot_vnni`] prefetches.
     const PAIR_PREFETCH: usize = 1024;
 
-    /// The 512-bit kernel for four groups ([`quad_dot`]): per block, each group's rows 0-1
-    /// and rows 2-3 are one 64-byte load each; one `vpermt2q` per run and group pair and a
-    /// blend put values `8t .. 8t + 8` of the sixteen rows into two zmm, flipped to `q + 128`
-    /// for `vpdpbusd` (the activations' `128·Σ q'` comes off each sum): the same integers.
+    /// The engines' `words` ([`quad_dot`]): per block, each group's rows 0-1 and rows 2-3 are
+    /// one 64-byte load each; one `vpermt2q` per run and group pair and a blend put values
+    /// `8t .. 8t + 8` of the sixteen rows into two zmm, flipped to `q + 128` for `vpdpbusd`
+    /// (the activations' `128·Σ q'` comes off each sum): the same integers.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni; the
-    /// groups and every slice of `xs` have the same length.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn quad_dot_vnni<const M: usize>(
-        groups: [&[BlockQ8_0x4]; 4],
-        xs: &[ActRow<'_, BlockQ8_0>; M],
-    ) -> [[f64; 16]; M] {
+    /// The CPU must support avx2, f16c and avx512f (inline this into a function that enables
+    /// them).
+    #[inline(always)]
+    unsafe fn q8_words() -> impl Fn([&BlockQ8_0x4; 4]) -> ([__m512i; 8], __m512, __m512) {
         let flip = _mm512_set1_epi8(-128);
         // Qword `k` of row `r` holds its values `8k .. 8k + 8`; a load of rows (0, 1) or (2, 3)
         // holds qwords `4r + k` of the pair, so run `t` of the four rows is `t, 4 + t` of the
@@ -118,7 +115,7 @@ mod avx2 {
             let t = t as i64;
             _mm512_setr_epi64(t, 4 + t, 8 + t, 12 + t, t, 4 + t, 8 + t, 12 + t)
         });
-        quad_dot::<_, _, M, false, QUAD_PREFETCH>(groups, xs, |g| {
+        move |g| {
             let load =
                 |g: &BlockQ8_0x4, r: usize| _mm512_loadu_si512(g.qs[r].as_ptr() as *const __m512i);
             let rows: [[__m512i; 2]; 4] = std::array::from_fn(|i| [load(g[i], 0), load(g[i], 2)]);
@@ -134,7 +131,34 @@ mod avx2 {
                 _mm256_set_m128(f16x4(&g[3].d), f16x4(&g[2].d)),
             );
             (w, d, _mm512_setzero_ps())
-        })
+        }
+    }
+
+    /// The 512-bit kernel for four groups ([`quad_dot`] of [`q8_words`]).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni; the
+    /// groups and every slice of `xs` have the same length.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn quad_dot_vnni<const M: usize>(
+        groups: [&[BlockQ8_0x4]; 4],
+        xs: &[ActRow<'_, BlockQ8_0>; M],
+    ) -> [[f64; 16]; M] {
+        quad_dot::<_, _, M, false, QUAD_PREFETCH>(groups, xs, q8_words())
+    }
+
+    /// The AMX kernel for four groups and eight activation rows ([`crate::repack::amx_quad::quad_dot_amx`]
+    /// of [`q8_words`]).
+    ///
+    /// # Safety
+    /// As [`quad_dot_vnni`], and unless `EMULATE` (scalar tile products, for tests) the CPU
+    /// must support amx-tile and amx-int8, granted to this process.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn quad_dot_amx<const EMULATE: bool>(
+        groups: [&[BlockQ8_0x4]; 4],
+        xs: &[ActRow<'_, BlockQ8_0>; 8],
+    ) -> [[f64; 16]; 8] {
+        crate::repack::amx_quad::quad_dot_amx::<_, _, false, EMULATE>(groups, xs, q8_words())
     }
 
     /// The AVX2 kernel ([`q8_group_dot`]).

@@ -272,7 +272,7 @@ impl<B: Interleave> Repacked<B> {
         };
         // The tiles of 8 activation rows of the eight-row kernel and the quads, made once for
         // every weight pair and quad.
-        let pair_tiles: Vec<[ActRow<'_, B::Act>; 8]> = if kernel == Kernel::Avx512Vnni {
+        let pair_tiles: Vec<[ActRow<'_, B::Act>; 8]> = if kernel.has_avx512() {
             (0..m / 8)
                 .map(|t| std::array::from_fn(|r| row(8 * t + r)))
                 .collect()
@@ -291,7 +291,7 @@ impl<B: Interleave> Repacked<B> {
             // Tiles of 8 activation rows where the type unpacks much per weight block,
             // and for every type with AVX-512's 32 vector registers (measured on a Zen 4
             // core against tiles of 4: 1.05-1.25x at 8 and 64 activation rows).
-            let tiled8 = if B::TILE_8 || kernel == Kernel::Avx512Vnni {
+            let tiled8 = if B::TILE_8 || kernel.has_avx512() {
                 m / 8 * 8
             } else {
                 0
@@ -301,7 +301,7 @@ impl<B: Interleave> Repacked<B> {
             // weight rows at once; on a Zen 4 core 1.4-1.9x one group at a time at 8 and 64
             // activation rows, but 0.5x at 1 and 0.9x at 4, where regrouping the weights per
             // block costs more than the f64 steps it saves).
-            let pairs = if kernel == Kernel::Avx512Vnni && tiled8 > 0 {
+            let pairs = if kernel.has_avx512() && tiled8 > 0 {
                 groups / 2
             } else {
                 0
@@ -321,14 +321,15 @@ impl<B: Interleave> Repacked<B> {
                 } else {
                     &[]
                 };
-                panel_products::<B>(quad, next, &pair_tiles[..tiled8 / 8], |t, v| {
+                panel_products::<B>(kernel, quad, next, &pair_tiles[..tiled8 / 8], |t, v| {
                     let live = (rows - 16 * p).min(panel::ROWS);
                     put_tile(&mut o, 16 * p, 8 * t, v, live, &out);
                 });
             }
             // With AVX-512 VNNI, the types with a 512-bit kernel run four groups at once
-            // (sixteen weight rows) against every activation row: tiles of 8 and of 4, then
-            // the last 1-3 rows (decode's one). Measured on a Zen 5 core, one thread, against
+            // (sixteen weight rows) against every activation row: tiles of 8 (with AMX
+            // tiles where the kernel is `Amx` and the type has them) and of 4, then the last
+            // 1-3 rows (decode's one). Measured on a Zen 5 core, one thread, against
             // the eight-row kernel 1.0-2.1x at 8 rows and 1.0-1.35x at 64, against the
             // four-row kernel 1.05-1.4x at one row and 1.5-2.5x at 2 and 4
             // (`bench_repacked`). A type may keep a single last row on the four-row kernel
@@ -339,7 +340,7 @@ impl<B: Interleave> Repacked<B> {
                 m
             };
             // (Where panels ran, the rows they left run on the four-row kernels.)
-            let quads = if B::QUAD && kernel == Kernel::Avx512Vnni && quad_end > 0 && panels == 0 {
+            let quads = if B::QUAD && kernel.has_avx512() && quad_end > 0 && panels == 0 {
                 groups / 4
             } else {
                 0
@@ -349,7 +350,11 @@ impl<B: Interleave> Repacked<B> {
                 let quad = std::array::from_fn(|i| group(4 * q + i));
                 let live = (rows - 16 * q).min(16);
                 for (t, tile) in pair_tiles[..tiled8 / 8].iter().enumerate() {
-                    let v = quad_dot::<B, 8>(quad, tile);
+                    let v = if B::AMX && kernel == Kernel::Amx {
+                        quad_dot_amx::<B>(quad, tile)
+                    } else {
+                        quad_dot::<B, 8>(quad, tile)
+                    };
                     put_tile(&mut o, 16 * q, 8 * t, &v, live, &out);
                 }
                 for i in (tiled8..tiled).step_by(4) {
@@ -540,13 +545,46 @@ fn quad_dot<B: Interleave, const M: usize>(
     unreachable!("is_available is false off x86-64")
 }
 
-/// Sixteen weight rows (`quad`, four groups) against every tile of eight activation rows with
-/// AVX-512 VNNI, through a [`panel`] unpacked once: `put(t, out)` with `out[i][r]` for tile
-/// `t`. `next`: the weight records the next panel will read (prefetched meanwhile).
+/// Four groups (sixteen weight rows) against a tile of eight activation rows with AMX-INT8:
+/// `out[i][r]`, bit for bit [`quad_dot`].
 ///
 /// # Panics
-/// If the groups and an activation row differ in blocks, or the CPU lacks AVX-512 VNNI.
+/// If a group and an activation row differ in blocks, or the CPU or the OS does not offer
+/// AMX.
+fn quad_dot_amx<B: Interleave>(
+    quad: [&[B::X4]; 4],
+    xs: &[ActRow<'_, B::Act>; 8],
+) -> [[f64; 16]; 8] {
+    check_avx512_groups::<B, 8>(&quad, xs);
+    check_amx();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the features and the lengths were checked just above.
+    unsafe {
+        B::group_quad_dot_amx::<false>(quad, xs)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("is_available is false off x86-64")
+}
+
+/// Panics unless the CPU and the OS offer AMX-INT8 tiles.
+fn check_amx() {
+    assert!(
+        Kernel::Amx.is_available(),
+        "the AMX kernel needs amx-tile and amx-int8, granted by the OS ({})",
+        crate::kernel::amx_support()
+    );
+}
+
+/// Sixteen weight rows (`quad`, four groups) against every tile of eight activation rows with
+/// AVX-512 VNNI (AMX tiles where `kernel` is [`Kernel::Amx`]), through a [`panel`] unpacked
+/// once: `put(t, out)` with `out[i][r]` for tile `t`. `next`: the weight records the next
+/// panel will read (prefetched meanwhile).
+///
+/// # Panics
+/// If the groups and an activation row differ in blocks, or the CPU lacks AVX-512 VNNI (or
+/// AMX, for [`Kernel::Amx`]).
 fn panel_products<B: Interleave>(
+    kernel: Kernel,
     quad: [&[B::X4]; 4],
     next: &[B::X4],
     tiles: &[[ActRow<'_, B::Act>; panel::TILE]],
@@ -555,6 +593,10 @@ fn panel_products<B: Interleave>(
     let blocks = quad[0].len();
     for tile in tiles {
         check_avx512_groups::<B, { panel::TILE }>(&quad, tile);
+    }
+    let amx = kernel == Kernel::Amx;
+    if amx {
+        check_amx();
     }
     #[cfg(target_arch = "x86_64")]
     panel::with_panel(blocks, |buf| {
@@ -575,8 +617,16 @@ fn panel_products<B: Interleave>(
                 // SAFETY: a prefetch is a hint and never faults; the line is in `next`.
                 unsafe { _mm_prefetch((next.as_ptr() as *const i8).add(line), _MM_HINT_T1) };
             }
-            // SAFETY: the features and the lengths were checked above.
-            put(t, &unsafe { B::panel_dot_avx512(buf, tile) });
+            put(
+                t,
+                &if amx {
+                    // SAFETY: as above, and AMX was checked above.
+                    unsafe { B::panel_dot_avx512::<{ panel::AMX }>(buf, tile) }
+                } else {
+                    // SAFETY: the features and the lengths were checked above.
+                    unsafe { B::panel_dot_avx512::<{ panel::VNNI }>(buf, tile) }
+                },
+            );
         }
     });
     #[cfg(not(target_arch = "x86_64"))]
@@ -628,6 +678,14 @@ pub(crate) mod avx2;
 /// The 512-bit four-group kernel of the same types.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+
+/// AMX-INT8 tiles: configuration, product, emulation.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
+
+/// The AMX-INT8 engine of the 32-wide types' quads.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx_quad;
 
 /// The 512-bit four-group kernels of the k-quants (Q4_K, Q5_K, Q6_K).
 #[cfg(target_arch = "x86_64")]

@@ -236,7 +236,8 @@ impl QuantMatMul {
         Self::from_arc(Arc::new(w))
     }
 
-    /// As [`QuantMatMul::new`], sharing the tensor.
+    /// As [`QuantMatMul::new`], sharing the tensor. Errors where `CANDLE_TP_KERNEL=amx` asks
+    /// for AMX tiles this host cannot run ([`Kernel::check_forced`]).
     ///
     /// Candle's switches `CANDLE_DEQUANTIZE_ALL` / `CANDLE_DEQUANTIZE_ALL_F16` (any value but
     /// empty or `0`) keep their meaning: with either set, every weight, Q4_1 included, goes to
@@ -249,6 +250,7 @@ impl QuantMatMul {
                 dims: (n, k),
             });
         }
+        Kernel::check_forced().map_err(|e| candle_core::Error::Msg(format!("QuantMatMul: {e}")))?;
         Self::build(w, Kernel::detect())
     }
 

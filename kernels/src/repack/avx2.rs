@@ -309,7 +309,7 @@ pub unsafe fn pair_prefetch<G, const AHEAD: usize>(g0: &G, g1: &G, b: usize, kb:
 /// Defines a 32-wide unsigned type's four group kernels on [`unsigned_group_dot`],
 /// [`unsigned_pair_dot`] and [`super::avx512::unsigned_quad_dot`]: `group_dot` (AVX2),
 /// `group_dot_vnni`, `pair_dot_vnni` and `quad_dot_vnni` (AVX-512 VNNI, one group, two or
-/// four), for weight groups `$x4`,
+/// four) and `quad_dot_amx` (AMX, four groups), for weight groups `$x4`,
 /// activation blocks `$act`, `$has_m` as `HAS_M` and `$unpack` as `unpack`. All are
 /// `unsafe`: the CPU must have their features, and every slice of `xs` has `group.len()`
 /// blocks.
@@ -339,7 +339,8 @@ pub(crate) use four_row_items;
 
 /// The items of a 32-wide type's `Interleave` impl that hand its products to the kernels
 /// [`unsigned_kernels!`] (or the type's own, of the same names) wrote in its `avx2` module:
-/// the four-row kernels with AVX2 and with VNNI, the quads and the pairs with AVX-512 VNNI.
+/// the four-row kernels with AVX2 and with VNNI, the quads and the pairs with AVX-512 VNNI,
+/// the quads' tiles of eight with AMX.
 /// `$x4`: the type's record, `$act`: its activation block.
 macro_rules! unsigned_items {
     ($x4:ty, $act:ty) => {
@@ -353,6 +354,16 @@ macro_rules! unsigned_items {
             xs: &[$crate::repack::ActRow<'_, $act>; M],
         ) -> [[f64; 16]; M] {
             avx2::quad_dot_vnni(groups, xs)
+        }
+
+        const AMX: bool = true;
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn group_quad_dot_amx<const EMULATE: bool>(
+            groups: [&[$x4]; 4],
+            xs: &[$crate::repack::ActRow<'_, $act>; 8],
+        ) -> [[f64; 16]; 8] {
+            avx2::quad_dot_amx::<EMULATE>(groups, xs)
         }
 
         #[cfg(target_arch = "x86_64")]
@@ -410,6 +421,23 @@ macro_rules! unsigned_kernels {
             xs: &[$crate::repack::ActRow<'_, $act>; M],
         ) -> [[f64; $crate::repack::avx512::QUAD_ROWS]; M] {
             $crate::repack::avx512::unsigned_quad_dot::<_, _, M, { $has_m }>(groups, xs, $unpack)
+        }
+
+        /// The AMX kernel for four groups and eight activation rows (`quad_dot_amx`).
+        ///
+        /// # Safety
+        /// As `quad_dot_vnni`, and unless `EMULATE` (scalar tile products, for tests) the CPU
+        /// must support amx-tile and amx-int8, granted to this process.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(super) unsafe fn quad_dot_amx<const EMULATE: bool>(
+            groups: [&[$x4]; 4],
+            xs: &[$crate::repack::ActRow<'_, $act>; 8],
+        ) -> [[f64; $crate::repack::avx512::QUAD_ROWS]; 8] {
+            $crate::repack::amx_quad::quad_dot_amx::<_, _, { $has_m }, EMULATE>(
+                groups,
+                xs,
+                $crate::repack::avx512::unsigned_words::<$x4>($unpack),
+            )
         }
 
         /// The AVX-512 VNNI kernel for two groups (`unsigned_pair_dot`).

@@ -55,7 +55,20 @@ pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
     xs: &[ActRow<'_, A>; M],
     unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
 ) -> [[f64; QUAD_ROWS]; M] {
-    quad_dot::<_, _, M, HAS_M, QUAD_PREFETCH>(groups, xs, |g| {
+    quad_dot::<_, _, M, HAS_M, QUAD_PREFETCH>(groups, xs, unsigned_words(unpack))
+}
+
+/// The engines' `words` of a type whose four-row kernel unpacks a group as `unpack` gives it
+/// ([`unsigned_quad_dot`]): two groups' runs of 8 joined per zmm, their `d` and `m` in order.
+///
+/// # Safety
+/// The CPU must support avx2, f16c and avx512f (inline this into a function that enables
+/// them).
+#[inline(always)]
+pub unsafe fn unsigned_words<G>(
+    unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
+) -> impl Fn([&G; 4]) -> ([__m512i; 8], __m512, __m512) {
+    move |g| {
         let (u0, d0, m0) = unpack(g[0]);
         let (u1, d1, m1) = unpack(g[1]);
         let (u2, d2, m2) = unpack(g[2]);
@@ -72,7 +85,7 @@ pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
             join_ps(_mm256_set_m128(b, a), _mm256_set_m128(d, c))
         };
         (w, f(d0, d1, d2, d3), f(m0, m1, m2, m3))
-    })
+    }
 }
 
 /// The engine: the sixteen rows of four groups against `M` activation rows, for a 32-wide
@@ -98,62 +111,94 @@ pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEA
     let group = std::mem::size_of_val(groups[0]);
     for b in 0..blocks {
         let g = groups.map(|s| s.get_unchecked(b));
-        // `AHEAD` bytes ahead in each group's stream, or, where that passes the group's
-        // end, as far into the same group of the next quad, which no stream reaches before
-        // the next call (the four groups' next blocks are read meanwhile). Hints: no fault
-        // past the end of the weight.
-        let ahead = if b * std::mem::size_of::<G>() + AHEAD < group {
-            AHEAD
-        } else {
-            AHEAD + 4 * group
-        };
-        for g in g {
-            let p = (g as *const G as *const i8).wrapping_add(ahead);
-            _mm_prefetch(p, _MM_HINT_T0);
-            // Records over a line long (Q8_0's 136 bytes) cross two or three lines a block.
-            if std::mem::size_of::<G>() > 64 {
-                _mm_prefetch(p.wrapping_add(64), _MM_HINT_T0);
-            }
-        }
+        prefetch_quad::<G, AHEAD>(g, b, group);
         let (w, wd, wm) = words(g);
         // Shared by the activation rows: the weight scales in f64.
-        let wd = [
-            _mm512_cvtps_pd(_mm512_castps512_ps256(wd)),
-            _mm512_cvtps_pd(high_ps(wd)),
-        ];
-        let wm = if HAS_M {
-            [
-                _mm512_cvtps_pd(_mm512_castps512_ps256(wm)),
-                _mm512_cvtps_pd(high_ps(wm)),
-            ]
-        } else {
-            [_mm512_setzero_pd(); 2]
-        };
-        macro_rules! row {
-            ($i:expr) => {{
-                let i = $i;
-                let (x, offsets, scales) = xs[i];
-                let x = x.get_unchecked(b);
-                let [xd, xs] = *scales.get_unchecked(b);
-                let a = x.qs().as_ptr() as *const i64;
-                let q = |t: usize| _mm512_set1_epi64(std::ptr::read_unaligned(a.add(t)));
-                let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                for t in 0..4 {
-                    s0 = _mm512_dpbusd_epi32(s0, w[t], q(t));
-                    s1 = _mm512_dpbusd_epi32(s1, w[4 + t], q(t));
-                }
-                let sums = pair_lanes(s0, s1);
-                let sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(*offsets.get_unchecked(b)));
-                let xd = _mm512_set1_pd(xd);
-                let halves = i32x16_pd(sums);
-                for h in 0..2 {
-                    acc[i][h] = f64_step8::<HAS_M>(acc[i][h], halves[h], xd, wd[h], wm[h], xs);
-                }
-            }};
-        }
-        super::unrolled!(M, |i| { row!(i) });
+        let (wd, wm) = scales_pd::<HAS_M>(wd, wm);
+        super::unrolled!(M, |i| {
+            let a = xs[i].0.get_unchecked(b).qs().as_ptr() as *const i64;
+            let q = |t: usize| _mm512_set1_epi64(std::ptr::read_unaligned(a.add(t)));
+            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for t in 0..4 {
+                s0 = _mm512_dpbusd_epi32(s0, w[t], q(t));
+                s1 = _mm512_dpbusd_epi32(s1, w[4 + t], q(t));
+            }
+            scale_quad_row::<A, HAS_M>(&mut acc[i], pair_lanes(s0, s1), xs[i], b, wd, wm);
+        });
     }
     store_rows(&acc)
+}
+
+/// The sixteen rows' `d` and `m` (f32, from `words`) as two f64x8 each; `m` zeros without
+/// `HAS_M`.
+///
+/// # Safety
+/// The CPU must support avx512f (inline this into a function that enables it).
+#[inline(always)]
+pub unsafe fn scales_pd<const HAS_M: bool>(wd: __m512, wm: __m512) -> ([__m512d; 2], [__m512d; 2]) {
+    let pd = |v: __m512| {
+        [
+            _mm512_cvtps_pd(_mm512_castps512_ps256(v)),
+            _mm512_cvtps_pd(high_ps(v)),
+        ]
+    };
+    let wm = if HAS_M {
+        pd(wm)
+    } else {
+        [_mm512_setzero_pd(); 2]
+    };
+    (pd(wd), wm)
+}
+
+/// Prefetches `AHEAD` bytes ahead in each of the four groups' streams at block `b` (`g`: the
+/// groups' blocks `b`; `group`: a group's bytes), or, where that passes the group's end, as
+/// far into the same group of the next quad, which no stream reaches before the next call
+/// (the four groups' next blocks are read meanwhile). Hints: no fault past the end of the
+/// weight.
+///
+/// # Safety
+/// The CPU must support sse (every x86-64 does).
+#[inline(always)]
+pub unsafe fn prefetch_quad<G, const AHEAD: usize>(g: [&G; 4], b: usize, group: usize) {
+    let ahead = if b * std::mem::size_of::<G>() + AHEAD < group {
+        AHEAD
+    } else {
+        AHEAD + 4 * group
+    };
+    for g in g {
+        let p = (g as *const G as *const i8).wrapping_add(ahead);
+        _mm_prefetch(p, _MM_HINT_T0);
+        // Records over a line long (Q8_0's 136 bytes) cross two or three lines a block.
+        if std::mem::size_of::<G>() > 64 {
+            _mm_prefetch(p.wrapping_add(64), _MM_HINT_T0);
+        }
+    }
+}
+
+/// One activation row's step of block `b` in the quads: its sixteen integer sums `Σ u·q'`
+/// (weight rows in order) less the activation block's offset, in f64, scaled by `d'` and
+/// the rows' `d` (and `m·s'` with `HAS_M`: [`f64_step8`]) into the row's two f64x8 sums.
+///
+/// # Safety
+/// The CPU must support avx512f (inline this into a function that enables it); block `b`
+/// is in `x`'s slices.
+#[inline(always)]
+pub unsafe fn scale_quad_row<A, const HAS_M: bool>(
+    acc: &mut [__m512d; 2],
+    sums: __m512i,
+    x: ActRow<'_, A>,
+    b: usize,
+    wd: [__m512d; 2],
+    wm: [__m512d; 2],
+) {
+    let (_, offsets, scales) = x;
+    let [xd, xs] = *scales.get_unchecked(b);
+    let sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(*offsets.get_unchecked(b)));
+    let xd = _mm512_set1_pd(xd);
+    let halves = i32x16_pd(sums);
+    for h in 0..2 {
+        acc[h] = f64_step8::<HAS_M>(acc[h], halves[h], xd, wd[h], wm[h], xs);
+    }
 }
 
 /// The sixteen rows' sums in order, from two products whose lanes `2c` and `2c + 1` hold row

@@ -106,14 +106,17 @@ pub trait Interleave: F64Dot + sealed::Sealed {
     }
 
     /// The sixteen rows of `panel` ([`Interleave::unpack_panel_avx512`]) against eight
-    /// activation rows with AVX-512 VNNI: `out[t][r]`, bit for bit the scalar f64 sum. Only
-    /// called where [`Interleave::PANEL`] is set.
+    /// activation rows with AVX-512 VNNI, its sub-block sums made by `ENGINE`
+    /// ([`panel::VNNI`], [`panel::AMX`] or [`panel::AMX_EMULATED`]): `out[t][r]`, bit for
+    /// bit the scalar f64 sum. Only called where [`Interleave::PANEL`] is set.
     ///
     /// # Safety
-    /// As [`Interleave::group_dot_avx512`]; every slice of `xs` has `panel.len()` blocks.
+    /// As [`Interleave::group_dot_avx512`], and for [`panel::AMX`] the CPU must support
+    /// amx-tile and amx-int8, granted to this process; every slice of `xs` has `panel.len()`
+    /// blocks.
     #[cfg(target_arch = "x86_64")]
     #[doc(hidden)]
-    unsafe fn panel_dot_avx512(
+    unsafe fn panel_dot_avx512<const ENGINE: u8>(
         _panel: &[panel::PanelBlock],
         _xs: &[ActRow<'_, Self::Act>; panel::TILE],
     ) -> [[f64; panel::ROWS]; panel::TILE] {
@@ -146,6 +149,30 @@ pub trait Interleave: F64Dot + sealed::Sealed {
         _xs: &[ActRow<'_, Self::Act>; M],
     ) -> [[f64; 16]; M] {
         unreachable!("{} has no four-group kernel", Self::NAME)
+    }
+
+    /// Whether products with [`crate::kernel::Kernel::Amx`] run their tiles of eight
+    /// activation rows on four groups at once with AMX tiles
+    /// ([`Interleave::group_quad_dot_amx`]: the 32-wide types).
+    #[doc(hidden)]
+    const AMX: bool = false;
+
+    /// [`Interleave::group_quad_dot_avx512`] of a tile of eight activation rows with AMX-INT8,
+    /// bit for bit the same. Only called where [`Interleave::AMX`] is set. `EMULATE`: the
+    /// tile product computed by scalar code instead, around the same layouts (for the tests
+    /// of hosts without AMX).
+    ///
+    /// # Safety
+    /// As [`Interleave::group_quad_dot_avx512`], and unless `EMULATE`, the CPU must support
+    /// amx-tile and amx-int8, granted to this process by the OS
+    /// ([`crate::kernel::Kernel::Amx`]).
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    unsafe fn group_quad_dot_amx<const EMULATE: bool>(
+        _groups: [&[Self::X4]; 4],
+        _xs: &[ActRow<'_, Self::Act>; 8],
+    ) -> [[f64; 16]; 8] {
+        unreachable!("{} has no AMX kernel", Self::NAME)
     }
 
     /// Two groups (eight rows: `group0`'s four, then `group1`'s) against `M` activation rows

@@ -99,30 +99,85 @@ pub(crate) fn with_panel<R>(blocks: usize, f: impl FnOnce(&mut [PanelBlock]) -> 
     })
 }
 
+/// [`dot`]'s engine: `vpdpbusd` with four-byte broadcasts.
+pub const VNNI: u8 = 0;
+/// [`dot`]'s engine: one AMX tile product per sub-block ([`super::amx`]).
+pub const AMX: u8 = 1;
+/// [`dot`]'s engine: [`AMX`] with its tile products emulated by scalar code (tests).
+pub const AMX_EMULATED: u8 = 2;
+
 /// The sixteen rows of `panel` against eight activation rows: `out[t][r]`, each the type's
 /// scalar f64 sum. `SUB`: values per sub-block (16: Q6_K, 32: Q4_K and Q5_K). `MINS`: the
 /// block's product is `d'·(d·dots − dmin·mins)` (Q4_K, Q5_K) with `mins` the offset integer;
 /// otherwise `(d·d')·(dots − 32·offsets)` (Q6_K, whose values carry the offset 32).
+/// `ENGINE`: how each sub-block's `Σ q·q'` of the eight activation rows and sixteen weight
+/// rows is made, [`VNNI`], [`AMX`] (the panel's bytes are a tile's layout already, and the
+/// activation rows load in place where they lie one stride apart) or [`AMX_EMULATED`]; the
+/// integers are the same, so the bits are.
 ///
 /// # Safety
-/// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni; every
-/// slice of `xs` has `panel.len()` blocks.
+/// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni, and for
+/// [`AMX`] amx-tile and amx-int8 with the tile state granted to this process; every slice of
+/// `xs` has `panel.len()` blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub unsafe fn dot<const SUB: usize, const MINS: bool>(
+pub unsafe fn dot<const SUB: usize, const MINS: bool, const ENGINE: u8>(
     panel: &[PanelBlock],
     xs: [&[BlockQ8K]; TILE],
 ) -> [[f64; ROWS]; TILE] {
+    use super::amx::{self, Aligned};
     use super::f64_step::i32x16_pd;
     use std::arch::x86_64::*;
+    const { assert!(TILE == amx::TILE && ROWS == amx::ROWS) };
     let word = |p: *const u8| _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32));
     let mut acc = [[_mm512_setzero_pd(); 2]; TILE];
+    let tiles = ENGINE != VNNI;
+    let emulate = ENGINE == AMX_EMULATED;
+    let direct = if tiles && !panel.is_empty() {
+        amx::uniform_stride(&xs)
+    } else {
+        None
+    };
+    let mut copy = Aligned([[0i8; QK_K]; TILE]);
+    let mut sums = Aligned([[0i32; ROWS]; TILE]);
+    let config = amx::config(SUB);
+    if tiles {
+        if emulate {
+            amx::load_config::<true>(&config)
+        } else {
+            amx::load_config::<false>(&config)
+        }
+    }
     for (b, p) in panel.iter().enumerate() {
         // In bounds: every `xs[t]` has `panel.len()` blocks (the caller's contract).
         let x: [&BlockQ8K; TILE] = std::array::from_fn(|t| xs[t].get_unchecked(b));
         let a: [*const u8; TILE] = std::array::from_fn(|t| x[t].qs.as_ptr() as *const u8);
         let mut dots = [_mm512_setzero_si512(); TILE];
-        for s in 0..QK_K / SUB {
+        if tiles {
+            let (rows, stride) = match direct {
+                Some(stride) => (x[0].qs.as_ptr(), stride),
+                None => {
+                    for (t, row) in copy.0.iter_mut().enumerate() {
+                        *row = x[t].qs;
+                    }
+                    (copy.0.as_ptr() as *const i8, QK_K as isize)
+                }
+            };
+            for s in 0..QK_K / SUB {
+                let (a, w) = (rows.add(s * SUB), p.q[s * SUB / 4].as_ptr());
+                if emulate {
+                    amx::tile_product::<true>(a, stride, SUB, w, &mut sums.0);
+                } else {
+                    amx::tile_product::<false>(a, stride, SUB, w, &mut sums.0);
+                }
+                let sc = _mm512_load_si512(p.sc[s].as_ptr() as *const __m512i);
+                super::unrolled!(TILE, |t| {
+                    let v = _mm512_load_si512(sums.0[t].as_ptr() as *const __m512i);
+                    dots[t] = _mm512_add_epi32(dots[t], _mm512_mullo_epi32(v, sc));
+                });
+            }
+        }
+        for s in (0..QK_K / SUB).filter(|_| !tiles) {
             let mut sums = [_mm512_setzero_si512(); TILE];
             for g in 0..SUB / 4 {
                 let kg = s * SUB / 4 + g;
@@ -173,6 +228,9 @@ pub unsafe fn dot<const SUB: usize, const MINS: bool>(
                 }
             }
         });
+    }
+    if tiles && !emulate {
+        amx::release::<false>();
     }
     let mut out = [[0f64; ROWS]; TILE];
     for t in 0..TILE {

@@ -75,6 +75,81 @@ pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(us
             [1, 2, 3, 4, 5, 6, 7, 10, 12, 13, 21, 39],
         );
     }
+    if B::AMX {
+        amx_tiles_are_the_quads(&block);
+    }
+}
+
+/// The AMX engine ([`Interleave::group_quad_dot_amx`]) gives the bits of the 512-bit quads and
+/// of the scalar sum, for two quads of groups (the second partly padding) and tiles of eight
+/// activation rows that lie one row apart (the tile loads them in place) and that do not (it
+/// copies them): with its tile products emulated on every host with AVX-512 VNNI, and run on
+/// the tiles where the host has AMX (elsewhere "not run: no AMX" on stderr).
+pub fn amx_tiles_are_the_quads<B: Interleave>(block: impl Fn(usize, usize) -> B) {
+    assert!(B::AMX, "{} has no AMX kernel", B::NAME);
+    if !Kernel::Avx512Vnni.is_available() {
+        eprintln!("{}: AMX engine not run: no AVX-512 VNNI", B::NAME);
+        return;
+    }
+    let amx = Kernel::Amx.is_available();
+    if !amx {
+        eprintln!(
+            "{}: AMX tiles not run: no AMX ({}); their layouts ran emulated",
+            B::NAME,
+            crate::kernel::amx_support()
+        );
+    }
+    let (n, kb, m) = (27, 3, 12);
+    let k = kb * B::BLOCK;
+    let w: Vec<B> = (0..n * kb).map(|i| block(i / kb, i % kb)).collect();
+    let packed = Repacked::new(&w, n, k).unwrap();
+    let prepared = packed
+        .prepare(Kernel::Avx512Vnni, m, &activations(m, k))
+        .unwrap();
+    let row = |i: usize| {
+        let r = i * kb..(i + 1) * kb;
+        (
+            &prepared.act[r.clone()],
+            &prepared.sums[r.clone()],
+            &prepared.scales[r],
+        )
+    };
+    let bits = |v: &[[f64; 16]; 8]| v.map(|r| r.map(f64::to_bits));
+    for rows in [
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [4, 5, 6, 7, 8, 9, 10, 11],
+        [0, 2, 1, 3, 11, 5, 6, 9],
+    ] {
+        let tile: [ActRow<'_, B::Act>; 8] = rows.map(row);
+        for q in 0..packed.groups.len() / kb / 4 {
+            let quad: [&[B::X4]; 4] =
+                std::array::from_fn(|g| &packed.groups[(4 * q + g) * kb..(4 * q + g + 1) * kb]);
+            // SAFETY: AVX-512 VNNI was checked above (AMX below); every slice has kb blocks.
+            let (quads, emulated) = unsafe {
+                (
+                    B::group_quad_dot_avx512::<8>(quad, &tile),
+                    B::group_quad_dot_amx::<true>(quad, &tile),
+                )
+            };
+            for (g, group) in quad.iter().enumerate() {
+                let scalar = group_dot_scalar::<B, 8>(group, tile);
+                for i in 0..8 {
+                    for r in 0..4 {
+                        let want = scalar[i][r];
+                        assert!(want.is_finite(), "{want}");
+                        assert_eq!(quads[i][4 * g + r].to_bits(), want.to_bits(), "{}", B::NAME);
+                    }
+                }
+            }
+            let what = format!("{} quad {q} rows {rows:?}", B::NAME);
+            assert_eq!(bits(&emulated), bits(&quads), "{what}: emulated AMX");
+            if amx {
+                // SAFETY: AMX was checked above.
+                let tiles = unsafe { B::group_quad_dot_amx::<false>(quad, &tile) };
+                assert_eq!(bits(&tiles), bits(&quads), "{what}: AMX tiles");
+            }
+        }
+    }
 }
 
 /// [`every_value_is_the_unpacked_rows_f64_dot`] where the AVX-512 VNNI kernel runs panels of
@@ -83,6 +158,69 @@ pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(us
 pub fn panels_are_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(usize, usize) -> B) {
     assert!(B::PANEL, "{} runs no panels", B::NAME);
     values_are_the_unpacked_rows_f64_dot(&block, &[16, 21, 43], &[1, 3], [40, 41, 53]);
+    amx_panels_are_the_vnni_panels(&block);
+}
+
+/// The panels' AMX engine gives the bits of their VNNI engine (which the test above holds to
+/// the scalar sums), for a panel of two blocks and tiles whose activation rows lie one stride
+/// apart and not: emulated on every host with AVX-512 VNNI, on the tiles where AMX runs.
+fn amx_panels_are_the_vnni_panels<B: Interleave>(block: impl Fn(usize, usize) -> B) {
+    if !Kernel::Avx512Vnni.is_available() {
+        eprintln!("{}: AMX panels not run: no AVX-512 VNNI", B::NAME);
+        return;
+    }
+    let amx = Kernel::Amx.is_available();
+    if !amx {
+        eprintln!(
+            "{}: AMX panels not run: no AMX ({}); their layouts ran emulated",
+            B::NAME,
+            crate::kernel::amx_support()
+        );
+    }
+    let (n, kb, m) = (16, 2, 11);
+    let k = kb * B::BLOCK;
+    let w: Vec<B> = (0..n * kb).map(|i| block(i / kb, i % kb)).collect();
+    let packed = Repacked::new(&w, n, k).unwrap();
+    let prepared = packed
+        .prepare(Kernel::Avx512Vnni, m, &activations(m, k))
+        .unwrap();
+    let mut buf = vec![panel::PanelBlock::ZERO; kb];
+    for (b, out) in buf.iter_mut().enumerate() {
+        let quad: [&B::X4; 4] = std::array::from_fn(|g| &packed.groups[g * kb + b]);
+        // SAFETY: AVX-512 VNNI was checked above.
+        unsafe { B::unpack_panel_avx512(quad, out) };
+    }
+    let row = |i: usize| {
+        let r = i * kb..(i + 1) * kb;
+        (
+            &prepared.act[r.clone()],
+            &prepared.sums[r.clone()],
+            &prepared.scales[r],
+        )
+    };
+    let bits = |v: [[f64; 16]; 8]| v.map(|r| r.map(f64::to_bits));
+    for rows in [
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [3, 4, 5, 6, 7, 8, 9, 10],
+        [0, 2, 1, 3, 10, 5, 6, 9],
+    ] {
+        let tile: [ActRow<'_, B::Act>; 8] = rows.map(row);
+        // SAFETY: AVX-512 VNNI was checked above (AMX below); every slice has kb blocks.
+        let (vnni, emulated) = unsafe {
+            (
+                B::panel_dot_avx512::<{ panel::VNNI }>(&buf, &tile),
+                B::panel_dot_avx512::<{ panel::AMX_EMULATED }>(&buf, &tile),
+            )
+        };
+        assert!(vnni.iter().flatten().all(|v| v.is_finite()));
+        let what = format!("{} panel rows {rows:?}", B::NAME);
+        assert_eq!(bits(emulated), bits(vnni), "{what}: emulated AMX");
+        if amx {
+            // SAFETY: AMX was checked above.
+            let tiles = unsafe { B::panel_dot_avx512::<{ panel::AMX }>(&buf, &tile) };
+            assert_eq!(bits(tiles), bits(vnni), "{what}: AMX tiles");
+        }
+    }
 }
 
 fn values_are_the_unpacked_rows_f64_dot<B: Interleave>(
