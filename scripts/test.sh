@@ -151,6 +151,13 @@ extra() {  # runs a checking script; counts it as one test: passed, failed or sk
   fi
 }
 
+# The AMX tile kernels run only where the CPU has AMX-INT8 (Linux names the flag amx_int8):
+# elsewhere their tests check everything around the tile instructions on an emulation.
+if ! grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  echo "   AMX kernel not run: no AMX on this CPU (its tests ran the tile layouts emulated;" \
+    "scripts/bench-device.sh runs them on a device machine)"
+fi
+
 if [ "$mkl" = 0 ] && [ "$quick" = 0 ]; then
   # The kernels' tests cover every kernel this CPU runs; the layers above them take the one
   # Kernel::detect picks (AVX-512 VNNI where the CPU has it, else AVX2 on any x86-64 host of

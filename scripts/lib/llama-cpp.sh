@@ -93,6 +93,24 @@ llama_cpp_tools_version=0.3.36
 # CMake targets; ggml-rpc-server is installed as bin/rpc-server too (its name before 2025).
 llama_cpp_tools=(llama-bench llama-server llama-quantize llama-cli llama-simple ggml-rpc-server)
 
+# The llama-cpp-python sdist (PyPI), downloaded once into $CANDLE_TP_HOME/downloads; prints
+# its path. Its vendor/llama.cpp holds the pinned llama.cpp sources.
+llama_cpp_sdist() {
+  local sdist tmp
+  sdist="$(llama_cpp_home)/downloads/llama_cpp_python-$llama_cpp_tools_version.tar.gz"
+  if [ ! -f "$sdist" ]; then
+    tmp=$(mktemp -d)
+    # --no-binary for this package only: with `:all:` pip would also compile the build
+    # dependencies it installs to read the sdist's metadata (cmake itself, 10+ minutes).
+    python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+      "llama-cpp-python==$llama_cpp_tools_version" -d "$tmp" >&2 || { rm -rf "$tmp"; return 1; }
+    mkdir -p "$(dirname "$sdist")"
+    mv "$tmp/$(basename "$sdist")" "$sdist.part" && mv "$sdist.part" "$sdist"
+    rm -rf "$tmp"
+  fi
+  echo "$sdist"
+}
+
 install_llama_cpp_tools() {
   local home dest tmp src t ok=1
   home=$(llama_cpp_home)
@@ -111,20 +129,13 @@ install_llama_cpp_tools() {
   echo "==> building llama.cpp's tools ($llama_cpp_tools_version) into $dest (20-30 minutes on 2 cores)" >&2
   mkdir -p "$home"
   tmp=$(mktemp -d "$home/.llama-cpp-build.XXXXXX")
-  local sdist="$home/downloads/llama_cpp_python-$llama_cpp_tools_version.tar.gz"
+  local sdist
   # The build directory is removed however the function ends (the subshell's trap); on
   # success the finished tree has been moved out of it first.
   (
     set -euo pipefail
     trap 'rm -rf "$tmp"' EXIT
-    if [ ! -f "$sdist" ]; then
-      # --no-binary for this package only: with `:all:` pip would also compile the build
-      # dependencies it installs to read the sdist's metadata (cmake itself, 10+ minutes).
-      python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python \
-        "llama-cpp-python==$llama_cpp_tools_version" -d "$tmp/sdist" >&2
-      mkdir -p "$(dirname "$sdist")"
-      mv "$tmp/sdist/$(basename "$sdist")" "$sdist.part" && mv "$sdist.part" "$sdist"
-    fi
+    sdist=$(llama_cpp_sdist)
     tar -xzf "$sdist" -C "$tmp"
     src=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
     [ -f "$src/CMakeLists.txt" ] || { echo "no vendor/llama.cpp in the sdist" >&2; exit 1; }
