@@ -33,7 +33,8 @@
 # time and prints what it has.
 #
 # Environment: OUT, DEADLINE (470), TYPES ("Q4_0 Q4_1 Q8_0 Q4_K_M Q6_K"), THREADS ("1 4 16"),
-# ROUNDS (2), NOAMX (1), KERNEL_TYPES ("Q4_0 Q8_0 Q4_K"), KERNEL_ROWS ("1 16 128"),
+# ROUNDS (2), NOAMX (1), KERNEL_TYPES ("Q4_0 Q8_0 Q4_K"), KERNEL_ROWS ("1 16 128"), KERNEL_UNTIL
+# (200: no bench_repacked starts after that many seconds),
 # HID/HEADS/KV/INTER/LAYERS (the model's shape, for a quick local check), LLAMA_BIN and
 # LLAMA_BIN_NOAMX (prebuilt llama.cpp bin dirs: no build). A local check of the whole flow on a
 # small model: OUT=/tmp/bd THREADS="1 2" TYPES=Q4_0 HID=256 HEADS=4 KV=2 INTER=512 LAYERS=2
@@ -196,7 +197,7 @@ run() {
   BT=none "$B/bench_repacked" 1 2>/dev/null | head -2
   for kt in ${KERNEL_TYPES:-Q4_0 Q8_0 Q4_K}; do
     for m in ${KERNEL_ROWS:-1 16 128}; do
-      [ "$(left)" -gt 300 ] || { echo "deadline: no more bench_repacked"; break 2; }
+      [ "$(elapsed)" -lt "${KERNEL_UNTIL:-200}" ] || { echo "KERNEL_UNTIL: no more bench_repacked"; break 2; }
       BT=$kt BM=$m timeout 60 "$B/bench_repacked" 3 2>&1 | grep -v "^type\|^kernels" |
         grep -E "5632x2048" || true
     done
@@ -251,7 +252,7 @@ case "$mode" in
   prepare) prepare ;;
   run) run ;;
   *)
-    sed -n '2,44p' "$0"
+    sed -n '2,/^set -u/p' "$0" | sed '$d'
     exit 2
     ;;
 esac
