@@ -603,3 +603,48 @@ fn shared_activations_are_prepared_once_per_type_and_change_no_bit() -> Result<(
     }
     Ok(())
 }
+
+/// `CANDLE_TP_KERNEL=amx` where the host cannot run AMX tiles: loading a quantized weight is an
+/// error naming AMX and the switch (not a silent fallback to another kernel); where it can,
+/// the weight loads. The switch is read once per process, so the check runs in a child
+/// process of this test binary with the switch set.
+#[test]
+fn amx_forced_where_absent_is_an_error_naming_amx() -> Result<()> {
+    const CHILD: &str = "CANDLE_TP_TEST_AMX_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let w = QTensor::quantize(
+            &Tensor::ones((16, 64), DType::F32, &Device::Cpu)?,
+            GgmlDType::Q4_0,
+        )?;
+        match QuantMatMul::new(w) {
+            Ok(_) => assert!(
+                Kernel::Amx.is_available(),
+                "amx forced without AMX was accepted"
+            ),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(!Kernel::Amx.is_available(), "{e}");
+                assert!(
+                    e.contains("AMX") && e.contains("CANDLE_TP_KERNEL=amx"),
+                    "{e}"
+                );
+            }
+        }
+        println!("the child checked the switch");
+        return Ok(());
+    }
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "--exact",
+            "amx_forced_where_absent_is_an_error_naming_amx",
+            "--nocapture",
+        ])
+        .env(CHILD, "1")
+        .env("CANDLE_TP_KERNEL", "amx")
+        .output()?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("the child checked the switch"), "{text}");
+    Ok(())
+}

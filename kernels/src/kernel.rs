@@ -5,7 +5,7 @@
 //!
 //! | `CANDLE_TP_KERNEL` | [`Kernel::detect`] gives |
 //! |---|---|
-//! | unset, empty or `auto` | the fastest kernel this CPU runs |
+//! | unset, empty or `auto` | the fastest kernel this CPU runs ([`Kernel::fastest`]: not yet [`Kernel::Amx`]) |
 //! | `scalar` | [`Kernel::Scalar`] |
 //! | `avx2` | [`Kernel::Avx2`] where the CPU has it; elsewhere the fastest available, with one warning on stderr |
 //! | `avx512vnni` | [`Kernel::Avx512Vnni`] where the CPU has it; elsewhere likewise |
@@ -88,10 +88,13 @@ impl Kernel {
     }
 
     /// The fastest kernel this CPU supports, whatever the environment says.
+    ///
+    /// [`Kernel::Amx`] is not among them yet: its tile code has run only on the emulation
+    /// (`repack/amx.rs`) since no AMX host was at hand when it was written, so it runs where
+    /// `CANDLE_TP_KERNEL=amx` asks for it (`scripts/bench-device.sh` does, once the kernel
+    /// tests pass on that host) until a measurement on one says it is the faster.
     pub fn fastest() -> Self {
-        if Self::Amx.is_available() {
-            Self::Amx
-        } else if Self::Avx512Vnni.is_available() {
+        if Self::Avx512Vnni.is_available() {
             Self::Avx512Vnni
         } else if Self::Avx2.is_available() {
             Self::Avx2
