@@ -12,18 +12,9 @@ import json
 import statistics
 import sys
 
+from tagged_jsonl import read_rows
 
-def first_wins(pairs):
-    """The script's tags (`side`, `t`, `type`, `round`) come first on each line; the tools'
-    own keys after them must not replace them."""
-    obj = {}
-    for k, v in pairs:
-        obj.setdefault(k, v)
-    return obj
-
-
-rows = [json.loads(line, object_pairs_hook=first_wins)
-        for line in open(sys.argv[1]) if line.startswith("{")]
+rows = read_rows(sys.argv[1])
 if not rows:
     sys.exit(f"{sys.argv[1]}: no measurements")
 

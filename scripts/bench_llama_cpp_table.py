@@ -13,17 +13,9 @@ import json
 import statistics
 import sys
 
-def first_wins(pairs):
-    """The script's tags (`model`: smollm2, ...) come first on each line; bench_generate's own
-    `model` (the file name) after them must not replace them."""
-    obj = {}
-    for k, v in pairs:
-        obj.setdefault(k, v)
-    return obj
+from tagged_jsonl import read_rows
 
-
-rows = [json.loads(line, object_pairs_hook=first_wins)
-        for line in open(sys.argv[1]) if line.startswith("{")]
+rows = read_rows(sys.argv[1])
 if not rows:
     sys.exit(f"{sys.argv[1]}: no measurements")
 

@@ -265,11 +265,7 @@ impl<B: Interleave> Repacked<B> {
             dst.fill(out(0.0)); // empty sums
             return Ok(());
         }
-        let (act, sums, scales) = (&x.act, &x.sums, &x.scales);
-        let row = |i: usize| {
-            let r = i * kb..(i + 1) * kb;
-            (&act[r.clone()], &sums[r.clone()], &scales[r])
-        };
+        let row = |i: usize| x.row(i);
         // The tiles of 8 activation rows of the eight-row kernel and the quads, made once for
         // every weight pair and quad.
         let pair_tiles: Vec<[ActRow<'_, B::Act>; 8]> = if kernel.has_avx512() {
@@ -454,6 +450,15 @@ pub struct Prepared<B: Interleave> {
     sums: Vec<i32>,
     /// [`Interleave::act_scales`] per block.
     scales: Vec<[f64; 2]>,
+}
+
+impl<B: Interleave> Prepared<B> {
+    /// Activation row `i`: its blocks, their sums and their scales.
+    pub(crate) fn row(&self, i: usize) -> ActRow<'_, B::Act> {
+        let kb = self.k / B::BLOCK;
+        let r = i * kb..(i + 1) * kb;
+        (&self.act[r.clone()], &self.sums[r.clone()], &self.scales[r])
+    }
 }
 
 /// The four rows of `group` against `M` activation rows: `out[i][r]`.

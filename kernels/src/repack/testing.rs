@@ -80,6 +80,35 @@ pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(us
     }
 }
 
+/// What both AMX checks start from: `None` (and a line on stderr) without AVX-512 VNNI;
+/// else whether the host runs the tiles (a line on stderr where it does not: `what` ran
+/// emulated), `n` rows of `kb` blocks repacked, and `m` activation rows prepared for them.
+fn amx_fixture<B: Interleave>(
+    what: &str,
+    block: impl Fn(usize, usize) -> B,
+    (n, kb, m): (usize, usize, usize),
+) -> Option<(bool, Repacked<B>, Prepared<B>)> {
+    if !Kernel::Avx512Vnni.is_available() {
+        eprintln!("{}: AMX {what} not run: no AVX-512 VNNI", B::NAME);
+        return None;
+    }
+    let amx = Kernel::Amx.is_available();
+    if !amx {
+        eprintln!(
+            "{}: AMX {what} not run: no AMX ({}); their layouts ran emulated",
+            B::NAME,
+            crate::kernel::amx_support()
+        );
+    }
+    let k = kb * B::BLOCK;
+    let w: Vec<B> = (0..n * kb).map(|i| block(i / kb, i % kb)).collect();
+    let packed = Repacked::new(&w, n, k).unwrap();
+    let prepared = packed
+        .prepare(Kernel::Avx512Vnni, m, &activations(m, k))
+        .unwrap();
+    Some((amx, packed, prepared))
+}
+
 /// The AMX engine ([`Interleave::group_quad_dot_amx`]) gives the bits of the 512-bit quads and
 /// of the scalar sum, for two quads of groups (the second partly padding) and tiles of eight
 /// activation rows that lie one row apart (the tile loads them in place) and that do not (it
@@ -87,33 +116,11 @@ pub fn every_value_is_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(us
 /// the tiles where the host has AMX (elsewhere "not run: no AMX" on stderr).
 pub fn amx_tiles_are_the_quads<B: Interleave>(block: impl Fn(usize, usize) -> B) {
     assert!(B::AMX, "{} has no AMX kernel", B::NAME);
-    if !Kernel::Avx512Vnni.is_available() {
-        eprintln!("{}: AMX engine not run: no AVX-512 VNNI", B::NAME);
+    let kb = 3;
+    let Some((amx, packed, prepared)) = amx_fixture("tiles", block, (27, kb, 12)) else {
         return;
-    }
-    let amx = Kernel::Amx.is_available();
-    if !amx {
-        eprintln!(
-            "{}: AMX tiles not run: no AMX ({}); their layouts ran emulated",
-            B::NAME,
-            crate::kernel::amx_support()
-        );
-    }
-    let (n, kb, m) = (27, 3, 12);
-    let k = kb * B::BLOCK;
-    let w: Vec<B> = (0..n * kb).map(|i| block(i / kb, i % kb)).collect();
-    let packed = Repacked::new(&w, n, k).unwrap();
-    let prepared = packed
-        .prepare(Kernel::Avx512Vnni, m, &activations(m, k))
-        .unwrap();
-    let row = |i: usize| {
-        let r = i * kb..(i + 1) * kb;
-        (
-            &prepared.act[r.clone()],
-            &prepared.sums[r.clone()],
-            &prepared.scales[r],
-        )
     };
+    let row = |i: usize| prepared.row(i);
     let bits = |v: &[[f64; 16]; 8]| v.map(|r| r.map(f64::to_bits));
     for rows in [
         [0, 1, 2, 3, 4, 5, 6, 7],
@@ -165,39 +172,17 @@ pub fn panels_are_the_unpacked_rows_f64_dot<B: Interleave>(block: impl Fn(usize,
 /// the scalar sums), for a panel of two blocks and tiles whose activation rows lie one stride
 /// apart and not: emulated on every host with AVX-512 VNNI, on the tiles where AMX runs.
 fn amx_panels_are_the_vnni_panels<B: Interleave>(block: impl Fn(usize, usize) -> B) {
-    if !Kernel::Avx512Vnni.is_available() {
-        eprintln!("{}: AMX panels not run: no AVX-512 VNNI", B::NAME);
+    let kb = 2;
+    let Some((amx, packed, prepared)) = amx_fixture("panels", block, (16, kb, 11)) else {
         return;
-    }
-    let amx = Kernel::Amx.is_available();
-    if !amx {
-        eprintln!(
-            "{}: AMX panels not run: no AMX ({}); their layouts ran emulated",
-            B::NAME,
-            crate::kernel::amx_support()
-        );
-    }
-    let (n, kb, m) = (16, 2, 11);
-    let k = kb * B::BLOCK;
-    let w: Vec<B> = (0..n * kb).map(|i| block(i / kb, i % kb)).collect();
-    let packed = Repacked::new(&w, n, k).unwrap();
-    let prepared = packed
-        .prepare(Kernel::Avx512Vnni, m, &activations(m, k))
-        .unwrap();
+    };
     let mut buf = vec![panel::PanelBlock::ZERO; kb];
     for (b, out) in buf.iter_mut().enumerate() {
         let quad: [&B::X4; 4] = std::array::from_fn(|g| &packed.groups[g * kb + b]);
         // SAFETY: AVX-512 VNNI was checked above.
         unsafe { B::unpack_panel_avx512(quad, out) };
     }
-    let row = |i: usize| {
-        let r = i * kb..(i + 1) * kb;
-        (
-            &prepared.act[r.clone()],
-            &prepared.sums[r.clone()],
-            &prepared.scales[r],
-        )
-    };
+    let row = |i: usize| prepared.row(i);
     let bits = |v: [[f64; 16]; 8]| v.map(|r| r.map(f64::to_bits));
     for rows in [
         [0, 1, 2, 3, 4, 5, 6, 7],
