@@ -350,6 +350,7 @@ pub(crate) mod avx2 {
         group: &[G],
         xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
+        crate::repack::frame::realign_frame!();
         let mut acc = [_mm256_setzero_pd(); M];
         for (b, g) in group.iter().enumerate() {
             // Every line of the record, `STREAM_PREFETCH` bytes ahead (before, one line 512

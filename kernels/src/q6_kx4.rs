@@ -304,6 +304,7 @@ mod avx2 {
         group: &[BlockQ6Kx4],
         xs: [crate::repack::ActRow<'_, BlockQ8K>; M],
     ) -> [[f64; 4]; M] {
+        crate::repack::frame::realign_frame!();
         // Byte `s % 4` of four rows (one 32-bit word per 16 values), each repeated 4 times.
         let spread: [__m128i; 4] = std::array::from_fn(|w| {
             let c: [u8; 16] = std::array::from_fn(|i| (4 * w + i / 4) as u8);

@@ -97,41 +97,38 @@ mod avx2 {
     /// Bytes ahead that each of the two streams of [`pair_dot_vnni`] prefetches.
     const PAIR_PREFETCH: usize = 1024;
 
-    /// The engines' `words` ([`quad_dot`]): per block, each group's rows 0-1 and rows 2-3 are
-    /// one 64-byte load each; one `vpermt2q` per run and group pair and a blend put values
-    /// `8t .. 8t + 8` of the sixteen rows into two zmm, flipped to `q + 128` for `vpdpbusd`
-    /// (the activations' `128·Σ q'` comes off each sum): the same integers.
+    /// The engines' `words` ([`quad_dot`]) of block `b` of the four groups (`g`): each group's
+    /// rows 0-1 and rows 2-3 are one 64-byte load each; one `vpermt2q` per run and group pair
+    /// and a blend put values `8t .. 8t + 8` of the sixteen rows into two zmm, flipped to
+    /// `q + 128` for `vpdpbusd` (the activations' `128·Σ q'` comes off each sum): the same
+    /// integers. (Its target features let the closures in it inline their intrinsics: a
+    /// closure takes the features of the function it is written in.)
     ///
     /// # Safety
-    /// The CPU must support avx2, f16c and avx512f (inline this into a function that enables
-    /// them).
-    #[inline(always)]
-    unsafe fn q8_words() -> impl Fn([&BlockQ8_0x4; 4]) -> ([__m512i; 8], __m512, __m512) {
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q8_words(g: [&BlockQ8_0x4; 4]) -> ([__m512i; 8], __m512, __m512) {
         let flip = _mm512_set1_epi8(-128);
         // Qword `k` of row `r` holds its values `8k .. 8k + 8`; a load of rows (0, 1) or (2, 3)
         // holds qwords `4r + k` of the pair, so run `t` of the four rows is `t, 4 + t` of the
         // first load and of the second (indexes 8 + ...).
-        let idx: [__m512i; 4] = std::array::from_fn(|t| {
-            let t = t as i64;
-            _mm512_setr_epi64(t, 4 + t, 8 + t, 12 + t, t, 4 + t, 8 + t, 12 + t)
+        let idx = |t: i64| _mm512_setr_epi64(t, 4 + t, 8 + t, 12 + t, t, 4 + t, 8 + t, 12 + t);
+        let load =
+            |g: &BlockQ8_0x4, r: usize| _mm512_loadu_si512(g.qs[r].as_ptr() as *const __m512i);
+        let rows: [[__m512i; 2]; 4] = std::array::from_fn(|i| [load(g[i], 0), load(g[i], 2)]);
+        let w = std::array::from_fn(|j| {
+            let (t, first) = (j % 4, if j < 4 { 0 } else { 2 });
+            let [a, b] = [rows[first], rows[first + 1]];
+            let lo = _mm512_permutex2var_epi64(a[0], idx(t as i64), a[1]);
+            let hi = _mm512_permutex2var_epi64(b[0], idx(t as i64), b[1]);
+            _mm512_xor_si512(_mm512_mask_blend_epi64(0xF0, lo, hi), flip)
         });
-        move |g| {
-            let load =
-                |g: &BlockQ8_0x4, r: usize| _mm512_loadu_si512(g.qs[r].as_ptr() as *const __m512i);
-            let rows: [[__m512i; 2]; 4] = std::array::from_fn(|i| [load(g[i], 0), load(g[i], 2)]);
-            let w = std::array::from_fn(|j| {
-                let (t, first) = (j % 4, if j < 4 { 0 } else { 2 });
-                let [a, b] = [rows[first], rows[first + 1]];
-                let lo = _mm512_permutex2var_epi64(a[0], idx[t], a[1]);
-                let hi = _mm512_permutex2var_epi64(b[0], idx[t], b[1]);
-                _mm512_xor_si512(_mm512_mask_blend_epi64(0xF0, lo, hi), flip)
-            });
-            let d = join_ps(
-                _mm256_set_m128(f16x4(&g[1].d), f16x4(&g[0].d)),
-                _mm256_set_m128(f16x4(&g[3].d), f16x4(&g[2].d)),
-            );
-            (w, d, _mm512_setzero_ps())
-        }
+        let d = join_ps(
+            _mm256_set_m128(f16x4(&g[1].d), f16x4(&g[0].d)),
+            _mm256_set_m128(f16x4(&g[3].d), f16x4(&g[2].d)),
+        );
+        (w, d, _mm512_setzero_ps())
     }
 
     /// The 512-bit kernel for four groups ([`quad_dot`] of [`q8_words`]).
@@ -144,7 +141,7 @@ mod avx2 {
         groups: [&[BlockQ8_0x4]; 4],
         xs: &[ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 16]; M] {
-        quad_dot::<_, _, M, false, QUAD_PREFETCH>(groups, xs, q8_words())
+        quad_dot::<_, _, M, false, QUAD_PREFETCH>(groups, xs, |g| q8_words(g))
     }
 
     /// The AMX kernel for four groups and eight activation rows ([`crate::repack::amx_quad::quad_dot_amx`]
@@ -158,7 +155,7 @@ mod avx2 {
         groups: [&[BlockQ8_0x4]; 4],
         xs: &[ActRow<'_, BlockQ8_0>; 8],
     ) -> [[f64; 16]; 8] {
-        crate::repack::amx_quad::quad_dot_amx::<_, _, false, EMULATE>(groups, xs, q8_words())
+        crate::repack::amx_quad::quad_dot_amx::<_, _, false, EMULATE>(groups, xs, |g| q8_words(g))
     }
 
     /// The AVX2 kernel ([`q8_group_dot`]).
@@ -273,6 +270,7 @@ mod avx2 {
         group: &[BlockQ8_0x4],
         xs: [ActRow<'_, BlockQ8_0>; M],
     ) -> [[f64; 4]; M] {
+        crate::repack::frame::realign_frame!();
         let ones = _mm256_set1_epi16(1);
         let flip = _mm256_set1_epi8(i8::MIN);
         let mut acc = [_mm256_setzero_pd(); M];

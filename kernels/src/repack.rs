@@ -684,6 +684,9 @@ pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 
+/// A 64-byte aligned value, and the 512-bit engines' 64-byte aligned stack frames.
+pub(crate) mod frame;
+
 /// AMX-INT8 tiles: configuration, product, emulation.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx;

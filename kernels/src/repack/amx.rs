@@ -127,7 +127,3 @@ pub fn uniform_stride<T>(rows: &[&[T]; TILE]) -> Option<isize> {
     (stride > 0 && (0..TILE).all(|i| rows[i].as_ptr() as isize == first + i as isize * stride))
         .then_some(stride)
 }
-
-/// A 64-byte aligned value.
-#[repr(C, align(64))]
-pub struct Aligned<T>(pub T);

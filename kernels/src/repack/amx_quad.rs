@@ -17,8 +17,9 @@
 //! The tiles themselves (configuration, product, emulation) are [`super::amx`]'s.
 
 use super::amx::{config, load_config, release, tile_product, uniform_stride};
-use super::amx::{Aligned, TileConfig, TILE};
+use super::amx::{TileConfig, TILE};
 use super::avx512::{prefetch_quad, scale_quad_row, scales_pd, QUAD_PREFETCH, QUAD_ROWS};
+use super::frame::Aligned;
 use super::{Act8, ActRow};
 use std::arch::x86_64::*;
 

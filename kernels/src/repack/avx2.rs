@@ -111,6 +111,7 @@ pub unsafe fn unsigned_group_dot<
     xs: [super::ActRow<'_, A>; M],
     unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
 ) -> [[f64; 4]; M] {
+    super::frame::realign_frame!();
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_pd(); M];
     for (b, g) in group.iter().enumerate() {
@@ -176,6 +177,7 @@ pub unsafe fn unsigned_pair_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
     xs: &[super::ActRow<'_, A>; M],
     unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
 ) -> [[f64; 8]; M] {
+    super::frame::realign_frame!();
     // Each row's two words of a run, first words then second words.
     let order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     pair_dot_words::<_, _, M, HAS_M, PREFETCH, true>(group0, group1, xs, |g0, g1| {
@@ -225,6 +227,7 @@ pub unsafe fn pair_dot_words<
     xs: &[super::ActRow<'_, A>; M],
     words: impl Fn(&G, &G) -> ([__m256i; 8], __m256, __m256),
 ) -> [[f64; 8]; M] {
+    super::frame::realign_frame!();
     let mut acc = [_mm512_setzero_pd(); M];
     for b in 0..group0.len() {
         let (g0, g1) = (group0.get_unchecked(b), group1.get_unchecked(b));
@@ -433,11 +436,9 @@ macro_rules! unsigned_kernels {
             groups: [&[$x4]; 4],
             xs: &[$crate::repack::ActRow<'_, $act>; 8],
         ) -> [[f64; $crate::repack::avx512::QUAD_ROWS]; 8] {
-            $crate::repack::amx_quad::quad_dot_amx::<_, _, { $has_m }, EMULATE>(
-                groups,
-                xs,
-                $crate::repack::avx512::unsigned_words::<$x4>($unpack),
-            )
+            $crate::repack::amx_quad::quad_dot_amx::<_, _, { $has_m }, EMULATE>(groups, xs, |g| {
+                $crate::repack::avx512::unsigned_words::<$x4>(g, &$unpack)
+            })
         }
 
         /// The AVX-512 VNNI kernel for two groups (`unsigned_pair_dot`).

@@ -48,44 +48,47 @@ pub const QUAD_ROWS: usize = 16;
 /// `out[i][r]`, bit for bit the scalar f64 sum. Two groups' runs share a zmm ([`quad_dot`]).
 ///
 /// # Safety
-/// As [`quad_dot`].
-#[inline(always)]
+/// As [`quad_dot`]. (The target features on this function and on [`unsigned_words`] are what
+/// let the closures in them inline their intrinsics: a closure takes the features of the
+/// function it is written in.)
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub unsafe fn unsigned_quad_dot<G, A: Act8, const M: usize, const HAS_M: bool>(
     groups: [&[G]; 4],
     xs: &[ActRow<'_, A>; M],
     unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
 ) -> [[f64; QUAD_ROWS]; M] {
-    quad_dot::<_, _, M, HAS_M, QUAD_PREFETCH>(groups, xs, unsigned_words(unpack))
+    quad_dot::<_, _, M, HAS_M, QUAD_PREFETCH>(groups, xs, |g| unsigned_words(g, &unpack))
 }
 
 /// The engines' `words` of a type whose four-row kernel unpacks a group as `unpack` gives it
-/// ([`unsigned_quad_dot`]): two groups' runs of 8 joined per zmm, their `d` and `m` in order.
+/// ([`unsigned_quad_dot`]): block `b` of the four groups (`g`), two groups' runs of 8 joined
+/// per zmm, their `d` and `m` in order.
 ///
 /// # Safety
-/// The CPU must support avx2, f16c and avx512f (inline this into a function that enables
-/// them).
-#[inline(always)]
+/// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub unsafe fn unsigned_words<G>(
-    unpack: impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
-) -> impl Fn([&G; 4]) -> ([__m512i; 8], __m512, __m512) {
-    move |g| {
-        let (u0, d0, m0) = unpack(g[0]);
-        let (u1, d1, m1) = unpack(g[1]);
-        let (u2, d2, m2) = unpack(g[2]);
-        let (u3, d3, m3) = unpack(g[3]);
-        let w = std::array::from_fn(|j| {
-            let t = j % 4;
-            if j < 4 {
-                join_si(u0[t], u1[t])
-            } else {
-                join_si(u2[t], u3[t])
-            }
-        });
-        let f = |a: __m128, b: __m128, c: __m128, d: __m128| {
-            join_ps(_mm256_set_m128(b, a), _mm256_set_m128(d, c))
-        };
-        (w, f(d0, d1, d2, d3), f(m0, m1, m2, m3))
-    }
+    g: [&G; 4],
+    unpack: &impl Fn(&G) -> ([__m256i; 4], __m128, __m128),
+) -> ([__m512i; 8], __m512, __m512) {
+    let (u0, d0, m0) = unpack(g[0]);
+    let (u1, d1, m1) = unpack(g[1]);
+    let (u2, d2, m2) = unpack(g[2]);
+    let (u3, d3, m3) = unpack(g[3]);
+    let w = std::array::from_fn(|j| {
+        let t = j % 4;
+        if j < 4 {
+            join_si(u0[t], u1[t])
+        } else {
+            join_si(u2[t], u3[t])
+        }
+    });
+    let f = |a: __m128, b: __m128, c: __m128, d: __m128| {
+        join_ps(_mm256_set_m128(b, a), _mm256_set_m128(d, c))
+    };
+    (w, f(d0, d1, d2, d3), f(m0, m1, m2, m3))
 }
 
 /// The engine: the sixteen rows of four groups against `M` activation rows, for a 32-wide
@@ -106,6 +109,7 @@ pub unsafe fn quad_dot<G, A: Act8, const M: usize, const HAS_M: bool, const AHEA
     xs: &[ActRow<'_, A>; M],
     words: impl Fn([&G; 4]) -> ([__m512i; 8], __m512, __m512),
 ) -> [[f64; QUAD_ROWS]; M] {
+    super::frame::realign_frame!();
     let mut acc = [[_mm512_setzero_pd(); 2]; M];
     let blocks = groups[0].len();
     let group = std::mem::size_of_val(groups[0]);

@@ -237,6 +237,7 @@ pub unsafe fn k4_quad_dot<G: K4Group, const M: usize>(
         _mm512_loadu_si512(MIN_WORDS[0].as_ptr() as *const _),
         _mm512_loadu_si512(MIN_WORDS[1].as_ptr() as *const _),
     ];
+    super::frame::realign_frame!();
     let mut acc = [[_mm512_setzero_pd(); 2]; M];
     for b in 0..groups[0].len() {
         let (g, ahead) = records(groups, b);
@@ -398,6 +399,7 @@ pub unsafe fn q6k_quad_dot<G: Q6Group, const M: usize>(
     groups: [&[G]; 4],
     xs: &[ActRow<'_, BlockQ8K>; M],
 ) -> [[f64; QUAD_ROWS]; M] {
+    super::frame::realign_frame!();
     let mut acc = [[_mm512_setzero_pd(); 2]; M];
     for b in 0..groups[0].len() {
         let (g, ahead) = records(groups, b);

@@ -125,8 +125,9 @@ pub unsafe fn dot<const SUB: usize, const MINS: bool, const ENGINE: u8>(
     panel: &[PanelBlock],
     xs: [&[BlockQ8K]; TILE],
 ) -> [[f64; ROWS]; TILE] {
-    use super::amx::{self, Aligned};
+    use super::amx;
     use super::f64_step::i32x16_pd;
+    use super::frame::Aligned;
     use std::arch::x86_64::*;
     const { assert!(TILE == amx::TILE && ROWS == amx::ROWS) };
     let word = |p: *const u8| _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32));
