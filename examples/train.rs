@@ -88,6 +88,11 @@ struct Args {
     /// Sequence length (tokens).
     #[arg(long, default_value_t = 64)]
     seq: usize,
+    /// A text file to train on instead of the built-in corpus (the project's README,
+    /// ARCHITECTURE and PARALLEL_MODES, as compiled in): the tests pass a fixed one, so that
+    /// editing the docs does not change their batches.
+    #[arg(long)]
+    corpus: Option<std::path::PathBuf>,
     /// Decoder layers.
     #[arg(long, default_value_t = 4)]
     layers: usize,
@@ -290,7 +295,12 @@ fn main() -> Result<()> {
             ..Default::default()
         },
     )?;
-    let corpus: Vec<u8> = CORPUS.concat().into_bytes();
+    let corpus: Vec<u8> = match &args.corpus {
+        Some(path) => {
+            std::fs::read(path).with_context(|| format!("--corpus {}", path.display()))?
+        }
+        None => CORPUS.concat().into_bytes(),
+    };
     let local_b = args.batch / args.dp;
     let d = mesh.coord()[axes - 2];
     let rows = d * local_b..(d + 1) * local_b;
