@@ -22,20 +22,23 @@
 #      -mno-amx-bf16), each binary's count of tile instructions printed;
 #   3. the 1 B synthetic Llama of scripts/make-gguf-models.sh (hidden 2048, 16 layers, 32
 #      heads, 8 KV heads, intermediate 8192, --seed 1), quantized by llama-quantize to TYPES;
-#   4. bench_repacked (one thread, every kernel the CPU runs) on KERNEL_TYPES x KERNEL_ROWS;
+#   4. bench_repacked (one thread, every kernel the CPU runs: AVX2, AVX-512 VNNI, AMX tiles) on
+#      KERNEL_TYPES x KERNEL_ROWS, on a 1 B Llama's 5632 x 2048 matrix, after the builds;
 #   5. for each round (round 1 candle-tp first, round 2 llama.cpp first), type and N in
 #      THREADS: candle-tp world N x 1 thread (with CANDLE_TP_KERNEL=amx on an AMX host whose
-#      kernel tests passed, avx512vnni on one where they failed) (bench_generate --profile: pp128 and 32 decoded
-#      tokens, with the split of each into matmuls, collectives and the rest) against
-#      `llama-bench -t N -p 128 -n 32`, native and (round 1, NOAMX=1) without AMX; the host's
-#      read bandwidth (bench_memory) with N threads in round 1;
+#      kernel tests passed, avx512vnni on one where they failed; bench_generate --profile:
+#      pp128 and 32 decoded tokens, with the split of each into matmuls, collectives and the
+#      rest) against
+#      `llama-bench -t N -p 128 -n 32`, native and without AMX (round 1 with NOAMX=1, every
+#      round with NOAMX=2); the host's read bandwidth (bench_memory) with N threads in round 1;
 #   6. the table (scripts/bench_device_table.py): medians, ratios candle-tp / llama.cpp.
 # A DEADLINE (seconds from the start) is checked before each timed step, so the run ends in
 # time and prints what it has.
 #
 # Environment: OUT, DEADLINE (470), TYPES ("Q4_0 Q4_1 Q8_0 Q4_K_M Q6_K"), THREADS ("1 4 16"),
-# ROUNDS (2), NOAMX (1), KERNEL_TYPES ("Q4_0 Q8_0 Q4_K"), KERNEL_ROWS ("1 16 128"), KERNEL_UNTIL
-# (200: no bench_repacked starts after that many seconds),
+# ROUNDS (2), NOAMX (1; 0: no build without AMX; 2: measured in every round), KERNEL_TYPES
+# ("Q4_0 Q8_0 Q4_K"), KERNEL_ROWS ("1 16 128"), KERNEL_UNTIL (200: no bench_repacked starts
+# after that many seconds),
 # HID/HEADS/KV/INTER/LAYERS (the model's shape, for a quick local check), LLAMA_BIN and
 # LLAMA_BIN_NOAMX (prebuilt llama.cpp bin dirs: no build). A local check of the whole flow on a
 # small model: OUT=/tmp/bd THREADS="1 2" TYPES=Q4_0 HID=256 HEADS=4 KV=2 INTER=512 LAYERS=2
@@ -78,10 +81,13 @@ for l in sys.stdin:
   tar -xzf "$sdist" -C "$stage"
   src=$(echo "$stage"/llama_cpp_python-*/vendor/llama.cpp)
   [ -f "$src/CMakeLists.txt" ] || { echo "no vendor/llama.cpp in $sdist" >&2; exit 1; }
-  rm -rf "$src"/{docs,models,media,.github,.devops,tests,benches,gguf-py,examples,conversion,pocs,requirements,grammars}
-  rm -rf "$src"/tools/server/{public,public_legacy,public_simplechat,webui,tests}
+  rm -rf "${src:?}"/{docs,models,media,.github,.devops,tests,benches,gguf-py,examples,conversion,pocs,requirements,grammars}
+  # tools/CMakeLists.txt adds ui, cli and server only with LLAMA_BUILD_SERVER (off in `run`), and
+  # ggml/src/CMakeLists.txt a backend's folder only when its GGML_<BACKEND> is on.
+  rm -rf "$src"/tools/{ui,cli,server} "$src"/tools/mtmd/{tests,test-*}
   local b
-  for b in cuda metal vulkan sycl cann opencl musa hip kompute webgpu zdnn rpc blas hexagon; do
+  for b in cuda metal vulkan sycl cann opencl musa hip kompute webgpu zdnn rpc blas hexagon \
+    et openvino virtgpu zendnn; do
     rm -rf "$src/ggml/src/ggml-$b"
   done
   mv "$src" "$stage/llama.cpp"
@@ -122,12 +128,18 @@ run() {
   free -g | head -2
   tar -C "$W/bin" -xJf .dev/bin.tar.xz
   local B=$W/bin
+  # Built on the development machine (glibc 2.36): a library or symbol version missing here
+  # shows now rather than as empty results.
+  if ldd "$B"/* 2>&1 | grep -E "not found"; then
+    echo "the binaries in .dev/bin.tar.xz do not run on this host (glibc $(ldd --version | head -1 | grep -o '[0-9.]*$'))"
+  fi
   echo "==> llama.cpp: two builds in the background (native; native without AMX)"
   local lb=${LLAMA_BIN:-} lbn=${LLAMA_BIN_NOAMX:-} pids=() jobs gen=()
   jobs=$(($(nproc) / 2))
   [ "$jobs" -ge 1 ] || jobs=1
   command -v ninja >/dev/null && gen=(-G Ninja)
-  if [ -z "$lb" ] || { [ "$noamx" = 1 ] && [ -z "$lbn" ]; }; then
+  echo "cmake $(cmake --version | head -1 | cut -d' ' -f3), generator ${gen[1]:-Unix Makefiles}, -j $jobs each"
+  if [ -z "$lb" ] || { [ "$noamx" != 0 ] && [ -z "$lbn" ]; }; then
     mkdir -p "$W/src"
     tar -C "$W/src" -xJf .dev/llamacpp-src.tar.xz
   fi
@@ -144,7 +156,7 @@ run() {
     pids+=($!)
     lb=$W/native/bin
   fi
-  if [ "$noamx" = 1 ] && [ -z "$lbn" ]; then
+  if [ "$noamx" != 0 ] && [ -z "$lbn" ]; then
     # GCC keeps explicit -mno-* over what -march=native turns on, whatever their order.
     build "$W/noamx" "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" &
     pids+=($!)
@@ -192,20 +204,36 @@ run() {
       echo "objdump missing: the AMX instructions of $d/llama-bench not counted"
     fi
   done
-  local t
+  # All types at once, the cores shared between them.
+  local t qt ntypes qpids=() ok_types=""
+  ntypes=$(echo "$types" | wc -w)
+  qt=$(( ($(nproc) + ntypes - 1) / ntypes ))
   for t in $types; do
-    "$lb/llama-quantize" "$W/m.F16.gguf" "$W/m.$t.gguf" "$t" >"$W/q.$t.log" 2>&1 ||
-      { tail -5 "$W/q.$t.log"; exit 1; }
-    echo "quantized $t at $(elapsed) s: $(du -m "$W/m.$t.gguf" | cut -f1) MB"
+    "$lb/llama-quantize" "$W/m.F16.gguf" "$W/m.$t.gguf" "$t" "$qt" >"$W/q.$t.log" 2>&1 &
+    qpids+=($!)
+  done
+  set -- "${qpids[@]}"
+  for t in $types; do
+    if wait "$1" && [ -s "$W/m.$t.gguf" ]; then
+      ok_types="$ok_types $t"
+      echo "quantized $t at $(elapsed) s: $(du -m "$W/m.$t.gguf" | cut -f1) MB"
+    else
+      echo "llama-quantize $t failed:"
+      tail -5 "$W/q.$t.log"
+    fi
+    shift
   done
   rm -f "$W/m.F16.gguf"
+  types=${ok_types# }
+  [ -n "$types" ] || exit 1
   echo "==> bench_repacked (one thread; every kernel this CPU runs)"
   local kt m
   BT=none "$B/bench_repacked" 1 2>/dev/null | head -2
   for kt in ${KERNEL_TYPES:-Q4_0 Q8_0 Q4_K}; do
     for m in ${KERNEL_ROWS:-1 16 128}; do
       [ "$(elapsed)" -lt "${KERNEL_UNTIL:-200}" ] || { echo "KERNEL_UNTIL: no more bench_repacked"; break 2; }
-      BT=$kt BM=$m timeout 60 "$B/bench_repacked" 3 2>&1 | grep -v "^type\|^kernels" |
+      # bench_repacked names the types as candle does: Q4K, not Q4_K.
+      BT=${kt/_K/K} BM=$m timeout 60 "$B/bench_repacked" 3 2>&1 | grep -v "^type\|^kernels" |
         grep -E "5632x2048" || true
     done
   done
@@ -214,7 +242,10 @@ run() {
       sed "s/^{/{\"side\":\"mem\",\"t\":$1,/" >>"$J"
   }
   tag() { sed "s/^{/{\"side\":\"$1\",\"t\":$2,\"type\":\"$3\",\"round\":$4,/"; }
+  rows() { wc -l <"$J"; }
   ctp() { # $1 N, $2 type, $3 round
+    local before
+    before=$(rows)
     local c=("$B/bench_generate" --impl candle-tp --model "$W/m.$2.gguf" --prefill-lens 128
       --prompt-len 1 --new-tokens 33 --profile)
     if [ "$1" = 1 ]; then
@@ -223,12 +254,14 @@ run() {
       RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 timeout 150 "$B/tprun" --standalone \
         --nproc-per-node "$1" "${c[@]}" 2>"$W/err" | sed -n 's/^\[rank 0\] //p'
     fi | grep '^{' | tag candle-tp "$1" "$2" "$3" >>"$J"
-    [ "${PIPESTATUS[0]}" = 0 ] || { echo "candle-tp $2 N=$1 failed:"; tail -5 "$W/err"; }
+    [ "$(rows)" != "$before" ] || { echo "candle-tp $2 N=$1 failed:"; tail -5 "$W/err"; }
   }
   lcpp() { # $1 N, $2 type, $3 round, $4 bin dir, $5 side
+    local before
+    before=$(rows)
     timeout 150 "$4/llama-bench" -m "$W/m.$2.gguf" -t "$1" -p 128 -n 32 -r 1 -o jsonl \
       2>"$W/lerr" | grep '^{' | tag "$5" "$1" "$2" "$3" >>"$J"
-    [ "${PIPESTATUS[0]}" = 0 ] || { echo "$5 $2 N=$1 failed:"; tail -5 "$W/lerr"; }
+    [ "$(rows)" != "$before" ] || { echo "$5 $2 N=$1 failed:"; tail -5 "$W/lerr"; }
   }
   echo "==> the table: $rounds rounds of $types at N = $threads"
   local r n
@@ -244,7 +277,7 @@ run() {
           lcpp "$n" "$t" "$r" "$lb" llama.cpp
           ctp "$n" "$t" "$r"
         fi
-        if [ "$r" = 1 ] && [ -n "$lbn" ]; then
+        if [ -n "$lbn" ] && { [ "$r" = 1 ] || [ "$noamx" = 2 ]; }; then
           lcpp "$n" "$t" "$r" "$lbn" llama.cpp-noamx
         fi
         echo "round $r $t N=$n at $(elapsed) s"
