@@ -157,7 +157,8 @@ fn training_across_emulated_hosts() {
 /// A training job that runs until it is stopped, with `CANDLE_TP_TIMEOUT=timeout_s`.
 fn endless_job(hosts: &Hosts, timeout_s: u32) -> std::process::Child {
     let mut args: Vec<&str> = common::train::TINY_ARGS.to_vec();
-    args[1] = "1000000";
+    let steps = 1 + args.iter().position(|a| *a == "--steps").expect("--steps");
+    args[steps] = "1000000";
     hosts
         .mpirun(4)
         .args(["-x", &format!("CANDLE_TP_TIMEOUT={timeout_s}")])
