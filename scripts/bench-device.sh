@@ -112,6 +112,7 @@ run() {
   # Everything printed goes to the log as well. A plain `wait` would also wait for this tee:
   # wait on pids only.
   exec > >(tee -a "$L") 2>&1
+  local tee_pid=$!
   T0=$(date +%s)
   DEADLINE=${DEADLINE:-470}
   elapsed() { echo $(($(date +%s) - T0)); }
@@ -286,6 +287,9 @@ run() {
   done
   python3 scripts/bench_device_table.py "$J" | tee "$O/table.txt"
   echo "total $(elapsed) s"
+  # The log complete before the device tool collects $OUT.
+  exec >/dev/null 2>&1
+  wait "$tee_pid"
 }
 
 case "$mode" in
