@@ -56,6 +56,10 @@ struct Args {
     /// back to Q8_0, as llama.cpp's quantizer does).
     #[arg(long, default_value = "F16")]
     gguf_type: String,
+    /// Quantize the MoE routers (`ffn_gate_inp`) to `--gguf-type` too, as some third-party
+    /// converters do (llama.cpp's quantizer, and this tool by default, keep them f32).
+    #[arg(long)]
+    quantize_router: bool,
     /// A GGUF whose tokenizer metadata (`tokenizer.*`) the model takes; its vocabulary size
     /// replaces `--vocab`.
     #[arg(long)]
@@ -399,6 +403,7 @@ fn main() -> Result<()> {
             dtype: parse_ggml_dtype(&a.gguf_type)?,
             experts: ExpertLayout::Stacked,
             tokenizer,
+            quantize_router: a.quantize_router,
         };
         let s = hf_to_gguf(&dir, &options, out)?;
         eprintln!(

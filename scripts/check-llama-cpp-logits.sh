@@ -4,11 +4,13 @@
 # tolerance, at world 1, ep 2, ep 4 and ep 2 x tp 2.
 #
 # usage: scripts/check-llama-cpp-logits.sh [--model FILE.gguf]... [--tokens N] [--build] [--debug]
-#   --model FILE   a GGUF to check (repeatable); default: four small synthetic MoE files made
+#   --model FILE   a GGUF to check (repeatable); default: six small synthetic MoE files made
 #                  here by make_synthetic_llama (convert::hf_to_gguf), 4 layers of width 256,
 #                  SmolLM2's vocabulary: a Qwen3-MoE (`qwen3moe`, 16 experts, top-4) and a
-#                  Mixtral (`llama` with stacked `ffn_*_exps`, 8 experts, top-2), each as F32
-#                  and as Q8_0
+#                  Mixtral (`llama` with stacked `ffn_*_exps`, 8 experts, top-2), each as F32,
+#                  as Q8_0, and as Q8_0 with the router (`ffn_gate_inp`) quantized too, as
+#                  some third-party converters leave it (llama.cpp then multiplies it on 8-bit
+#                  activations, and so does candle-tp)
 #   --tokens N     greedy tokens to compare (default 16)
 #   --build        build llama.cpp's tools if they are not (scripts/lib/llama-cpp.sh, 20-30
 #                  minutes on 2 cores); without it, and without CANDLE_TP_NO_SKIPS (set by
@@ -85,13 +87,16 @@ if [ ${#models[@]} = 0 ]; then
       qwen3-moe) shape=(--experts 16 --experts-per-tok 4 --moe-intermediate 128) ;;
       mixtral) shape=(--experts 8 --experts-per-tok 2 --intermediate 256) ;;
     esac
-    for type in F32 Q8_0; do
-      # v2: the router stays f32 (as llama.cpp's quantizer keeps it), 2026-11-28.
-      f="$home/models/check-v2-$family-h256-l4.$type.gguf"
+    for variant in F32 Q8_0 Q8_0-qrouter; do
+      # v2: the router stays f32 (as llama.cpp's quantizer keeps it), 2026-11-28; the
+      # -qrouter files quantize it too, as some third-party converters do.
+      type=${variant%-qrouter} router=()
+      [ "$variant" = "$type" ] || router=(--quantize-router)
+      f="$home/models/check-v2-$family-h256-l4${router:+-qrouter}.$type.gguf"
       if [ ! -f "$f" ]; then
         tmp=$(mktemp -d)
         "$bin/examples/make_synthetic_llama" --family "$family" "${small[@]}" "${shape[@]}" \
-          --gguf-type "$type" --gguf-out "$tmp/m.gguf" >/dev/null
+          --gguf-type "$type" "${router[@]}" --gguf-out "$tmp/m.gguf" >/dev/null
         mv "$tmp/m.gguf" "$f"
         rm -rf "$tmp"
       fi

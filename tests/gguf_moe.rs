@@ -234,3 +234,102 @@ fn generate_cli_with_ep_gives_world_1_tokens() -> Result<()> {
     }
     Ok(())
 }
+
+/// Per token, its experts and routing weights, from `SparseMoe::route`'s per-expert lists.
+fn by_token(route: &[(Vec<u32>, Vec<f32>)], tokens: usize) -> Vec<Vec<(usize, f32)>> {
+    let mut out = vec![Vec::new(); tokens];
+    for (e, (rows, weights)) in route.iter().enumerate() {
+        for (&r, &w) in rows.iter().zip(weights) {
+            out[r as usize].push((e, w));
+        }
+    }
+    out
+}
+
+/// Mixtral's routing of router `logits` `[tokens, experts]`, written out here: softmax, the
+/// `k` largest (ties to the lower index), renormalised.
+fn reference_routing(logits: &Tensor, k: usize) -> Result<Vec<Vec<(usize, f32)>>> {
+    let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+    Ok(rows
+        .iter()
+        .map(|l| {
+            let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let p: Vec<f64> = l.iter().map(|&v| ((v - m) as f64).exp()).collect();
+            let mut order: Vec<usize> = (0..l.len()).collect();
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let top = &order[..k];
+            let sum: f64 = top.iter().map(|&e| p[e]).sum();
+            let mut chosen: Vec<(usize, f32)> =
+                top.iter().map(|&e| (e, (p[e] / sum) as f32)).collect();
+            chosen.sort_by_key(|&(e, _)| e);
+            chosen
+        })
+        .collect())
+}
+
+/// The largest weight difference between two routings, or `None` if any token's experts
+/// differ.
+fn routing_diff(a: &[Vec<(usize, f32)>], b: &[Vec<(usize, f32)>]) -> Option<f32> {
+    let mut worst = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        if x.len() != y.len() || x.iter().zip(y).any(|(p, q)| p.0 != q.0) {
+            return None;
+        }
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p.1 - q.1).abs());
+        }
+    }
+    Some(worst)
+}
+
+/// A router stored quantized (as some third-party converters leave `ffn_gate_inp`) is
+/// multiplied as llama.cpp and candle-transformers' `quantized_llama` multiply it: on 8-bit
+/// activations through the quantized kernels. Dequantizing it to an f32 product instead
+/// moves every router logit by the activations' rounding, and near a tie picks another
+/// expert than those engines do. The reference is candle's `QMatMul` on the file's blocks.
+#[test]
+fn a_quantized_router_multiplies_as_llama_cpp() -> Result<()> {
+    let dir = write_checkpoint(&mixtral_config(), &mixtral_weights()?)?;
+    let gguf = write_gguf_router(
+        dir.path(),
+        "r.gguf",
+        GgmlDType::Q8_0,
+        ExpertLayout::Stacked,
+        true,
+    )?;
+    let mut f = std::fs::File::open(&gguf)?;
+    let content = gguf_file::Content::read(&mut f)?;
+    let router = content.tensor(&mut f, "blk.0.ffn_gate_inp.weight", &Device::Cpu)?;
+    assert_eq!(router.dtype(), GgmlDType::Q8_0, "the file's router");
+    let dense = router.dequantize(&Device::Cpu)?;
+    let qmatmul = candle_core::quantized::QMatMul::from_qtensor(router)?;
+
+    let tokens = 64;
+    let x = Tensor::randn(0f32, 1f32, (tokens, MIXTRAL_HIDDEN), &Device::Cpu)?;
+    let quantized = reference_routing(&candle_core::Module::forward(&qmatmul, &x)?, TOP_K)?;
+    let float = reference_routing(&x.matmul(&dense.t()?)?, TOP_K)?;
+    // The input must tell the two products apart, or the check below proves nothing.
+    let apart = routing_diff(&quantized, &float).is_none_or(|d| d > 1e-4);
+    assert!(apart, "the f32 and quantized products route alike to 1e-4");
+
+    let m = candle_tp::models::CausalLm::from_path_with(
+        &gguf,
+        candle_core::DType::F32,
+        &Device::Cpu,
+        candle_tp::ProcessGroup::single(),
+        Default::default(),
+    )?;
+    let moe = m.moe(0).expect("a mixture-of-experts layer");
+    let ours = by_token(&moe.route(&x)?, tokens);
+    match routing_diff(&ours, &quantized) {
+        Some(d) if d <= 1e-5 => {
+            eprintln!("quantized router: routing weights within {d:.2e} of QMatMul's");
+            Ok(())
+        }
+        Some(d) => bail!("quantized router: routing weights differ from QMatMul's by {d}"),
+        None => bail!(
+            "quantized router: other experts than QMatMul's routing (f32 product: {:?})",
+            routing_diff(&ours, &float)
+        ),
+    }
+}

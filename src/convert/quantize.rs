@@ -111,8 +111,16 @@ pub(crate) fn quantize_as(
     w: &candle_core::Tensor,
     dtype: GgmlDType,
 ) -> Result<QTensor> {
+    if name.contains("ffn_gate_inp.weight") {
+        return QTensor::quantize(w, GgmlDType::F32);
+    }
+    quantize_rows_as(w, dtype)
+}
+
+/// `w` as `dtype`, or as Q8_0 when its rows are not whole blocks of `dtype`, or f32 when they
+/// are not whole Q8_0 blocks either; vectors stay f32.
+pub(crate) fn quantize_rows_as(w: &candle_core::Tensor, dtype: GgmlDType) -> Result<QTensor> {
     let target = match w.dims() {
-        _ if name.contains("ffn_gate_inp.weight") => GgmlDType::F32,
         [_] => GgmlDType::F32,
         [.., cols] if cols % dtype.block_size() == 0 => dtype,
         [.., cols] if cols % GgmlDType::Q8_0.block_size() == 0 => GgmlDType::Q8_0,

@@ -25,7 +25,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Error, Result, Tensor};
 use serde_json::Value as Json;
 
-use super::quantize::{file_type, quantize_as, write_gguf_file};
+use super::quantize::{file_type, quantize_as, quantize_rows_as, write_gguf_file};
 use crate::gguf::{hf_target, rotary_heads_of, GgufFamily, HfTarget};
 use crate::loader::{SafetensorsSource, TensorSource};
 
@@ -49,6 +49,10 @@ pub struct GgufWriteOptions {
     pub experts: ExpertLayout,
     /// The `tokenizer.*` metadata to write ([`tokenizer_metadata`]).
     pub tokenizer: Vec<(String, Value)>,
+    /// Whether the mixture-of-experts routers (`ffn_gate_inp`) are quantized to `dtype` too,
+    /// as some third-party converters leave them. `false` keeps them f32, as llama.cpp's
+    /// quantizer does (and [`super::requantize_gguf`] always).
+    pub quantize_router: bool,
 }
 
 /// What [`hf_to_gguf`] wrote.
@@ -326,8 +330,12 @@ pub fn hf_to_gguf(dir: &Path, options: &GgufWriteOptions, out: &Path) -> Result<
             None => candle_core::bail!("internal: {name} has no Hugging Face name"),
         };
         parameters += w.elem_count();
-        let q = quantize_as(&name, &w, options.dtype)
-            .map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", dir.display())))?;
+        let q = if options.quantize_router && name.contains("ffn_gate_inp.weight") {
+            quantize_rows_as(&w, options.dtype)
+        } else {
+            quantize_as(&name, &w, options.dtype)
+        };
+        let q = q.map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", dir.display())))?;
         tensors.push((name, q));
     }
     let mut metadata = cfg.metadata(options.dtype);

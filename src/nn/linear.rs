@@ -9,7 +9,6 @@
 //! quantized blocks multiplied by `quant::QuantMatMul`, with the same layer code.
 
 use candle_core::{Module, Result, Tensor};
-use candle_nn::Linear;
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
@@ -466,50 +465,72 @@ impl Module for RowParallelLinear {
 }
 
 /// A linear layer whose full weight lives on every rank (small projections, heads that must
-/// not be split); `candle_nn::Linear` with the loading conventions of this crate.
+/// not be split, a mixture of experts' router); `candle_nn::Linear` with the loading
+/// conventions of this crate. Loaded from a GGUF file, a quantized weight stays quantized and
+/// multiplies through the crate's kernels, as llama.cpp multiplies it; a dense weight is
+/// exactly `candle_nn::Linear`.
 #[derive(Debug, Clone)]
 pub struct ReplicatedLinear {
-    inner: Linear,
+    weight: ParallelWeight,
 }
 
 impl ReplicatedLinear {
     /// Wraps full weights.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self {
-            inner: Linear::new(weight, bias),
-        }
+        Self::from_weight(ParallelWeight::dense(weight, bias))
     }
 
-    /// Loads the full `weight` `[out, in]` and `bias` from `vb`.
+    /// Wraps a full weight, dense or quantized.
+    pub fn from_weight(weight: ParallelWeight) -> Self {
+        Self { weight }
+    }
+
+    /// Loads the full `weight` `[out, in]` and `bias` from `vb`, as the source holds the
+    /// weight (quantized blocks from a GGUF file, dense otherwise).
     pub fn load(
         in_features: usize,
         out_features: usize,
         bias: bool,
         vb: ShardedVarBuilder,
     ) -> Result<Self> {
-        let w = vb.get((out_features, in_features), "weight")?;
+        let whole = 0..out_features;
+        let w = vb.get_weight_ranges(
+            (out_features, in_features),
+            "weight",
+            0,
+            std::slice::from_ref(&whole),
+        )?;
         let b = if bias {
             Some(vb.get(out_features, "bias")?)
         } else {
             None
         };
-        Ok(Self::new(w, b))
+        Ok(Self::from_weight(ParallelWeight::from_shard(w, b)?))
     }
 
-    /// The weight.
-    pub fn weight(&self) -> &Tensor {
-        self.inner.weight()
+    /// The dense weight, or an error naming the type of a quantized one.
+    pub fn weight(&self) -> Result<&Tensor> {
+        self.weight.dense_weight()
+    }
+
+    /// The weight, dense or quantized.
+    pub fn parallel_weight(&self) -> &ParallelWeight {
+        &self.weight
     }
 
     /// The bias.
     pub fn bias(&self) -> Option<&Tensor> {
-        self.inner.bias()
+        self.weight.bias()
     }
 }
 
 impl Module for ReplicatedLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.inner.forward(x)
+        match &self.weight {
+            // Exactly candle_nn::Linear (ParallelWeight's dense path picks kernels by rows).
+            ParallelWeight::Dense(l) => l.forward(x),
+            q => q.forward(x),
+        }
     }
 }
 

@@ -139,12 +139,23 @@ pub fn tokenizer(vocab: usize) -> Vec<(String, Value)> {
     ]
 }
 
-/// Writes `dir`'s checkpoint as `name` in `dir`.
+/// Writes `dir`'s checkpoint as `name` in `dir`, the routers in f32.
 pub fn write_gguf(
     dir: &Path,
     name: &str,
     dtype: GgmlDType,
     experts: ExpertLayout,
+) -> Result<PathBuf> {
+    write_gguf_router(dir, name, dtype, experts, false)
+}
+
+/// [`write_gguf`], with the routers quantized to `dtype` too when `quantize_router`.
+pub fn write_gguf_router(
+    dir: &Path,
+    name: &str,
+    dtype: GgmlDType,
+    experts: ExpertLayout,
+    quantize_router: bool,
 ) -> Result<PathBuf> {
     let out = dir.join(name);
     let config: serde_json::Value =
@@ -154,6 +165,7 @@ pub fn write_gguf(
         dtype,
         experts,
         tokenizer: tokenizer(vocab),
+        quantize_router,
     };
     hf_to_gguf(dir, &options, &out)?;
     Ok(out)
