@@ -301,7 +301,10 @@ fn one_at_a_time(model: &mut CausalLm, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u
 /// `--kv-cache-dtype f16`). A batch decodes every sequence as it decodes alone (the batched
 /// rows and the per-sequence path read the same f16 cache with the same kernel), on every
 /// rank alike, and so does a cache in bf16 (which the general path reads); and a decode step's logits after a prompt differ from the f32 cache's (the
-/// cache is f16) by at most 2 % of the largest.
+/// cache is f16) by at most 5 % of the largest: the cache's rounding (2^-11 relative) moves
+/// some activations across the 8-bit steps the Q4_1 products quantize them to, which this
+/// model's logits feel at 1.75 % (2026-11-28, candle-nn's RmsNorm) and 2.5 % (since the norms
+/// sum as ggml sums) of the largest; a cache read wrongly moves them by far more.
 #[test]
 fn an_f16_kv_cache_decodes_batched_as_alone_and_near_f32() -> Result<()> {
     let prompts = prompts();
@@ -363,7 +366,7 @@ fn an_f16_kv_cache_decodes_batched_as_alone_and_near_f32() -> Result<()> {
                 "world {world}: the f16 cache gave the f32 cache's logits"
             );
             ensure!(
-                diff <= 0.02 * largest,
+                diff <= 0.05 * largest,
                 "world {world}, rank {r}: f16 cache logits {diff} from the f32 cache's (largest {largest})"
             );
             for (i, (b, a)) in batch.iter().zip(alone).enumerate() {

@@ -6,7 +6,9 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
-use candle_nn::{Activation, RmsNorm};
+use candle_nn::Activation;
+
+use crate::nn::RmsNorm;
 
 mod batch;
 mod stage;

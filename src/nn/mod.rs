@@ -23,7 +23,7 @@ pub use linear::{
 };
 pub use mlp::{gated_mlp, mlp, GatedMlp, Mlp, TwoLayerMlp};
 pub use moe::{MoeConfig, SparseMoe};
-pub use norm::{load_rms_norm, RmsNormSpec};
+pub use norm::{load_rms_norm, RmsNorm, RmsNormSpec};
 pub use parallel_2d::{LayerNorm2d, Linear2d, Mlp2d};
 pub use parallel_3d::{LayerNorm3d, Layout3d, Linear3d, Mlp3d};
 pub use rotary::RotaryEmbedding;

@@ -9,6 +9,7 @@ mod cuda;
 mod kind;
 mod mappings;
 mod p2p;
+mod rms_norm;
 mod swiglu;
 mod tensor;
 
@@ -17,4 +18,5 @@ pub use mappings::{
     copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp,
 };
 pub use p2p::{recv, recv_tagged, send, send_tagged};
+pub use rms_norm::rms_norm;
 pub use swiglu::silu_mul;

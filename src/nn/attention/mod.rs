@@ -13,8 +13,8 @@
 
 use std::ops::Range;
 
+use crate::nn::RmsNorm;
 use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::RmsNorm;
 
 use crate::comm::ProcessGroup;
 use crate::loader::ShardedVarBuilder;
