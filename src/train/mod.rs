@@ -8,6 +8,7 @@
 //! - [`dropout`]: shared seeds outside TP regions, per-rank seeds inside.
 //! - [`grads`]: gradient all-reduce over the TP group (sequence-parallel parameters) and the
 //!   DP group (averaging) before `candle_nn::AdamW::step`.
+pub mod config;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod grads;
