@@ -14,6 +14,7 @@
 //!   decoder's token filters; `response_format`, [`tools`] and [`tool_calls`]: the fields and
 //!   the model's tool-call formats.
 pub mod api;
+mod connection;
 pub mod embeddings;
 pub mod endpoints;
 pub mod error;
