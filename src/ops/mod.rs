@@ -4,6 +4,7 @@
 mod all_to_all;
 pub(crate) mod attention;
 pub(crate) mod collective;
+mod cpu_slice;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod kind;

@@ -8,8 +8,9 @@
 //! the neighbouring step; with ggml's arithmetic the norms give llama.cpp's values bit for bit
 //! and that source of disagreement is gone. The sum in f64 is also the more accurate.
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+
+use super::cpu_slice::contiguous_f32;
 
 /// The op (CPU, f32, no backward: callers that track gradients use candle-nn's form).
 struct GgmlRmsNorm {
@@ -38,19 +39,8 @@ impl CustomOp2 for GgmlRmsNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (s1, s2) else {
-            candle_core::bail!(
-                "{}: x and weight must be f32, got {:?} and {:?}",
-                self.name(),
-                s1.dtype(),
-                s2.dtype()
-            )
-        };
-        let (Some((x0, x1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("{}: x and weight must be contiguous", self.name())
-        };
-        let (x, w) = (&x[x0..x1], &w[w0..w1]);
+        let x = contiguous_f32(self.name(), "x", s1, l1)?;
+        let w = contiguous_f32(self.name(), "weight", s2, l2)?;
         let n = w.len();
         if n == 0 || l1.shape().dims().last() != Some(&n) {
             candle_core::bail!(

@@ -2,8 +2,9 @@
 //! one pass with a vector exponential (`candle_tp_kernels::swiglu`); elsewhere Candle's `silu`
 //! and product.
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use super::cpu_slice::contiguous_f32;
 
 /// The fused op (CPU, f32); its backward is written with Candle's ops.
 struct SiluMul;
@@ -20,14 +21,8 @@ impl CustomOp2 for SiluMul {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(gate), CpuStorage::F32(up)) = (s1, s2) else {
-            candle_core::bail!(
-                "{}: gate and up must be f32, got {:?} and {:?}",
-                self.name(),
-                s1.dtype(),
-                s2.dtype()
-            )
-        };
+        let gate = contiguous_f32(self.name(), "gate", s1, l1)?;
+        let up = contiguous_f32(self.name(), "up", s2, l2)?;
         if l1.shape() != l2.shape() {
             candle_core::bail!(
                 "{}: gate {:?} and up {:?} differ in shape",
@@ -36,12 +31,8 @@ impl CustomOp2 for SiluMul {
                 l2.shape()
             )
         }
-        let (Some((g0, g1)), Some((u0, u1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("{}: gate and up must be contiguous", self.name())
-        };
-        let mut out = vec![0f32; g1 - g0];
-        candle_tp_kernels::swiglu::silu_mul(&gate[g0..g1], &up[u0..u1], &mut out);
+        let mut out = vec![0f32; gate.len()];
+        candle_tp_kernels::swiglu::silu_mul(gate, up, &mut out);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
