@@ -83,7 +83,7 @@ pub fn requantize_gguf(
     for name in names {
         let q = content.tensor(&mut reader, name, &Device::Cpu)?;
         let w = q.dequantize(&Device::Cpu)?;
-        let q = quantize_as(name, &w, dtype)
+        let q = quantize_as(name, &w, dtype, false)
             .map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", src.display())))?;
         let target = q.dtype();
         *counts.entry(format!("{target:?}")).or_insert(0) += 1;
@@ -103,24 +103,17 @@ pub fn requantize_gguf(
 /// The GGUF tensor `name`, `w`, as `dtype`, or as Q8_0 when its rows are not whole blocks of
 /// `dtype` (the fallback llama.cpp's quantizer also takes), or f32 when they are not whole
 /// Q8_0 blocks either. What llama.cpp's quantizer never quantizes stays f32: vectors (norms,
-/// biases) and a mixture-of-experts router (`ffn_gate_inp`, whose product picks the experts:
-/// llama.cpp reads it in f32, so a quantized router would route differently there). A 3-D
-/// tensor of experts is quantized row by row like a matrix.
+/// biases) and, unless `quantize_router`, a mixture-of-experts router (`ffn_gate_inp`, whose
+/// product picks the experts; some third-party converters quantize it). A 3-D tensor of
+/// experts is quantized row by row like a matrix.
 pub(crate) fn quantize_as(
     name: &str,
     w: &candle_core::Tensor,
     dtype: GgmlDType,
+    quantize_router: bool,
 ) -> Result<QTensor> {
-    if name.contains("ffn_gate_inp.weight") {
-        return QTensor::quantize(w, GgmlDType::F32);
-    }
-    quantize_rows_as(w, dtype)
-}
-
-/// `w` as `dtype`, or as Q8_0 when its rows are not whole blocks of `dtype`, or f32 when they
-/// are not whole Q8_0 blocks either; vectors stay f32.
-pub(crate) fn quantize_rows_as(w: &candle_core::Tensor, dtype: GgmlDType) -> Result<QTensor> {
     let target = match w.dims() {
+        _ if !quantize_router && name.contains("ffn_gate_inp.weight") => GgmlDType::F32,
         [_] => GgmlDType::F32,
         [.., cols] if cols % dtype.block_size() == 0 => dtype,
         [.., cols] if cols % GgmlDType::Q8_0.block_size() == 0 => GgmlDType::Q8_0,
@@ -175,8 +168,15 @@ mod tests {
             ("blk.0.ffn_down.weight", &[256, 96], GgmlDType::Q8_0),
             ("blk.0.attn_norm.weight", &[256], GgmlDType::F32),
         ] {
-            assert_eq!(quantize_as(name, &w(shape)?, q4k)?.dtype(), want, "{name}");
+            assert_eq!(
+                quantize_as(name, &w(shape)?, q4k, false)?.dtype(),
+                want,
+                "{name}"
+            );
         }
+        // Asked to, the router is quantized like any matrix.
+        let router = quantize_as("blk.0.ffn_gate_inp.weight", &w(&[16, 256])?, q4k, true)?;
+        assert_eq!(router.dtype(), q4k);
         Ok(())
     }
 }

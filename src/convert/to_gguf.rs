@@ -25,7 +25,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Error, Result, Tensor};
 use serde_json::Value as Json;
 
-use super::quantize::{file_type, quantize_as, quantize_rows_as, write_gguf_file};
+use super::quantize::{file_type, quantize_as, write_gguf_file};
 use crate::gguf::{hf_target, rotary_heads_of, GgufFamily, HfTarget};
 use crate::loader::{SafetensorsSource, TensorSource};
 
@@ -330,12 +330,8 @@ pub fn hf_to_gguf(dir: &Path, options: &GgufWriteOptions, out: &Path) -> Result<
             None => candle_core::bail!("internal: {name} has no Hugging Face name"),
         };
         parameters += w.elem_count();
-        let q = if options.quantize_router && name.contains("ffn_gate_inp.weight") {
-            quantize_rows_as(&w, options.dtype)
-        } else {
-            quantize_as(&name, &w, options.dtype)
-        };
-        let q = q.map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", dir.display())))?;
+        let q = quantize_as(&name, &w, options.dtype, options.quantize_router)
+            .map_err(|e| Error::Msg(format!("{}: tensor {name}: {e}", dir.display())))?;
         tensors.push((name, q));
     }
     let mut metadata = cfg.metadata(options.dtype);
