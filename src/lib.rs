@@ -93,6 +93,6 @@ pub mod train;
 pub use comm::{init_from_env, run_threads, DeviceMesh, ProcessGroup, ReduceOp};
 pub use device::{device_from_arg, dtype_from_arg};
 pub use loader::ShardedVarBuilder;
-pub use memory::retain_freed_memory;
+pub use memory::{retain_freed_memory, trim_freed_memory};
 pub use nn::*;
 pub use partition::{Partition, PartitionError};

@@ -21,7 +21,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
-use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::quantized::{GgmlDType, GgmlType, QStorage, QTensor, QuantizedType};
 use candle_core::{Device, Result, Tensor};
 
 use super::source::WeightShard;
@@ -103,40 +103,86 @@ fn logged() -> &'static Mutex<BTreeSet<String>> {
     LOGGED.get_or_init(|| Mutex::new(BTreeSet::new()))
 }
 
-/// Blocks copied into a buffer aligned for every block type (Candle reinterprets the bytes
-/// as blocks and checks their alignment).
-struct Blocks {
-    words: Vec<u64>,
-    len: usize,
-}
-
-impl Blocks {
-    fn with_capacity(bytes: usize) -> Self {
-        Self {
-            words: vec![0u64; bytes.div_ceil(8)],
-            len: 0,
+/// A `[rows, cols]` `QTensor` of `dtype` made of `parts`, runs of whole blocks in order.
+///
+/// On the CPU the runs are copied straight into the vector of blocks the tensor keeps.
+/// Candle's `QStorage::from_data` copies whatever it is given, so gathering the runs into a
+/// buffer of the loader's own first held every shard twice at once while it loaded
+/// (`tests/gguf_load_transients.rs` counts the bytes live at the peak of a cut).
+fn qtensor_of(
+    parts: &[&[u8]],
+    dtype: GgmlDType,
+    shape: (usize, usize),
+    device: &Device,
+) -> Result<QTensor> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let storage = match device {
+        Device::Cpu => QStorage::Cpu(cpu_blocks(parts, len, dtype)?),
+        // A device copies the blocks to its own memory; the staging buffer is aligned for
+        // every block type (Candle reinterprets the bytes as blocks and checks alignment).
+        _ => {
+            let mut words = vec![0u64; len.div_ceil(8)];
+            // SAFETY: any bytes are a valid u64 and vice versa; the length covers the same
+            // memory.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8)
+            };
+            copy_runs(parts, &mut dst[..len]);
+            QStorage::from_data(Cow::Borrowed(&dst[..len]), device, dtype)?
         }
-    }
+    };
+    QTensor::new(storage, shape)
+}
 
-    fn push(&mut self, src: &[u8]) {
-        let dst: &mut [u8] = bytemuck_bytes(&mut self.words);
-        dst[self.len..self.len + src.len()].copy_from_slice(src);
-        self.len += src.len();
-    }
-
-    fn qtensor(&self, dtype: GgmlDType, shape: (usize, usize), device: &Device) -> Result<QTensor> {
-        let words: &[u64] = &self.words;
-        // SAFETY: a u64 slice viewed as its bytes.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 8) };
-        let storage = QStorage::from_data(Cow::Borrowed(&bytes[..self.len]), device, dtype)?;
-        QTensor::new(storage, shape)
+fn copy_runs(parts: &[&[u8]], dst: &mut [u8]) {
+    let mut at = 0;
+    for p in parts {
+        dst[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
     }
 }
 
-fn bytemuck_bytes(words: &mut [u64]) -> &mut [u8] {
-    // SAFETY: any bytes are a valid u64 and vice versa; the length covers the same memory.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) }
+/// The runs as the `Vec` of `dtype`'s blocks that Candle's CPU storage is.
+fn cpu_blocks(parts: &[&[u8]], len: usize, dtype: GgmlDType) -> Result<Box<dyn QuantizedType>> {
+    fn blocks<T: GgmlType + 'static>(
+        parts: &[&[u8]],
+        len: usize,
+    ) -> Result<Box<dyn QuantizedType>> {
+        let size = std::mem::size_of::<T>();
+        // ggml's block sizes are the sums of their fields' sizes: no padding, so the blocks'
+        // memory may be written as bytes.
+        if size != T::DTYPE.type_size() || !len.is_multiple_of(size) {
+            candle_core::bail!(
+                "{:?}: {len} bytes are not whole blocks of {size} bytes (ggml's block is {})",
+                T::DTYPE,
+                T::DTYPE.type_size()
+            );
+        }
+        let mut v = vec![T::zeros(); len / size];
+        // SAFETY: `v` holds `len` initialised bytes of plain integers and floats without
+        // padding (checked above), any bit pattern of which is a valid block.
+        let dst = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len) };
+        copy_runs(parts, dst);
+        Ok(Box::new(v))
+    }
+    use candle_core::quantized::k_quants as k;
+    match dtype {
+        GgmlDType::F32 => blocks::<f32>(parts, len),
+        GgmlDType::F16 => blocks::<half::f16>(parts, len),
+        GgmlDType::BF16 => blocks::<half::bf16>(parts, len),
+        GgmlDType::Q4_0 => blocks::<k::BlockQ4_0>(parts, len),
+        GgmlDType::Q4_1 => blocks::<k::BlockQ4_1>(parts, len),
+        GgmlDType::Q5_0 => blocks::<k::BlockQ5_0>(parts, len),
+        GgmlDType::Q5_1 => blocks::<k::BlockQ5_1>(parts, len),
+        GgmlDType::Q8_0 => blocks::<k::BlockQ8_0>(parts, len),
+        GgmlDType::Q8_1 => blocks::<k::BlockQ8_1>(parts, len),
+        GgmlDType::Q2K => blocks::<k::BlockQ2K>(parts, len),
+        GgmlDType::Q3K => blocks::<k::BlockQ3K>(parts, len),
+        GgmlDType::Q4K => blocks::<k::BlockQ4K>(parts, len),
+        GgmlDType::Q5K => blocks::<k::BlockQ5K>(parts, len),
+        GgmlDType::Q6K => blocks::<k::BlockQ6K>(parts, len),
+        GgmlDType::Q8K => blocks::<k::BlockQ8K>(parts, len),
+    }
 }
 
 /// Cuts the logical rows (`dim` 0) or columns (`dim` 1) `ranges` out of the ggml tensor
@@ -184,12 +230,13 @@ pub fn shard(
     }
     let width: usize = ranges.iter().map(|r| r.len()).sum();
     if dim == 0 {
-        let mut buf = Blocks::with_capacity(width * row_bytes);
-        for r in ranges.iter().flat_map(|r| r.clone()) {
-            let src = order.source_row(r);
-            buf.push(&bytes[src * row_bytes..(src + 1) * row_bytes]);
-        }
-        return Ok(WeightShard::Quantized(buf.qtensor(
+        let runs: Vec<&[u8]> = ranges
+            .iter()
+            .flat_map(|r| r.clone())
+            .map(|r| &bytes[order.source_row(r) * row_bytes..][..row_bytes])
+            .collect();
+        return Ok(WeightShard::Quantized(qtensor_of(
+            &runs,
             dtype,
             (width, cols),
             device,
@@ -264,14 +311,14 @@ fn copy_columns(
 ) -> Result<QTensor> {
     let (bs, ts) = (dtype.block_size(), dtype.type_size());
     let width: usize = ranges.iter().map(|r| r.len()).sum();
-    let mut buf = Blocks::with_capacity(rows * width / bs * ts);
+    let mut runs = Vec::with_capacity(rows * ranges.len());
     for r in 0..rows {
         let row = &bytes[order.source_row(r) * row_bytes..][..row_bytes];
         for c in ranges {
-            buf.push(&row[c.start / bs * ts..c.end / bs * ts]);
+            runs.push(&row[c.start / bs * ts..c.end / bs * ts]);
         }
     }
-    buf.qtensor(dtype, (rows, width), device)
+    qtensor_of(&runs, dtype, (rows, width), device)
 }
 
 #[cfg(test)]

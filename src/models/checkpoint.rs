@@ -132,18 +132,22 @@ fn load<M: FromCheckpoint>(
     pg: ProcessGroup,
     options: LoadOptions,
 ) -> Result<M> {
-    if gguf {
+    let model = if gguf {
         let (config, vb) = open_gguf(path, device, pg)?;
-        return M::from_config_json(&config, &path.display().to_string(), with(vb, options)?);
-    }
-    let (config, vb) = open_dir(path, dtype, device, pg)?;
-    let text = std::fs::read_to_string(&config).map_err(|e| {
-        candle_core::Error::msg(format!(
-            "cannot read model config {}: {e}",
-            config.display()
-        ))
-    })?;
-    M::from_config_json(&text, &config.display().to_string(), with(vb, options)?)
+        M::from_config_json(&config, &path.display().to_string(), with(vb, options)?)?
+    } else {
+        let (config, vb) = open_dir(path, dtype, device, pg)?;
+        let text = std::fs::read_to_string(&config).map_err(|e| {
+            candle_core::Error::msg(format!(
+                "cannot read model config {}: {e}",
+                config.display()
+            ))
+        })?;
+        M::from_config_json(&text, &config.display().to_string(), with(vb, options)?)?
+    };
+    // The loading's freed copies back to the kernel (see the function).
+    crate::trim_freed_memory();
+    Ok(model)
 }
 
 fn with(vb: ShardedVarBuilder, options: LoadOptions) -> Result<ShardedVarBuilder> {
